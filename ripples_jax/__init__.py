@@ -1,0 +1,1 @@
+"""ripples_jax: asynchronous decentralized training (Ripples) and stale pipelines (DSP) in JAX."""

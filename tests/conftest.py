@@ -1,0 +1,6 @@
+"""Forces 8 CPU devices before jax is imported anywhere in the test session."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
