@@ -1,0 +1,102 @@
+"""MNIST-1D, generated offline by the `mnist1d` package and cached as .npz.
+
+`mnist1d.data.get_dataset` downloads a pickle from GitHub; it is never called here.
+`make_dataset` builds the same data locally in a few seconds, so the first load
+generates and caches it and later loads read the cache.
+"""
+import hashlib
+import json
+import os
+import random
+import tempfile
+
+import numpy as np
+
+from ripples_jax.data._common import pack
+
+CACHE_ENV = "RIPPLES_JAX_CACHE"
+DEFAULT_CACHE = os.path.join("~", ".cache", "ripples_jax")
+
+
+def cache_dir(data_dir: str | None = None) -> str:
+  """`data_dir` if given, else $RIPPLES_JAX_CACHE, else ~/.cache/ripples_jax."""
+  d = data_dir if data_dir is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE)
+  return os.path.abspath(os.path.expanduser(d))
+
+
+def _generator_args(num_samples: int, gen_seed: int):
+  import mnist1d.data  # Lazy: pulls in scipy and matplotlib.
+  args = mnist1d.data.get_dataset_args()
+  args.num_samples = int(num_samples)
+  args.seed = int(gen_seed)
+  return args
+
+
+def cache_path(data_dir: str | None = None, num_samples: int = 5000,
+               gen_seed: int = 42) -> str:
+  """Cache file for one generator configuration.
+
+  The name spells out the args one usually changes and hashes the full arg set,
+  so a different configuration (or changed package defaults) never reuses a file.
+  """
+  args = dict(vars(_generator_args(num_samples, gen_seed)))
+  args.pop("url", None)  # Not an input to generation.
+  digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
+  name = f"mnist1d_n{num_samples}_seed{gen_seed}_{digest}.npz"
+  return os.path.join(cache_dir(data_dir), name)
+
+
+def _generate(num_samples: int, gen_seed: int) -> dict:
+  import mnist1d.data
+  args = _generator_args(num_samples, gen_seed)
+  # make_dataset reseeds the global `random` and `np.random` generators; restore
+  # them so loading data does not silently change randomness elsewhere.
+  py_state, np_state = random.getstate(), np.random.get_state()
+  try:
+    d = mnist1d.data.make_dataset(args)
+  finally:
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+  return {"x_train": d["x"], "y_train": d["y"], "x_test": d["x_test"], "y_test": d["y_test"]}
+
+
+def _write_atomic(path: str, arrays: dict) -> None:
+  """Writes to a temp file in the same directory, then renames it into place.
+
+  os.replace is atomic on POSIX, so a concurrent reader sees either no file or a
+  complete one, never a partial write.
+  """
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp_", suffix=".npz")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      np.savez(f, **arrays)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def load_mnist1d(data_dir: str | None = None, num_samples: int = 5000,
+                 gen_seed: int = 42) -> dict:
+  """MNIST-1D as x (N, 40, 1) float32 (channel-last, for a 1D CNN), y int32.
+
+  `gen_seed` defaults to the package's own seed (42), i.e. the standard dataset;
+  with the defaults this is 4000 train / 1000 test examples of 10 classes.
+  """
+  path = cache_path(data_dir, num_samples, gen_seed)
+  arrays = None
+  if os.path.exists(path):
+    try:
+      with np.load(path) as f:
+        arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+    except Exception:  # A damaged cache is not fatal: regenerate and overwrite it.
+      arrays = None
+  if arrays is None:
+    arrays = _generate(num_samples, gen_seed)
+    arrays = {k: v.astype(np.float32 if k.startswith("x") else np.int32)
+              for k, v in arrays.items()}
+    _write_atomic(path, arrays)
+  return pack(arrays["x_train"][..., None], arrays["y_train"],
+              arrays["x_test"][..., None], arrays["y_test"], num_classes=10)

@@ -1,0 +1,139 @@
+"""Executes a schedule's rounds on stacked per-worker state with one jitted round function.
+
+State is a plain dict whose leaves carry a leading worker axis W, sharded over the mesh axis 'worker':
+  params       worker replicas of the model parameters  (averaged by P-Reduce)
+  model_state  other model collections, e.g. batch_stats (averaged with the params: the authors'
+               P-Reduce averages every variable)
+  opt_state    optax state, local to each worker (never averaged, as in the Ripples worker loop)
+A round (DESIGN 3.3): every worker in `step_mask` computes a gradient on its batch and applies its local
+optimizer update; then the round's layout averages parameters within groups. The mask and the layout
+index are inputs (data), so the schedule can change every round without recompiling.
+"""
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ripples_jax import collectives
+from ripples_jax.collectives import WORKER_AXIS, Layout
+from ripples_jax.models import apply_model, init_model
+
+PREDUCE_IMPLS = ("auto", "collective", "segment")
+
+
+def worker_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(WORKER_AXIS))
+
+
+def init_state(model, optimizer: optax.GradientTransformation, rng, sample_x, num_workers: int,
+               mesh: Mesh) -> dict:
+  """Same initial parameters x_0 on every worker, stacked on the worker axis and sharded."""
+  params, model_state = init_model(model, rng, sample_x)
+  opt_state = optimizer.init(params)
+  stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (num_workers,) + jnp.shape(a)), t)
+  state = {"params": stack(params), "model_state": stack(model_state), "opt_state": stack(opt_state)}
+  return jax.device_put(state, worker_sharding(mesh))
+
+
+def resolve_preduce_impl(impl: str, num_workers: int, mesh: Mesh) -> str:
+  """`collective` needs one worker per device; `auto` picks it whenever that holds."""
+  if impl == "auto":
+    return "collective" if mesh.size == num_workers else "segment"
+  if impl == "collective" and mesh.size != num_workers:
+    raise ValueError(f"config.preduce_impl: 'collective' is not allowed with {num_workers} workers on "
+                     f"{mesh.size} devices: it needs one device per worker (use 'segment' or 'auto')")
+  return impl
+
+
+def cross_entropy_loss(model, params, model_state, x_BxI, y_B, train: bool = True):
+  logits_BxC, new_model_state = apply_model(model, params, model_state, x_BxI, train=train)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, y_B).mean()
+  return loss, new_model_state
+
+
+def make_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, layouts: Sequence[Layout],
+                  preduce_impl: str = "auto") -> Callable:
+  """Returns jitted round(state, x_WxB.., y_WxB, step_mask_W, layout_idx) -> (state, loss_W).
+
+  With the `collective` P-Reduce the layout index selects one of `layouts` (lax.switch over grouped
+  psums, compiled once for the whole tuple). With `segment` the per-worker group ids of every layout
+  are stacked into a table and the index picks a row, so any number of layouts costs one compile.
+  """
+  layouts = tuple(layouts)
+  n = sum(len(g) for g in layouts[0])
+  impl = resolve_preduce_impl(preduce_impl, n, mesh)
+  gid_table_LxN = np.stack([collectives.group_ids(l, n) for l in layouts])
+
+  def local_step(params, model_state, opt_state, x_BxI, y_B):
+    grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
+    (loss, new_model_state), grads = grad_fn(params, model_state, x_BxI, y_B)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_model_state, new_opt_state, loss
+
+  def shard_round(state, x_KxB, y_KxB, step_mask_K, layout_idx, gid_table):
+    # K = workers on this device. The local step runs for every worker and is masked afterwards:
+    # a masked worker keeps its params and optimizer state exactly.
+    params, model_state, opt_state, loss_K = jax.vmap(local_step)(
+        state["params"], state["model_state"], state["opt_state"], x_KxB, y_KxB)
+    keep = lambda new, old: jax.tree.map(
+        lambda a, b: jnp.where(step_mask_K.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+    params = keep(params, state["params"])
+    model_state = keep(model_state, state["model_state"])
+    opt_state = keep(opt_state, state["opt_state"])
+
+    # P-Reduce on parameters and model state, flattened into one buffer (one collective per round).
+    buf_KxD, unravel = collectives.ravel_workers({"params": params, "model_state": model_state})
+    if impl == "collective":
+      buf_KxD = collectives.switched_grouped_mean_in_shard(buf_KxD, layouts, layout_idx)
+    else:
+      buf_KxD = collectives.segment_mean_in_shard(buf_KxD, gid_table[layout_idx])
+    averaged = unravel(buf_KxD)
+    new_state = {"params": averaged["params"], "model_state": averaged["model_state"],
+                 "opt_state": opt_state}
+    return new_state, jnp.where(step_mask_K, loss_K, jnp.nan)
+
+  w = P(WORKER_AXIS)
+  # check_vma=False: shard_map rejects psum's axis_index_groups otherwise (DESIGN 5).
+  sharded = jax.shard_map(shard_round, mesh=mesh, in_specs=(w, w, w, w, P(), P()), out_specs=(w, w),
+                          check_vma=False)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def round_fn(state, x_WxB, y_WxB, step_mask_W, layout_idx):
+    return sharded(state, x_WxB, y_WxB, step_mask_W, jnp.asarray(layout_idx, jnp.int32),
+                   jnp.asarray(gid_table_LxN))
+
+  return round_fn
+
+
+def mean_params(tree):
+  """The average model x_bar over the worker axis."""
+  return jax.tree.map(lambda a: jnp.mean(a, axis=0), tree)
+
+
+def consensus_distance(params) -> jax.Array:
+  """Mean over workers of ||x_i - x_bar||_2 (all parameters flattened)."""
+  sq_W = sum(jnp.sum(jnp.square(a - a.mean(0, keepdims=True)).reshape(a.shape[0], -1), axis=1)
+             for a in jax.tree.leaves(params))
+  return jnp.mean(jnp.sqrt(sq_W))
+
+
+def make_eval_fn(model) -> Callable:
+  """Returns jitted eval(state, x_NxI, y_N) -> dict of the averaged model's and the workers' accuracy."""
+
+  def accuracy(params, model_state, x, y):
+    logits, _ = apply_model(model, params, model_state, x, train=False)
+    return jnp.mean(jnp.argmax(logits, -1) == y), optax.softmax_cross_entropy_with_integer_labels(
+        logits, y).mean()
+
+  @jax.jit
+  def eval_fn(state, x, y):
+    acc, loss = accuracy(mean_params(state["params"]), mean_params(state["model_state"]), x, y)
+    acc_W, _ = jax.vmap(accuracy, in_axes=(0, 0, None, None))(state["params"], state["model_state"], x, y)
+    return {"test_accuracy": acc, "test_loss": loss, "worker_test_accuracy": jnp.mean(acc_W),
+            "consensus_distance": consensus_distance(state["params"])}
+
+  return eval_fn

@@ -1,0 +1,49 @@
+"""Group Generators and baseline schedules: host-side numpy, deterministic under a seed.
+
+A schedule says what happens in each round; the engine makes it happen. For the lockstep executor a
+round is (which workers step, which layout averages), where the layout is an index into the schedule's
+fixed tuple of layouts so that the jitted round never sees a Python constant change.
+"""
+import dataclasses
+
+import numpy as np
+
+from ripples_jax.collectives import Layout
+from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
+
+ALGORITHMS = ("allreduce", "ripples_static")
+STATIC_LAYOUTS = ("node", "hypercube")
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+  step_mask: np.ndarray  # bool[n]: workers that take a local step this round
+  layout_idx: int        # index into Schedule.layouts: the groups that average after the step
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodicSchedule:
+  """Every worker steps every round; round t averages with layouts[t % period]."""
+  num_workers: int
+  layouts: tuple[Layout, ...]
+
+  def round(self, step: int) -> Round:
+    return Round(np.ones(self.num_workers, bool), step % len(self.layouts))
+
+  def groups(self, step: int) -> Layout:
+    return self.layouts[step % len(self.layouts)]
+
+
+def make_schedule(config) -> PeriodicSchedule:
+  """Builds the schedule named by config.algorithm (config.schedule holds its options)."""
+  n = config.num_workers
+  if config.algorithm == "allreduce":
+    return PeriodicSchedule(n, allreduce_layouts(n))
+  if config.algorithm == "ripples_static":
+    s = config.schedule
+    if s.layout == "node":
+      return PeriodicSchedule(n, static_gg_layouts(n, s.workers_per_node))
+    if s.layout == "hypercube":
+      return PeriodicSchedule(n, hypercube_layouts(n, s.get("group_size", 2)))
+    raise ValueError(f"config.schedule.layout: {s.layout!r} is not allowed: one of {', '.join(STATIC_LAYOUTS)}")
+  raise ValueError(f"config.algorithm: {config.algorithm!r} is not allowed: one of {', '.join(ALGORITHMS)}")
