@@ -51,7 +51,7 @@ def shard_indices(y: np.ndarray, num_workers: int, mode: str = "iid", seed: int 
 def _epoch_perm(seed: int, worker: int, epoch: int, size: int) -> np.ndarray:
   # One independent stream per (seed, worker, epoch): any epoch's order is computable
   # on its own. The leading tag keeps it apart from streams shard_indices draws.
-  return np.random.default_rng([1, seed, worker]).permutation(size)
+  return np.random.default_rng([1, seed, worker, epoch]).permutation(size)
 
 
 def batch_indices(shards: Sequence[np.ndarray], batch_size: int, seed: int,

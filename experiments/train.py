@@ -1,0 +1,45 @@
+r"""Decentralized training (Ripples / All-Reduce) on every device JAX sees.
+
+  python -m experiments.train                                   # configs/default.py, runs/<time>/
+  python -m experiments.train --config=configs/default.py:algorithm=allreduce --workdir=runs/ar
+  python -m experiments.train --config.num_steps=100 --config.optimizer.lr=0.1
+
+With no accelerator, 8 CPU devices are forced (--cpu_devices). On a pod pass --jax_distributed.
+"""
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "default.py"),
+    "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: a fresh folder under runs/).")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force when running on the host.")
+_JAX_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize().")
+
+
+def main(argv):
+  del argv
+  # Must happen before jax is imported: the host platform reads it once.
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}")
+  import jax
+  from ripples_jax import metrics, train
+  from ripples_jax.data import DatasetError
+  from ripples_jax.validation import ConfigError
+
+  if _JAX_DISTRIBUTED.value:
+    jax.distributed.initialize()
+  try:
+    summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except (ConfigError, DatasetError) as e:  # bad input: one line, no traceback
+    sys.exit(f"error: {e}")
+  print(metrics.summary_table([summary]))
+  print(f"run files: {os.path.abspath(summary['workdir'])}")
+
+
+if __name__ == "__main__":
+  app.run(main)
