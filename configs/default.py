@@ -13,7 +13,7 @@ import ml_collections
 
 def get_config(arg=None):
   arg = parse_arg(arg, algorithm="ripples_static", num_workers=8, dataset="mnist1d", model="cnn1d",
-                  layout="node", steps=1500)
+                  layout="node", steps=2000)
   c = ml_collections.ConfigDict()
   c.algorithm = arg.algorithm      # allreduce | ripples_static
   c.executor = "spmd"              # lockstep on the device mesh
@@ -30,7 +30,7 @@ def get_config(arg=None):
   c.optimizer.name = "momentum"    # sgd | momentum | nesterov | adam
   c.optimizer.lr = 0.05
   c.optimizer.momentum = 0.9
-  c.optimizer.weight_decay = 0.0
+  c.optimizer.weight_decay = 5e-4
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
   c.optimizer.warmup_steps = 50
 

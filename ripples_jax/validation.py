@@ -68,8 +68,8 @@ def validate_train_config(config, num_devices: int) -> None:
     _fail("optimizer.momentum", opt.momentum, "a number in [0, 1)")
   if opt.weight_decay < 0:
     _fail("optimizer.weight_decay", opt.weight_decay, "a number >= 0")
-  if opt.warmup_steps < 0 or opt.warmup_steps >= config.num_steps:
-    _fail("optimizer.warmup_steps", opt.warmup_steps, f"an integer in [0, num_steps={config.num_steps})")
+  if isinstance(opt.warmup_steps, bool) or not isinstance(opt.warmup_steps, int) or opt.warmup_steps < 0:
+    _fail("optimizer.warmup_steps", opt.warmup_steps, "an integer >= 0")
 
   if config.algorithm == "ripples_static":
     _one_of(config, "schedule.layout", STATIC_LAYOUTS)

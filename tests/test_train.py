@@ -1,0 +1,103 @@
+"""End-to-end: the entry point in a subprocess, an in-process run, and config validation."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import default as default_config
+from ripples_jax import train
+from ripples_jax.validation import ConfigError, validate_train_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_entry_point(args, tmp_path):
+  env = dict(os.environ, RIPPLES_JAX_CACHE=str(tmp_path / "cache"))
+  return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_entry_point_one_step(tmp_path):
+  workdir = tmp_path / "run"
+  out = run_entry_point(["--config=configs/default.py:steps=1,dataset=synthetic,model=mlp",
+                         "--config.log_every=1", "--config.eval_every=1", f"--workdir={workdir}"], tmp_path)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "ripples_static" in out.stdout and f"run files: {workdir}" in out.stdout
+  config = json.load(open(workdir / "config.json"))
+  assert config["algorithm"] == "ripples_static" and config["num_steps"] == 1
+  records = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  assert [r["step"] for r in records] == [1]
+  assert {"step", "time", "train_loss", "test_accuracy", "consensus_distance"} <= set(records[0])
+  assert glob.glob(str(workdir / "events.out.tfevents.*"))
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["worker_steps"] == [1] * 8
+  assert summary["throughput"] > 0 and 0 <= summary["final_test_accuracy"] <= 1
+
+
+def test_bad_config_stops_before_compile_with_one_line(tmp_path):
+  workdir = tmp_path / "bad"
+  out = run_entry_point(["--config=configs/default.py:algorithm=gossip", f"--workdir={workdir}"], tmp_path)
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static")
+  assert "Traceback" not in out.stderr
+  assert not workdir.exists()  # nothing was created or compiled
+
+
+BAD = [
+    ("algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static"),
+    ("dataset", "imagenet", "config.dataset: 'imagenet' is not allowed: one of mnist1d, digits, cifar10, synthetic"),
+    ("model", "vit", "config.model: 'vit' is not allowed: one of mlp, cnn1d, cnn2d, resnet20, resnet56"),
+    ("executor", "async", "config.executor: 'async' is not allowed: one of spmd"),
+    ("num_workers", 12, "config.num_workers: 12 is not allowed: at most the 8 devices or a multiple of 8"),
+    ("num_workers", 0, "config.num_workers: 0 is not allowed: a positive integer"),
+    ("optimizer.lr", 0.0, "config.optimizer.lr: 0.0 is not allowed: a finite number > 0"),
+    ("optimizer.lr", -0.1, "config.optimizer.lr: -0.1 is not allowed: a finite number > 0"),
+    ("optimizer.name", "lion", "config.optimizer.name: 'lion' is not allowed: one of sgd, momentum, nesterov, adam"),
+    ("schedule.workers_per_node", 9,
+     "config.schedule.workers_per_node: 9 is not allowed: an integer group size in [1, num_workers=8]"),
+    ("schedule.layout", "ring", "config.schedule.layout: 'ring' is not allowed: one of node, hypercube"),
+    ("preduce_impl", "nccl", "config.preduce_impl: 'nccl' is not allowed: one of auto, collective, segment"),
+    ("data_sharding", "dirichlet", "config.data_sharding: 'dirichlet' is not allowed: one of iid, noniid"),
+]
+
+
+@pytest.mark.parametrize("key,value,message", BAD, ids=[f"{k}={v}" for k, v, _ in BAD])
+def test_validation_names_the_key_and_what_is_allowed(key, value, message):
+  config = default_config.get_config()
+  *path, last = key.split(".")
+  node = config
+  for p in path:
+    node = node[p]
+  node[last] = value
+  with pytest.raises(ConfigError) as e:
+    validate_train_config(config, num_devices=8)
+  assert str(e.value) == message
+
+
+def test_hypercube_needs_a_power_of_two():
+  config = default_config.get_config("layout=hypercube,num_workers=6")
+  with pytest.raises(ConfigError, match="config.num_workers: 6 is not allowed: a power of"):
+    validate_train_config(config, num_devices=8)
+
+
+def test_default_config_is_valid():
+  validate_train_config(default_config.get_config(), num_devices=8)
+  validate_train_config(default_config.get_config("algorithm=allreduce,num_workers=16"), num_devices=8)
+
+
+def test_in_process_run_learns_and_writes_metrics(tmp_path):
+  config = default_config.get_config("dataset=digits,model=mlp,steps=60")
+  config.eval_every, config.log_every = 30, 10
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
+  assert [r["step"] for r in records if "test_accuracy" in r] == [30, 60]
+  assert records[-1]["train_loss"] < records[0]["train_loss"]
+  assert summary["final_test_accuracy"] > 0.8  # digits, 10 classes: chance is 0.1
+  assert summary["worker_steps"] == [60] * 8
+  assert all(r["time"] >= 0 for r in records)
+  assert records[-1]["consensus_distance"] >= 0
