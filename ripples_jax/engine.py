@@ -137,3 +137,31 @@ def make_eval_fn(model) -> Callable:
             "consensus_distance": consensus_distance(state["params"])}
 
   return eval_fn
+
+
+def make_grad_allreduce_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh) -> Callable:
+  """Conventional synchronous data parallel (Horovod style): all-reduce the *gradients*, then update.
+
+  Same stacked state and signature as the round function (minus the schedule inputs), so the two can be
+  timed side by side. Every worker applies the same averaged gradient, so replicas stay identical.
+  """
+
+  def local_grad(params, model_state, x_BxI, y_B):
+    grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
+    (loss, new_model_state), grads = grad_fn(params, model_state, x_BxI, y_B)
+    return grads, new_model_state, loss
+
+  def shard_step(state, x_KxB, y_KxB):
+    grads, model_state, loss_K = jax.vmap(local_grad)(state["params"], state["model_state"], x_KxB, y_KxB)
+    # One buffer, one collective, as the round function does for parameters.
+    buf_KxD, unravel = collectives.ravel_workers({"grads": grads, "model_state": model_state})
+    n = buf_KxD.shape[0] * mesh.size
+    buf_KxD = jnp.broadcast_to(jax.lax.psum(buf_KxD.sum(0), WORKER_AXIS) / n, buf_KxD.shape)
+    avg = unravel(buf_KxD)
+    updates, opt_state = jax.vmap(optimizer.update)(avg["grads"], state["opt_state"], state["params"])
+    params = jax.vmap(optax.apply_updates)(state["params"], updates)
+    return {"params": params, "model_state": avg["model_state"], "opt_state": opt_state}, loss_K
+
+  w = P(WORKER_AXIS)
+  sharded = jax.shard_map(shard_step, mesh=mesh, in_specs=(w, w, w), out_specs=(w, w))
+  return jax.jit(sharded, donate_argnums=0)
