@@ -13,7 +13,7 @@ import ml_collections
 
 def get_config(arg=None):
   arg = parse_arg(arg, algorithm="ripples_static", num_workers=8, dataset="mnist1d", model="cnn1d",
-                  layout="node", steps=2000)
+                  layout="node", steps=4000)
   c = ml_collections.ConfigDict()
   c.algorithm = arg.algorithm      # allreduce | ripples_static
   c.executor = "spmd"              # lockstep on the device mesh
@@ -28,7 +28,7 @@ def get_config(arg=None):
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "momentum"    # sgd | momentum | nesterov | adam
-  c.optimizer.lr = 0.05
+  c.optimizer.lr = 0.1
   c.optimizer.momentum = 0.9
   c.optimizer.weight_decay = 5e-4
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
@@ -42,5 +42,5 @@ def get_config(arg=None):
 
   c.num_steps = arg.steps
   c.log_every = 50
-  c.eval_every = 250
+  c.eval_every = 500
   return c

@@ -23,6 +23,7 @@ from ripples_jax.collectives import WORKER_AXIS, Layout
 from ripples_jax.models import apply_model, init_model
 
 PREDUCE_IMPLS = ("auto", "collective", "segment")
+CHEAP_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def worker_sharding(mesh: Mesh) -> NamedSharding:
@@ -32,11 +33,17 @@ def worker_sharding(mesh: Mesh) -> NamedSharding:
 def init_state(model, optimizer: optax.GradientTransformation, rng, sample_x, num_workers: int,
                mesh: Mesh) -> dict:
   """Same initial parameters x_0 on every worker, stacked on the worker axis and sharded."""
-  params, model_state = init_model(model, rng, sample_x)
-  opt_state = optimizer.init(params)
-  stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (num_workers,) + jnp.shape(a)), t)
-  state = {"params": stack(params), "model_state": stack(model_state), "opt_state": stack(opt_state)}
-  return jax.device_put(state, worker_sharding(mesh))
+
+  def init(rng):
+    params, model_state = init_model(model, rng, sample_x)
+    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (num_workers,) + jnp.shape(a)), t)
+    return {"params": stack(params), "model_state": stack(model_state),
+            "opt_state": stack(optimizer.init(params))}
+
+  # Runs once, so compile it cheaply: the random-number code of a ResNet init otherwise takes ~10 s to
+  # optimise on CPU for no gain.
+  init = jax.jit(init, out_shardings=worker_sharding(mesh), compiler_options=CHEAP_COMPILE)
+  return init(rng)
 
 
 def resolve_preduce_impl(impl: str, num_workers: int, mesh: Mesh) -> str:
