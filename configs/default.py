@@ -5,18 +5,18 @@
 
 Expected (2-core CPU, 8 forced devices): about 90% test accuracy of the averaged model, under 3 minutes;
 All-Reduce with the same config within 1 point (WORKSPACE.md has the measured numbers).
-Variants (`:k=v,...`): algorithm, num_workers, dataset, model, layout, steps.
+Variants (`:k=v,...`): algorithm, executor, num_workers, dataset, model, layout, steps.
 """
 from ripples_jax.config_util import parse_arg
 import ml_collections
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, algorithm="ripples_static", num_workers=8, dataset="mnist1d", model="cnn1d",
+  arg = parse_arg(arg, algorithm="ripples_static", executor="spmd", num_workers=8, dataset="mnist1d", model="cnn1d",
                   layout="node", steps=4000)
   c = ml_collections.ConfigDict()
   c.algorithm = arg.algorithm      # allreduce | ripples_static
-  c.executor = "spmd"              # lockstep on the device mesh
+  c.executor = arg.executor        # spmd: lockstep on the device mesh | sim: event-driven, virtual time
   c.num_workers = arg.num_workers
   c.seed = 0
 
@@ -37,8 +37,26 @@ def get_config(arg=None):
   c.schedule = ml_collections.ConfigDict()
   c.schedule.layout = arg.layout   # node (the authors' Static GG) | hypercube
   c.schedule.workers_per_node = 4
-  c.schedule.group_size = 2        # hypercube group size
+  c.schedule.hypercube_group_size = 2
+  c.schedule.group_size = 3        # Random GG, Group Division, Smart GG
+  c.schedule.smart_tolerance = 0.5  # Smart GG: sync with workers ready within this x own step time
+  c.schedule.smart_max_gap = 4      # Smart GG: at most this many skipped syncs in a row
   c.preduce_impl = "auto"          # auto | collective (one worker per device) | segment
+
+  # executor=sim only: heterogeneity and the clock (DESIGN 3.5, 3.1).
+  c.hetero = ml_collections.ConfigDict()
+  c.hetero.slow_workers = ()       # worker ids, e.g. --config.hetero.slow_workers='(3,)'
+  c.hetero.slowdown = 1.0          # a slow step takes this many times the base step
+  c.hetero.random_p = 0.0          # or: every worker slowed with this probability per step
+  c.hetero.jitter = 0.0            # lognormal sigma of every step time
+  c.timeline = ml_collections.ConfigDict()
+  c.timeline.compute_time = 0.01   # virtual seconds per base step (0: measure the real jitted step)
+  c.timeline.alpha = 5e-6          # per-message latency, s
+  c.timeline.bandwidth = 1.25e9    # bytes/s per link (10 Gb/s)
+  c.timeline.ps_bandwidth = 1.25e9  # the parameter server's link
+  c.timeline.model_bytes = 0.0     # 0: the model's real float32 bytes
+  c.time_budget = 0.0              # virtual seconds; 0: run num_steps x num_workers worker steps
+  c.target_accuracy = 0.0          # summary.json reports time_to_target when set
 
   c.num_steps = arg.steps
   c.log_every = 50

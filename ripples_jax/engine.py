@@ -172,3 +172,69 @@ def make_grad_allreduce_fn(model, optimizer: optax.GradientTransformation, mesh:
   w = P(WORKER_AXIS)
   sharded = jax.shard_map(shard_step, mesh=mesh, in_specs=(w, w, w), out_specs=(w, w))
   return jax.jit(sharded, donate_argnums=0)
+
+
+def init_sim_state(model, optimizer, rng, sample_x, num_slots: int, mesh: Mesh) -> dict:
+  """Round state for the event-driven simulator: init_state plus each slot's pending gradient."""
+  state = init_state(model, optimizer, rng, sample_x, num_slots, mesh)
+  state["grads"] = jax.tree.map(jnp.zeros_like, state["params"])
+  return state
+
+
+def make_sim_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, num_workers: int,
+                      num_slots: int, cross_apply: bool = False, ring: bool = False,
+                      pull: bool = False) -> Callable:
+  """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S).
+
+  One round executes a packed batch of clock events in four phases, each at most once per slot:
+    A apply:   slot s applies the pending gradient of slot apply_src[s] (-1: none) with its own optimizer
+    B average: segment mean of params and model state over group ids gid (own id: untouched), or the
+               D-PSGD ring average of the first num_workers slots when ring_now
+    C pull:    slot s copies the params of slot pull_src[s] (a worker pulling the server's model)
+    D start:   slots in start compute a gradient on their current params and keep it pending
+  The packing guarantees each slot's events keep their clock order (timeline.pack_rounds). Slots past
+  num_workers are the parameter server and padding. The static flags compile only what an algorithm
+  uses (cross-slot applies, the ring, pulls).
+  """
+  ar = np.arange(num_slots)
+  ring_prev = np.where(ar < num_workers, (ar - 1) % num_workers, ar)
+  ring_next = np.where(ar < num_workers, (ar + 1) % num_workers, ar)
+
+  def masked(mask, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+
+  def grad_step(params, model_state, x_BxI, y_B):
+    grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
+    (loss, new_model_state), grads = grad_fn(params, model_state, x_BxI, y_B)
+    return grads, new_model_state, loss
+
+  def round_fn(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S):
+    params, model_state, opt_state, grads = (state[k] for k in ("params", "model_state", "opt_state", "grads"))
+    # A: apply finished gradients (computed on the params held when they started: stale by design).
+    has = apply_src_S >= 0
+    g = grads
+    if cross_apply:
+      g = jax.tree.map(lambda a: jnp.take(a, jnp.where(has, apply_src_S, ar), axis=0), grads)
+    updates, new_opt = jax.vmap(optimizer.update)(g, opt_state, params)
+    params = masked(has, jax.vmap(optax.apply_updates)(params, updates), params)
+    opt_state = masked(has, new_opt, opt_state)
+    # B: P-Reduce within groups (or the ring), one flattened buffer.
+    buf_SxD, unravel = collectives.ravel_workers({"params": params, "model_state": model_state})
+    buf_SxD = collectives.segment_mean(buf_SxD, gid_S)
+    if ring:
+      mixed = (buf_SxD[ring_prev] + buf_SxD + buf_SxD[ring_next]) / 3
+      buf_SxD = jnp.where(ring_now, mixed, buf_SxD)
+    # C: pulls copy another slot's parameters.
+    if pull:
+      buf_SxD = buf_SxD[pull_src_S]
+    merged = unravel(buf_SxD)
+    params, model_state = merged["params"], merged["model_state"]
+    # D: start new gradients on the current params; the loss reported is the one at the start.
+    new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
+    grads = masked(start_S, new_grads, grads)
+    model_state = masked(start_S, new_model_state, model_state)
+    new_state = {"params": params, "model_state": model_state, "opt_state": opt_state, "grads": grads}
+    return new_state, jnp.where(start_S, loss_S, jnp.nan)
+
+  s = worker_sharding(mesh)
+  return jax.jit(round_fn, donate_argnums=0, out_shardings=(s, s))

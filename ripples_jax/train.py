@@ -7,7 +7,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 from absl import logging
 
 from ripples_jax import data as data_lib
@@ -16,30 +15,9 @@ from ripples_jax import metrics as metrics_lib
 from ripples_jax import schedule as schedule_lib
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import build_model, num_params
+from ripples_jax.optim import make_optimizer
 from ripples_jax.progress import Progress
 from ripples_jax.validation import validate_train_config
-
-
-def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
-  """optax optimizer from config.optimizer; the step count in its state is each worker's own."""
-  warmup = min(opt.warmup_steps, num_steps - 1)
-  if warmup < opt.warmup_steps:
-    logging.warning("optimizer.warmup_steps=%d shortened to %d for a %d-step run",
-                    opt.warmup_steps, warmup, num_steps)
-  if opt.lr_schedule == "cosine":
-    lr = optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, num_steps)
-  elif warmup:
-    lr = optax.linear_schedule(0.0, opt.lr, warmup)
-  else:
-    lr = opt.lr
-  if opt.name == "adam":
-    tx = optax.adam(lr)
-  else:
-    momentum = {"sgd": None, "momentum": opt.momentum, "nesterov": opt.momentum}[opt.name]
-    tx = optax.sgd(lr, momentum=momentum, nesterov=opt.name == "nesterov")
-  if opt.weight_decay:
-    tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
-  return tx
 
 
 def make_workdir(workdir: str | None) -> str:
@@ -53,10 +31,20 @@ def make_workdir(workdir: str | None) -> str:
   return workdir
 
 
+def write_config(config, workdir: str) -> None:
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+
 def train_and_evaluate(config, workdir: str | None = None) -> dict:
   """Runs config.num_steps rounds, writes config.json, metrics.jsonl, TensorBoard, summary.json."""
   validate_train_config(config, jax.device_count())  # before any data load or compile
   n = config.num_workers
+  if config.executor == "sim":
+    workdir = make_workdir(workdir)
+    write_config(config, workdir)
+    from ripples_jax import sim  # the event-driven executor
+    return sim.simulate_and_train(config, workdir)[0]
 
   data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
   shards = data_lib.shard_indices(data["y_train"], n, config.data_sharding, seed=config.seed)
@@ -66,8 +54,7 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
   optimizer = make_optimizer(config.optimizer, config.num_steps)
 
   workdir = make_workdir(workdir)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  write_config(config, workdir)
 
   state = engine.init_state(model, optimizer, jax.random.key(config.seed), data["x_train"][:1], n, mesh)
   round_fn = engine.make_round_fn(model, optimizer, mesh, schedule.layouts, config.preduce_impl)

@@ -6,10 +6,10 @@ import math
 
 from ripples_jax.engine import PREDUCE_IMPLS
 from ripples_jax.models import MODEL_NAMES
-from ripples_jax.schedule import ALGORITHMS, STATIC_LAYOUTS
+from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 
 DATASETS = ("mnist1d", "digits", "cifar10", "synthetic")
-EXECUTORS = ("spmd",)
+EXECUTORS = ("spmd", "sim")
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 DATA_SHARDINGS = ("iid", "noniid")
@@ -43,8 +43,8 @@ def _positive_int(config, key):
 
 def validate_train_config(config, num_devices: int) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train config."""
-  _one_of(config, "algorithm", ALGORITHMS)
   _one_of(config, "executor", EXECUTORS)
+  _one_of(config, "algorithm", ALGORITHMS if config.executor == "sim" else LOCKSTEP_ALGORITHMS)
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "data_sharding", DATA_SHARDINGS)
@@ -71,19 +71,53 @@ def validate_train_config(config, num_devices: int) -> None:
   if isinstance(opt.warmup_steps, bool) or not isinstance(opt.warmup_steps, int) or opt.warmup_steps < 0:
     _fail("optimizer.warmup_steps", opt.warmup_steps, "an integer >= 0")
 
+  s = config.schedule
   if config.algorithm == "ripples_static":
     _one_of(config, "schedule.layout", STATIC_LAYOUTS)
-    s = config.schedule
     if s.layout == "node":
-      wpn = s.workers_per_node
-      if isinstance(wpn, bool) or not isinstance(wpn, int) or not 1 <= wpn <= n:
-        _fail("schedule.workers_per_node", wpn, f"an integer group size in [1, num_workers={n}]")
+      _int_in(config, "schedule.workers_per_node", 1, n, f"an integer group size in [1, num_workers={n}]")
     else:
-      g = s.group_size
-      if isinstance(g, bool) or not isinstance(g, int) or not 2 <= g <= n:
-        _fail("schedule.group_size", g, f"an integer group size in [2, num_workers={n}]")
+      g = s.hypercube_group_size
+      _int_in(config, "schedule.hypercube_group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
       m = 1
       while m < n:
         m *= g
       if m != n:
-        _fail("num_workers", n, f"a power of schedule.group_size={g} for the hypercube layout")
+        _fail("num_workers", n, f"a power of schedule.hypercube_group_size={g} for the hypercube layout")
+  if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
+    _int_in(config, "schedule.group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
+  if config.algorithm == "ripples_smart":
+    if not s.smart_tolerance > 0:
+      _fail("schedule.smart_tolerance", s.smart_tolerance, "a number > 0 (a fraction of a step time)")
+    _int_in(config, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0")
+  if config.algorithm in ("adpsgd", "ps_async") and n < 2:
+    _fail("num_workers", n, f"at least 2 for {config.algorithm}")
+
+  if config.executor == "sim":
+    h = config.hetero
+    ids = tuple(h.slow_workers)
+    for w in ids:
+      if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n:
+        _fail("hetero.slow_workers", ids, f"worker ids in [0, num_workers={n})")
+    if not h.slowdown >= 1:
+      _fail("hetero.slowdown", h.slowdown, "a factor >= 1")
+    if not 0 <= h.random_p <= 1:
+      _fail("hetero.random_p", h.random_p, "a probability in [0, 1]")
+    if not h.jitter >= 0:
+      _fail("hetero.jitter", h.jitter, "a lognormal sigma >= 0")
+    t = config.timeline
+    if not t.compute_time >= 0:
+      _fail("timeline.compute_time", t.compute_time, "seconds >= 0 (0: measure the real jitted step)")
+    for key in ("alpha", "model_bytes", "bandwidth", "ps_bandwidth"):
+      if not t[key] >= 0 or (key.endswith("bandwidth") and not t[key] > 0):
+        _fail(f"timeline.{key}", t[key], "a number > 0" if key.endswith("bandwidth") else "a number >= 0")
+    if not config.time_budget >= 0:
+      _fail("time_budget", config.time_budget, "seconds >= 0 (0: no budget)")
+    if not 0 <= config.target_accuracy <= 1:
+      _fail("target_accuracy", config.target_accuracy, "a fraction in [0, 1] (0: none)")
+
+
+def _int_in(config, key, lo, hi, allowed):
+  value = _get(config, key)
+  if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    _fail(key, value, allowed)

@@ -42,7 +42,7 @@ def test_hypercube_reaches_the_exact_average():
 def _config(algorithm, n=8, layout="node"):
   c = ml_collections.ConfigDict()
   c.algorithm, c.num_workers = algorithm, n
-  c.schedule = ml_collections.ConfigDict(dict(layout=layout, workers_per_node=4, group_size=2))
+  c.schedule = ml_collections.ConfigDict(dict(layout=layout, workers_per_node=4, hypercube_group_size=2))
   return c
 
 

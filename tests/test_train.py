@@ -51,7 +51,7 @@ BAD = [
     ("algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static"),
     ("dataset", "imagenet", "config.dataset: 'imagenet' is not allowed: one of mnist1d, digits, cifar10, synthetic"),
     ("model", "vit", "config.model: 'vit' is not allowed: one of mlp, cnn1d, cnn2d, resnet20, resnet56"),
-    ("executor", "async", "config.executor: 'async' is not allowed: one of spmd"),
+    ("executor", "async", "config.executor: 'async' is not allowed: one of spmd, sim"),
     ("num_workers", 12, "config.num_workers: 12 is not allowed: at most the 8 devices or a multiple of 8"),
     ("num_workers", 0, "config.num_workers: 0 is not allowed: a positive integer"),
     ("optimizer.lr", 0.0, "config.optimizer.lr: 0.0 is not allowed: a finite number > 0"),
@@ -67,7 +67,31 @@ BAD = [
 
 @pytest.mark.parametrize("key,value,message", BAD, ids=[f"{k}={v}" for k, v, _ in BAD])
 def test_validation_names_the_key_and_what_is_allowed(key, value, message):
-  config = default_config.get_config()
+  set_and_check(default_config.get_config(), key, value, message)
+
+
+SIM = "executor=sim,num_workers=16"
+BAD_SIM = [
+    (SIM + ",algorithm=ripples_smart", "hetero.slowdown", 0.5,
+     "config.hetero.slowdown: 0.5 is not allowed: a factor >= 1"),
+    (SIM, "hetero.slow_workers", (3, 16),
+     "config.hetero.slow_workers: (3, 16) is not allowed: worker ids in [0, num_workers=16)"),
+    (SIM + ",algorithm=ripples_random", "schedule.group_size", 17,
+     "config.schedule.group_size: 17 is not allowed: an integer group size in [2, num_workers=16]"),
+    (SIM, "hetero.random_p", 1.5, "config.hetero.random_p: 1.5 is not allowed: a probability in [0, 1]"),
+    (SIM, "timeline.bandwidth", 0.0, "config.timeline.bandwidth: 0.0 is not allowed: a number > 0"),
+    (SIM, "algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ps_sync, "
+     "ps_async, adpsgd, dpsgd, ripples_static, ripples_random, ripples_division, ripples_smart"),
+    ("", "algorithm", "adpsgd", "config.algorithm: 'adpsgd' is not allowed: one of allreduce, ripples_static"),
+]
+
+
+@pytest.mark.parametrize("arg,key,value,message", BAD_SIM, ids=[f"{k}={v}" for _, k, v, _ in BAD_SIM])
+def test_validation_of_simulation_keys(arg, key, value, message):
+  set_and_check(default_config.get_config(arg), key, value, message)
+
+
+def set_and_check(config, key, value, message):
   *path, last = key.split(".")
   node = config
   for p in path:

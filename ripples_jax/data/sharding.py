@@ -55,22 +55,24 @@ def _epoch_perm(seed: int, worker: int, epoch: int, size: int) -> np.ndarray:
 
 
 def batch_indices(shards: Sequence[np.ndarray], batch_size: int, seed: int,
-                  step: int) -> np.ndarray:
-  """Global example indices [W, batch_size] for `step`.
+                  step) -> np.ndarray:
+  """Global example indices [W, batch_size] for `step` (an int, or one step per worker).
 
   Worker w walks its own shard in epochs, each a fresh permutation of the shard;
   its step-k batch is positions k*B .. k*B+B-1 of that endless walk. A batch that
   crosses an epoch end takes the rest from the next epoch, so workers with small
   (or unequal) shards still give `batch_size` examples every step.
   """
-  if batch_size < 1 or step < 0:
+  steps = np.broadcast_to(np.asarray(step, np.int64), (len(shards),))
+  if batch_size < 1 or (steps < 0).any():
     raise ValueError(f"need batch_size >= 1 and step >= 0, got {batch_size}, {step}")
-  pos = step * batch_size + np.arange(batch_size, dtype=np.int64)
   out = np.empty((len(shards), batch_size), np.int64)
   for w, shard in enumerate(shards):
     size = len(shard)
     if size == 0:
       raise ValueError(f"worker {w} has an empty shard")
+    # Asynchronous workers are at different steps: each walks its own shard at its own pace.
+    pos = steps[w] * batch_size + np.arange(batch_size, dtype=np.int64)
     epoch, offset = pos // size, pos % size
     for e in np.unique(epoch):
       sel = epoch == e

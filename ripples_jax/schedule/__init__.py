@@ -11,7 +11,10 @@ import numpy as np
 from ripples_jax.collectives import Layout
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
 
-ALGORITHMS = ("allreduce", "ripples_static")
+# Every algorithm runs in the simulator (executor=sim); the lockstep executor runs the periodic ones.
+ALGORITHMS = ("allreduce", "ps_sync", "ps_async", "adpsgd", "dpsgd", "ripples_static", "ripples_random",
+              "ripples_division", "ripples_smart")
+LOCKSTEP_ALGORITHMS = ("allreduce", "ripples_static")
 STATIC_LAYOUTS = ("node", "hypercube")
 
 
@@ -44,6 +47,7 @@ def make_schedule(config) -> PeriodicSchedule:
     if s.layout == "node":
       return PeriodicSchedule(n, static_gg_layouts(n, s.workers_per_node))
     if s.layout == "hypercube":
-      return PeriodicSchedule(n, hypercube_layouts(n, s.get("group_size", 2)))
+      return PeriodicSchedule(n, hypercube_layouts(n, s.hypercube_group_size))
     raise ValueError(f"config.schedule.layout: {s.layout!r} is not allowed: one of {', '.join(STATIC_LAYOUTS)}")
-  raise ValueError(f"config.algorithm: {config.algorithm!r} is not allowed: one of {', '.join(ALGORITHMS)}")
+  raise ValueError(f"config.algorithm: {config.algorithm!r} is not allowed: one of "
+                   f"{', '.join(LOCKSTEP_ALGORITHMS)}")

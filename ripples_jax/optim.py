@@ -1,0 +1,25 @@
+"""optax optimizers from config.optimizer."""
+import optax
+from absl import logging
+
+
+def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
+  """optax optimizer from config.optimizer; the step count in its state is each worker's own."""
+  warmup = min(opt.warmup_steps, num_steps - 1)
+  if warmup < opt.warmup_steps:
+    logging.warning("optimizer.warmup_steps=%d shortened to %d for a %d-step run",
+                    opt.warmup_steps, warmup, num_steps)
+  if opt.lr_schedule == "cosine":
+    lr = optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, num_steps)
+  elif warmup:
+    lr = optax.linear_schedule(0.0, opt.lr, warmup)
+  else:
+    lr = opt.lr
+  if opt.name == "adam":
+    tx = optax.adam(lr)
+  else:
+    momentum = {"sgd": None, "momentum": opt.momentum, "nesterov": opt.momentum}[opt.name]
+    tx = optax.sgd(lr, momentum=momentum, nesterov=opt.name == "nesterov")
+  if opt.weight_decay:
+    tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
+  return tx

@@ -1,0 +1,127 @@
+"""Dynamic Group Generators and the Group Buffer (DESIGN 3.2). Host-side, deterministic under a seed.
+
+The Group Buffer is one global, ordered list of groups. Every worker executes the groups that contain
+it in that global order, and a group runs when all its members have reached it, so no cyclic wait (and
+no deadlock of a real collective backend) can occur. A Group Generator appends groups to the buffer
+when a worker that is ready has nothing left to execute.
+"""
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ripples_jax.collectives import Layout
+
+
+@dataclasses.dataclass
+class Group:
+  gid: int                   # position in the global buffer
+  members: tuple[int, ...]
+  created: float
+  request: int               # the GG request that made it (groups of one request form one batch)
+  arrived: set = dataclasses.field(default_factory=set)
+
+
+class GroupBuffer:
+  """The global ordered list of groups with per-worker queues (the groups a worker still has to run)."""
+
+  def __init__(self, num_workers: int):
+    self.n = num_workers
+    self.groups: list[Group] = []
+    self.queues: list[list[Group]] = [[] for _ in range(num_workers)]
+    self.conflicts = np.zeros(num_workers, np.int64)  # groups created while the worker had one pending
+    self.requests = 0
+
+  def append(self, members: Sequence[int], now: float) -> Group | None:
+    members = tuple(sorted(int(m) for m in members))
+    if len(members) < 2:
+      return None  # a group of one is a no-op
+    g = Group(len(self.groups), members, now, self.requests)
+    self.groups.append(g)
+    for m in members:
+      if self.queues[m]:
+        self.conflicts[m] += 1
+      self.queues[m].append(g)
+    return g
+
+  def pending(self, worker: int) -> bool:
+    return bool(self.queues[worker])
+
+
+@dataclasses.dataclass
+class GGView:
+  """What a generator may look at when asked for groups (all of it is host-side clock state)."""
+  now: float
+  buffer: GroupBuffer
+  expected_ready: Callable[[int], float]  # when a worker is expected to finish its current compute
+  estimate: Callable[[int], float]        # the agreed estimate of a worker's step time
+  iteration: Callable[[int], int]         # iterations the worker has completed
+
+
+def static_gg(layouts: Sequence[Layout]):
+  """Static GG in the asynchronous clock: a worker's k-th sync is its group in layouts[k % period].
+
+  Layout k is appended whole (all its groups) the first time any worker reaches iteration k, so the
+  buffer order is the layout order and groups of one layout never conflict.
+  """
+  made = [0]
+
+  def request(worker: int, view: GGView) -> None:
+    k = view.iteration(worker) - 1  # the sync after the worker's k-th step (0-based)
+    while made[0] <= k:
+      for g in layouts[made[0] % len(layouts)]:
+        view.buffer.append(g, view.now)
+      made[0] += 1
+
+  return request
+
+
+def random_gg(num_workers: int, group_size: int, rng: np.random.Generator):
+  """Random GG: the ready worker plus group_size-1 others drawn uniformly; conflicts serialise."""
+
+  def request(worker: int, view: GGView) -> None:
+    others = np.delete(np.arange(num_workers), worker)
+    picked = rng.choice(others, size=min(group_size - 1, len(others)), replace=False)
+    view.buffer.append([worker, *picked.tolist()], view.now)
+
+  return request
+
+
+def division_gg(num_workers: int, group_size: int, rng: np.random.Generator):
+  """Group Division: a random partition of all workers into groups; one division never conflicts."""
+
+  def request(worker: int, view: GGView) -> None:
+    perm = rng.permutation(num_workers)
+    for s in range(0, num_workers, group_size):
+      view.buffer.append(perm[s:s + group_size].tolist(), view.now)
+
+  return request
+
+
+def smart_gg(num_workers: int, group_size: int, tolerance: float = 0.5, max_gap: int = 4):
+  """Smart GG (heterogeneity-aware, our design since the paper's detail is not public).
+
+  When worker i is ready with nothing to run, it is grouped with the group_size-1 workers that have no
+  pending group and are expected to be ready soonest, counting only those expected within
+  `tolerance` x i's own estimated step time: workers that will be ready together sync together and a
+  slow worker is pulled in only when it is about to finish, i.e. in proportion to its speed. No pending
+  worker is picked, so smart groups never conflict. If nobody is close, i skips this sync, but at most
+  `max_gap` times in a row: then it takes the soonest workers whatever their distance, which bounds
+  how far any worker drifts from the rest.
+  """
+  skipped = np.zeros(num_workers, np.int64)
+
+  def request(worker: int, view: GGView) -> None:
+    cands = [j for j in range(num_workers) if j != worker and not view.buffer.pending(j)]
+    ready = sorted((view.expected_ready(j), j) for j in cands)
+    horizon = view.now + tolerance * view.estimate(worker)
+    near = [j for r, j in ready if r <= horizon][:group_size - 1]
+    if not near and skipped[worker] < max_gap:
+      skipped[worker] += 1
+      return
+    if not near:
+      near = [j for _, j in ready[:group_size - 1]]
+    skipped[worker] = 0
+    view.buffer.append([worker, *near], view.now)
+
+  return request

@@ -1,0 +1,399 @@
+"""Discrete-event clock: worker speeds + a network cost model -> the ordered events of a run.
+
+The clock never touches arrays. It decides *when* each worker starts a gradient, when the gradient is
+applied, and when a group average lands; the engine then executes those events in order (a schedule
+says what happens; an executor makes it happen; a clock says when). Gradients are computed on the
+parameters a worker holds when its computation starts and applied to what it holds when it finishes
+(AD-PSGD semantics), so staleness from averages landing mid-computation is modelled exactly.
+
+Events are tuples (time, kind, a, b):
+  START  a=worker              compute a gradient on the worker's current params (its next batch)
+  APPLY  a=target, b=source    apply source's finished gradient to target's params (target=source,
+                               or the parameter server's slot for asynchronous PS)
+  AVG    a=members tuple       replace each member's params by the members' mean (atomic, at `time`)
+  RING   -                     D-PSGD gossip on the ring: x_i <- (x_{i-1} + x_i + x_{i+1}) / 3
+  PULL   a=worker, b=source    copy source's params (the server) into the worker
+"""
+import dataclasses
+import heapq
+from typing import Callable
+
+import numpy as np
+
+from ripples_jax.collectives import ring_allreduce_time
+from ripples_jax.schedule.group_gen import GGView, GroupBuffer
+
+START, APPLY, AVG, RING, PULL = range(5)
+EVENT_NAMES = ("start", "apply", "average", "ring", "pull")
+COMPUTE, WAIT, COMM = "compute", "wait", "comm"
+SYNC_ALGORITHMS = ("allreduce", "ps_sync", "dpsgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedModel:
+  """Per-worker compute time of one step: base x slowdown (fixed slow workers, or random with p) x jitter."""
+  base_time: float
+  num_workers: int
+  slow_workers: tuple = ()
+  slowdown: float = 1.0
+  random_p: float = 0.0
+  jitter: float = 0.0      # sigma of a lognormal factor (real steps are never exactly equal)
+  seed: int = 0
+
+  def streams(self):
+    """One independent generator per worker, so a worker's times do not depend on event order."""
+    return [np.random.default_rng([2, self.seed, w]) for w in range(self.num_workers)]
+
+  def draw(self, rngs, worker: int) -> float:
+    rng = rngs[worker]
+    t = self.base_time
+    if worker in self.slow_workers:
+      t *= self.slowdown
+    if self.random_p and rng.random() < self.random_p:
+      t *= self.slowdown
+    if self.jitter:
+      t *= float(np.exp(self.jitter * rng.standard_normal()))
+    return t
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+  """alpha-beta costs (seconds, bytes/s) for a model of `model_bytes` (DESIGN 3.1)."""
+  model_bytes: float
+  alpha: float = 5e-6
+  bandwidth: float = 1.25e9      # per link (10 Gb/s)
+  ps_bandwidth: float = 1.25e9   # the parameter server's link
+
+  def allreduce(self, k: int) -> float:
+    return ring_allreduce_time(k, self.model_bytes, self.alpha, self.bandwidth)
+
+  def ps_transfer(self) -> float:
+    return self.alpha + self.model_bytes / self.ps_bandwidth
+
+  def ps_sync_step(self, n: int) -> float:
+    # Every worker pushes M and pulls M through the server's one link: 2 n M bytes.
+    return 2 * self.alpha + 2 * n * self.model_bytes / self.ps_bandwidth
+
+  def ring_gossip(self) -> float:
+    return 2 * self.alpha + 2 * self.model_bytes / self.bandwidth
+
+
+@dataclasses.dataclass
+class Trace:
+  """The clock's output: ordered events, per-worker intervals and counters."""
+  num_workers: int
+  events: list = dataclasses.field(default_factory=list)
+  intervals: list = dataclasses.field(default_factory=list)   # (worker, kind, t0, t1)
+  worker_steps: np.ndarray = None
+  conflicts: np.ndarray = None
+  end_time: float = 0.0
+
+  def __post_init__(self):
+    self.worker_steps = np.zeros(self.num_workers, np.int64)
+    self.conflicts = np.zeros(self.num_workers, np.int64)
+
+  def time_split(self) -> dict:
+    """Seconds each worker spent computing, waiting for a group or the server, and communicating."""
+    out = {k: np.zeros(self.num_workers) for k in (COMPUTE, WAIT, COMM)}
+    for w, kind, t0, t1 in self.intervals:
+      out[kind][w] += t1 - t0
+    return out
+
+
+def simulate(algorithm: str, speed: SpeedModel, net: Network, total_steps: int,
+             time_budget: float = 0.0, gg: Callable | None = None, seed: int = 0) -> Trace:
+  """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out."""
+  budget = time_budget or float("inf")
+  if algorithm in SYNC_ALGORITHMS:
+    return _simulate_sync(algorithm, speed, net, total_steps, budget)
+  clock = _Clock(speed, total_steps, budget)
+  if algorithm == "adpsgd":
+    _adpsgd(clock, net, np.random.default_rng([3, seed]))
+  elif algorithm == "ps_async":
+    _ps_async(clock, net)
+  else:
+    _group_buffer(clock, net, gg)
+  return clock.finish()
+
+
+def _simulate_sync(algorithm, speed, net, total_steps, budget) -> Trace:
+  """Lockstep: everybody computes, waits for the slowest, then one collective."""
+  n = speed.num_workers
+  tr = Trace(n)
+  rngs = speed.streams()
+  comm = {"allreduce": net.allreduce(n), "ps_sync": net.ps_sync_step(n), "dpsgd": net.ring_gossip()}[algorithm]
+  t = 0.0
+  done = 0
+  while done < total_steps:
+    c = np.array([speed.draw(rngs, w) for w in range(n)])
+    for w in range(n):
+      tr.events.append((t, START, w, None))
+    slowest = t + c.max()
+    if slowest + comm > budget:
+      break
+    last = done + n >= total_steps
+    for w in np.argsort(c, kind="stable"):
+      tr.events.append((t + c[w], APPLY, int(w), int(w)))
+      tr.intervals.append((int(w), COMPUTE, t, t + c[w]))
+      if t + c[w] < slowest:
+        tr.intervals.append((int(w), WAIT, t + c[w], slowest))
+      if not last:
+        tr.intervals.append((int(w), COMM, slowest, slowest + comm))
+    tr.worker_steps += 1
+    done += n
+    # Every algorithm's run ends when its last gradient lands (the asynchronous ones cannot wait for
+    # a final sync), so the last step's collective is not part of the run.
+    tr.end_time = slowest
+    if done >= total_steps:
+      break
+    t = slowest + comm
+    tr.events.append((t, RING, None, None) if algorithm == "dpsgd" else (t, AVG, tuple(range(n)), None))
+  return tr
+
+
+class _Clock:
+  """A heap of timed callbacks plus the bookkeeping every asynchronous protocol shares."""
+
+  def __init__(self, speed: SpeedModel, total_steps: int, budget: float):
+    self.speed, self.n, self.total, self.budget = speed, speed.num_workers, total_steps, budget
+    self.rngs = speed.streams()
+    self.trace = Trace(self.n)
+    self.heap, self.seq, self.now, self.done = [], 0, 0.0, 0
+    self.stopped = False
+    self.started_at = np.zeros(self.n)
+    self.duration = np.zeros(self.n)   # current compute's duration (known to the clock only)
+    self.iterations = np.zeros(self.n, np.int64)
+    self.observed = [[] for _ in range(self.n)]
+
+  def at(self, t: float, fn: Callable, *args) -> None:
+    heapq.heappush(self.heap, (t, self.seq, fn, args))
+    self.seq += 1
+
+  def run(self) -> None:
+    while self.heap and not self.stopped:
+      t, _, fn, args = heapq.heappop(self.heap)
+      if t > self.budget:
+        break
+      self.now = t
+      fn(*args)
+
+  def emit(self, kind, a, b=None) -> None:
+    self.trace.events.append((self.now, kind, a, b))
+
+  def start_compute(self, w: int, on_finish: Callable) -> None:
+    c = self.speed.draw(self.rngs, w)
+    self.started_at[w], self.duration[w] = self.now, c
+    self.emit(START, w)
+    self.at(self.now + c, self._finished, w, on_finish)
+
+  def _finished(self, w: int, on_finish: Callable) -> None:
+    self.trace.intervals.append((w, COMPUTE, self.started_at[w], self.now))
+    self.observed[w].append(self.duration[w])
+    self.iterations[w] += 1
+    on_finish(w)
+
+  def applied(self, target: int, source: int) -> None:
+    """A gradient of `source` lands; the run ends at the total_steps-th one."""
+    self.emit(APPLY, target, source)
+    self.trace.worker_steps[source] += 1
+    self.done += 1
+    self.trace.end_time = self.now
+    if self.done >= self.total:
+      self.stopped = True
+
+  def interval(self, w: int, kind: str, t0: float, t1: float) -> None:
+    if t1 > t0:
+      self.trace.intervals.append((w, kind, t0, t1))
+
+  def finish(self) -> Trace:
+    self.run()
+    if not self.stopped:  # time budget: the run ends at the budget
+      self.trace.end_time = min(self.budget, max(self.now, self.trace.end_time))
+    return self.trace
+
+
+def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
+  """Ripples: step, then run the worker's groups from the global Group Buffer, then step again."""
+  n = clock.n
+  buf = GroupBuffer(n)
+  limit = np.zeros(n, np.int64)      # groups a worker may run at this ready point (created before it)
+  arrived_at = np.zeros(n)
+  estimates = np.full(n, clock.speed.base_time)
+  requests = [0]
+  refresh_every = max(1, n)          # agreed boundary: every n requests, all estimates refresh
+
+  def estimate(j):
+    return estimates[j]
+
+  def expected_ready(j):
+    return clock.started_at[j] + estimates[j]
+
+  def on_finish(w):
+    clock.applied(w, w)
+    if clock.stopped:
+      return
+    if not buf.queues[w]:
+      requests[0] += 1
+      if requests[0] % refresh_every == 0:  # EMA of observed step times, refreshed for everyone at once
+        for j in range(n):
+          if clock.observed[j]:
+            estimates[j] = 0.5 * estimates[j] + 0.5 * np.mean(clock.observed[j][-4:])
+      buf.requests += 1
+      gg(w, GGView(clock.now, buf, expected_ready, estimate, lambda j: int(clock.iterations[j])))
+    limit[w] = len(buf.groups)
+    advance(w)
+
+  def advance(w):
+    q = buf.queues[w]
+    if q and q[0].gid < limit[w]:
+      g = q[0]
+      g.arrived.add(w)
+      arrived_at[w] = clock.now
+      if len(g.arrived) == len(g.members):
+        d = net.allreduce(len(g.members))
+        for m in g.members:
+          clock.interval(m, WAIT, arrived_at[m], clock.now)
+          clock.interval(m, COMM, clock.now, clock.now + d)
+        clock.at(clock.now + d, group_end, g)
+    else:
+      clock.start_compute(w, on_finish)
+
+  def group_end(g):
+    clock.emit(AVG, g.members)
+    for m in g.members:
+      assert buf.queues[m][0] is g  # global order: a member's head is always the group that ran
+      buf.queues[m].pop(0)
+    for m in g.members:
+      advance(m)
+
+  for w in range(n):
+    clock.start_compute(w, on_finish)
+  clock.run()
+  clock.trace.conflicts = buf.conflicts
+  clock.trace.buffer = buf
+
+
+def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator) -> None:
+  """AD-PSGD: active (odd) workers average with a random passive (even) one after every step.
+
+  The passive side never waits: its averaging lands through its communication channel while it
+  computes (requests to one passive worker serialise, first come first served). Only active workers
+  initiate, so the waits-for graph is bipartite and acyclic: no deadlock.
+  """
+  n = clock.n
+  passive = np.arange(0, n, 2)
+  channel_free = np.zeros(n)
+  clock.trace.pairs = []
+
+  def on_finish(w):
+    clock.applied(w, w)
+    if clock.stopped:
+      return
+    if w % 2 == 0:
+      clock.start_compute(w, on_finish)
+      return
+    j = int(rng.choice(passive))
+    begin = max(clock.now, channel_free[j])
+    d = net.allreduce(2)
+    channel_free[j] = begin + d
+    clock.interval(w, WAIT, clock.now, begin)
+    clock.interval(w, COMM, begin, begin + d)
+    clock.trace.pairs.append((w, j))
+    clock.at(begin + d, pair_end, w, j)
+
+  def pair_end(w, j):
+    clock.emit(AVG, (j, w))
+    clock.start_compute(w, on_finish)
+
+  for w in range(n):
+    clock.start_compute(w, on_finish)
+  clock.run()
+
+
+def _ps_async(clock: _Clock, net: Network) -> None:
+  """Asynchronous parameter server in slot n: pull, compute, push; the server applies on arrival.
+
+  Transfers share the server's one link (first come first served), which is what limits PS at scale.
+  """
+  n = clock.n
+  server = n
+  link_free = [0.0]
+
+  def transfer(w, then):
+    begin = max(clock.now, link_free[0])
+    d = net.ps_transfer()
+    link_free[0] = begin + d
+    clock.interval(w, WAIT, clock.now, begin)
+    clock.interval(w, COMM, begin, begin + d)
+    clock.at(begin + d, then, w)
+
+  def pulled(w):
+    clock.emit(PULL, w, server)
+    clock.start_compute(w, lambda w: transfer(w, pushed))
+
+  def pushed(w):
+    clock.applied(server, w)
+    if not clock.stopped:
+      transfer(w, pulled)
+
+  for w in range(n):
+    transfer(w, pulled)
+  clock.run()
+
+
+# Phase of each event kind inside one engine round (engine.make_sim_round_fn): apply, average, pull, start.
+_PHASE = {APPLY: 0, AVG: 1, RING: 1, PULL: 2, START: 3}
+
+
+def pack_rounds(events: list, num_workers: int, num_slots: int):
+  """Greedily packs the ordered events into engine rounds without changing what any slot sees.
+
+  A round runs phases apply < average < pull < start. An event joins the current round only if every
+  slot it touches has had nothing at this phase or later in the round; otherwise a new round begins.
+  Then each slot's events keep their clock order, and an average reads every member exactly at its
+  place in that order, so the rounds compute what the ordered events describe.
+
+  Yields dicts of numpy arrays: apply_src, gid, ring, pull_src, start, plus `time` (of the round's last
+  event), `applied` (workers whose gradient landed) and `started`.
+  """
+  ar = np.arange(num_slots, dtype=np.int32)
+
+  def fresh():
+    return {"apply_src": np.full(num_slots, -1, np.int32), "gid": ar.copy(), "ring": False,
+            "pull_src": ar.copy(), "start": np.zeros(num_slots, bool), "time": 0.0, "applied": []}
+
+  last = np.full(num_slots, -1)
+  cur, empty = fresh(), True
+  for t, kind, a, b in events:
+    phase = _PHASE[kind]
+    if kind == APPLY:
+      touched = (a, b)
+    elif kind == AVG:
+      touched = a
+    elif kind == RING:
+      touched = range(num_workers)
+    elif kind == PULL:
+      touched = (a, b)
+    else:
+      touched = (a,)
+    if any(last[s] >= phase for s in touched):
+      yield cur
+      cur, empty = fresh(), True
+      last[:] = -1
+    if kind == APPLY:
+      cur["apply_src"][a] = b
+      cur["applied"].append(b)
+    elif kind == AVG:
+      cur["gid"][list(a)] = min(a)
+    elif kind == RING:
+      cur["ring"] = True
+    elif kind == PULL:
+      cur["pull_src"][a] = b
+    else:
+      cur["start"][a] = True
+    for s in touched:
+      last[s] = phase
+    cur["time"] = t
+    empty = False
+  if not empty:
+    yield cur

@@ -1,0 +1,173 @@
+"""The event-driven simulator: clock, Group Generators, baselines, packing, determinism."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import default as default_config
+from ripples_jax import collectives as C
+from ripples_jax import engine, sim, timeline
+from ripples_jax.data import batch_indices, load_dataset, shard_indices
+from ripples_jax.models import build_model
+from ripples_jax.schedule import group_gen
+from ripples_jax.schedule.static import static_gg_layouts
+
+GGS = ("ripples_static", "ripples_random", "ripples_division", "ripples_smart")
+
+
+def clock(algorithm, n=16, steps=40, slow=(3,), s=4.0, jitter=0.05, group_size=3, seed=0):
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
+  config.schedule.group_size = group_size
+  config.hetero.slow_workers, config.hetero.slowdown, config.hetero.jitter = slow, s, jitter
+  config.seed = seed
+  speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
+  gg = sim.make_group_generator(config, np.random.default_rng(seed))
+  return timeline.simulate(algorithm, speed, net, steps * n, gg=gg, seed=seed), speed, net
+
+
+@pytest.mark.parametrize("algorithm", GGS + ("adpsgd", "dpsgd", "allreduce"))
+def test_every_emitted_mixing_matrix_is_doubly_stochastic_and_keeps_the_mean(algorithm):
+  trace, _, _ = clock(algorithm)
+  n = 16
+  x = np.random.default_rng(0).normal(size=(n, 5))
+  rounds = list(timeline.pack_rounds(trace.events, n, n))
+  assert sum(len(r["applied"]) for r in rounds) == trace.worker_steps.sum() == 40 * n
+  for r in rounds:
+    w = C.mixing_matrix([np.flatnonzero(r["gid"] == g) for g in np.unique(r["gid"])], n)
+    if r["ring"]:
+      w = (np.eye(n) + np.roll(np.eye(n), 1, 0) + np.roll(np.eye(n), -1, 0)) / 3 @ w
+    np.testing.assert_allclose(w.sum(0), 1)
+    np.testing.assert_allclose(w.sum(1), 1)
+    np.testing.assert_allclose((w @ x).mean(0), x.mean(0))
+
+
+def test_group_division_and_smart_never_conflict():
+  trace, _, _ = clock("ripples_division", group_size=3)
+  divisions = {}
+  for g in trace.buffer.groups:
+    divisions.setdefault(g.request, []).extend(g.members)
+  for members in divisions.values():  # 16 in threes: five groups and one worker alone
+    assert len(members) == 15 and len(set(members)) == 15  # disjoint: no conflict inside a division
+  smart, _, _ = clock("ripples_smart")
+  assert smart.conflicts.sum() == 0
+  random, _, _ = clock("ripples_random")
+  assert random.conflicts.sum() > 0  # the counter does count
+
+
+@pytest.mark.parametrize("s", [2.0, 5.0])
+def test_allreduce_time_with_one_slow_worker_is_exact(s):
+  trace, speed, net = clock("allreduce", steps=25, s=s, jitter=0.0)
+  # 25 slow steps and 24 all-reduces: the run ends when the last gradient lands
+  assert trace.end_time == pytest.approx(25 * s * 0.01 + 24 * net.allreduce(16), rel=1e-12)
+  wait = trace.time_split()["wait"]
+  assert wait[3] == 0 and wait[0] == pytest.approx(25 * (s - 1) * 0.01)
+
+
+def test_ps_sync_pays_the_server_link():
+  trace, _, net = clock("ps_sync", steps=10, slow=(), jitter=0.0)
+  assert trace.end_time == pytest.approx(10 * 0.01 + 9 * (2 * net.alpha + 2 * 16 * 4e5 / net.ps_bandwidth))
+
+
+def test_adpsgd_finishes_and_its_pairs_are_bipartite():
+  trace, _, _ = clock("adpsgd", n=16, steps=300, s=5.0, jitter=0.3, seed=7)
+  assert trace.worker_steps.sum() == 300 * 16  # a long randomized run finishes: no deadlock
+  assert trace.pairs and all(a % 2 == 1 and p % 2 == 0 for a, p in trace.pairs)
+  split = trace.time_split()
+  assert split["wait"][::2].sum() == 0  # the passive side never waits
+
+
+def test_smart_gg_approaches_the_throughput_limit():
+  ar, _, _ = clock("allreduce", steps=60, s=5.0, jitter=0.0)
+  smart, _, _ = clock("ripples_smart", steps=60, s=5.0, jitter=0.0)
+  ratio = (smart.worker_steps.sum() / smart.end_time) / (ar.worker_steps.sum() / ar.end_time)
+  assert ratio >= 0.9 * (5 * 15 + 1) / 16
+
+
+def test_group_buffer_runs_groups_in_global_order():
+  trace, _, _ = clock("ripples_random", jitter=0.3)
+  runs = [tuple(e[2]) for e in trace.events if e[1] == timeline.AVG]
+  by_members = {}
+  for g in trace.buffer.groups:
+    by_members.setdefault(g.members, []).append(g.gid)
+  # each worker's averages happen in buffer order
+  for w in range(16):
+    mine = [g.gid for g in trace.buffer.groups if w in g.members][:sum(w in r for r in runs)]
+    assert mine == sorted(mine)
+
+
+def _small_config(algorithm, **kw):
+  config = default_config.get_config(
+      f"algorithm={algorithm},executor=sim,num_workers=8,dataset=synthetic,model=mlp,steps=6")
+  config.log_every = config.eval_every = 2
+  config.optimizer.warmup_steps = 0
+  for k, v in kw.items():
+    node = config
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return config
+
+
+@pytest.mark.parametrize("algorithm", GGS)
+def test_ripples_with_one_group_of_all_equals_allreduce(tmp_path, algorithm):
+  kw = {"schedule.group_size": 8, "schedule.workers_per_node": 8}
+  ref, _ = sim.simulate_and_train(_small_config("allreduce", **kw), str(tmp_path / "ar"))
+  got, _ = sim.simulate_and_train(_small_config(algorithm, **kw), str(tmp_path / algorithm))
+  assert (tmp_path / "ar" / "metrics.jsonl").read_text() == (tmp_path / algorithm / "metrics.jsonl").read_text()
+  assert got["time"] == ref["time"] and got["worker_steps"] == ref["worker_steps"]
+
+
+def test_same_seed_gives_byte_identical_metrics(tmp_path):
+  kw = {"hetero.slow_workers": (1,), "hetero.slowdown": 3.0, "hetero.jitter": 0.2}
+  for d in ("a", "b"):
+    sim.simulate_and_train(_small_config("ripples_random", **kw), str(tmp_path / d))
+  a = (tmp_path / "a" / "metrics.jsonl").read_text()
+  assert a == (tmp_path / "b" / "metrics.jsonl").read_text() and len(a.splitlines()) >= 3
+  sim.simulate_and_train(_small_config("ripples_random", seed=1, **kw), str(tmp_path / "c"))
+  assert a != (tmp_path / "c" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("algorithm", ["ripples_random", "adpsgd", "ps_async", "dpsgd"])
+def test_packed_rounds_equal_one_event_at_a_time(algorithm):
+  """Packing many events into one round must compute exactly what executing them in order does."""
+  n = 8
+  trace, _, _ = clock(algorithm, n=n, steps=4, slow=(1,), s=3.0, jitter=0.3)
+  data = load_dataset("synthetic", seed=0)
+  shards = shard_indices(data["y_train"], n, "iid", seed=0)
+  model = build_model("mlp", data["num_classes"], hidden=(8,))
+  opt = optax.sgd(0.05, momentum=0.9)
+  slots = n + (algorithm == "ps_async")
+  mesh = C.make_worker_mesh(slots, jax.devices()[:1])
+  fn = engine.make_sim_round_fn(model, opt, mesh, n, slots, cross_apply=algorithm == "ps_async",
+                                ring=algorithm == "dpsgd", pull=algorithm == "ps_async")
+
+  def execute(rounds):
+    state = engine.init_sim_state(model, opt, jax.random.key(0), data["x_train"][:1], slots, mesh)
+    starts = np.zeros(n, np.int64)
+    for r in rounds:
+      idx = batch_indices(shards, 4, 0, starts)
+      x = np.zeros((slots, 4) + data["x_train"].shape[1:], np.float32)
+      y = np.zeros((slots, 4), np.int32)
+      x[:n], y[:n] = data["x_train"][idx], data["y_train"][idx]
+      state, _ = fn(state, x, y, r["apply_src"], r["gid"], r["ring"], r["pull_src"], r["start"])
+      starts += r["start"][:n]
+    return jax.tree.map(np.asarray, state["params"])
+
+  packed = list(timeline.pack_rounds(trace.events, n, slots))
+  single = [r for e in trace.events for r in timeline.pack_rounds([e], n, slots)]
+  assert len(packed) < len(single)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               execute(packed), execute(single))
+
+
+def test_static_gg_in_the_clock_follows_the_layouts():
+  trace, _, _ = clock("ripples_static", slow=(), jitter=0.0, steps=8)
+  layouts = static_gg_layouts(16, 4)
+  runs = [e[2] for e in trace.events if e[1] == timeline.AVG]
+  # the run ends at the 8th step's last gradient, before that step's sync
+  expect = [g for k in range(7) for g in layouts[k % 4] if len(g) > 1]
+  assert sorted(runs) == sorted(expect)
