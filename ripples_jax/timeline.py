@@ -41,19 +41,23 @@ class SpeedModel:
   seed: int = 0
 
   def streams(self):
-    """One independent generator per worker, so a worker's times do not depend on event order."""
-    return [np.random.default_rng([2, self.seed, w]) for w in range(self.num_workers)]
+    """One independent stream of step times per worker, so a worker's times never depend on the order
+    of events; drawn in blocks because the clock asks for one number at a time."""
+    return [self._stream(w) for w in range(self.num_workers)]
 
-  def draw(self, rngs, worker: int) -> float:
-    rng = rngs[worker]
-    t = self.base_time
-    if worker in self.slow_workers:
-      t *= self.slowdown
-    if self.random_p and rng.random() < self.random_p:
-      t *= self.slowdown
-    if self.jitter:
-      t *= float(np.exp(self.jitter * rng.standard_normal()))
-    return t
+  def _stream(self, w: int):
+    rng = np.random.default_rng([2, self.seed, w])
+    base = self.base_time * (self.slowdown if w in self.slow_workers else 1.0)
+    while True:
+      t = np.full(1024, base)
+      if self.random_p:
+        t *= np.where(rng.random(1024) < self.random_p, self.slowdown, 1.0)
+      if self.jitter:
+        t *= np.exp(self.jitter * rng.standard_normal(1024))
+      yield from t.tolist()
+
+  def draw(self, streams, worker: int) -> float:
+    return next(streams[worker])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +164,10 @@ class _Clock:
     self.trace = Trace(self.n)
     self.heap, self.seq, self.now, self.done = [], 0, 0.0, 0
     self.stopped = False
-    self.started_at = np.zeros(self.n)
-    self.duration = np.zeros(self.n)   # current compute's duration (known to the clock only)
-    self.iterations = np.zeros(self.n, np.int64)
+    # Plain lists: the clock touches one worker at a time, where numpy indexing costs more than it saves.
+    self.started_at = [0.0] * self.n
+    self.duration = [0.0] * self.n   # current compute's duration (known to the clock only)
+    self.iterations = [0] * self.n
     self.observed = [[] for _ in range(self.n)]
 
   def at(self, t: float, fn: Callable, *args) -> None:
@@ -216,9 +221,9 @@ def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
   """Ripples: step, then run the worker's groups from the global Group Buffer, then step again."""
   n = clock.n
   buf = GroupBuffer(n)
-  limit = np.zeros(n, np.int64)      # groups a worker may run at this ready point (created before it)
-  arrived_at = np.zeros(n)
-  estimates = np.full(n, clock.speed.base_time)
+  limit = [0] * n                    # groups a worker may run at this ready point (created before it)
+  arrived_at = [0.0] * n
+  estimates = [clock.speed.base_time] * n
   requests = [0]
   refresh_every = max(1, n)          # agreed boundary: every n requests, all estimates refresh
 
@@ -228,6 +233,8 @@ def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
   def expected_ready(j):
     return clock.started_at[j] + estimates[j]
 
+  view = GGView(0.0, buf, expected_ready, estimate, lambda j: clock.iterations[j])
+
   def on_finish(w):
     clock.applied(w, w)
     if clock.stopped:
@@ -236,10 +243,13 @@ def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
       requests[0] += 1
       if requests[0] % refresh_every == 0:  # EMA of observed step times, refreshed for everyone at once
         for j in range(n):
-          if clock.observed[j]:
-            estimates[j] = 0.5 * estimates[j] + 0.5 * np.mean(clock.observed[j][-4:])
+          recent = clock.observed[j][-4:]
+          if recent:
+            estimates[j] = 0.5 * estimates[j] + 0.5 * sum(recent) / len(recent)
+          del clock.observed[j][:-4]
       buf.requests += 1
-      gg(w, GGView(clock.now, buf, expected_ready, estimate, lambda j: int(clock.iterations[j])))
+      view.now = clock.now
+      gg(w, view)
     limit[w] = len(buf.groups)
     advance(w)
 

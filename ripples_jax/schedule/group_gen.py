@@ -6,6 +6,7 @@ no deadlock of a real collective backend) can occur. A Group Generator appends g
 when a worker that is ready has nothing left to execute.
 """
 import dataclasses
+import random
 from typing import Callable, Sequence
 
 import numpy as np
@@ -78,11 +79,11 @@ def static_gg(layouts: Sequence[Layout]):
 
 def random_gg(num_workers: int, group_size: int, rng: np.random.Generator):
   """Random GG: the ready worker plus group_size-1 others drawn uniformly; conflicts serialise."""
+  py_rng = random.Random(int(rng.integers(2**63)))  # one draw per request: python's sampler is cheaper
 
   def request(worker: int, view: GGView) -> None:
-    others = np.delete(np.arange(num_workers), worker)
-    picked = rng.choice(others, size=min(group_size - 1, len(others)), replace=False)
-    view.buffer.append([worker, *picked.tolist()], view.now)
+    picked = py_rng.sample(range(num_workers - 1), min(group_size - 1, num_workers - 1))
+    view.buffer.append([worker] + [j + (j >= worker) for j in picked], view.now)
 
   return request
 
@@ -112,8 +113,8 @@ def smart_gg(num_workers: int, group_size: int, tolerance: float = 0.5, max_gap:
   skipped = np.zeros(num_workers, np.int64)
 
   def request(worker: int, view: GGView) -> None:
-    cands = [j for j in range(num_workers) if j != worker and not view.buffer.pending(j)]
-    ready = sorted((view.expected_ready(j), j) for j in cands)
+    queues, ready_at = view.buffer.queues, view.expected_ready
+    ready = sorted((ready_at(j), j) for j in range(num_workers) if j != worker and not queues[j])
     horizon = view.now + tolerance * view.estimate(worker)
     near = [j for r, j in ready if r <= horizon][:group_size - 1]
     if not near and skipped[worker] < max_gap:
