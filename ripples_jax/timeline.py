@@ -165,7 +165,7 @@ class _Clock:
     self.heap, self.seq, self.now, self.done = [], 0, 0.0, 0
     self.stopped = False
     # Plain lists: the clock touches one worker at a time, where numpy indexing costs more than it saves.
-    self.started_at = [0.0] * self.n
+    self.started_at = np.zeros(self.n)  # an array: Smart GG reads all of it at every request
     self.duration = [0.0] * self.n   # current compute's duration (known to the clock only)
     self.iterations = [0] * self.n
     self.observed = [[] for _ in range(self.n)]
@@ -223,17 +223,11 @@ def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
   buf = GroupBuffer(n)
   limit = [0] * n                    # groups a worker may run at this ready point (created before it)
   arrived_at = [0.0] * n
-  estimates = [clock.speed.base_time] * n
+  estimates = np.full(n, clock.speed.base_time)
   requests = [0]
   refresh_every = max(1, n)          # agreed boundary: every n requests, all estimates refresh
 
-  def estimate(j):
-    return estimates[j]
-
-  def expected_ready(j):
-    return clock.started_at[j] + estimates[j]
-
-  view = GGView(0.0, buf, expected_ready, estimate, lambda j: clock.iterations[j])
+  view = GGView(0.0, buf, clock.started_at, estimates, lambda j: clock.iterations[j])
 
   def on_finish(w):
     clock.applied(w, w)
@@ -270,9 +264,7 @@ def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
 
   def group_end(g):
     clock.emit(AVG, g.members)
-    for m in g.members:
-      assert buf.queues[m][0] is g  # global order: a member's head is always the group that ran
-      buf.queues[m].pop(0)
+    buf.pop(g)
     for m in g.members:
       advance(m)
 

@@ -32,6 +32,7 @@ class GroupBuffer:
     self.queues: list[list[Group]] = [[] for _ in range(num_workers)]
     self.conflicts = np.zeros(num_workers, np.int64)  # groups created while the worker had one pending
     self.requests = 0
+    self.npending = np.zeros(num_workers, np.int64)  # len(queues[w]) as one array, for vectorised GGs
 
   def append(self, members: Sequence[int], now: float) -> Group | None:
     members = tuple(sorted(int(m) for m in members))
@@ -43,7 +44,15 @@ class GroupBuffer:
       if self.queues[m]:
         self.conflicts[m] += 1
       self.queues[m].append(g)
+      self.npending[m] += 1
     return g
+
+  def pop(self, g: Group) -> None:
+    """The group ran: remove it from the head of every member's queue."""
+    for m in g.members:
+      assert self.queues[m][0] is g  # global order: a member's head is always the group that ran
+      self.queues[m].pop(0)
+      self.npending[m] -= 1
 
   def pending(self, worker: int) -> bool:
     return bool(self.queues[worker])
@@ -54,8 +63,8 @@ class GGView:
   """What a generator may look at when asked for groups (all of it is host-side clock state)."""
   now: float
   buffer: GroupBuffer
-  expected_ready: Callable[[int], float]  # when a worker is expected to finish its current compute
-  estimate: Callable[[int], float]        # the agreed estimate of a worker's step time
+  started_at: np.ndarray                  # when each worker started its current compute
+  estimates: np.ndarray                   # the agreed estimate of each worker's step time
   iteration: Callable[[int], int]         # iterations the worker has completed
 
 
@@ -112,17 +121,23 @@ def smart_gg(num_workers: int, group_size: int, tolerance: float = 0.5, max_gap:
   """
   skipped = np.zeros(num_workers, np.int64)
 
+  k = group_size - 1
+
   def request(worker: int, view: GGView) -> None:
-    queues, ready_at = view.buffer.queues, view.expected_ready
-    ready = sorted((ready_at(j), j) for j in range(num_workers) if j != worker and not queues[j])
-    horizon = view.now + tolerance * view.estimate(worker)
-    near = [j for r, j in ready if r <= horizon][:group_size - 1]
-    if not near and skipped[worker] < max_gap:
+    # Vectorised over workers: this runs once per step of every worker, with n up to hundreds.
+    ready = view.started_at + view.estimates  # when each worker is expected to be ready
+    ready[view.buffer.npending > 0] = np.inf  # never pick a worker with a pending group
+    ready[worker] = np.inf
+    soonest = np.argpartition(ready, k)[:k] if k < num_workers else np.arange(num_workers)
+    soonest = soonest[np.argsort(ready[soonest], kind="stable")]
+    soonest = soonest[np.isfinite(ready[soonest])]
+    near = soonest[ready[soonest] <= view.now + tolerance * view.estimates[worker]]
+    if not len(near) and skipped[worker] < max_gap:
       skipped[worker] += 1
       return
-    if not near:
-      near = [j for _, j in ready[:group_size - 1]]
+    if not len(near):
+      near = soonest
     skipped[worker] = 0
-    view.buffer.append([worker, *near], view.now)
+    view.buffer.append([worker, *near.tolist()], view.now)
 
   return request
