@@ -183,7 +183,7 @@ def init_sim_state(model, optimizer, rng, sample_x, num_slots: int, mesh: Mesh) 
 
 def make_sim_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, num_workers: int,
                       num_slots: int, cross_apply: bool = False, ring: bool = False,
-                      pull: bool = False) -> Callable:
+                      pull: bool = False, start_capacity: int | None = None) -> Callable:
   """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S).
 
   One round executes a packed batch of clock events in four phases, each at most once per slot:
@@ -194,7 +194,9 @@ def make_sim_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh
     D start:   slots in start compute a gradient on their current params and keep it pending
   The packing guarantees each slot's events keep their clock order (timeline.pack_rounds). Slots past
   num_workers are the parameter server and padding. The static flags compile only what an algorithm
-  uses (cross-slot applies, the ring, pulls).
+  uses (cross-slot applies, the ring, pulls). With `start_capacity` C, gradients are computed only for
+  (at most C) starting slots, gathered, instead of for every slot: the asynchronous parameter server's
+  rounds start one worker each.
   """
   ar = np.arange(num_slots)
   ring_prev = np.where(ar < num_workers, (ar - 1) % num_workers, ar)
@@ -230,9 +232,18 @@ def make_sim_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh
     merged = unravel(buf_SxD)
     params, model_state = merged["params"], merged["model_state"]
     # D: start new gradients on the current params; the loss reported is the one at the start.
-    new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
-    grads = masked(start_S, new_grads, grads)
-    model_state = masked(start_S, new_model_state, model_state)
+    if start_capacity is None:
+      new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
+      grads = masked(start_S, new_grads, grads)
+      model_state = masked(start_S, new_model_state, model_state)
+    else:
+      # Out-of-range fill ids: their gathers clip and their scatters are dropped.
+      idx_C = jnp.nonzero(start_S, size=start_capacity, fill_value=num_slots)[0]
+      take = lambda t: jax.tree.map(lambda a: jnp.take(a, idx_C, axis=0, mode="clip"), t)
+      put = lambda t, new: jax.tree.map(lambda a, b: a.at[idx_C].set(b, mode="drop"), t, new)
+      g_C, ms_C, loss_C = jax.vmap(grad_step)(take(params), take(model_state), take(x_SxB), take(y_SxB))
+      grads, model_state = put(grads, g_C), put(model_state, ms_C)
+      loss_S = jnp.full((num_slots,), jnp.nan, loss_C.dtype).at[idx_C].set(loss_C, mode="drop")
     new_state = {"params": params, "model_state": model_state, "opt_state": opt_state, "grads": grads}
     return new_state, jnp.where(start_S, loss_S, jnp.nan)
 

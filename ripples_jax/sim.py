@@ -106,7 +106,8 @@ def simulate_and_train(config, workdir: str) -> dict:
                time.time() - t_clock, n, base_time, model_bytes)
 
   round_fn = engine.make_sim_round_fn(model, optimizer, mesh, n, slots, cross_apply=has_server,
-                                      ring=config.algorithm == "dpsgd", pull=has_server)
+                                      ring=config.algorithm == "dpsgd", pull=has_server,
+                                      start_capacity=1 if has_server else None)
   eval_fn = engine.make_eval_fn(model)
   x_test, y_test = jax.device_put((data["x_test"], data["y_test"]))
   sharding = engine.worker_sharding(mesh)
@@ -119,14 +120,20 @@ def simulate_and_train(config, workdir: str) -> dict:
   applied = 0
   losses = []
   last, time_to_target = {}, None
-  x_pad = np.zeros((slots - n, config.batch_size) + data["x_train"].shape[1:], data["x_train"].dtype)
-  y_pad = np.zeros((slots - n, config.batch_size), data["y_train"].dtype)  # the server never starts
+  x_zero = np.zeros((slots, config.batch_size) + data["x_train"].shape[1:], data["x_train"].dtype)
+  y_zero = np.zeros((slots, config.batch_size), data["y_train"].dtype)
   next_log, next_eval = config.log_every, config.eval_every
   try:
     for r in timeline.pack_rounds(trace.events, n, slots):
-      idx = data_lib.batch_indices(shards, config.batch_size, config.seed, starts)
-      x = np.concatenate([data["x_train"][idx], x_pad]) if slots > n else data["x_train"][idx]
-      y = np.concatenate([data["y_train"][idx], y_pad]) if slots > n else data["y_train"][idx]
+      # A server round is apply -> pull -> start for one worker: the next push to the server ends it.
+      assert not has_server or r["start"].sum() <= 1
+      # Batches only for the workers that start (each at its own step); other rows are never read.
+      x, y = x_zero.copy(), y_zero.copy()
+      started = np.flatnonzero(r["start"][:n])
+      if len(started):
+        idx = data_lib.batch_indices([shards[w] for w in started], config.batch_size, config.seed,
+                                     starts[started], workers=started)
+        x[started], y[started] = data["x_train"][idx], data["y_train"][idx]
       put = lambda a: jax.device_put(a, sharding)
       state, loss_S = round_fn(state, put(x), put(y), put(r["apply_src"]), put(r["gid"]), r["ring"],
                                put(r["pull_src"]), put(r["start"]))

@@ -143,7 +143,8 @@ def test_packed_rounds_equal_one_event_at_a_time(algorithm):
   slots = n + (algorithm == "ps_async")
   mesh = C.make_worker_mesh(slots, jax.devices()[:1])
   fn = engine.make_sim_round_fn(model, opt, mesh, n, slots, cross_apply=algorithm == "ps_async",
-                                ring=algorithm == "dpsgd", pull=algorithm == "ps_async")
+                                ring=algorithm == "dpsgd", pull=algorithm == "ps_async",
+                                start_capacity=1 if algorithm == "ps_async" else None)
 
   def execute(rounds):
     state = engine.init_sim_state(model, opt, jax.random.key(0), data["x_train"][:1], slots, mesh)

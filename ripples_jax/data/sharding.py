@@ -55,8 +55,11 @@ def _epoch_perm(seed: int, worker: int, epoch: int, size: int) -> np.ndarray:
 
 
 def batch_indices(shards: Sequence[np.ndarray], batch_size: int, seed: int,
-                  step) -> np.ndarray:
+                  step, workers: Sequence[int] | None = None) -> np.ndarray:
   """Global example indices [W, batch_size] for `step` (an int, or one step per worker).
+
+  `workers` names the worker id of each shard when only some workers' batches are wanted (their
+  batches equal those of the full call).
 
   Worker w walks its own shard in epochs, each a fresh permutation of the shard;
   its step-k batch is positions k*B .. k*B+B-1 of that endless walk. A batch that
@@ -67,16 +70,17 @@ def batch_indices(shards: Sequence[np.ndarray], batch_size: int, seed: int,
   if batch_size < 1 or (steps < 0).any():
     raise ValueError(f"need batch_size >= 1 and step >= 0, got {batch_size}, {step}")
   out = np.empty((len(shards), batch_size), np.int64)
-  for w, shard in enumerate(shards):
+  ids = range(len(shards)) if workers is None else workers
+  for k, (w, shard) in enumerate(zip(ids, shards)):
     size = len(shard)
     if size == 0:
       raise ValueError(f"worker {w} has an empty shard")
     # Asynchronous workers are at different steps: each walks its own shard at its own pace.
-    pos = steps[w] * batch_size + np.arange(batch_size, dtype=np.int64)
+    pos = steps[k] * batch_size + np.arange(batch_size, dtype=np.int64)
     epoch, offset = pos // size, pos % size
     for e in np.unique(epoch):
       sel = epoch == e
-      out[w, sel] = np.asarray(shard)[_epoch_perm(seed, w, int(e), size)[offset[sel]]]
+      out[k, sel] = np.asarray(shard)[_epoch_perm(seed, w, int(e), size)[offset[sel]]]
   return out
 
 
