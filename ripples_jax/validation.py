@@ -59,6 +59,11 @@ def validate_train_config(config, num_devices: int) -> None:
   if config.dataset == "cifar10" and not config.data_dir:
     _fail("data_dir", config.data_dir, "cifar10 needs the directory holding data_batch_1..5 and test_batch")
 
+  _check_optimizer(config)
+  _check_schedule(config, n)
+
+
+def _check_optimizer(config):
   opt = config.optimizer
   _one_of(config, "optimizer.name", OPTIMIZERS)
   _one_of(config, "optimizer.lr_schedule", LR_SCHEDULES)
@@ -71,6 +76,8 @@ def validate_train_config(config, num_devices: int) -> None:
   if isinstance(opt.warmup_steps, bool) or not isinstance(opt.warmup_steps, int) or opt.warmup_steps < 0:
     _fail("optimizer.warmup_steps", opt.warmup_steps, "an integer >= 0")
 
+
+def _check_schedule(config, n):
   s = config.schedule
   if config.algorithm == "ripples_static":
     _one_of(config, "schedule.layout", STATIC_LAYOUTS)
@@ -121,3 +128,41 @@ def _int_in(config, key, lo, hi, allowed):
   value = _get(config, key)
   if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
     _fail(key, value, allowed)
+
+
+DSP_METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
+PLACEMENTS = ("one_device", "per_stage")
+
+
+def validate_dsp_config(config, num_devices: int | None = None) -> None:
+  """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
+  from ripples_jax.pipeline.dsp import MODES
+  from ripples_jax.pipeline.split import max_stages
+  _one_of(config, "method", DSP_METHODS)
+  _one_of(config, "mode", MODES)
+  _one_of(config, "dataset", DATASETS)
+  _one_of(config, "model", MODEL_NAMES)
+  _one_of(config, "placement", PLACEMENTS)
+  for key in ("num_stages", "batch_size", "microbatches", "num_epochs", "log_every", "eval_every"):
+    _positive_int(config, key)
+  most = max_stages(config.model)
+  if config.num_stages > most:
+    _fail("num_stages", config.num_stages, f"{config.model} splits into at most {most} stages")
+  if config.placement == "per_stage":
+    devices = num_devices or __import__("jax").device_count()
+    if config.num_stages > devices:
+      _fail("num_stages", config.num_stages, f"at most the {devices} devices with placement=per_stage")
+  if config.method == "gpipe" and config.batch_size % config.microbatches:
+    _fail("microbatches", config.microbatches, f"a divisor of batch_size={config.batch_size}")
+  _int_in(config, "delay", 0, 64, "an integer number of ticks in [0, 64]")
+  if config.dataset == "cifar10" and not config.data_dir:
+    _fail("data_dir", config.data_dir, "cifar10 needs the directory holding data_batch_1..5 and test_batch")
+  _check_optimizer(config)
+  if not config.dni_lr > 0:
+    _fail("dni_lr", config.dni_lr, "a number > 0")
+  if not config.slowdown >= 1:
+    _fail("slowdown", config.slowdown, "a factor >= 1")
+  _int_in(config, "straggler_stage", -1, config.num_stages - 1,
+          f"a stage in [0, num_stages={config.num_stages}) or -1 for none")
+  if not 0 <= config.straggler_p <= 1:
+    _fail("straggler_p", config.straggler_p, "a probability in [0, 1]")

@@ -1,0 +1,51 @@
+"""DSP on MNIST-1D: the CNN1D split into K stages, unit link delays, the recompute ring buffer.
+
+  python -m experiments.train_dsp --config=configs/dsp.py --workdir=runs/dsp
+  python -m experiments.train_dsp --config=configs/dsp.py:method=bp
+  python -m experiments.train_dsp --config=configs/dsp.py:method=gpipe,num_stages=4
+
+Expected (2-core CPU): DSP K=2/4 within 1.5 points of BP after the same epochs (about 90%); modeled
+speedup over BP close to K. Variants (`:k=v,...`): method, num_stages, mode, delay, dataset, model,
+epochs.
+"""
+import ml_collections
+
+from ripples_jax.config_util import parse_arg
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, method="dsp", num_stages=2, mode="recompute", delay=1, dataset="mnist1d",
+                  model="cnn1d", epochs=30, microbatches=4)
+  c = ml_collections.ConfigDict()
+  c.method = arg.method            # bp | gpipe | ddg | fr | dni | dsp
+  c.num_stages = arg.num_stages    # K
+  c.mode = arg.mode                # recompute (DSP) | stash (the version the forward used)
+  c.delay = arg.delay              # d_k of every link (DSP); 0 makes DSP equal BP
+  c.microbatches = arg.microbatches  # GPipe's M
+  c.placement = "one_device"       # one_device | per_stage (one stage per device)
+  c.seed = 0
+
+  c.dataset = arg.dataset
+  c.data_dir = ""
+  c.model = arg.model
+  c.batch_size = 64
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "momentum"
+  c.optimizer.lr = 0.05
+  c.optimizer.momentum = 0.9
+  c.optimizer.weight_decay = 5e-4
+  c.optimizer.lr_schedule = "cosine"
+  c.optimizer.warmup_steps = 50
+  c.dni_lr = 0.01                  # DNI: the synthetic-gradient predictors' step size
+
+  # The straggler experiment of the timing model: stage `straggler_stage` slowed by `slowdown`
+  # (or every stage with probability `straggler_p` per iteration).
+  c.straggler_stage = -1
+  c.slowdown = 1.0
+  c.straggler_p = 0.0
+
+  c.num_epochs = arg.epochs
+  c.log_every = 50                 # batches
+  c.eval_every = 500
+  return c

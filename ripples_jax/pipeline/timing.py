@@ -1,0 +1,209 @@
+"""Iteration-time model of DSP and its baselines, with stragglers. Pure numpy.
+
+A network split depth-wise into K stages; stage k takes F_k for the forward and B_k for the backward of
+one batch (the lead measures them with jax and passes them in). One iteration = one batch trained.
+
+  bp     sum_k (F_k + B_k)                          one batch through all stages, nothing overlaps
+  gpipe  [sum_k f_k + (M-1) max_k f_k]              M micro-batches, forward wavefront, then the
+         + [sum_k b_k + (M-1) max_k b_k]            backward wavefront, flush; f_k = F_k/M,
+                                                    b_k = (B_k + F_k)/M with remat, B_k/M without
+  ddg    sum_k F_k + max_k B_k                      forward locked, backwards in parallel (delayed grads)
+  fr     sum_k F_k + max_k (F_k + B_k)              as ddg, the backward recomputes the forward first
+  dni    sum_k F_k + max_k (B_k + P_k)              as ddg, P_k = synthetic-gradient predictor cost
+  dsp    max_k (F_k + B_k)        fused             every stage busy every tick: the forward of a new
+         max_k (2 F_k + B_k)      unfused           batch and recompute + backward of an old one
+
+With equal stages (F, B) GPipe is (M+K-1)/M x (F + B) without remat and (M+K-1)/M x (2F + B) with it,
+so its speedup over BP is K M / (M+K-1), resp. K M (F+B) / ((M+K-1)(2F+B)) = 3 K M / (4 (M+K-1)) for
+B = 2F. DSP's speedup is K fused and K (F+B) / (2F+B) = 3K/4 unfused (B = 2F).
+
+`simulate` runs the same methods as recurrences over iterations (ticks) and stages, so unequal stages,
+a fixed straggler and random slowdowns all follow from the dependencies alone:
+
+  times = simulate("dsp", F, B, 200, straggler_stage=1, slowdown=3.0)
+  steady_spacing(times)           # = iteration time with the straggler
+"""
+import numpy as np
+
+METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
+
+
+def _stages(fwd_K, bwd_K, predictor_K=None):
+  """float64 arrays (F, B, P), checked: same length K >= 1, non-negative."""
+  f = np.asarray(fwd_K, np.float64).reshape(-1)
+  b = np.asarray(bwd_K, np.float64).reshape(-1)
+  p = np.zeros_like(f) if predictor_K is None else np.asarray(predictor_K, np.float64).reshape(-1)
+  if not (f.size and f.size == b.size == p.size):
+    raise ValueError(f"need K >= 1 equal-length stage times, got {f.size}, {b.size}, {p.size}")
+  if (f < 0).any() or (b < 0).any() or (p < 0).any():
+    raise ValueError("stage times must be non-negative")
+  return f, b, p
+
+
+def _check_method(method):
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+
+
+def backward_work(method, f, b, p, fused=True):
+  """Per-stage work that runs in parallel across stages: the decoupled backward, or DSP's tick.
+
+  DSP's fused tick runs the forward of the new batch and the recompute of the old one as one pass
+  over both batches and charges it F_k (the optimistic end: the pass is bound by the stage's weights
+  and launches, not by the batch); unfused, the recompute is a second forward: 2 F_k + B_k.
+  """
+  if method == "ddg":
+    return b            # the stored graph: no recompute
+  if method == "fr":
+    return f + b        # inputs only: recompute the forward, then the backward
+  if method == "dni":
+    return b + p        # backward from the synthetic gradient, plus the predictor's own step
+  if method == "dsp":
+    return f + b if fused else 2 * f + b
+  raise ValueError(f"{method!r} has no decoupled backward")
+
+
+def gpipe_iteration(f, b, microbatches=4, remat=True):
+  """One flushed GPipe iteration by recurrence over (stage, micro-batch); f, b are whole-batch times.
+
+  Forward wavefront: micro-batch m enters stage k once stage k-1 has sent it and stage k is done with
+  m-1. The backward wavefront starts at the last stage when every forward is done and runs the
+  micro-batches in reverse order; with remat each micro-batch backward re-runs its forward first
+  (GPipe stores only the stage-boundary activations). The flush: the iteration ends when stage 0 ends.
+  """
+  f, b = np.asarray(f, np.float64), np.asarray(b, np.float64)
+  m_count, k_count = int(microbatches), f.size
+  if m_count < 1:
+    raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+  fm = f / m_count
+  bm = (b + f) / m_count if remat else b / m_count
+  tf = np.zeros((k_count + 1, m_count + 1))   # row 0 / col 0: nothing upstream / before
+  for k in range(k_count):
+    for m in range(m_count):
+      tf[k + 1, m + 1] = max(tf[k, m + 1], tf[k + 1, m]) + fm[k]
+  fwd_end = tf[1:, -1]
+  tb = np.zeros((k_count + 1, m_count + 1))   # row k_count: the loss, ready when the forward is done
+  tb[k_count, :] = fwd_end[-1]
+  for k in reversed(range(k_count)):
+    tb[k, 0] = fwd_end[-1]                    # a stage starts backwards after every forward (flush)
+    for j in range(m_count):
+      tb[k, j + 1] = max(tb[k + 1, j + 1], tb[k, j], fwd_end[k]) + bm[k]
+  return float(tb[:k_count, -1].max())
+
+
+def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=True, remat=True,
+                   predictor_K=None) -> float:
+  """Seconds per batch in steady state, equal or unequal stages."""
+  _check_method(method)
+  f, b, p = _stages(fwd_K, bwd_K, predictor_K)
+  if method == "bp":
+    return float((f + b).sum())
+  if method == "gpipe":
+    return gpipe_iteration(f, b, microbatches, remat)
+  if method == "dsp":
+    return float(backward_work("dsp", f, b, p, fused).max())
+  return float(f.sum() + backward_work(method, f, b, p).max())
+
+
+def speedup_vs_bp(method, fwd_K, bwd_K, **kw) -> float:
+  """BP's iteration time over the method's (predictor_K and friends do not change BP)."""
+  return iteration_time("bp", fwd_K, bwd_K) / iteration_time(method, fwd_K, bwd_K, **kw)
+
+
+def slowdown_factors(num_stages, num_iters, straggler_stage=None, slowdown=1.0, random_p=0.0,
+                     seed=0) -> np.ndarray:
+  """[num_iters, K] multipliers of every stage's work per iteration.
+
+  random_p > 0: every stage independently slowed by `slowdown` with probability random_p per
+  iteration (the same draw for every method under a seed, so methods are compared on one trace);
+  else only `straggler_stage`, every iteration.
+  """
+  out = np.ones((int(num_iters), int(num_stages)))
+  if random_p > 0:
+    hit = np.random.default_rng(seed).random(out.shape) < random_p
+    out[hit] = slowdown
+  elif straggler_stage is not None:
+    if not -num_stages <= straggler_stage < num_stages:
+      raise ValueError(f"straggler_stage {straggler_stage} out of range for K={num_stages}")
+    out[:, straggler_stage] = slowdown
+  return out
+
+
+def simulate(method, fwd_K, bwd_K, num_iters, microbatches=4, fused=True, remat=True,
+             straggler_stage=None, slowdown=1.0, random_p=0.0, seed=0,
+             predictor_K=None) -> np.ndarray:
+  """Cumulative completion time of each iteration, from a recurrence over iterations and stages.
+
+  A stage's work of an iteration starts once its own previous work is done and its inputs arrived.
+    bp        the stages run one after the other: end_t = end_{t-1} + sum_k work_k,t
+    gpipe     each iteration is a flushed `gpipe_iteration` on that iteration's stage times
+    ddg/fr/dni  one batch in flight (the methods' global step: the next forward starts once every
+              stage applied its update). The forward runs stage by stage; at the loss every stage
+              starts its backward, needing its forward and stage k+1's gradient of iteration t-1
+    dsp       T[k,t] = max(T[k,t-1], T[k-1,t-1], T[k+1,t-1]) + work[k,t]: delay-1 FIFOs both ways;
+              the completion of tick t is the last stage's, where the loss is
+  Every stage's work is a full tick from t = 0 (no cheaper fill ticks): only the steady state is meant.
+  """
+  _check_method(method)
+  f, b, p = _stages(fwd_K, bwd_K, predictor_K)
+  k_count, n = f.size, int(num_iters)
+  fac = slowdown_factors(k_count, n, straggler_stage, slowdown, random_p, seed)
+  out = np.empty(n)
+  if method == "bp":
+    return np.cumsum(fac @ (f + b))
+  if method == "gpipe":
+    end = 0.0
+    for t in range(n):
+      end += gpipe_iteration(f * fac[t], b * fac[t], microbatches, remat)
+      out[t] = end
+    return out
+  if method == "dsp":
+    w = backward_work("dsp", f, b, p, fused)
+    tick = np.zeros(k_count)
+    pad = np.full(1, -np.inf)                 # stage 0 reads the data, stage K-1 makes the loss: local
+    for t in range(n):
+      up = np.concatenate([pad, tick[:-1]])   # stage k-1's activations of tick t-1
+      down = np.concatenate([tick[1:], pad])  # stage k+1's error gradient of tick t-1
+      tick = np.maximum(np.maximum(tick, up), down) + w * fac[t]
+      out[t] = tick[-1]
+    return out
+  w = backward_work(method, f, b, p)
+  done = np.zeros(k_count)                    # when each stage finished its previous backward
+  for t in range(n):
+    start = done.max()                        # one batch in flight: the global step
+    tf = np.empty(k_count)
+    prev = start
+    for k in range(k_count):
+      tf[k] = max(prev, done[k]) + f[k] * fac[t, k]
+      prev = tf[k]
+    loss = tf[-1]                             # as published, the parallel backward phase follows it
+    grad = np.append(done[1:], loss)          # stage k+1's delayed gradient; the last stage's is fresh
+    done = np.maximum(np.maximum(tf, loss), grad) + w * fac[t]
+    out[t] = done.max()
+  return out
+
+
+def steady_spacing(times, warmup=None) -> float:
+  """Mean seconds per iteration after `warmup` iterations (default half of them)."""
+  times = np.asarray(times, np.float64)
+  n = times.size
+  warmup = n // 2 if warmup is None else int(warmup)
+  if not 1 <= warmup < n:
+    raise ValueError(f"warmup must be in [1, {n}), got {warmup}")
+  return float((times[-1] - times[warmup - 1]) / (n - warmup))
+
+
+def straggler_report(fwd_K, bwd_K, num_iters=400, methods=METHODS, **kw) -> dict:
+  """{method: {base, slowed, ratio, speedup}}: steady iteration time without and with the slowdown.
+
+  kw goes to `simulate` (straggler_stage/slowdown or random_p/seed, microbatches, fused, ...);
+  `speedup` is BP's slowed time over the method's slowed time, both on the same slowdown trace.
+  """
+  none = {k: v for k, v in kw.items() if k not in ("straggler_stage", "slowdown", "random_p")}
+  rows = {}
+  for m in ("bp",) + tuple(x for x in methods if x != "bp"):
+    base = steady_spacing(simulate(m, fwd_K, bwd_K, num_iters, **none))
+    slowed = steady_spacing(simulate(m, fwd_K, bwd_K, num_iters, **kw))
+    rows[m] = {"base": base, "slowed": slowed, "ratio": slowed / base,
+               "speedup": rows["bp"]["slowed"] / slowed if rows else 1.0}
+  return {m: rows[m] for m in methods}

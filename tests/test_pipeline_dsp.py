@@ -1,0 +1,228 @@
+"""The DSP tick against references: SGD, BP, the schedule of DESIGN 4.1, placement, stash, convergence."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ripples_jax.data import load_dataset
+from ripples_jax.models import apply_model, build_model, init_model
+from ripples_jax.pipeline import dsp
+from ripples_jax.pipeline.split import split_model
+
+B = 16
+
+
+class Dense(nn.Module):
+  """A stage for tests: one dense layer (tanh except on the logits): smooth, and cheap."""
+  features: int
+  last: bool = False
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    x = nn.Dense(self.features)(x.reshape(x.shape[0], -1))
+    return x if self.last else jnp.tanh(x)
+
+
+def mlp_stages(k, width=16, classes=4):
+  return [Dense(width) for _ in range(k - 1)] + [Dense(classes, last=True)]
+
+
+@pytest.fixture(scope="module")
+def data():
+  return load_dataset("synthetic", seed=0, num_train=256, num_test=64)
+
+
+def batches(data, n, size=B):
+  rng = np.random.default_rng(0)
+  idx = [rng.choice(len(data["y_train"]), size, replace=False) for _ in range(n)]
+  return [(data["x_train"][i], data["y_train"][i]) for i in idx]
+
+
+def run_ticks(stages, opt, schedule, bs, devices=None):
+  state = dsp.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  if devices:
+    state = dsp.place(state, devices)
+  tick = dsp.make_tick(stages, opt, schedule, len(bs), devices)
+  off = schedule.offsets[-1]
+  for t in range(len(bs) + schedule.drain_ticks()):
+    x = bs[t][0] if t < len(bs) else np.zeros_like(bs[0][0])
+    y = bs[min(max(t - off, 0), len(bs) - 1)][1]
+    state, _ = tick(state, x, y, t)
+  return state
+
+
+def params_of(state):
+  return [jax.tree.map(np.asarray, st["params"]) for st in state]
+
+
+def bp_reference(stages, opt, bs, x0):
+  state = dsp.init_pipeline(stages, opt, dsp.method_schedule("bp", len(stages)), jax.random.key(0), x0)
+  params = [st["params"] for st in state]
+  ms = [st["model_state"] for st in state]
+  opt_states = [opt.init(p) for p in params]
+  for x, y in bs:
+    def loss(ps):
+      logits, _ = dsp.compose(stages, ps, ms, x, train=True)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    g = jax.grad(loss)(params)
+    for k in range(len(stages)):
+      u, opt_states[k] = opt.update(g[k], opt_states[k], params[k])
+      params[k] = optax.apply_updates(params[k], u)
+  return [jax.tree.map(np.asarray, p) for p in params]
+
+
+def test_schedule_matches_design():
+  s = dsp.method_schedule("dsp", 3)
+  assert s.staleness == (4, 2, 0) and s.offsets == (0, 1, 2)
+  assert s.batches(10) == [(10, 6), (9, 7), (8, 8)]
+  d = dsp.method_schedule("dsp", 4, delay=2)
+  assert d.staleness == (12, 8, 4, 0)
+  assert dsp.method_schedule("ddg", 4).staleness == (3, 2, 1, 0)
+  assert dsp.method_schedule("bp", 4).staleness == (0, 0, 0, 0)
+
+
+def test_tick_processes_the_scheduled_batches(data):
+  """Identity stages carry the batch index as the value: the ring buffers must hold t - F_k (forward)
+  and t - F_k - S_k (backward slot) at every tick."""
+  K, stages = 3, [IdentityStage() for _ in range(3)]
+  sched = dsp.method_schedule("dsp", K)
+  opt = optax.sgd(0.0)
+  x0 = np.zeros((2, 3), np.float32)
+  state = dsp.init_pipeline(stages, opt, sched, jax.random.key(0), x0)
+  tick = dsp.make_tick(stages, opt, sched, 100)
+  for t in range(12):
+    state, _ = tick(state, np.full((2, 3), float(t), np.float32), np.zeros(2, np.int32), t)
+    for k, (fwd_b, bwd_b) in enumerate(sched.batches(t)):
+      s = sched.staleness[k]
+      ring = np.asarray(state[k]["in_ring"])[:, 0, 0]
+      if fwd_b >= 0:
+        assert ring[t % (s + 1)] == fwd_b
+      if bwd_b >= 0:
+        assert ring[(t - s) % (s + 1)] == bwd_b
+
+
+class IdentityStage(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=False):
+    scale = self.param("scale", nn.initializers.ones, ())
+    return x * scale if x.shape[-1] != 1 else x
+
+
+def test_one_stage_equals_plain_sgd(data):
+  bs = batches(data, 6)
+  model = build_model("mlp", data["num_classes"], hidden=(16,))
+  opt = optax.sgd(0.1)
+  state = run_ticks([model], opt, dsp.method_schedule("dsp", 1), bs)
+  params, ms = init_model(model, jax.random.fold_in(jax.random.key(0), 0), bs[0][0][:1])
+  for x, y in bs:
+    def loss(p):
+      return optax.softmax_cross_entropy_with_integer_labels(apply_model(model, p, ms, x, True)[0], y).mean()
+    params = optax.apply_updates(params, opt.update(jax.grad(loss)(params), opt.init(params))[0])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_of(state)[0], params)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "stash"])
+def test_all_delays_zero_equals_bp(data, mode):
+  bs = batches(data, 8)
+  stages = mlp_stages(3)
+  opt = optax.sgd(0.1, momentum=0.9)
+  state = run_ticks(stages, opt, dsp.method_schedule("dsp", 3, delay=0, mode=mode), bs)
+  ref = bp_reference(stages, opt, bs, bs[0][0])
+  for got, want in zip(params_of(state), ref):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+def test_gpipe_equals_bp(data):
+  bs = batches(data, 4)
+  stages = mlp_stages(3)
+  opt = optax.sgd(0.1)
+  state = dsp.init_pipeline(stages, opt, dsp.method_schedule("bp", 3), jax.random.key(0), bs[0][0])
+  step = dsp.make_gpipe_step(stages, opt, microbatches=4)
+  for x, y in bs:
+    state, _ = step(state, x, y)
+  for got, want in zip(params_of(state), bp_reference(stages, opt, bs, bs[0][0])):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("method", ["dsp", "ddg"])
+def test_one_device_and_one_stage_per_device_agree(data, method):
+  bs = batches(data, 6)
+  stages = mlp_stages(4)
+  opt = optax.sgd(0.1, momentum=0.9)
+  sched = dsp.method_schedule(method, 4)
+  one = run_ticks(stages, opt, sched, bs)
+  spread = run_ticks(stages, opt, sched, bs, devices=jax.devices()[:4])
+  assert {list(st["params"]["Dense_0"]["kernel"].devices())[0] for st in spread} == set(jax.devices()[:4])
+  for a, b in zip(params_of(one), params_of(spread)):
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6), a, b)
+
+
+def test_stash_uses_the_stored_version(data):
+  """Stage 0 of K=2 (S_0 = 2): with plain SGD its update at tick t is -lr * grad at the params stored
+  when batch t-2 went forward. Recompute mode would use the current params instead; they differ."""
+  bs = batches(data, 8)
+  stages = mlp_stages(2)
+  lr = 0.5
+  opt = optax.sgd(lr)
+  sched = dsp.method_schedule("dsp", 2, mode="stash")
+  state = dsp.init_pipeline(stages, opt, sched, jax.random.key(0), bs[0][0])
+  tick = dsp.make_tick(stages, opt, sched, len(bs))
+  for t in range(5):
+    state, _ = tick(state, bs[t][0], bs[max(t - 1, 0)][1], t)
+  before = jax.tree.map(np.array, state[0])
+  bwd = state[0]["bwd_fifo"][0]  # the error gradient stage 0 consumes at tick 5 (batch 3)
+  state, _ = tick(state, bs[5][0], bs[4][1], 5)
+  slot = (5 - 2) % 3
+  x_old = before["in_ring"][slot]
+
+  def step_with(p):
+    _, pullback = jax.vjp(lambda p: apply_model(stages[0], p, {}, x_old, True)[0], p)
+    return jax.tree.map(lambda w, g: w - lr * g, before["params"], pullback(bwd)[0])
+  stored = jax.tree.map(lambda r: r[slot], before["param_ring"])
+  assert not np.allclose(stored["Dense_0"]["kernel"], before["params"]["Dense_0"]["kernel"])
+  got = params_of(state)[0]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, step_with(stored))
+  with pytest.raises(AssertionError):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got,
+                 step_with(before["params"]))
+
+
+def test_dsp_k4_drives_the_full_gradient_to_zero(data):
+  """The paper's convergence claim, numerically: full-batch DSP (K=4, S = {6,4,2,0}) with a decaying
+  step size on a smooth problem (tanh network, weight decay) reaches a small full-gradient norm."""
+  x, y = data["x_train"][:128], data["y_train"][:128]
+  stages = mlp_stages(4, width=8)
+  wd = 1e-2
+  sched_fn = lambda t: 0.3 / (1 + t / 300)
+  opt = optax.chain(optax.add_decayed_weights(wd), optax.sgd(sched_fn))
+  n = 3000
+  state = run_ticks(stages, opt, dsp.method_schedule("dsp", 4), [(x, y)] * n)
+  params = [st["params"] for st in state]
+
+  def objective(ps):
+    logits, _ = dsp.compose(stages, ps, [{}] * 4, x, train=False)
+    l2 = sum(jnp.sum(a * a) for a in jax.tree.leaves(ps))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + 0.5 * wd * l2
+  init = dsp.init_pipeline(stages, opt, dsp.method_schedule("dsp", 4), jax.random.key(0), x)
+  g0 = jax.grad(objective)([st["params"] for st in init])
+  g = jax.grad(objective)(params)
+  norm = lambda g: float(jnp.sqrt(sum(jnp.sum(a * a) for a in jax.tree.leaves(g))))
+  assert norm(g) < 1e-2 and norm(g) < 0.05 * norm(g0), (norm(g), norm(g0))
+
+
+def test_dsp_ring_buffer_bytes(data):
+  """recompute mode stores S_k + 1 inputs and one parameter copy per stage (read from the live state)."""
+  bs = batches(data, 2)
+  stages = mlp_stages(4)
+  for mode in ("recompute", "stash"):
+    sched = dsp.method_schedule("dsp", 4, mode=mode)
+    state = dsp.init_pipeline(stages, optax.sgd(0.1), sched, jax.random.key(0), bs[0][0])
+    for k, (st, b) in enumerate(zip(state, dsp.stored_bytes(state))):
+      s = sched.staleness[k]
+      in_bytes = bs[0][0].nbytes if k == 0 else B * 16 * 4
+      assert b["inputs"] == (s + 1) * in_bytes
+      p_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(st["params"]))
+      assert b["params"] == p_bytes
+      assert b["param_versions"] == ((s + 1) * p_bytes if mode == "stash" else 0)

@@ -1,0 +1,151 @@
+"""Iteration-time model of DSP and its baselines: closed forms, recurrences, stragglers."""
+import numpy as np
+import pytest
+
+from ripples_jax.pipeline import timing as T
+
+
+def equal(k, f=1.0):
+  return [f] * k, [2 * f] * k   # B = 2F
+
+
+def unequal(seed=0, k=5):
+  rng = np.random.default_rng(seed)
+  return rng.uniform(0.5, 2.0, k), rng.uniform(1.0, 4.0, k)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_dsp_speedup_is_k_fused_and_three_quarters_k_unfused(k):
+  f, b = equal(k, 0.37)
+  assert T.speedup_vs_bp("dsp", f, b, fused=True) == pytest.approx(k, abs=1e-12)
+  assert T.speedup_vs_bp("dsp", f, b, fused=False) == pytest.approx(3 * k / 4, abs=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_gpipe_equal_stages_match_the_bubble_closed_form(k, m):
+  f, b = equal(k, 0.5)
+  fk, bk = f[0], b[0]
+  no_remat = T.iteration_time("gpipe", f, b, microbatches=m, remat=False)
+  remat = T.iteration_time("gpipe", f, b, microbatches=m, remat=True)
+  assert no_remat == pytest.approx((m + k - 1) / m * (fk + bk), abs=1e-9)
+  assert remat == pytest.approx((m + k - 1) / m * (2 * fk + bk), abs=1e-9)
+  assert T.speedup_vs_bp("gpipe", f, b, microbatches=m, remat=False) == pytest.approx(
+      k * m / (m + k - 1), abs=1e-9)
+  # B = 2F: BP per stage 3F, GPipe with remat 4F per stage-batch inside the bubble.
+  assert T.speedup_vs_bp("gpipe", f, b, microbatches=m) == pytest.approx(
+      3 * k * m / (4 * (m + k - 1)), abs=1e-9)
+
+
+@pytest.mark.parametrize("remat", [True, False])
+def test_gpipe_recurrence_matches_the_flow_shop_form_on_unequal_stages(remat):
+  for seed in range(5):
+    f, b = unequal(seed)
+    m = 6
+    fm, bm = f / m, (b + f * remat) / m
+    want = fm.sum() + (m - 1) * fm.max() + bm.sum() + (m - 1) * bm.max()
+    assert T.iteration_time("gpipe", f, b, microbatches=m, remat=remat) == pytest.approx(want, abs=1e-9)
+
+
+def test_gpipe_with_one_microbatch_and_no_remat_is_bp():
+  f, b = unequal(3)
+  assert T.iteration_time("gpipe", f, b, microbatches=1, remat=False) == pytest.approx(
+      T.iteration_time("bp", f, b), abs=1e-12)
+
+
+def test_decoupled_closed_forms_and_fr_never_beats_ddg():
+  for seed in range(5):
+    f, b = unequal(seed)
+    p = np.full_like(f, 0.3)
+    assert T.iteration_time("ddg", f, b) == pytest.approx(f.sum() + b.max())
+    assert T.iteration_time("fr", f, b) == pytest.approx(f.sum() + (f + b).max())
+    assert T.iteration_time("dni", f, b, predictor_K=p) == pytest.approx(f.sum() + (b + p).max())
+    assert T.iteration_time("dni", f, b) == T.iteration_time("ddg", f, b)
+    assert T.iteration_time("fr", f, b) >= T.iteration_time("ddg", f, b)
+
+
+def test_order_of_stages_does_not_change_bp_ddg_fr_dsp():
+  f, b = unequal(1)
+  perm = np.random.default_rng(0).permutation(f.size)
+  for m in ("bp", "ddg", "fr", "dsp"):
+    assert T.iteration_time(m, f[perm], b[perm]) == pytest.approx(T.iteration_time(m, f, b))
+
+
+def test_dsp_is_limited_by_its_slowest_stage():
+  f, b = [1.0, 1.0, 3.0, 1.0], [2.0, 2.0, 6.0, 2.0]
+  assert T.iteration_time("dsp", f, b) == 9.0
+  assert T.iteration_time("dsp", f, b, fused=False) == 12.0
+  assert T.speedup_vs_bp("dsp", f, b) == pytest.approx(18 / 9)   # far from K = 4
+  assert T.steady_spacing(T.simulate("dsp", f, b, 100)) == pytest.approx(9.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("method", T.METHODS)
+@pytest.mark.parametrize("fused", [True, False])
+def test_simulated_spacing_equals_iteration_time(method, fused):
+  for f, b in (equal(4), unequal(2), unequal(7, k=3)):
+    kw = dict(microbatches=3, fused=fused, remat=fused)
+    times = T.simulate(method, f, b, 120, **kw)
+    assert np.all(np.diff(times) > 0)
+    assert T.steady_spacing(times, warmup=20) == pytest.approx(
+        T.iteration_time(method, f, b, **kw), abs=1e-6)
+
+
+def test_fixed_straggler_bp_grows_by_the_stage_extra_work():
+  f, b = unequal(4)
+  k, s = 2, 3.0
+  base = T.steady_spacing(T.simulate("bp", f, b, 50))
+  slowed = T.steady_spacing(T.simulate("bp", f, b, 50, straggler_stage=k, slowdown=s))
+  assert slowed - base == pytest.approx((s - 1) * (f[k] + b[k]), abs=1e-9)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_fixed_straggler_dsp_runs_at_the_straggler_pace(stage):
+  f, b = equal(4)
+  s = 3.0
+  times = T.simulate("dsp", f, b, 200, straggler_stage=stage, slowdown=s)
+  assert T.steady_spacing(times) == pytest.approx(s * (f[0] + b[0]), abs=1e-9)
+  times = T.simulate("dsp", f, b, 200, fused=False, straggler_stage=stage, slowdown=s)
+  assert T.steady_spacing(times) == pytest.approx(s * (2 * f[0] + b[0]), abs=1e-9)
+
+
+def test_dsp_slack_absorbs_a_straggler_that_bp_pays_for():
+  # Stage 2 has half the others' work: slowing it 1.5x stays under the slowest stage.
+  f, b = [1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 1.0, 2.0]
+  kw = dict(straggler_stage=2, slowdown=1.5)
+  rep = T.straggler_report(f, b, num_iters=200, methods=("bp", "dsp"), **kw)
+  assert rep["dsp"]["ratio"] == pytest.approx(1.0, abs=1e-9)
+  assert rep["bp"]["slowed"] - rep["bp"]["base"] == pytest.approx(0.5 * 1.5, abs=1e-9)
+
+
+def test_random_slowdowns_are_deterministic_under_a_seed():
+  f, b = unequal(5)
+  kw = dict(random_p=0.2, slowdown=2.5)
+  for m in T.METHODS:
+    a = T.simulate(m, f, b, 60, seed=3, **kw)
+    np.testing.assert_array_equal(a, T.simulate(m, f, b, 60, seed=3, **kw))
+    assert not np.array_equal(a, T.simulate(m, f, b, 60, seed=4, **kw))
+    # p = 1 slows every stage every iteration: time scales exactly by the slowdown.
+    np.testing.assert_allclose(T.simulate(m, f, b, 60, random_p=1.0, slowdown=2.5),
+                               2.5 * T.simulate(m, f, b, 60), rtol=1e-12)
+
+
+def test_random_slowdowns_cost_dsp_less_than_a_lockstep_tick():
+  # Equal stages, each slowed w.p. p per tick. A lockstep pipeline waits for the slowest stage every
+  # tick: 1 + (s-1)(1-(1-p)^K). DSP couples only neighbours one tick apart, so it pays less, and
+  # never less than one stage's own mean 1 + (s-1) p; BP pays exactly that mean.
+  k, p, s = 8, 0.1, 3.0
+  f, b = equal(k)
+  rep = T.straggler_report(f, b, num_iters=3000, methods=("bp", "dsp"), random_p=p, slowdown=s)
+  lockstep = 1 + (s - 1) * (1 - (1 - p) ** k)
+  assert 1 + (s - 1) * p < rep["dsp"]["ratio"] < lockstep
+  assert rep["bp"]["ratio"] == pytest.approx(1 + (s - 1) * p, abs=0.05)
+  assert rep["dsp"]["speedup"] > 0.5 * k
+
+
+def test_bad_arguments_raise():
+  with pytest.raises(ValueError, match="unknown method"):
+    T.iteration_time("pipedream", [1.0], [2.0])
+  with pytest.raises(ValueError, match="equal-length"):
+    T.iteration_time("bp", [1.0, 1.0], [2.0])
+  with pytest.raises(ValueError, match="straggler_stage"):
+    T.simulate("dsp", [1.0], [2.0], 5, straggler_stage=3, slowdown=2.0)
