@@ -61,6 +61,10 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
     state = dsp.init_dni(stages, optimizer, predictor_opt, rng, sample)
     step_fn = dsp.make_dni_step(stages, optimizer, predictor_opt)
     schedule = None
+  elif config.method == "bp":
+    state = dsp.init_pipeline(stages, optimizer, dsp.method_schedule("bp", K), rng, sample)
+    step_fn = dsp.make_bp_step(stages, optimizer)
+    schedule = None
   elif config.method == "gpipe":
     state = dsp.init_pipeline(stages, optimizer, dsp.method_schedule("bp", K), rng, sample)
     step_fn = dsp.make_gpipe_step(stages, optimizer, config.microbatches)

@@ -134,6 +134,18 @@ def test_all_delays_zero_equals_bp(data, mode):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
 
 
+def test_bp_step_equals_the_reference(data):
+  bs = batches(data, 4)
+  stages = mlp_stages(3)
+  opt = optax.sgd(0.1, momentum=0.9)
+  state = dsp.init_pipeline(stages, opt, dsp.method_schedule("bp", 3), jax.random.key(0), bs[0][0])
+  step = dsp.make_bp_step(stages, opt)
+  for x, y in bs:
+    state, _ = step(state, x, y)
+  for got, want in zip(params_of(state), bp_reference(stages, opt, bs, bs[0][0])):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
 def test_gpipe_equals_bp(data):
   bs = batches(data, 4)
   stages = mlp_stages(3)

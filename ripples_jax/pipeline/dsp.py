@@ -230,6 +230,28 @@ def compose(stages, params_K, model_state_K, x, train: bool):
   return x, new_states
 
 
+def make_bp_step(stages, optimizer):
+  """Plain backprop of the composed stages (one model), then every stage's update."""
+
+  def loss_fn(params_K, model_state_K, x, y):
+    logits, new_ms = compose(stages, params_K, model_state_K, x, train=True)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, (new_ms, jnp.mean(jnp.argmax(logits, -1) == y))
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(state, x, y):
+    (loss, (ms_K, acc)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        [st["params"] for st in state], [st["model_state"] for st in state], x, y)
+    new = []
+    for st, g, ms in zip(state, grads, ms_K):
+      updates, opt_state = optimizer.update(g, st["opt_state"], st["params"])
+      new.append(dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
+                      model_state=ms))
+    return new, (loss, acc)
+
+  return step
+
+
 def make_gpipe_step(stages, optimizer, microbatches: int):
   """GPipe: M micro-batches through the K stages, stage outputs rematerialised in the backward,
   gradients accumulated, one update per stage after the flush. Numerically BP on the full batch."""

@@ -1,0 +1,62 @@
+"""experiments.train_dsp end to end, and its config validation."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import dsp as dsp_config
+from ripples_jax.validation import ConfigError, validate_dsp_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("method", ["dsp", "gpipe", "dni"])
+def test_entry_point_runs_and_writes_outputs(tmp_path, method):
+  workdir = tmp_path / method
+  env = dict(os.environ, RIPPLES_JAX_CACHE=str(tmp_path / "cache"))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.train_dsp",
+       f"--config=configs/dsp.py:method={method},num_stages=2,dataset=synthetic,model=mlp,epochs=1",
+       "--config.log_every=2", "--config.eval_every=4", "--config.batch_size=32",
+       "--config.slowdown=3.0", "--config.straggler_stage=0", f"--workdir={workdir}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"method={method} K=2" in out.stdout
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["num_batches"] == 512 // 32
+  assert 0 <= summary["final_test_accuracy"] <= 1 and summary["modeled_speedup_vs_bp"] > 0
+  records = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  assert records[-1]["step"] == 16 and "test_accuracy" in records[-1]
+  assert summary["straggler"]["slowed_iteration"] > 0
+  assert json.load(open(workdir / "config.json"))["method"] == method
+
+
+BAD = [
+    ("method", "pipedream", "config.method: 'pipedream' is not allowed: one of bp, gpipe, ddg, fr, dni, dsp"),
+    ("num_stages", 5, "config.num_stages: 5 is not allowed: cnn1d splits into at most 4 stages"),
+    ("microbatches", 5, "config.microbatches: 5 is not allowed: a divisor of batch_size=64"),
+    ("mode", "replay", "config.mode: 'replay' is not allowed: one of recompute, stash"),
+    ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
+    ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
+]
+
+
+@pytest.mark.parametrize("key,value,message", BAD, ids=[k for k, _, _ in BAD])
+def test_dsp_validation(key, value, message):
+  config = dsp_config.get_config("method=gpipe" if key == "microbatches" else None)
+  config[key] = value
+  with pytest.raises(ConfigError) as e:
+    validate_dsp_config(config, num_devices=8)
+  assert str(e.value) == message
+
+
+def test_bad_stage_count_stops_before_compile(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "experiments.train_dsp",
+                        "--config=configs/dsp.py:num_stages=9", f"--workdir={tmp_path / 'x'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: config.num_stages: 9 is not allowed: cnn1d splits into at most 4 stages")
+  assert not (tmp_path / "x").exists()
