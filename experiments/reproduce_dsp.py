@@ -17,6 +17,8 @@ _DATASETS = flags.DEFINE_list("datasets", ["mnist1d", "digits"], "Datasets (cifa
 _STAGES = flags.DEFINE_list("stages", ["2", "4"], "Stage counts K.")
 _METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods (bp is always needed).")
 _CIFAR = flags.DEFINE_string("cifar_dir", "", "A local CIFAR-10 python-batches directory.")
+_DELAYS = flags.DEFINE_list("sweep_delays", ["0", "1", "2"], "Link delays d of the sweep.")
+_LRS = flags.DEFINE_list("sweep_lrs", ["0.01", "0.02", "0.05"], "Learning rates of the sweep.")
 
 
 def main(argv):
@@ -24,7 +26,8 @@ def main(argv):
   config = dsp_config.get_config(f"epochs={_EPOCHS.value}")
   config.data_dir = _CIFAR.value
   print(run(config, _OUT.value, datasets=tuple(_DATASETS.value), stage_counts=tuple(int(k) for k in _STAGES.value),
-            methods=tuple(_METHODS.value), sweep_epochs=_SWEEP_EPOCHS.value))
+            methods=tuple(_METHODS.value), sweep_epochs=_SWEEP_EPOCHS.value,
+            sweep_delays=tuple(int(d) for d in _DELAYS.value), sweep_lrs=tuple(float(l) for l in _LRS.value)))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _run(base, out_dir, name, **overrides):
 def run(base, out_dir: str, datasets=("mnist1d", "digits"), stage_counts=(2, 4), methods=METHODS,
         sweep_delays=(0, 1, 2), sweep_lrs=(0.01, 0.02, 0.05), sweep_epochs=40) -> str:
   os.makedirs(out_dir, exist_ok=True)
-  models = {"mnist1d": "cnn1d", "digits": "cnn2d", "cifar10": "resnet20"}
+  models = {"mnist1d": "cnn1d", "digits": "cnn2d", "cifar10": "resnet20", "synthetic": "mlp"}
   results, curves = {}, {}
   for ds in datasets:
     for K in stage_counts:

@@ -40,3 +40,19 @@ def test_reproduce_ripples(tmp_path):
   assert "one worker 5x slower | ripples_smart" in out
   for f in ("table.md", "accuracy_vs_time.png", "gantt.png"):
     assert (out_dir / f).stat().st_size > 0
+
+
+def test_bench_dsp(tmp_path):
+  out = run("experiments.bench_dsp", "--cases=cnn1d/mnist1d", "--stages=2", "--reps=2", "--batch_size=8",
+            tmp_path=tmp_path)
+  assert "| cnn1d/mnist1d | 2 |" in out
+
+
+def test_reproduce_dsp(tmp_path):
+  out_dir = tmp_path / "dsp"
+  out = run("experiments.reproduce_dsp", "--datasets=synthetic", "--stages=2", "--methods=bp,dsp", "--epochs=1",
+            "--sweep_epochs=1", "--sweep_delays=0,1", "--sweep_lrs=0.05", f"--out_dir={out_dir}",
+            tmp_path=tmp_path)
+  assert "| synthetic | 2 | dsp |" in out and "stage 1 slowed 3x" in out
+  for f in ("table.md", "accuracy_vs_epoch.png", "accuracy_vs_modeled_time.png", "staleness_lr_sweep.png"):
+    assert (out_dir / f).stat().st_size > 0
