@@ -37,7 +37,7 @@ def get_config(arg=None):
   c.optimizer.weight_decay = 5e-4
   c.optimizer.lr_schedule = "cosine"
   c.optimizer.warmup_steps = 50
-  c.dni_lr = 0.01                  # DNI: the synthetic-gradient predictors' step size
+  c.dni_lr = 0.01                  # DNI: the synthetic-gradient predictors' step size (plain SGD)
 
   # The straggler experiment of the timing model: stage `straggler_stage` slowed by `slowdown`
   # (or every stage with probability `straggler_p` per iteration).

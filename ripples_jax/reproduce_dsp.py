@@ -26,7 +26,13 @@ def _run(base, out_dir, name, **overrides):
       node = node[p]
     node[last] = v
   workdir = os.path.join(out_dir, name)
-  summary = train_dsp.train_and_evaluate(config, workdir)
+  try:
+    summary = train_dsp.train_and_evaluate(config, workdir)
+  except FloatingPointError as e:  # a diverged run is a result, not the end of the experiment
+    summary = json.load(open(os.path.join(workdir, "config.json")))
+    summary.update(diverged=str(e), final_test_accuracy=float("nan"), final_train_loss=float("nan"),
+                   modeled_speedup_vs_bp=float("nan"), stage_forward_s=None, stage_backward_s=None,
+                   stored_bytes=None, staleness=None, time=float("nan"))
   records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   return summary, records
 

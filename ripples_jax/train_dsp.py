@@ -58,7 +58,7 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
 
   if config.method == "dni":
     predictor_opt = optax.sgd(config.dni_lr)
-    state = dsp.init_dni(stages, optimizer, predictor_opt, rng, sample)
+    state = dsp.init_dni(stages, optimizer, predictor_opt, rng, sample, data["num_classes"])
     step_fn = dsp.make_dni_step(stages, optimizer, predictor_opt)
     schedule = None
   elif config.method == "bp":

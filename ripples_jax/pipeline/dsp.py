@@ -317,10 +317,11 @@ def stored_bytes(state: list[dict]) -> list[dict]:
 # DNI: decoupled neural interfaces (synthetic gradients).
 
 
-def init_dni(stages, optimizer, predictor_opt, rng, sample_x) -> list[dict]:
-  """Stage state plus, below the last stage, a linear synthetic-gradient predictor of dL/d(output)
-  (zero-initialised, so the first updates are no-ops rather than noise) and the last (output, true
-  gradient) pair waiting to train it."""
+def init_dni(stages, optimizer, predictor_opt, rng, sample_x, num_classes: int) -> list[dict]:
+  """Stage state plus, below the last stage, a synthetic-gradient predictor of dL/d(output) that is
+  linear in the output and the one-hot label (cDNI: without the label a predictor cannot know which
+  way the loss pulls), zero-initialised so the first updates are no-ops rather than noise, and the last
+  (output, label, true gradient) triple waiting to train it."""
   state = init_pipeline(stages, optimizer, method_schedule("bp", len(stages)), rng, sample_x)
   x = jnp.asarray(sample_x)
   for k, (stage, st) in enumerate(zip(stages, state)):
@@ -328,16 +329,18 @@ def init_dni(stages, optimizer, predictor_opt, rng, sample_x) -> list[dict]:
                        st["params"], st["model_state"], x)
     if k < len(stages) - 1:
       d = int(np.prod(y.shape[1:]))
-      sg = {"kernel": jnp.zeros((d, d), y.dtype), "bias": jnp.zeros((d,), y.dtype)}
+      sg = {"kernel": jnp.zeros((d, d), y.dtype), "label_kernel": jnp.zeros((num_classes, d), y.dtype),
+            "bias": jnp.zeros((d,), y.dtype)}
       st.update(sg=sg, sg_opt_state=predictor_opt.init(sg), last_out=jnp.zeros(y.shape, y.dtype),
-                last_true=jnp.zeros(y.shape, y.dtype), has_last=jnp.array(False))
+                last_true=jnp.zeros(y.shape, y.dtype), last_y=jnp.zeros(y.shape[0], jnp.int32),
+                has_last=jnp.array(False))
     x = jnp.zeros(y.shape, y.dtype)
   return state
 
 
-def _predict(sg, h):
+def _predict(sg, h, labels):
   flat = h.reshape(h.shape[0], -1)
-  return (flat @ sg["kernel"] + sg["bias"]).reshape(h.shape)
+  return (flat @ sg["kernel"] + sg["label_kernel"][labels] + sg["bias"]).reshape(h.shape)
 
 
 def make_dni_step(stages, optimizer, predictor_opt):
@@ -370,9 +373,13 @@ def make_dni_step(stages, optimizer, predictor_opt):
     for k in reversed(range(K - 1)):
       st = state[k]
       # Train the predictor on the pair that arrived: last iteration's output and its true gradient.
+      # The predictor learns the per-example gradient (batch x dL/dh of the mean loss): O(1) targets
+      # whatever the batch size, so one predictor step size fits every stage.
+      n = st["last_out"].shape[0]
+
       def sg_loss(sg):
-        return 0.5 * jnp.mean(jnp.sum(jnp.square(_predict(sg, st["last_out"]) - st["last_true"]).reshape(
-            st["last_out"].shape[0], -1), axis=1))
+        err = _predict(sg, st["last_out"], st["last_y"]) - n * st["last_true"]
+        return 0.5 * jnp.mean(jnp.sum(jnp.square(err).reshape(n, -1), axis=1))
       sg_grads = jax.grad(sg_loss)(st["sg"])
       sg_updates, sg_opt_state = predictor_opt.update(sg_grads, st["sg_opt_state"], st["sg"])
       sg = jax.tree.map(lambda new, old: jnp.where(st["has_last"], new, old),
@@ -380,12 +387,12 @@ def make_dni_step(stages, optimizer, predictor_opt):
       # Update the stage at once from the synthetic gradient of its output.
       out, pullback = jax.vjp(lambda p, xi: apply_model(stages[k], p, st["model_state"], xi, train=True),
                               st["params"], ins[k])
-      synthetic = _predict(sg, out[0])
+      synthetic = _predict(sg, out[0], y) / out[0].shape[0]
       g_p, g_in = pullback((synthetic, jax.tree.map(jnp.zeros_like, out[1])))
       updates, opt_state = optimizer.update(g_p, st["opt_state"], st["params"])
       state[k] = dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
                       model_state=out[1], sg=sg, sg_opt_state=sg_opt_state, last_out=out[0],
-                      last_true=down, has_last=jnp.array(True))
+                      last_true=down, last_y=y, has_last=jnp.array(True))
       down = g_in
     return state, (loss, acc)
 
