@@ -238,3 +238,30 @@ def test_dsp_ring_buffer_bytes(data):
       p_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(st["params"]))
       assert b["params"] == p_bytes
       assert b["param_versions"] == ((s + 1) * p_bytes if mode == "stash" else 0)
+
+
+def test_dni_predictor_trains_on_the_delayed_true_gradient(data):
+  """Step 1 leaves the zero predictors untouched (no true gradient has arrived) and stores the pair;
+  step 2 makes one SGD step on it: from a zero prediction the bias moves by lr x mean(n x dL/dh)."""
+  bs = batches(data, 2)
+  stages = mlp_stages(3)
+  opt, lr = optax.sgd(0.1), 0.05
+  state = dsp.init_dni(stages, opt, optax.sgd(lr), jax.random.key(0), bs[0][0], data["num_classes"])
+  step = dsp.make_dni_step(stages, opt, optax.sgd(lr))
+  state, _ = step(state, *bs[0])
+  for st in state[:-1]:
+    assert not np.any(np.asarray(st["sg"]["bias"])) and bool(st["has_last"])
+  # the stage below the top stored the top's true input gradient for batch 0
+  true_1 = np.asarray(state[1]["last_true"])
+  x, y = bs[0]
+  h0 = apply_model(stages[0], state[0]["params"], {}, x, True)[0]
+  assert np.abs(true_1).max() > 0
+  state, _ = step(state, *bs[1])
+  n = true_1.shape[0]
+  np.testing.assert_allclose(np.asarray(state[1]["sg"]["bias"]), lr * (n * true_1).mean(0), rtol=1e-4, atol=1e-7)
+  # Stage 0's target at step 1 came through stage 1's synthetic gradient, still zero then (DNI
+  # bootstraps from the top): its predictor starts moving one step later.
+  assert not np.any(np.asarray(state[0]["sg"]["kernel"]))
+  state, _ = step(state, *bs[0])
+  assert np.any(np.asarray(state[0]["sg"]["kernel"]))
+  del h0
