@@ -253,8 +253,6 @@ def test_dni_predictor_trains_on_the_delayed_true_gradient(data):
     assert not np.any(np.asarray(st["sg"]["bias"])) and bool(st["has_last"])
   # the stage below the top stored the top's true input gradient for batch 0
   true_1 = np.asarray(state[1]["last_true"])
-  x, y = bs[0]
-  h0 = apply_model(stages[0], state[0]["params"], {}, x, True)[0]
   assert np.abs(true_1).max() > 0
   state, _ = step(state, *bs[1])
   n = true_1.shape[0]
@@ -264,4 +262,3 @@ def test_dni_predictor_trains_on_the_delayed_true_gradient(data):
   assert not np.any(np.asarray(state[0]["sg"]["kernel"]))
   state, _ = step(state, *bs[0])
   assert np.any(np.asarray(state[0]["sg"]["kernel"]))
-  del h0
