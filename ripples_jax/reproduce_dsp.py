@@ -2,6 +2,7 @@
 import copy
 import json
 import os
+import shutil
 
 import matplotlib
 
@@ -26,6 +27,7 @@ def _run(base, out_dir, name, **overrides):
       node = node[p]
     node[last] = v
   workdir = os.path.join(out_dir, name)
+  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
   try:
     summary = train_dsp.train_and_evaluate(config, workdir)
   except FloatingPointError as e:  # a diverged run is a result, not the end of the experiment

@@ -6,6 +6,7 @@ relative to All-Reduce beside the paper's numbers and the limit (s (n - 1) + 1) 
 import copy
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -42,6 +43,7 @@ def run(base, out_dir: str, algorithms=ALGORITHMS, gantt_case=("ripples_smart", 
       config.hetero.slow_workers = (SLOW_WORKER,) if s > 1 else ()
       config.hetero.slowdown = s
       workdir = os.path.join(out_dir, scenario.replace(" ", "_"), algorithm)
+      shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
       summary, trace = sim.simulate_and_train(config, workdir)
       records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
       curves[scenario][algorithm] = [(r["time"], r["test_accuracy"]) for r in records if "test_accuracy" in r]
