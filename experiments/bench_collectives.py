@@ -6,9 +6,9 @@ Prints a markdown table: median seconds per call (interleaved reps in one proces
 full all-reduce, and compile seconds. 'direct' is one compiled program per layout (p_reduce's cache);
 'switched' is the engine's form: one program over all layouts with the layout index as data.
 """
-import os
-
 from absl import app, flags
+
+from ripples_jax.platform import force_host_devices, write_table
 
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force on the host.")
 _SIZES = flags.DEFINE_list("sizes", ["65536", "1048576"], "float32 elements per device.")
@@ -18,14 +18,10 @@ _OUT = flags.DEFINE_string("out", None, "Optional path for the table (markdown).
 
 def main(argv):
   del argv
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}")
+  force_host_devices(_CPU_DEVICES.value)
   from ripples_jax.bench_collectives import run
   table = run([int(s) for s in _SIZES.value], _REPS.value)
-  print(table)
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      f.write(table + "\n")
+  write_table(table, _OUT.value)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ r"""A DSP tick vs a BP step (one device, same model and batch), plus the modeled
 Targets: tick/BP <= 1.4; DSP's modeled speedup at equal stages >= 0.9 K (fused); GPipe's follows its
 bubble (K-1)/(M+K-1).
 """
-import os
-
 from absl import app, flags
 
 _CASES = flags.DEFINE_list("cases", ["cnn1d/mnist1d", "cnn2d/cifar-shape", "resnet20/cifar-shape"], "Models.")

@@ -4,9 +4,9 @@ r"""Engine overhead: Ripples round vs a conventional data-parallel step, side by
 
 Target: a Ripples static round costs at most 1.15x the data-parallel (gradient all-reduce) step.
 """
-import os
-
 from absl import app, flags
+
+from ripples_jax.platform import force_host_devices, write_table
 
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force on the host.")
 _CASES = flags.DEFINE_list("cases", ["cnn1d/mnist1d", "cnn2d/cifar-shape"], "Model cases.")
@@ -17,14 +17,10 @@ _OUT = flags.DEFINE_string("out", None, "Optional path for the table (markdown).
 
 def main(argv):
   del argv
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}")
+  force_host_devices(_CPU_DEVICES.value)
   from ripples_jax.bench_engine import run
   table = run(_CASES.value, _BATCH.value, _REPS.value)
-  print(table)
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      f.write(table + "\n")
+  write_table(table, _OUT.value)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ With no accelerator, 8 CPU devices are forced (--cpu_devices). On a pod pass --j
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
+
+from ripples_jax.platform import force_host_devices
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "default.py"),
@@ -23,9 +25,7 @@ _JAX_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distrib
 def main(argv):
   del argv
   # Must happen before jax is imported: the host platform reads it once.
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}")
+  force_host_devices(_CPU_DEVICES.value)
   import jax
   from ripples_jax import metrics, train
   from ripples_jax.data import DatasetError

@@ -9,6 +9,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from ripples_jax.platform import force_host_devices
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "dsp.py"),
     "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
@@ -18,9 +20,7 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force when
 
 def main(argv):
   del argv
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}")
+  force_host_devices(_CPU_DEVICES.value)
   from ripples_jax import train_dsp
   from ripples_jax.data import DatasetError
   from ripples_jax.validation import ConfigError

@@ -5,6 +5,7 @@ import optax
 
 from ripples_jax.benchmark import compile_seconds, markdown_table, time_interleaved
 from ripples_jax.pipeline import dsp, split, timing
+from ripples_jax.train_dsp import measure_stage_times
 
 CASES = {"cnn1d/mnist1d": ("cnn1d", (40, 1)), "cnn2d/cifar-shape": ("cnn2d", (32, 32, 3)),
          "resnet20/cifar-shape": ("resnet20", (32, 32, 3))}
@@ -43,7 +44,6 @@ def run(cases, stage_counts, batch_size: int, reps: int, microbatches: int = 4) 
         holder["dsp"], m = tick(holder["dsp"], x, y, ticks[0])
         return m
       med = time_interleaved({"bp": call_bp, "gpipe": call_gpipe, "dsp": call_dsp}, reps=reps, warmup=3)
-      from ripples_jax.train_dsp import measure_stage_times
       fwd, bwd = measure_stage_times(stages, holder["bp"], x)
       eq_f, eq_b = [1.0] * K, [2.0] * K
       rows.append([case, K, f"{1e3 * med['bp']:.2f}", f"{1e3 * med['dsp']:.2f}",

@@ -8,7 +8,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 
 from ripples_jax import train_dsp  # noqa: E402
 from ripples_jax.benchmark import markdown_table  # noqa: E402

@@ -84,15 +84,18 @@ def tables(results: dict, n: int, target: float, algorithms) -> str:
   main = markdown_table(header, rows)
 
   vs = []
+  baselines = [a for a in ("adpsgd", "ps_sync", "ps_async", "dpsgd") if a in algorithms]
   for scenario in SCENARIOS:
     for ripples in [a for a in algorithms if a.startswith("ripples_")]:
       r = results[scenario, ripples]
       cells = [scenario, ripples]
-      for base in ("adpsgd", "ps_sync", "ps_async", "dpsgd"):
+      for base in baselines:
         b = results[scenario, base]
         tt = (f"{b['time_to_target'] / r['time_to_target']:.2f}x"
               if r["time_to_target"] and b["time_to_target"] else "-")
         cells.append(f"{r['throughput'] / b['throughput']:.2f}x / {tt}")
       vs.append(cells)
-  head2 = ["scenario", "Ripples GG", "vs AD-PSGD (throughput / TTT)", "vs PS sync", "vs PS async", "vs D-PSGD"]
+  names = {"adpsgd": "vs AD-PSGD (throughput / TTT)", "ps_sync": "vs PS sync", "ps_async": "vs PS async",
+           "dpsgd": "vs D-PSGD"}
+  head2 = ["scenario", "Ripples GG"] + [names[b] for b in baselines]
   return main + "\n\n" + markdown_table(head2, vs)

@@ -137,13 +137,17 @@ def simulate_and_train(config, workdir: str) -> dict:
       put = lambda a: jax.device_put(a, sharding)
       state, loss_S = round_fn(state, put(x), put(y), put(r["apply_src"]), put(r["gid"]), r["ring"],
                                put(r["pull_src"]), put(r["start"]))
-      losses.append(loss_S)
+      if len(started):
+        losses.append(loss_S)
       starts += r["start"][:n]
       applied += len(r["applied"])
       step = applied // n
       if step >= next_log or applied >= total:
         next_log = (step // config.log_every + 1) * config.log_every
-        loss = float(np.nanmean(np.asarray(jax.numpy.stack(losses))[:, :n]))
+        # The loss of the gradients started since the last record (a tail of apply-only rounds
+        # started none: it repeats the last value rather than inventing one).
+        loss = (float(np.nanmean(np.asarray(jax.numpy.stack(losses))[:, :n])) if losses
+                else last["train_loss"])
         losses = []
         record = {"step": step, "time": r["time"], "train_loss": loss}
         if step >= next_eval or applied >= total:

@@ -135,7 +135,6 @@ def test_switching_layouts_does_not_recompile_the_round(setup, compile_counter):
 def test_eval_reports_consensus_distance(setup):
   model, data, batches = setup
   opt = optax.sgd(0.1)
-  mesh = C.make_worker_mesh(N)
   alone = (tuple((i,) for i in range(N)),)
   state = run_engine(model, data, batches, alone, opt)
   ev = engine.make_eval_fn(model)(state, data["x_test"], data["y_test"])

@@ -9,7 +9,6 @@ import pytest
 from ripples_jax.data import load_dataset
 from ripples_jax.models import apply_model, build_model, init_model
 from ripples_jax.pipeline import dsp
-from ripples_jax.pipeline.split import split_model
 
 B = 16
 

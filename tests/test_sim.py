@@ -1,8 +1,6 @@
 """The event-driven simulator: clock, Group Generators, baselines, packing, determinism."""
-import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -12,7 +10,6 @@ from ripples_jax import collectives as C
 from ripples_jax import engine, sim, timeline
 from ripples_jax.data import batch_indices, load_dataset, shard_indices
 from ripples_jax.models import build_model
-from ripples_jax.schedule import group_gen
 from ripples_jax.schedule.static import static_gg_layouts
 
 GGS = ("ripples_static", "ripples_random", "ripples_division", "ripples_smart")

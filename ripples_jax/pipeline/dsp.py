@@ -21,7 +21,6 @@ GPipe (micro-batches, flush, rematerialisation) is `gpipe_step`.
 """
 import dataclasses
 import functools
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +229,16 @@ def compose(stages, params_K, model_state_K, x, train: bool):
   return x, new_states
 
 
+def update_stages(optimizer, state, grads_K, model_state_K):
+  """Every stage applies its own gradient (whole-model steps: one update per stage per batch)."""
+  new = []
+  for st, g, ms in zip(state, grads_K, model_state_K):
+    updates, opt_state = optimizer.update(g, st["opt_state"], st["params"])
+    new.append(dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
+                    model_state=ms))
+  return new
+
+
 def make_bp_step(stages, optimizer):
   """Plain backprop of the composed stages (one model), then every stage's update."""
 
@@ -242,12 +251,7 @@ def make_bp_step(stages, optimizer):
   def step(state, x, y):
     (loss, (ms_K, acc)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         [st["params"] for st in state], [st["model_state"] for st in state], x, y)
-    new = []
-    for st, g, ms in zip(state, grads, ms_K):
-      updates, opt_state = optimizer.update(g, st["opt_state"], st["params"])
-      new.append(dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
-                      model_state=ms))
-    return new, (loss, acc)
+    return update_stages(optimizer, state, grads, ms_K), (loss, acc)
 
   return step
 
@@ -281,12 +285,7 @@ def make_gpipe_step(stages, optimizer, microbatches: int):
 
     zeros = jax.tree.map(jnp.zeros_like, params_K)
     (grads, ms_K, loss, acc), _ = jax.lax.scan(micro, (zeros, ms_K, 0.0, 0.0), (xm, ym))
-    new = []
-    for st, g, ms in zip(state, grads, ms_K):
-      updates, opt_state = optimizer.update(g, st["opt_state"], st["params"])
-      new.append(dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
-                      model_state=ms))
-    return new, (loss, acc)
+    return update_stages(optimizer, state, grads, ms_K), (loss, acc)
 
   return step
 

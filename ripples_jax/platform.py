@@ -1,0 +1,17 @@
+"""Host set-up that must happen before jax is imported (no jax import here)."""
+import os
+
+
+def force_host_devices(count: int) -> None:
+  """Asks XLA for `count` CPU devices unless XLA_FLAGS already says how many (accelerators unaffected)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def write_table(table: str, path: str | None) -> None:
+  """Prints a benchmark's markdown table and, with a path, saves it."""
+  print(table)
+  if path:
+    with open(path, "w") as f:
+      f.write(table + "\n")
