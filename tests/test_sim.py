@@ -169,3 +169,15 @@ def test_static_gg_in_the_clock_follows_the_layouts():
   # the run ends at the 8th step's last gradient, before that step's sync
   expect = [g for k in range(7) for g in layouts[k % 4] if len(g) > 1]
   assert sorted(runs) == sorted(expect)
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", "ripples_smart", "adpsgd"])
+def test_time_budget_ends_the_run(algorithm):
+  full, speed, net = clock(algorithm, steps=40)
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers=16")
+  gg = sim.make_group_generator(config, np.random.default_rng(0))
+  budget = full.end_time / 2
+  cut = timeline.simulate(algorithm, speed, net, 40 * 16, time_budget=budget, gg=gg)
+  assert cut.end_time <= budget
+  assert 0 < cut.worker_steps.sum() < full.worker_steps.sum()
+  assert max(e[0] for e in cut.events) <= budget
