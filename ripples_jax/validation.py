@@ -52,7 +52,7 @@ def validate_train_config(config, num_devices: int) -> None:
   for key in ("num_workers", "batch_size", "num_steps", "log_every", "eval_every"):
     _positive_int(config, key)
   n = config.num_workers
-  if n > num_devices and n % num_devices:
+  if config.executor == "spmd" and n > num_devices and n % num_devices:  # the simulator uses one device
     _fail("num_workers", n, f"at most the {num_devices} devices or a multiple of {num_devices}")
   if config.preduce_impl == "collective" and n > num_devices:
     _fail("preduce_impl", "collective", f"needs one device per worker ({n} workers, {num_devices} devices)")

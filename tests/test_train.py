@@ -110,6 +110,7 @@ def test_hypercube_needs_a_power_of_two():
 
 def test_default_config_is_valid():
   validate_train_config(default_config.get_config(), num_devices=8)
+  validate_train_config(default_config.get_config("executor=sim,num_workers=12"), num_devices=8)
   validate_train_config(default_config.get_config("algorithm=allreduce,num_workers=16"), num_devices=8)
 
 
