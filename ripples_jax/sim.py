@@ -123,6 +123,7 @@ def simulate_and_train(config, workdir: str) -> dict:
   x_zero = np.zeros((slots, config.batch_size) + data["x_train"].shape[1:], data["x_train"].dtype)
   y_zero = np.zeros((slots, config.batch_size), data["y_train"].dtype)
   next_log, next_eval = config.log_every, config.eval_every
+  evaluated_step = None
   try:
     for r in timeline.pack_rounds(trace.events, n, slots):
       # A server round is apply -> pull -> start for one worker: the next push to the server ends it.
@@ -152,6 +153,7 @@ def simulate_and_train(config, workdir: str) -> dict:
         record = {"step": step, "time": r["time"], "train_loss": loss}
         if step >= next_eval or applied >= total:
           next_eval = (step // config.eval_every + 1) * config.eval_every
+          evaluated_step = step
           sub = jax.tree.map(lambda a: a[eval_slots], state)
           record.update({k: float(v) for k, v in eval_fn(sub, x_test, y_test).items()})
           if (time_to_target is None and config.target_accuracy
@@ -162,6 +164,13 @@ def simulate_and_train(config, workdir: str) -> dict:
         metrics_lib.check_finite(step, train_loss=loss)
         progress.update(min(step, config.num_steps), **{k: last[k] for k in ("train_loss", "test_accuracy")
                                                          if k in last})
+    if evaluated_step != applied // n:
+      # A time budget ended the run between records: evaluate where it stopped.
+      record = {"step": applied // n, "time": trace.end_time, "train_loss": last.get("train_loss")}
+      record.update({k: float(v) for k, v in eval_fn(jax.tree.map(lambda a: a[eval_slots], state),
+                                                     x_test, y_test).items()})
+      writer.write(record)
+      last.update(record)
   finally:
     writer.close()
 

@@ -1,4 +1,5 @@
 """The event-driven simulator: clock, Group Generators, baselines, packing, determinism."""
+import json
 
 import jax
 import numpy as np
@@ -181,3 +182,12 @@ def test_time_budget_ends_the_run(algorithm):
   assert cut.end_time <= budget
   assert 0 < cut.worker_steps.sum() < full.worker_steps.sum()
   assert max(e[0] for e in cut.events) <= budget
+
+
+def test_a_time_budget_run_ends_with_an_evaluation(tmp_path):
+  config = _small_config("ripples_smart", time_budget=0.035)
+  summary, trace = sim.simulate_and_train(config, str(tmp_path))
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert trace.end_time <= 0.035 and sum(summary["worker_steps"]) < 6 * 8
+  assert "test_accuracy" in records[-1] and records[-1]["time"] == trace.end_time
+  assert summary["final_test_accuracy"] == records[-1]["test_accuracy"]
