@@ -20,17 +20,14 @@ from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import build_model, num_params
 from ripples_jax.optim import make_optimizer
 from ripples_jax.progress import Progress
-from ripples_jax.schedule import group_gen
-from ripples_jax.schedule.static import hypercube_layouts, static_gg_layouts
+from ripples_jax.schedule import group_gen, static_layouts
 
 
 def make_group_generator(config, rng: np.random.Generator):
   """The Group Generator of a ripples_* algorithm (None for the baselines)."""
   n, s = config.num_workers, config.schedule
   if config.algorithm == "ripples_static":
-    layouts = (static_gg_layouts(n, s.workers_per_node) if s.layout == "node"
-               else hypercube_layouts(n, s.hypercube_group_size))
-    return group_gen.static_gg(layouts)
+    return group_gen.static_gg(static_layouts(config))
   if config.algorithm == "ripples_random":
     return group_gen.random_gg(n, s.group_size, rng)
   if config.algorithm == "ripples_division":

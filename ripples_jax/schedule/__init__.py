@@ -37,17 +37,22 @@ class PeriodicSchedule:
     return self.layouts[step % len(self.layouts)]
 
 
+def static_layouts(config) -> tuple[Layout, ...]:
+  """The Static GG's periodic layouts chosen by config.schedule (the authors' node layout or a cube)."""
+  n, s = config.num_workers, config.schedule
+  if s.layout == "node":
+    return static_gg_layouts(n, s.workers_per_node)
+  if s.layout == "hypercube":
+    return hypercube_layouts(n, s.hypercube_group_size)
+  raise ValueError(f"config.schedule.layout: {s.layout!r} is not allowed: one of {', '.join(STATIC_LAYOUTS)}")
+
+
 def make_schedule(config) -> PeriodicSchedule:
-  """Builds the schedule named by config.algorithm (config.schedule holds its options)."""
+  """Builds the lockstep schedule named by config.algorithm (config.schedule holds its options)."""
   n = config.num_workers
   if config.algorithm == "allreduce":
     return PeriodicSchedule(n, allreduce_layouts(n))
   if config.algorithm == "ripples_static":
-    s = config.schedule
-    if s.layout == "node":
-      return PeriodicSchedule(n, static_gg_layouts(n, s.workers_per_node))
-    if s.layout == "hypercube":
-      return PeriodicSchedule(n, hypercube_layouts(n, s.hypercube_group_size))
-    raise ValueError(f"config.schedule.layout: {s.layout!r} is not allowed: one of {', '.join(STATIC_LAYOUTS)}")
+    return PeriodicSchedule(n, static_layouts(config))
   raise ValueError(f"config.algorithm: {config.algorithm!r} is not allowed: one of "
                    f"{', '.join(LOCKSTEP_ALGORITHMS)}")
