@@ -91,6 +91,8 @@ class Trace:
   worker_steps: np.ndarray = None
   conflicts: np.ndarray = None
   end_time: float = 0.0
+  buffer: object = None   # the Group Buffer of a Ripples run (its groups, in global order)
+  pairs: list = None      # AD-PSGD's (active, passive) averaging pairs
 
   def __post_init__(self):
     self.worker_steps = np.zeros(self.num_workers, np.int64)

@@ -52,8 +52,11 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
   rng = jax.random.key(config.seed)
   sample = data["x_train"][:B]
 
+  def batch_idx(i):  # negative: warm-up, any batch (its update is masked)
+    return data_lib.batch_indices(everything, B, config.seed, max(i, 0))[0]
+
   def batch(i):
-    idx = data_lib.batch_indices(everything, B, config.seed, max(i, 0))[0]
+    idx = batch_idx(i)
     return data["x_train"][idx], data["y_train"][idx]
 
   if config.method == "dni":
@@ -95,12 +98,13 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
   losses, last, t0 = [], {}, time.time()
   try:
     for t in range(num_batches + drain):
-      x_t, _ = batch(t) if t < num_batches else (np.zeros_like(sample), None)
       if schedule is None:
-        x_t, y_t = batch(t)
-        state, (loss, acc) = step_fn(state, x_t, y_t)
+        state, (loss, acc) = step_fn(state, *batch(t))
       else:
-        _, y_t = batch(t - last_stage_offset)  # the labels go straight to the last stage
+        # Batch t enters stage 0 (nothing new during the drain); the labels of the batch the last
+        # stage works on go straight to it.
+        x_t = batch(t)[0] if t < num_batches else np.zeros_like(sample)
+        y_t = data["y_train"][batch_idx(t - last_stage_offset)]
         state, (loss, acc) = tick(state, x_t, y_t, t)
       done = t + 1 - drain  # batches whose updates every stage has applied
       if 0 <= t - last_stage_offset < num_batches:
