@@ -17,6 +17,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.algorithm = arg.algorithm      # allreduce | ripples_static
   c.executor = arg.executor        # spmd: lockstep on the device mesh | sim: event-driven, virtual time
+                                   # | async: one process per worker (experiments.launch, --jax_distributed)
   c.num_workers = arg.num_workers
   c.seed = 0
 
@@ -43,7 +44,7 @@ def get_config(arg=None):
   c.schedule.smart_max_gap = 4      # Smart GG: at most this many skipped syncs in a row
   c.preduce_impl = "auto"          # auto | collective (one worker per device) | segment
 
-  # executor=sim only: heterogeneity and the clock (DESIGN 3.5, 3.1).
+  # executor=sim and async: heterogeneity and the clock (DESIGN 3.5, 3.1; async plans with the clock).
   c.hetero = ml_collections.ConfigDict()
   c.hetero.slow_workers = ()       # worker ids, e.g. --config.hetero.slow_workers='(3,)'
   c.hetero.slowdown = 1.0          # a slow step takes this many times the base step
@@ -57,6 +58,19 @@ def get_config(arg=None):
   c.timeline.model_bytes = 0.0     # 0: the model's real float32 bytes
   c.time_budget = 0.0              # virtual seconds; 0: run num_steps x num_workers worker steps
   c.target_accuracy = 0.0          # summary.json reports time_to_target when set
+
+  # executor=async only: the multi-process runtime (ripples_jax/runtime).
+  c.runtime = ml_collections.ConfigDict()
+  c.runtime.step_time = 0.0        # pad every real step to at least this many seconds (0: no padding)
+  c.runtime.block_steps = 8        # plan blocks of this many steps of the slowest worker
+  c.runtime.estimate_lag = 2       # block b is planned with the estimates published at block b - lag
+  c.runtime.warmup_steps = 3       # timed steps before the run: the first estimates
+  c.runtime.heartbeat_s = 1.0
+  c.runtime.heartbeat_timeout = 15.0  # no heartbeat from a worker for this long: it is lost
+  c.runtime.stall_timeout = 40.0   # no worker completes anything for this long: the run is stuck
+  c.runtime.checkpoint_every = 10  # blocks between checkpoints of each worker (0: none)
+  c.runtime.checkpoint_keep = 3
+  c.runtime.cache_size = 64        # compiled P-Reduce programs kept (one per member set)
 
   c.num_steps = arg.steps
   c.log_every = 50

@@ -4,7 +4,10 @@ r"""Decentralized training (Ripples / All-Reduce) on every device JAX sees.
   python -m experiments.train --config=configs/default.py:algorithm=allreduce --workdir=runs/ar
   python -m experiments.train --config.num_steps=100 --config.optimizer.lr=0.1
 
-With no accelerator, 8 CPU devices are forced (--cpu_devices). On a pod pass --jax_distributed.
+With no accelerator, 8 CPU devices are forced (--cpu_devices). On a pod pass --jax_distributed (the
+coordinator, process count and id come from the flags below or from what JAX detects: SLURM, TPU pods).
+The asynchronous runtime (executor=async) runs one process per worker; locally:
+  python -m experiments.launch --num_processes=4 -- --config=configs/default.py:executor=async,num_workers=4
 """
 import os
 import sys
@@ -12,7 +15,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from ripples_jax.platform import force_host_devices
+from ripples_jax.platform import force_host_devices, init_distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "default.py"),
@@ -20,23 +23,28 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: a fresh folder under runs/).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force when running on the host.")
 _JAX_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize().")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: JAX's).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: JAX's).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (default: JAX's).")
 
 
 def main(argv):
   del argv
   # Must happen before jax is imported: the host platform reads it once.
   force_host_devices(_CPU_DEVICES.value)
-  import jax
   from ripples_jax import metrics, train
   from ripples_jax.data import DatasetError
   from ripples_jax.validation import ConfigError
 
   if _JAX_DISTRIBUTED.value:
-    jax.distributed.initialize()
+    init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   try:
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, DatasetError) as e:  # bad input: one line, no traceback
     sys.exit(f"error: {e}")
+  if "final_test_accuracy" not in summary:  # an asynchronous worker other than process 0
+    print(f"worker {summary['worker']}: {summary['worker_steps']} local steps")
+    return
   print(metrics.summary_table([summary]))
   print(f"run files: {os.path.abspath(summary['workdir'])}")
 

@@ -9,6 +9,17 @@ def force_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
+  """jax.distributed.initialize(); unset arguments are resolved by JAX (SLURM, TPU pods, env vars).
+
+  CPU processes talk through gloo (the default CPU backend has no cross-process collectives).
+  """
+  import jax  # only here: this module is imported before XLA_FLAGS is final
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
 def write_table(table: str, path: str | None) -> None:
   """Prints a benchmark's markdown table and, with a path, saves it."""
   print(table)

@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 COLORS = {"compute": "#4C72B0", "wait": "#DD8452", "comm": "#55A868"}
 
 
-def accuracy_vs_time(panels: dict, path: str, title: str) -> None:
+def accuracy_vs_time(panels: dict, path: str, title: str, xlabel: str = "virtual time (s)") -> None:
   """panels: {panel title: {label: [(virtual seconds, test accuracy), ...]}}; one subplot per panel."""
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
   for ax, (name, curves) in zip(axes[0], panels.items()):
@@ -16,7 +16,7 @@ def accuracy_vs_time(panels: dict, path: str, title: str) -> None:
         t, acc = zip(*points)
         ax.plot(t, [100 * a for a in acc], marker=".", label=label)
     ax.set_title(name)
-    ax.set_xlabel("virtual time (s)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy of the averaged model (%)")
     ax.grid(alpha=0.3)
   axes[0][-1].legend(fontsize=8, loc="lower right")
@@ -26,7 +26,8 @@ def accuracy_vs_time(panels: dict, path: str, title: str) -> None:
   plt.close(fig)
 
 
-def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | None = None) -> None:
+def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | None = None,
+          xlabel: str = "virtual time (s)") -> None:
   """One row per worker: compute, waiting for a group, communicating (timeline.Trace.intervals)."""
   fig, ax = plt.subplots(figsize=(11, 0.32 * num_workers + 1.5))
   for kind, color in COLORS.items():
@@ -38,7 +39,7 @@ def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | Non
       ax.broken_barh(spans, (w - 0.4, 0.8), color=color, label=kind if w == min(bars) else None)
   ax.set_yticks(range(num_workers))
   ax.set_ylabel("worker")
-  ax.set_xlabel("virtual time (s)")
+  ax.set_xlabel(xlabel)
   ax.invert_yaxis()
   if t_max:
     ax.set_xlim(0, t_max)

@@ -39,6 +39,7 @@ class SpeedModel:
   random_p: float = 0.0
   jitter: float = 0.0      # sigma of a lognormal factor (real steps are never exactly equal)
   seed: int = 0
+  times: tuple = ()        # per-worker step times replacing base_time x slowdown (the runtime's estimates)
 
   def streams(self):
     """One independent stream of step times per worker, so a worker's times never depend on the order
@@ -47,7 +48,8 @@ class SpeedModel:
 
   def _stream(self, w: int):
     rng = np.random.default_rng([2, self.seed, w])
-    base = self.base_time * (self.slowdown if w in self.slow_workers else 1.0)
+    base = self.times[w] if self.times else self.base_time * (
+        self.slowdown if w in self.slow_workers else 1.0)
     while True:
       t = np.full(1024, base)
       if self.random_p:
@@ -225,7 +227,8 @@ def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
   buf = GroupBuffer(n)
   limit = [0] * n                    # groups a worker may run at this ready point (created before it)
   arrived_at = [0.0] * n
-  estimates = np.full(n, clock.speed.base_time)
+  # Known per-worker times (a runtime plan) are the estimates; otherwise every worker starts at the base.
+  estimates = np.array(clock.speed.times, float) if clock.speed.times else np.full(n, clock.speed.base_time)
   requests = [0]
   refresh_every = max(1, n)          # agreed boundary: every n requests, all estimates refresh
 

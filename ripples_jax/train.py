@@ -17,7 +17,7 @@ from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import build_model, num_params
 from ripples_jax.optim import make_optimizer
 from ripples_jax.progress import Progress
-from ripples_jax.validation import validate_train_config
+from ripples_jax.validation import ConfigError, validate_train_config
 
 
 def make_workdir(workdir: str | None) -> str:
@@ -38,8 +38,19 @@ def write_config(config, workdir: str) -> None:
 
 def train_and_evaluate(config, workdir: str | None = None) -> dict:
   """Runs config.num_steps rounds, writes config.json, metrics.jsonl, TensorBoard, summary.json."""
-  validate_train_config(config, jax.device_count())  # before any data load or compile
+  validate_train_config(config, jax.device_count(), jax.process_count(), jax.local_device_count())
   n = config.num_workers
+  if config.executor == "async":
+    # One directory shared by every worker process: process 0 names it when none is given.
+    workdir = workdir or (make_workdir(None) if jax.process_index() == 0 else None)
+    if workdir is None:
+      raise ConfigError("--workdir: None is not allowed with executor=async on several processes: "
+                        "a folder every process sees")
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+      write_config(config, workdir)
+    from ripples_jax.runtime import worker  # the asynchronous multi-process executor
+    return worker.run(config, workdir)
   if config.executor == "sim":
     workdir = make_workdir(workdir)
     write_config(config, workdir)

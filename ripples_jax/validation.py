@@ -6,10 +6,11 @@ import math
 
 from ripples_jax.engine import PREDUCE_IMPLS
 from ripples_jax.models import MODEL_NAMES
+from ripples_jax.runtime.plan import RUNTIME_ALGORITHMS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 
 DATASETS = ("mnist1d", "digits", "cifar10", "synthetic")
-EXECUTORS = ("spmd", "sim")
+EXECUTORS = ("spmd", "sim", "async")
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 DATA_SHARDINGS = ("iid", "noniid")
@@ -41,10 +42,12 @@ def _positive_int(config, key):
     _fail(key, value, "a positive integer")
 
 
-def validate_train_config(config, num_devices: int) -> None:
+def validate_train_config(config, num_devices: int, num_processes: int = 1,
+                          local_devices: int | None = None) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train config."""
   _one_of(config, "executor", EXECUTORS)
-  _one_of(config, "algorithm", ALGORITHMS if config.executor == "sim" else LOCKSTEP_ALGORITHMS)
+  _one_of(config, "algorithm", {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS,
+                                "async": RUNTIME_ALGORITHMS}[config.executor])
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "data_sharding", DATA_SHARDINGS)
@@ -59,8 +62,35 @@ def validate_train_config(config, num_devices: int) -> None:
   if config.dataset == "cifar10" and not config.data_dir:
     _fail("data_dir", config.data_dir, "cifar10 needs the directory holding data_batch_1..5 and test_batch")
 
+  if config.executor == "async":
+    if n != num_processes:
+      _fail("num_workers", n, f"the number of processes ({num_processes}) with executor=async (one "
+            "process per worker: experiments.launch --num_processes, or --jax_distributed on a cluster)")
+    local = local_devices or 1
+    if config.batch_size % local:
+      _fail("batch_size", config.batch_size, f"a multiple of the {local} devices of each worker")
+    _check_runtime(config)
+
   _check_optimizer(config)
   _check_schedule(config, n)
+
+
+def _check_runtime(config):
+  rt = config.runtime
+  for key in ("block_steps", "checkpoint_keep", "cache_size"):
+    _positive_int(config, f"runtime.{key}")
+  for key in ("estimate_lag", "checkpoint_every", "warmup_steps"):
+    _int_in(config, f"runtime.{key}", 0, 10**9, "an integer >= 0")
+  if not rt.step_time >= 0:
+    _fail("runtime.step_time", rt.step_time, "seconds >= 0 (0: no padding)")
+  if not rt.heartbeat_s > 0:
+    _fail("runtime.heartbeat_s", rt.heartbeat_s, "seconds > 0")
+  if not rt.heartbeat_timeout > 2 * rt.heartbeat_s:
+    _fail("runtime.heartbeat_timeout", rt.heartbeat_timeout,
+          f"seconds > 2 x runtime.heartbeat_s={rt.heartbeat_s}")
+  if not rt.stall_timeout > rt.heartbeat_timeout:
+    _fail("runtime.stall_timeout", rt.stall_timeout,
+          f"seconds > runtime.heartbeat_timeout={rt.heartbeat_timeout}")
 
 
 def _check_optimizer(config):
@@ -100,7 +130,7 @@ def _check_schedule(config, n):
   if config.algorithm in ("adpsgd", "ps_async") and n < 2:
     _fail("num_workers", n, f"at least 2 for {config.algorithm}")
 
-  if config.executor == "sim":
+  if config.executor in ("sim", "async"):
     h = config.hetero
     ids = tuple(h.slow_workers)
     for w in ids:

@@ -51,7 +51,7 @@ BAD = [
     ("algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static"),
     ("dataset", "imagenet", "config.dataset: 'imagenet' is not allowed: one of mnist1d, digits, cifar10, synthetic"),
     ("model", "vit", "config.model: 'vit' is not allowed: one of mlp, cnn1d, cnn2d, resnet20, resnet56"),
-    ("executor", "async", "config.executor: 'async' is not allowed: one of spmd, sim"),
+    ("executor", "cluster", "config.executor: 'cluster' is not allowed: one of spmd, sim, async"),
     ("num_workers", 12, "config.num_workers: 12 is not allowed: at most the 8 devices or a multiple of 8"),
     ("num_workers", 0, "config.num_workers: 0 is not allowed: a positive integer"),
     ("optimizer.lr", 0.0, "config.optimizer.lr: 0.0 is not allowed: a finite number > 0"),
@@ -83,6 +83,23 @@ BAD_SIM = [
     (SIM, "algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ps_sync, "
      "ps_async, adpsgd, dpsgd, ripples_static, ripples_random, ripples_division, ripples_smart"),
     ("", "algorithm", "adpsgd", "config.algorithm: 'adpsgd' is not allowed: one of allreduce, ripples_static"),
+]
+
+
+ASYNC = "executor=async,num_workers=1,algorithm=allreduce"
+BAD_SIM += [
+    (ASYNC, "algorithm", "ps_sync", "config.algorithm: 'ps_sync' is not allowed: one of allreduce, "
+     "ripples_static, ripples_random, ripples_division, ripples_smart, adpsgd"),
+    ("executor=async,num_workers=4", "num_workers", 4, "config.num_workers: 4 is not allowed: the number "
+     "of processes (1) with executor=async (one process per worker: experiments.launch --num_processes, "
+     "or --jax_distributed on a cluster)"),
+    (ASYNC, "runtime.step_time", -1.0, "config.runtime.step_time: -1.0 is not allowed: seconds >= 0 (0: no padding)"),
+    (ASYNC, "runtime.block_steps", 0, "config.runtime.block_steps: 0 is not allowed: a positive integer"),
+    (ASYNC, "runtime.heartbeat_timeout", 1.0,
+     "config.runtime.heartbeat_timeout: 1.0 is not allowed: seconds > 2 x runtime.heartbeat_s=1.0"),
+    (ASYNC, "runtime.stall_timeout", 10.0,
+     "config.runtime.stall_timeout: 10.0 is not allowed: seconds > runtime.heartbeat_timeout=15.0"),
+    (ASYNC, "hetero.slowdown", 0.5, "config.hetero.slowdown: 0.5 is not allowed: a factor >= 1"),
 ]
 
 

@@ -1,0 +1,29 @@
+r"""Runs N worker processes of experiments.train on this machine (the asynchronous runtime, locally).
+
+  python -m experiments.launch --num_processes=4 -- \
+      --config=configs/default.py:executor=async,num_workers=4,algorithm=ripples_smart \
+      --config.hetero.slow_workers='(3,)' --config.hetero.slowdown=2 --workdir=runs/async
+
+Everything after `--` goes to experiments.train, which each child runs with --jax_distributed and the
+coordinator on 127.0.0.1 and a free port. Logs are prefixed [w<id>]. On a cluster, run experiments.train
+with --jax_distributed once per host/GPU instead (README).
+"""
+import sys
+
+from absl import app, flags
+
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 4, "Worker processes to start.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices per process.")
+_PLATFORM = flags.DEFINE_string("platform", "cpu", "JAX_PLATFORMS for the children ('' keeps the default).")
+_GRACE = flags.DEFINE_float("grace_s", 30.0, "Seconds between SIGTERM and SIGKILL when stopping workers.")
+_MODULE = flags.DEFINE_string("module", "experiments.train", "The entry point each process runs.")
+
+
+def main(argv):
+  from ripples_jax.runtime.launcher import launch
+  sys.exit(launch(_NUM_PROCESSES.value, argv[1:], _MODULE.value, _CPU_DEVICES.value, _PLATFORM.value,
+                  _GRACE.value))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,96 @@
+"""Per-worker event traces (DIR/trace-<worker>.jsonl) and their merge into the simulator's Gantt chart.
+
+One JSON object per line, times in seconds since the run's common start (the start barrier):
+  {"k": "step",  "b": block, "s": local step, "t0", "t1", "c": end of real compute, "loss"}
+  {"k": "group", "b": block, "g": index in the block, "m": members, "t0": call, "t1": return}
+  {"k": "block", "b": block, "t": start, "s": local steps completed}
+A step is compute up to "c", then the padding and any injected slowdown (shown as compute). A group's
+wait is from this member's call to the last member's call; the rest is communication.
+"""
+import glob
+import json
+import os
+
+from ripples_jax import plots
+
+
+def trace_path(workdir: str, worker: int) -> str:
+  return os.path.join(workdir, f"trace-{worker}.jsonl")
+
+
+class TraceWriter:
+  """Buffers events and appends them at block boundaries (and at exit)."""
+
+  def __init__(self, workdir: str, worker: int, keep_before_block: int | None = None):
+    self.path = trace_path(workdir, worker)
+    if keep_before_block is not None and os.path.exists(self.path):
+      # A resumed run replays from block `keep_before_block`: drop what the lost run did after it.
+      kept = [e for e in read_trace(self.path) if e["b"] < keep_before_block]
+      with open(self.path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in kept)
+    elif keep_before_block is None and os.path.exists(self.path):
+      os.remove(self.path)
+    self.events = []
+
+  def add(self, **event) -> None:
+    self.events.append(event)
+
+  def flush(self) -> None:
+    if self.events:
+      with open(self.path, "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in self.events)
+      self.events = []
+
+
+def read_trace(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def load_traces(workdir: str) -> dict:
+  """{worker: [events]} for every trace file in workdir."""
+  out = {}
+  for path in glob.glob(os.path.join(workdir, "trace-*.jsonl")):
+    out[int(os.path.basename(path)[len("trace-"):-len(".jsonl")])] = read_trace(path)
+  return dict(sorted(out.items()))
+
+
+def intervals(traces: dict) -> list:
+  """(worker, kind, t0, t1) with kind compute / wait / comm, as timeline.Trace.intervals."""
+  arrivals = {}
+  for w, events in traces.items():
+    for e in events:
+      if e["k"] == "group":
+        key = (e["b"], e["g"])
+        arrivals[key] = max(arrivals.get(key, e["t0"]), e["t0"])
+  out = []
+  for w, events in traces.items():
+    for e in events:
+      if e["k"] == "step":
+        out.append((w, "compute", e["t0"], e["t1"]))
+      elif e["k"] == "group":
+        last = min(max(arrivals[(e["b"], e["g"])], e["t0"]), e["t1"])
+        if last > e["t0"]:
+          out.append((w, "wait", e["t0"], last))
+        out.append((w, "comm", last, e["t1"]))
+  return out
+
+
+def time_split(traces: dict) -> dict:
+  """Seconds per worker computing, waiting and communicating."""
+  split = {k: [0.0] * (max(traces) + 1 if traces else 0) for k in ("compute", "wait", "comm")}
+  for w, kind, t0, t1 in intervals(traces):
+    split[kind][w] += t1 - t0
+  return split
+
+
+def write_gantt(workdir: str, path: str | None = None, title: str | None = None,
+                t_max: float | None = None) -> str:
+  """Merges the traces of a run into DIR/gantt.png (the simulator's chart, in wall-clock time)."""
+  traces = load_traces(workdir)
+  if not traces:
+    raise FileNotFoundError(f"{workdir}: no trace-<worker>.jsonl files")
+  path = path or os.path.join(workdir, "gantt.png")
+  plots.gantt(intervals(traces), max(traces) + 1, path, title or f"runtime trace: {workdir}", t_max,
+              xlabel="wall-clock time (s)")
+  return path

@@ -1,0 +1,301 @@
+"""The asynchronous multi-process runtime: plans, watchdog, trace merge, and real 2- and 4-process runs."""
+import io
+import json
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from configs import default as default_config
+from ripples_jax import timeline
+from ripples_jax.runtime import coord, plan as plan_lib, trace as trace_lib
+from ripples_jax.runtime.launcher import launch
+from ripples_jax.runtime.replay import merged_events, replay
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_config(algorithm, n=4, steps=40, **overrides):
+  config = default_config.get_config(f"algorithm={algorithm},executor=async,num_workers={n},model=mlp")
+  config.num_steps = steps
+  config.schedule.group_size = min(3, n)
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return config
+
+
+# -- plans ----------------------------------------------------------------------------------------
+
+
+def check_plan_invariants(block, n):
+  for w, toks in enumerate(block.tokens):
+    gids = [t for t in toks if t != plan_lib.STEP]
+    assert gids == sorted(gids), f"worker {w} runs its groups out of the global order"
+    for g in gids:
+      assert w in block.groups[g]
+  for g, members in enumerate(block.groups):
+    assert len(members) >= 2 and len(set(members)) == len(members)
+    for m in members:
+      assert g in block.tokens[m]
+
+
+@pytest.mark.parametrize("algorithm", plan_lib.RUNTIME_ALGORITHMS)
+def test_plans_keep_one_global_order_and_cover_the_run(algorithm):
+  n = 4
+  config = make_config(algorithm, n, steps=30, **{"runtime.block_steps": 4})
+  estimates = [0.1, 0.1, 0.1, 0.5]
+  planned, blocks = 0, []
+  while True:
+    block = plan_lib.plan_block(config, len(blocks), planned, estimates, 1e5)
+    if not any(block.tokens):
+      break
+    check_plan_invariants(block, n)
+    planned += int(block.steps().sum())
+    blocks.append(block)
+  assert config.num_steps * n <= planned < config.num_steps * n + n * config.runtime.block_steps * 5
+  again = plan_lib.plan_block(config, 1, int(blocks[0].steps().sum()), estimates, 1e5)
+  assert again == blocks[1]  # a pure function: every process computes the same plan
+
+
+def test_smart_plan_gives_the_slow_worker_steps_in_proportion_to_its_speed():
+  config = make_config("ripples_smart", 4, steps=400, **{"runtime.block_steps": 10})
+  block = plan_lib.plan_block(config, 0, 0, [0.1, 0.1, 0.1, 0.5], 1e5)
+  steps = block.steps()
+  assert steps[3] == 10 and (steps[:3] >= 45).all()  # 5x the slow worker's steps in one horizon
+  # The slow worker syncs with the others, but not every fast step waits for it.
+  slow_groups = sum(3 in g for g in block.groups)
+  assert 1 <= slow_groups <= steps[3] + 1
+
+
+def test_static_plan_follows_the_static_layouts_across_blocks():
+  from ripples_jax.schedule import static_layouts
+  config = make_config("ripples_static", 8, steps=12, **{"runtime.block_steps": 3})
+  layouts = static_layouts(config)
+  syncs = []
+  for b in range(4):
+    block = plan_lib.plan_block(config, b, b * 3 * 8, None, 1e5)
+    assert (block.steps() == 3).all()
+    syncs += [block.groups[t] for t in block.tokens[0] if t != plan_lib.STEP]
+  expected = [g for k in range(12) for g in layouts[k % len(layouts)] if 0 in g and len(g) > 1]
+  assert syncs == [tuple(sorted(g)) for g in expected]
+
+
+# -- watchdog -------------------------------------------------------------------------------------
+
+
+class FakeKV:
+  def __init__(self):
+    self.store = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    self.store[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+
+def test_watchdog_names_the_silent_worker_and_the_last_steps():
+  kv, logs, exits = FakeKV(), [], []
+  dogs = [coord.Watchdog(kv, w, 3, lambda w=w: (10 + w, 5, False), 1.0, 5.0, 30.0, logs.append, exits.append)
+          for w in range(3)]
+  for t in range(4):
+    for d in dogs:
+      d.check(100.0 + t)
+  assert not exits
+  for t in range(4, 12):  # worker 2 stops beating
+    for d in dogs[:2]:
+      d.check(100.0 + t)
+  assert exits == [coord.EXIT_LOST, coord.EXIT_LOST]
+  assert "worker(s) [2] lost" in logs[0] and "w0:10 w1:11 w2:12" in logs[0]
+
+
+def test_watchdog_reports_a_run_where_nothing_moves():
+  kv, logs, exits = FakeKV(), [], []
+  dogs = [coord.Watchdog(kv, w, 2, lambda: (3, 7, False), 1.0, 5.0, 8.0, logs.append, exits.append)
+          for w in range(2)]
+  for t in range(12):  # beating, but no worker completes anything
+    for d in dogs:
+      d.check(float(t))
+  assert exits and "no progress for 8 s" in logs[0]
+
+
+# -- trace merge ----------------------------------------------------------------------------------
+
+
+def test_merged_events_respect_each_worker_and_the_group_order():
+  step = lambda b, s: {"k": "step", "b": b, "s": s, "t0": 0, "t1": 1, "c": 0.5, "loss": 0.0}
+  group = lambda b, g, m: {"k": "group", "b": b, "g": g, "m": m, "t0": 1, "t1": 2}
+  traces = {0: [step(0, 0), group(0, 0, [0, 1]), step(0, 1), group(0, 1, [0, 2])],
+            1: [step(0, 0), step(0, 1), group(0, 0, [0, 1])],
+            2: [step(0, 0), group(0, 1, [0, 2]), step(0, 1)]}
+  events = merged_events(traces, 3)
+  kinds = [(k, a) for _, k, a, _ in events]
+  avg01, avg02 = kinds.index((timeline.AVG, (0, 1))), kinds.index((timeline.AVG, (0, 2)))
+  assert avg01 < avg02
+  assert sum(k == (timeline.APPLY, 1) for k in kinds[:avg01]) == 2  # both of worker 1's steps first
+  assert sum(k == (timeline.APPLY, 0) for k in kinds[:avg02]) == 2
+  assert sum(k == (timeline.APPLY, 2) for k in kinds[avg02:]) == 1
+  broken = {0: traces[0], 1: traces[1], 2: [step(0, 0), group(0, 0, [0, 2])]}
+  with pytest.raises(ValueError, match="global order"):
+    merged_events({**broken, 0: [step(0, 0), group(0, 1, [0, 2]), group(0, 0, [0, 1])]}, 3)
+
+
+def test_trace_intervals_split_wait_from_comm():
+  traces = {0: [{"k": "group", "b": 0, "g": 0, "m": [0, 1], "t0": 1.0, "t1": 3.5}],
+            1: [{"k": "group", "b": 0, "g": 0, "m": [0, 1], "t0": 3.0, "t1": 3.5}]}
+  got = sorted(trace_lib.intervals(traces))
+  assert got == [(0, "comm", 3.0, 3.5), (0, "wait", 1.0, 3.0), (1, "comm", 3.0, 3.5)]
+
+
+# -- real runs ------------------------------------------------------------------------------------
+
+
+def run_args(workdir, algorithm, n, steps, extra=()):
+  return [f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model=mlp",
+          f"--workdir={workdir}", f"--config.num_steps={steps}", "--config.runtime.block_steps=4",
+          "--config.runtime.checkpoint_every=2", "--config.runtime.heartbeat_timeout=5",
+          "--config.runtime.stall_timeout=20", "--config.eval_every=8", "--config.log_every=1000",
+          f"--config.schedule.group_size={min(3, n)}", *extra]
+
+
+def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10):
+  """launch() in a thread; on timeout every child is SIGKILLed by PID and the test fails."""
+  out, pids, result = io.StringIO(), [], {}
+
+  def started(p):
+    pids.extend(p)
+    if on_pids:
+      on_pids(p)
+
+  t = threading.Thread(target=lambda: result.setdefault("code", launch(
+      n, args, out=out, on_start=started, cwd=ROOT, grace_s=grace_s)), daemon=True)
+  t.start()
+  t.join(timeout_s)
+  if t.is_alive():
+    for p in pids:
+      try:
+        os.killpg(p, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    pytest.fail(f"launch did not finish in {timeout_s} s:\n{out.getvalue()[-3000:]}")
+  return result["code"], out.getvalue()
+
+
+def replay_error(config, workdir, traces_dir=None):
+  """Relative L2 distance per worker between the runtime's final state and the engine's replay."""
+  want = replay(config, traces_dir or workdir)
+  out = []
+  for w in range(config.num_workers):
+    got = np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy"))
+    tree = {"params": jax.tree.map(lambda a: a[w], want["params"]),
+            "model_state": jax.tree.map(lambda a: a[w], want["model_state"])}
+    out.append(float(np.linalg.norm(got - ravel_pytree(tree)[0]) / np.linalg.norm(got)))
+  return out
+
+
+def assert_replay_matches(config, workdir, tmp_path):
+  # The engine (vmapped, start and apply apart) and the runtime's step round differently (~1e-7); a
+  # ReLU whose input sits at 0 can then flip once and the momentum carries it: ~1e-4 after 100 steps.
+  err = replay_error(config, workdir)
+  assert max(err) < 1e-3, err
+  # A control: the same traces with one early step moved past its worker's next group are a different
+  # order, and the replay must see it (the tolerance is not loose enough to hide an ordering bug).
+  traces = trace_lib.load_traces(workdir)
+  toks = traces[0]
+  swaps = [j for j in range(1, len(toks)) if toks[j]["k"] == "group" and toks[j - 1]["k"] == "step"]
+  j = swaps[min(3, len(swaps) - 1)]
+  toks[j - 1], toks[j] = toks[j], toks[j - 1]
+  other = tmp_path / "swapped"
+  other.mkdir()
+  for w, events in traces.items():
+    (other / f"trace-{w}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+  swapped = replay_error(config, workdir, str(other))
+  assert min(swapped) > 3 * max(err) and min(swapped) > 1e-3, (err, swapped)
+
+
+def test_two_process_run_and_replay_through_the_engine(tmp_path):
+  workdir = str(tmp_path / "run")
+  code, out = launch_bounded(2, run_args(workdir, "ripples_smart", 2, 24, [
+      "--config.hetero.slow_workers=(1,)", "--config.hetero.slowdown=3", "--config.runtime.step_time=0.01"]))
+  assert code == 0, out[-3000:]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert sum(summary["worker_steps"]) >= 48 and summary["worker_steps"][0] > summary["worker_steps"][1]
+  for f in ("gantt.png", "metrics.jsonl", "trace-0.jsonl", "trace-1.jsonl"):
+    assert os.path.exists(os.path.join(workdir, f))
+  assert "[w0]" in out and "[w1]" in out  # the launcher prefixes each worker's log
+  assert_replay_matches(make_config("ripples_smart", 2, 24), workdir, tmp_path)
+
+
+def test_four_processes_killed_worker_then_resume(tmp_path):
+  workdir = str(tmp_path / "run")
+  n, steps = 4, 120
+  args = run_args(workdir, "ripples_division", n, steps, ["--config.runtime.step_time=0.04"])
+  killed = {}
+
+  def kill_worker_2_after_a_common_checkpoint(pids):
+    def watch():
+      ckpt = os.path.join(workdir, "ckpt")
+      deadline = time.monotonic() + 180
+      while time.monotonic() < deadline:
+        if os.path.isdir(os.path.join(ckpt, "4")):  # committed (orbax renames it into place)
+          os.kill(pids[2], signal.SIGKILL)
+          killed["at"] = time.monotonic()
+          return
+        time.sleep(0.05)
+    threading.Thread(target=watch, daemon=True).start()
+
+  code, out = launch_bounded(n, args, on_pids=kill_worker_2_after_a_common_checkpoint, grace_s=60)
+  assert "at" in killed, out[-3000:]
+  assert code != 0
+  elapsed = time.monotonic() - killed["at"]
+  assert elapsed < 60, f"the other workers took {elapsed:.0f} s to exit"
+  lost = [l for l in out.splitlines() if "worker(s) [2] lost" in l]
+  assert len(lost) == 3, out[-3000:]  # each surviving worker names the lost one
+  assert "last completed step per worker" in lost[0]
+  assert "exit codes: [75, 75, -9, 75]" in out
+
+  code, out = launch_bounded(n, args)
+  assert code == 0, out[-3000:]
+  resumed = [l for l in out.splitlines() if "resuming at block" in l]
+  assert len(resumed) == n and len({l.split("resuming at block")[1].split()[0] for l in resumed}) == 1
+  assert int(resumed[0].split("resuming at block")[1].split()[0]) >= 4
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert sum(summary["worker_steps"]) >= n * steps
+  # The resumed run continued exactly where the checkpoint left off: replaying the recorded order from
+  # x_0, across the kill, lands on the parameters the workers hold.
+  assert_replay_matches(make_config("ripples_division", n, steps), workdir, tmp_path)
+
+
+def test_launcher_leaves_no_process_behind_on_ctrl_c(tmp_path):
+  import subprocess
+  import sys
+  cmd = [sys.executable, "-m", "experiments.launch", "--num_processes=2", "--grace_s=5", "--",
+         *run_args(str(tmp_path / "run"), "allreduce", 2, 10000, ["--config.runtime.step_time=0.05"])]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  pids = None
+  try:
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+      if "pids [" in line:
+        pids = json.loads(line.split("pids ")[1])
+      if (pids and "[Gloo]" in line) or time.monotonic() > deadline:
+        break  # the workers are in their first collective
+    assert pids, "the launcher did not report its workers"
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 130, rest[-2000:]
+  for pid in pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
