@@ -75,4 +75,6 @@ def get_config(arg=None):
   c.num_steps = arg.steps
   c.log_every = 50
   c.eval_every = 500
+  c.checkpoint_every = 1000        # steps between orbax checkpoints (0: none); a rerun resumes
+  c.checkpoint_keep = 2
   return c

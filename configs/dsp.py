@@ -48,4 +48,6 @@ def get_config(arg=None):
   c.num_epochs = arg.epochs
   c.log_every = 50                 # batches
   c.eval_every = 500
+  c.checkpoint_every = 2000        # batches between orbax checkpoints (0: none); a rerun resumes
+  c.checkpoint_keep = 2
   return c

@@ -8,9 +8,11 @@ from absl import app, flags
 
 from configs import default as default_config
 from ripples_jax.bench_timeline import run
+from ripples_jax.platform import write_table
 
 _WORKERS = flags.DEFINE_list("workers", ["16", "256"], "Worker counts.")
 _STEPS = flags.DEFINE_integer("steps", 2000, "Steps per worker.")
+_OUT = flags.DEFINE_string("out", None, "Optional path for the table (markdown).")
 
 
 def make_config(algorithm, n):
@@ -21,7 +23,7 @@ def make_config(algorithm, n):
 
 def main(argv):
   del argv
-  print(run(make_config, [int(w) for w in _WORKERS.value], _STEPS.value))
+  write_table(run(make_config, [int(w) for w in _WORKERS.value], _STEPS.value), _OUT.value)
 
 
 if __name__ == "__main__":

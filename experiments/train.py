@@ -26,6 +26,7 @@ _JAX_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distrib
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: JAX's).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: JAX's).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (default: JAX's).")
+_LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "This process's GPUs (default: JAX's).")
 
 
 def main(argv):
@@ -37,7 +38,7 @@ def main(argv):
   from ripples_jax.validation import ConfigError
 
   if _JAX_DISTRIBUTED.value:
-    init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICE_IDS.value)
   try:
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, DatasetError) as e:  # bad input: one line, no traceback

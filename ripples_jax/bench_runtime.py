@@ -14,6 +14,7 @@ import numpy as np
 from ripples_jax import plots
 from ripples_jax.benchmark import markdown_table
 from ripples_jax.reproduce_ripples import limit
+from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.launcher import launch
 
 ALGORITHMS = ("allreduce", "ripples_static", "ripples_smart", "ripples_division", "adpsgd")
@@ -56,8 +57,11 @@ def run(out_dir: str, num_processes: int = 4, slowdowns=(1.0, 2.0, 5.0), algorit
   plots.accuracy_vs_time(curves, os.path.join(out_dir, "accuracy_vs_time.png"),
                          f"MNIST-1D, {n} worker processes (async runtime)", xlabel="wall-clock time (s)")
   if (max(slowdowns), "ripples_smart") in results:
-    shutil.copy(os.path.join(results[max(slowdowns), "ripples_smart"]["workdir"], "gantt.png"),
-                os.path.join(out_dir, "gantt.png"))
+    r, s = results[max(slowdowns), "ripples_smart"], max(slowdowns)
+    horizon = 12 * s * max(r["step_time"], 0.01)
+    trace_lib.write_gantt(r["workdir"], os.path.join(out_dir, "gantt.png"),
+                          f"ripples_smart, {n} processes, worker {slow_worker} {s:g}x slower: first "
+                          f"{horizon:.1f} s (wall clock)", t_max=horizon)
   md = table(results, n, slowdowns, algorithms, target)
   with open(os.path.join(out_dir, "table.md"), "w") as f:
     f.write(md + "\n")

@@ -47,11 +47,13 @@ def write_json(path: str, obj: dict) -> None:
   os.replace(tmp, path)
 
 
-def check_finite(step: int, **values) -> None:
-  """Stops a run at the first non-finite logged value, naming the step (NaN check after logging)."""
+def check_finite(step: int, last_checkpoint: str | None = None, **values) -> None:
+  """Stops a run at the first non-finite logged value, naming the step and the last good checkpoint
+  (NaN check after logging, so the bad value is on disk)."""
   for k, v in values.items():
     if v is not None and not math.isfinite(v):
-      raise FloatingPointError(f"{k} is {v} at step {step}; stopping the run")
+      where = f"; the last good checkpoint is {last_checkpoint}" if last_checkpoint else ""
+      raise FloatingPointError(f"{k} is {v} at step {step}; stopping the run{where}")
 
 
 def summary_table(rows: list[dict]) -> str:

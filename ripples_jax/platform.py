@@ -10,14 +10,15 @@ def force_host_devices(count: int) -> None:
 
 
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None) -> None:
+                     process_id: int | None = None, local_device_ids=None) -> None:
   """jax.distributed.initialize(); unset arguments are resolved by JAX (SLURM, TPU pods, env vars).
 
   CPU processes talk through gloo (the default CPU backend has no cross-process collectives).
   """
   import jax  # only here: this module is imported before XLA_FLAGS is final
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  ids = [int(i) for i in local_device_ids] if local_device_ids else None
+  jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids=ids)
 
 
 def write_table(table: str, path: str | None) -> None:

@@ -49,3 +49,20 @@ def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | Non
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def lines(series: dict, path: str, title: str, xlabel: str, ylabel: str) -> None:
+  """series: {label: {x: y}}; one line with markers per label."""
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for label, points in series.items():
+    if points:
+      x = sorted(points)
+      ax.plot(x, [points[k] for k in x], marker="o", label=label)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from ripples_jax import checkpoint
 from ripples_jax import data as data_lib
 from ripples_jax import engine
 from ripples_jax import metrics as metrics_lib
@@ -110,19 +111,32 @@ def simulate_and_train(config, workdir: str) -> dict:
   sharding = engine.worker_sharding(mesh)
   eval_slots = slice(n, n + 1) if has_server else slice(0, n)  # PS: the server's model is the model
 
-  writer = metrics_lib.MetricWriter(workdir)
+  # Resume: the clock is deterministic, so it is simply run again; the rounds the checkpoint had
+  # executed are skipped and the engine state and loop counters restored.
+  ckpt = checkpoint.Checkpointer(workdir, config.checkpoint_every, config.checkpoint_keep)
+  got = ckpt.restore(state)
   total = config.num_steps * n
   progress = Progress(config.num_steps, config.log_every)
   starts = np.zeros(n, np.int64)
-  applied = 0
+  applied, first_round = 0, 0
   losses = []
   last, time_to_target = {}, None
-  x_zero = np.zeros((slots, config.batch_size) + data["x_train"].shape[1:], data["x_train"].dtype)
-  y_zero = np.zeros((slots, config.batch_size), data["y_train"].dtype)
   next_log, next_eval = config.log_every, config.eval_every
   evaluated_step = None
+  if got is not None:
+    _, state, meta = got
+    starts, applied, first_round = np.array(meta["starts"]), meta["applied"], meta["round"]
+    next_log, next_eval, evaluated_step = meta["next_log"], meta["next_eval"], meta["evaluated_step"]
+    last, time_to_target = meta["last"], meta["time_to_target"]
+  next_ckpt = (applied // n // config.checkpoint_every + 1) * config.checkpoint_every \
+      if config.checkpoint_every else None
+  writer = metrics_lib.MetricWriter(workdir)
+  x_zero = np.zeros((slots, config.batch_size) + data["x_train"].shape[1:], data["x_train"].dtype)
+  y_zero = np.zeros((slots, config.batch_size), data["y_train"].dtype)
   try:
-    for r in timeline.pack_rounds(trace.events, n, slots):
+    for i, r in enumerate(timeline.pack_rounds(trace.events, n, slots)):
+      if i < first_round:
+        continue
       # A server round is apply -> pull -> start for one worker: the next push to the server ends it.
       assert not has_server or r["start"].sum() <= 1
       # Batches only for the workers that start (each at its own step); other rows are never read.
@@ -158,7 +172,13 @@ def simulate_and_train(config, workdir: str) -> dict:
             time_to_target = r["time"]
         writer.write(record)
         last.update(record)
-        metrics_lib.check_finite(step, train_loss=loss)
+        metrics_lib.check_finite(step, ckpt.describe_last(), train_loss=loss)
+        if next_ckpt is not None and step >= next_ckpt:  # right after a record: no loss is pending
+          next_ckpt = (step // config.checkpoint_every + 1) * config.checkpoint_every
+          ckpt.save(step, state, {"round": i + 1, "starts": starts.tolist(), "applied": applied,
+                                  "next_log": next_log, "next_eval": next_eval,
+                                  "evaluated_step": evaluated_step, "last": last,
+                                  "time_to_target": time_to_target}, force=True)
         progress.update(min(step, config.num_steps), **{k: last[k] for k in ("train_loss", "test_accuracy")
                                                          if k in last})
     if evaluated_step != applied // n:
@@ -170,6 +190,7 @@ def simulate_and_train(config, workdir: str) -> dict:
       last.update(record)
   finally:
     writer.close()
+    ckpt.close()
 
   split = trace.time_split()
   summary = {

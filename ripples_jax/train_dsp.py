@@ -8,6 +8,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from ripples_jax import checkpoint
 from ripples_jax import data as data_lib
 from ripples_jax import metrics as metrics_lib
 from ripples_jax.benchmark import time_interleaved
@@ -39,7 +40,7 @@ def measure_stage_times(stages, state, sample_x, reps: int = 20):
 
 
 def train_and_evaluate(config, workdir: str | None = None) -> dict:
-  validate_dsp_config(config)  # before anything loads or compiles
+  validate_dsp_config(config, num_processes=jax.process_count())  # before anything loads or compiles
   workdir = make_workdir(workdir)
   write_config(config, workdir)
   data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
@@ -91,13 +92,19 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
                config.method, K, np.round(1e3 * np.array(fwd_K), 3), np.round(1e3 * np.array(bwd_K), 3),
                speedup)
 
+  ckpt = checkpoint.Checkpointer(workdir, config.checkpoint_every, config.checkpoint_keep)
+  got = ckpt.restore(state)
+  first_tick, last, t_offset = 0, {}, 0.0
+  if got is not None:
+    _, state, meta = got
+    first_tick, last, t_offset = meta["tick"], meta["last"], meta["time"]
   writer = metrics_lib.MetricWriter(workdir)
   progress = Progress(num_batches, config.log_every)
   drain = schedule.drain_ticks() if schedule else 0
   last_stage_offset = schedule.offsets[-1] if schedule else 0
-  losses, last, t0 = [], {}, time.time()
+  losses, t0 = [], time.time() - t_offset
   try:
-    for t in range(num_batches + drain):
+    for t in range(first_tick, num_batches + drain):
       if schedule is None:
         state, (loss, acc) = step_fn(state, *batch(t))
       else:
@@ -119,10 +126,14 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
           record.update(test_accuracy=float(acc_test), test_loss=float(loss_test))
         writer.write(record)
         last.update(record)
-        metrics_lib.check_finite(done, train_loss=record["train_loss"])
+        metrics_lib.check_finite(done, ckpt.describe_last(), train_loss=record["train_loss"])
+        if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == num_batches):
+          # Right after a record, so no loss is pending; the tick carries the pipeline's fill state.
+          ckpt.save(done, state, {"tick": t + 1, "last": last, "time": time.time() - t0}, force=True)
       progress.update(max(done, 0))
   finally:
     writer.close()
+    ckpt.close()
 
   straggler = None
   if config.slowdown > 1:

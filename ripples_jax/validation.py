@@ -52,8 +52,9 @@ def validate_train_config(config, num_devices: int, num_processes: int = 1,
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "data_sharding", DATA_SHARDINGS)
   _one_of(config, "preduce_impl", PREDUCE_IMPLS)
-  for key in ("num_workers", "batch_size", "num_steps", "log_every", "eval_every"):
+  for key in ("num_workers", "batch_size", "num_steps", "log_every", "eval_every", "checkpoint_keep"):
     _positive_int(config, key)
+  _int_in(config, "checkpoint_every", 0, 10**9, "an integer number of steps >= 0 (0: no checkpoints)")
   n = config.num_workers
   if config.executor == "spmd" and n > num_devices and n % num_devices:  # the simulator uses one device
     _fail("num_workers", n, f"at most the {num_devices} devices or a multiple of {num_devices}")
@@ -164,8 +165,11 @@ DSP_METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
 PLACEMENTS = ("one_device", "per_stage")
 
 
-def validate_dsp_config(config, num_devices: int | None = None) -> None:
+def validate_dsp_config(config, num_devices: int | None = None, num_processes: int = 1) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
+  if num_processes > 1:
+    raise ConfigError(f"--jax_distributed: {num_processes} processes are not allowed: a pipeline runs "
+                      "inside one process (its stages on that process's devices)")
   from ripples_jax.pipeline.dsp import MODES
   from ripples_jax.pipeline.split import max_stages
   _one_of(config, "method", DSP_METHODS)
@@ -173,8 +177,13 @@ def validate_dsp_config(config, num_devices: int | None = None) -> None:
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "placement", PLACEMENTS)
-  for key in ("num_stages", "batch_size", "microbatches", "num_epochs", "log_every", "eval_every"):
+  for key in ("num_stages", "batch_size", "microbatches", "num_epochs", "log_every", "eval_every",
+              "checkpoint_keep"):
     _positive_int(config, key)
+  _int_in(config, "checkpoint_every", 0, 10**9, "an integer number of batches >= 0 (0: no checkpoints)")
+  if config.checkpoint_every % config.log_every:
+    _fail("checkpoint_every", config.checkpoint_every,
+          f"a multiple of log_every={config.log_every} (checkpoints are taken at logged batches)")
   most = max_stages(config.model)
   if config.num_stages > most:
     _fail("num_stages", config.num_stages, f"{config.model} splits into at most {most} stages")

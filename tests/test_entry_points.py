@@ -1,7 +1,10 @@
 """One short end-to-end run of every benchmark and reproduction entry point (flax-examples style)."""
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,3 +58,33 @@ def test_reproduce_dsp(tmp_path):
   assert "| synthetic | 2 | dsp |" in out and "stage 1 slowed 3x" in out
   for f in ("table.md", "accuracy_vs_epoch.png", "accuracy_vs_modeled_time.png", "staleness_lr_sweep.png"):
     assert (out_dir / f).stat().st_size > 0
+
+
+def test_reproduce_regenerates_a_step_with_its_provenance(tmp_path):
+  results = tmp_path / "results"
+  run("experiments.reproduce", "--steps=spectral", f"--results={results}", f"--work={tmp_path / 'work'}",
+      tmp_path=tmp_path)
+  for f in ("table.md", "spectral_gap.png", "provenance.json", "stdout.txt"):
+    assert (results / "spectral" / f).exists()
+  prov = json.loads((results / "spectral" / "provenance.json").read_text())
+  assert prov["command"].startswith("python -m experiments.spectral") and prov["machine"]["cpus"]
+  assert "| spectral |" in (results / "index.md").read_text()
+
+
+def test_bench_checkpoint(tmp_path):
+  out = run("experiments.bench_checkpoint", "--reps=1", "--steps=8", tmp_path=tmp_path)
+  assert "| ripples_static | spmd | 8 | 2 | 4 |" in out
+
+
+def test_spectral_gap_matches_the_closed_form():
+  from ripples_jax.reproduce import spectral_table
+  n = 16
+  table = spectral_table(n, samples=400)
+  for g in (2, 4, 8):
+    # One random group of g: E[W] has diagonal 1 - (g - 1)/n and off-diagonal (g - 1)/(n (n - 1)).
+    exact = 1 - ((1 - (g - 1) / n) - (g - 1) / (n * (n - 1)))
+    assert abs(table["random GG (one group per round)"][g] - exact) < 0.01
+    # A random partition into groups of g: diagonal 1/g, off-diagonal (g - 1)/(g (n - 1)).
+    exact = 1 - (1 / g - (g - 1) / (g * (n - 1)))
+    assert abs(table["group division (a partition per round)"][g] - exact) < 0.01
+  assert table["hypercube (radix g)"][4] == pytest.approx(0.5)

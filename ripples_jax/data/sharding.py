@@ -85,8 +85,15 @@ def batch_indices(shards: Sequence[np.ndarray], batch_size: int, seed: int,
 
 
 def batch_at(x: np.ndarray, y: np.ndarray, shards: Sequence[np.ndarray],
-             batch_size: int, seed: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-  """(x [W, B, ...], y [W, B]) for `step`; worker w's rows come only from shards[w]."""
+             batch_size: int, seed: int, step: int,
+             workers: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(x [W, B, ...], y [W, B]) for `step`; worker w's rows come only from shards[w].
+
+  With `workers`, only those workers' rows (a process feeding the workers it owns).
+  """
+  if workers is not None:
+    idx = batch_indices([shards[w] for w in workers], batch_size, seed, step, workers=workers)
+    return x[idx], y[idx]
   idx = batch_indices(shards, batch_size, seed, step)
   return x[idx], y[idx]
 

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ripples_jax import data as data_lib
 from ripples_jax import checkpoint as ckpt_lib
 from ripples_jax import engine
+from ripples_jax import metrics as metrics_lib
 from ripples_jax.models import build_model, init_model
 from ripples_jax.optim import make_optimizer
 from ripples_jax.progress import Progress
@@ -201,6 +202,10 @@ def run(config, workdir: str) -> dict:
                     loss=loss)
           steps_done += 1
           progress["steps"] = steps_done
+          if not np.isfinite(loss):  # stops this worker; its peers' watchdogs then stop theirs
+            last_ckpt = manager.latest_step()
+            metrics_lib.check_finite(steps_done, f"{manager.directory}/{last_ckpt}" if last_ckpt else None,
+                                     train_loss=loss)
           if bar:
             bar.update(min(steps_done, config.num_steps), train_loss=loss)
         else:
