@@ -53,7 +53,7 @@ def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | Non
 
 def lines(series: dict, path: str, title: str, xlabel: str, ylabel: str) -> None:
   """series: {label: {x: y}}; one line with markers per label."""
-  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  fig, ax = plt.subplots(figsize=(9.5, 4.2))
   for label, points in series.items():
     if points:
       x = sorted(points)
@@ -62,7 +62,7 @@ def lines(series: dict, path: str, title: str, xlabel: str, ylabel: str) -> None
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over a line
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
