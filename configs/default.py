@@ -2,10 +2,13 @@
 
   python -m experiments.train --config=configs/default.py --workdir=runs/default
   python -m experiments.train --config=configs/default.py:algorithm=allreduce
+  python -m experiments.launch --num_processes=4 -- \
+      --config=configs/default.py:executor=async,num_workers=4,algorithm=ripples_smart,model=mlp
 
 Expected (2-core CPU, 8 forced devices): about 90% test accuracy of the averaged model, under 3 minutes;
 All-Reduce with the same config within 1 point (WORKSPACE.md has the measured numbers).
 Variants (`:k=v,...`): algorithm, executor, num_workers, dataset, model, layout, steps.
+A rerun with the same --workdir resumes from the newest checkpoint (every `checkpoint_every` steps).
 """
 from ripples_jax.config_util import parse_arg
 import ml_collections

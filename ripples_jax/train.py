@@ -120,7 +120,7 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
         flush(step, loss_W, ev)
       elif step % config.log_every == 0:
         pending = (step, loss_W)
-      if step % config.checkpoint_every == 0 if config.checkpoint_every else False:
+      if config.checkpoint_every and step % config.checkpoint_every == 0:
         if pending is not None:  # the checkpoint's metrics line count includes this step's record
           flush(*pending)
           pending = None
