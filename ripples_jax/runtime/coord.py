@@ -80,7 +80,7 @@ class Watchdog:
         raise
       except Exception as e:  # noqa: BLE001  the service itself is gone (its host process died)
         if time.monotonic() - self._contact > self.timeout:
-          self._lost(f"lost contact with the coordination service (hosted by worker 0's process): {e}")
+          self._lost(f"lost contact with the coordination service (hosted by worker 0's process): {e}", [0])
 
   def check(self, now: float) -> None:
     if self.fired:
@@ -105,16 +105,39 @@ class Watchdog:
       return
     silent = [w for w in range(self.n) if w != self.worker and now - self.seen[w][1] > self.timeout]
     if silent:
-      return self._lost(f"worker(s) {silent} lost: no heartbeat for {self.timeout:.0f} s")
+      return self._lost(f"worker(s) {silent} lost: no heartbeat for {self.timeout:.0f} s", silent)
     running = [w for w in range(self.n) if not self.done[w]]
     if running and all(now - self.moved[w][1] > self.stall_timeout for w in running):
       stalled = min(running, key=lambda w: self.moved[w][1])
       self._lost(f"no progress for {self.stall_timeout:.0f} s; worker {stalled} stalled first "
-                 f"(workers {running} are blocked)")
+                 f"(workers {running} are blocked)", [])
 
-  def _lost(self, why: str) -> None:
+  def _lost(self, why: str, lost: list) -> None:
     self.fired = True
     last = " ".join(f"w{w}:{self.steps[w]}" for w in range(self.n))
     self.log(f"worker {self.worker}: {why}; last completed step per worker: {last}; exiting")
+    if self.worker == 0:
+      self._outlive_peers(set(lost))
     self.exit_fn(EXIT_LOST)
+
+  def _outlive_peers(self, lost: set) -> None:
+    """Process 0 hosts the coordination service: when it goes, every other process's JAX client aborts
+    at once (SIGABRT), before its own watchdog can name the lost worker. So process 0 exits last: once
+    the other survivors' heartbeats have stopped (they exited), or after one more timeout."""
+    deadline = time.monotonic() + self.timeout
+    while time.monotonic() < deadline:
+      time.sleep(self.interval)
+      try:
+        values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
+      except Exception:  # noqa: BLE001
+        return
+      now = time.monotonic()
+      for w in range(self.n):
+        value = values.get(f"{PREFIX}/hb/{w}")
+        if value is not None and value != self.seen[w][0]:
+          self.seen[w] = (value, now)
+      alive = [w for w in range(1, self.n)
+               if w not in lost and now - self.seen[w][1] < 2.5 * self.interval]
+      if not alive:
+        return
 
