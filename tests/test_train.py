@@ -62,6 +62,9 @@ BAD = [
     ("schedule.layout", "ring", "config.schedule.layout: 'ring' is not allowed: one of node, hypercube"),
     ("preduce_impl", "nccl", "config.preduce_impl: 'nccl' is not allowed: one of auto, collective, segment"),
     ("data_sharding", "dirichlet", "config.data_sharding: 'dirichlet' is not allowed: one of iid, noniid"),
+    ("checkpoint_every", -5, "config.checkpoint_every: -5 is not allowed: an integer number of steps >= 0 "
+     "(0: no checkpoints)"),
+    ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
 ]
 
 

@@ -40,6 +40,11 @@ BAD = [
     ("mode", "replay", "config.mode: 'replay' is not allowed: one of recompute, stash"),
     ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
     ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
+    ("checkpoint_every", 130, "config.checkpoint_every: 130 is not allowed: a multiple of log_every=50 "
+     "(checkpoints are taken at logged batches)"),
+    ("checkpoint_every", -1, "config.checkpoint_every: -1 is not allowed: an integer number of batches >= 0 "
+     "(0: no checkpoints)"),
+    ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
 ]
 
 
@@ -50,6 +55,12 @@ def test_dsp_validation(key, value, message):
   with pytest.raises(ConfigError) as e:
     validate_dsp_config(config, num_devices=8)
   assert str(e.value) == message
+
+
+def test_dsp_refuses_several_processes():
+  with pytest.raises(ConfigError, match="--jax_distributed: 2 processes are not allowed: a pipeline runs "
+                     "inside one process"):
+    validate_dsp_config(dsp_config.get_config(), num_devices=8, num_processes=2)
 
 
 def test_bad_stage_count_stops_before_compile(tmp_path):
