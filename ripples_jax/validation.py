@@ -78,9 +78,9 @@ def validate_train_config(config, num_devices: int, num_processes: int = 1,
 
 def _check_runtime(config):
   rt = config.runtime
-  for key in ("block_steps", "checkpoint_keep", "cache_size"):
+  for key in ("block_steps", "checkpoint_keep", "cache_size", "warmup_steps"):
     _positive_int(config, f"runtime.{key}")
-  for key in ("estimate_lag", "checkpoint_every", "warmup_steps"):
+  for key in ("estimate_lag", "checkpoint_every"):
     _int_in(config, f"runtime.{key}", 0, 10**9, "an integer >= 0")
   if not rt.step_time >= 0:
     _fail("runtime.step_time", rt.step_time, "seconds >= 0 (0: no padding)")

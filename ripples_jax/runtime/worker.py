@@ -116,7 +116,7 @@ def run(config, workdir: str) -> dict:
     scratch, _, t0, _, t1 = timed_step(scratch, k)
     warm.append(t1 - t0)
   del scratch
-  estimate = float(np.median(warm)) if warm else rt.step_time
+  estimate = float(np.median(warm))
 
   # Checkpoints are global: at an agreed block every worker contributes its shard of one array per
   # leaf, stacked on a worker axis (orbax writes each process's shards; it refuses per-process
