@@ -1,6 +1,6 @@
 r"""Regenerates every table and figure of WORKSPACE.md.
 
-  python -m experiments.reproduce --all              # the numbers (about 1.5 h on 2 cores)
+  python -m experiments.reproduce --all              # the numbers (~1 h on 2 cores, estimated)
   python -m experiments.reproduce --quick            # every step at small sizes (under 10 min)
   python -m experiments.reproduce --steps=spectral,runtime
 
