@@ -13,18 +13,14 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from ripples_jax.platform import force_host_devices, init_distributed
+from experiments import distributed_flags
+from ripples_jax.platform import force_host_devices
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "dsp.py"),
     "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: a fresh folder under runs/).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force when running on the host.")
-_JAX_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize().")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: JAX's).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: JAX's).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (default: JAX's).")
-_LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "This process's GPUs (default: JAX's).")
 
 
 def main(argv):
@@ -33,8 +29,7 @@ def main(argv):
   from ripples_jax import train_dsp
   from ripples_jax.data import DatasetError
   from ripples_jax.validation import ConfigError
-  if _JAX_DISTRIBUTED.value:
-    init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICE_IDS.value)
+  distributed_flags.maybe_initialize()
   try:
     s = train_dsp.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, DatasetError) as e:  # bad input: one line, no traceback

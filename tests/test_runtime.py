@@ -24,12 +24,7 @@ def make_config(algorithm, n=4, steps=40, **overrides):
   config = default_config.get_config(f"algorithm={algorithm},executor=async,num_workers={n},model=mlp")
   config.num_steps = steps
   config.schedule.group_size = min(3, n)
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 

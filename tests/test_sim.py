@@ -101,12 +101,7 @@ def _small_config(algorithm, **kw):
       f"algorithm={algorithm},executor=sim,num_workers=8,dataset=synthetic,model=mlp,steps=6")
   config.log_every = config.eval_every = 2
   config.optimizer.warmup_steps = 0
-  for k, v in kw.items():
-    node = config
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
+  config.update_from_flattened_dict(kw)
   return config
 
 

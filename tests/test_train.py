@@ -112,11 +112,7 @@ def test_validation_of_simulation_keys(arg, key, value, message):
 
 
 def set_and_check(config, key, value, message):
-  *path, last = key.split(".")
-  node = config
-  for p in path:
-    node = node[p]
-  node[last] = value
+  config.update_from_flattened_dict({key: value})
   with pytest.raises(ConfigError) as e:
     validate_train_config(config, num_devices=8)
   assert str(e.value) == message

@@ -26,8 +26,8 @@ class GroupAverager:
     self.cache = collections.OrderedDict()
     self.compiles = 0
 
-  def _program(self, members: tuple, size: int):
-    key = (members, size)
+  def _program(self, members: tuple):
+    key = members  # the buffer size is the worker's state size, fixed for the run
     if key in self.cache:
       self.cache.move_to_end(key)
       return self.cache[key]
@@ -49,7 +49,7 @@ class GroupAverager:
 
   def average(self, members: tuple, flat_D: jax.Array) -> jax.Array:
     size = flat_D.shape[0]
-    fn, sharding = self._program(tuple(members), size)
+    fn, sharding = self._program(tuple(members))
     pieces = [s.data[None] for s in flat_D.addressable_shards]  # (1, D) on each local device
     x_kxD = jax.make_array_from_single_device_arrays((len(members), size), sharding, pieces)
     out_D = fn(x_kxD)
