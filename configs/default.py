@@ -74,6 +74,8 @@ def get_config(arg=None):
   c.runtime.checkpoint_every = 10  # blocks between checkpoints of each worker (0: none)
   c.runtime.checkpoint_keep = 3
   c.runtime.cache_size = 64        # compiled P-Reduce programs kept (one per member set)
+  c.runtime.fail_worker = -1       # fault injection: this worker SIGKILLs itself at the start of block
+  c.runtime.fail_block = 0         #   fail_block, once its newest checkpoint has committed (-1: never)
 
   c.num_steps = arg.steps
   c.log_every = 50

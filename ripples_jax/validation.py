@@ -82,6 +82,9 @@ def _check_runtime(config):
     _positive_int(config, f"runtime.{key}")
   for key in ("estimate_lag", "checkpoint_every"):
     _int_in(config, f"runtime.{key}", 0, 10**9, "an integer >= 0")
+  _int_in(config, "runtime.fail_worker", -1, config.num_workers - 1,
+          f"-1 (none) or a worker id < num_workers={config.num_workers}")
+  _int_in(config, "runtime.fail_block", 0, 10**9, "an integer >= 0")
   if not rt.step_time >= 0:
     _fail("runtime.step_time", rt.step_time, "seconds >= 0 (0: no padding)")
   if not rt.heartbeat_s > 0:

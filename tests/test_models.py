@@ -13,6 +13,7 @@ from ripples_jax.models.simple import conv1d_patches
 # Natural input per model (batch 2) and expected param-count range for 10 classes.
 CASES = {
     "mlp": ((2, 40, 1), 70_000, 90_000),             # MNIST-1D input, 256-256 hidden.
+    "mlp_gelu": ((2, 40, 1), 70_000, 90_000),
     "cnn1d": ((2, 40, 1), 5_000, 50_000),
     "cnn2d": ((2, 8, 8, 1), 20_000, 100_000),         # 8x8 digits.
     "resnet20": ((2, 32, 32, 3), 260_000, 280_000),   # He et al. 2016: 0.27M.
@@ -56,6 +57,17 @@ def test_param_counts(name):
   params, state = jax.eval_shape(lambda: init_model(model, jax.random.key(0), jnp.zeros(shape)))
   assert lo <= num_params(params) <= hi
   assert set(state) == ({"batch_stats"} if name.startswith("resnet") else set())
+
+
+def test_mlp_gelu_is_the_mlp_with_gelu():
+  x = jax.random.normal(jax.random.key(1), (3, 40, 1))
+  params, _ = init_model(build_model("mlp", 10), jax.random.key(0), x)
+  got = build_model("mlp_gelu", 10).apply({"params": params}, x)
+  h = x.reshape(3, -1)
+  for layer in ("Dense_0", "Dense_1"):
+    h = jax.nn.gelu(h @ params[layer]["kernel"] + params[layer]["bias"])
+  want = h @ params["Dense_2"]["kernel"] + params["Dense_2"]["bias"]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_resnet20_exact_param_count():

@@ -20,8 +20,14 @@ from ripples_jax.runtime.replay import merged_events, replay
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_config(algorithm, n=4, steps=40, **overrides):
-  config = default_config.get_config(f"algorithm={algorithm},executor=async,num_workers={n},model=mlp")
+# The real runs train an MLP with GELU: along a smooth trajectory the runtime's and the engine's rounding
+# differences stay ~1e-7, while with ReLU one pre-activation that sits within rounding of 0 flips the
+# kink in one of them and momentum amplifies the ~1e-4 jump to ~1e-2 by the end (WORKSPACE.md, "replay").
+MODEL = "mlp_gelu"
+
+
+def make_config(algorithm, n=4, steps=40, model="mlp", **overrides):
+  config = default_config.get_config(f"algorithm={algorithm},executor=async,num_workers={n},model={model}")
   config.num_steps = steps
   config.schedule.group_size = min(3, n)
   config.update_from_flattened_dict(overrides)
@@ -155,7 +161,7 @@ def test_trace_intervals_split_wait_from_comm():
 
 
 def run_args(workdir, algorithm, n, steps, extra=()):
-  return [f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model=mlp",
+  return [f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model={MODEL}",
           f"--workdir={workdir}", f"--config.num_steps={steps}", "--config.runtime.block_steps=4",
           "--config.runtime.checkpoint_every=2", "--config.runtime.heartbeat_timeout=5",
           "--config.runtime.stall_timeout=20", "--config.eval_every=8", "--config.log_every=1000",
@@ -198,10 +204,10 @@ def replay_error(config, workdir, traces_dir=None):
 
 
 def assert_replay_matches(config, workdir, tmp_path):
-  # The engine (vmapped, start and apply apart) and the runtime's step round differently (~1e-7); a
-  # ReLU whose input sits at 0 can then flip once and the momentum carries it: ~1e-4 after 100 steps.
+  # The engine (vmapped, start and apply apart) and the runtime's step round differently: ~1e-7 per
+  # step, ~5e-7 after 120 steps of the smooth model.
   err = replay_error(config, workdir)
-  assert max(err) < 1e-3, err
+  assert max(err) < 1e-5, err
   # A control: the same traces with one early step moved past its worker's next group are a different
   # order, and the replay must see it (the tolerance is not loose enough to hide an ordering bug).
   traces = trace_lib.load_traces(workdir)
@@ -214,7 +220,8 @@ def assert_replay_matches(config, workdir, tmp_path):
   for w, events in traces.items():
     (other / f"trace-{w}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
   swapped = replay_error(config, workdir, str(other))
-  assert min(swapped) > 3 * max(err) and min(swapped) > 1e-3, (err, swapped)
+  print("replay error", max(err), "swapped", min(swapped))
+  assert min(swapped) > 10 * max(err) and min(swapped) > 1e-5, (err, swapped)
 
 
 def test_two_process_run_and_replay_through_the_engine(tmp_path):
@@ -227,32 +234,40 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
   for f in ("gantt.png", "metrics.jsonl", "trace-0.jsonl", "trace-1.jsonl"):
     assert os.path.exists(os.path.join(workdir, f))
   assert "[w0]" in out and "[w1]" in out  # the launcher prefixes each worker's log
-  assert_replay_matches(make_config("ripples_smart", 2, 24), workdir, tmp_path)
+  assert_replay_matches(make_config("ripples_smart", 2, 24, MODEL), workdir, tmp_path)
+
+
+def exited(pid: int) -> bool:
+  """The process is gone or a zombie (dead, not yet reaped by the launcher)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except FileNotFoundError:
+    return True
 
 
 def test_four_processes_killed_worker_then_resume(tmp_path):
   workdir = str(tmp_path / "run")
   n, steps = 4, 120
   args = run_args(workdir, "ripples_division", n, steps, ["--config.runtime.step_time=0.04"])
-  killed = {}
+  # Worker 2 kills itself (SIGKILL) at the start of block 6, once its checkpoint of block 4 has
+  # committed: the kill lands at the same point of the run every time, and the resume block is 4.
+  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_block=6"]
+  died = {}
 
-  def kill_worker_2_after_a_common_checkpoint(pids):
+  def watch_worker_2(pids):
     def watch():
-      ckpt = os.path.join(workdir, "ckpt")
       deadline = time.monotonic() + 180
-      while time.monotonic() < deadline:
-        if os.path.isdir(os.path.join(ckpt, "4")):  # committed (orbax renames it into place)
-          os.kill(pids[2], signal.SIGKILL)
-          killed["at"] = time.monotonic()
-          return
+      while time.monotonic() < deadline and not exited(pids[2]):
         time.sleep(0.05)
+      died["at"] = time.monotonic()
     threading.Thread(target=watch, daemon=True).start()
 
-  code, out = launch_bounded(n, args, on_pids=kill_worker_2_after_a_common_checkpoint, grace_s=60)
-  assert "at" in killed, out[-3000:]
-  assert code != 0
-  elapsed = time.monotonic() - killed["at"]
+  code, out = launch_bounded(n, args + fail, on_pids=watch_worker_2, grace_s=60)
+  assert code != 0 and "at" in died, out[-3000:]
+  elapsed = time.monotonic() - died["at"]
   assert elapsed < 60, f"the other workers took {elapsed:.0f} s to exit"
+  assert "worker 2 kills itself at block 6" in out, out[-3000:]
   lost = [l for l in out.splitlines() if "worker(s) [2] lost" in l]
   assert len(lost) == 3, out[-3000:]  # each surviving worker names the lost one
   assert "last completed step per worker" in lost[0]
@@ -260,14 +275,13 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
 
   code, out = launch_bounded(n, args)
   assert code == 0, out[-3000:]
-  resumed = [l for l in out.splitlines() if "resuming at block" in l]
-  assert len(resumed) == n and len({l.split("resuming at block")[1].split()[0] for l in resumed}) == 1
-  assert int(resumed[0].split("resuming at block")[1].split()[0]) >= 4
+  resumed = [l.split("resuming at block")[1].split()[0] for l in out.splitlines() if "resuming at block" in l]
+  assert resumed == ["4"] * n, out[-3000:]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= n * steps
   # The resumed run continued exactly where the checkpoint left off: replaying the recorded order from
   # x_0, across the kill, lands on the parameters the workers hold.
-  assert_replay_matches(make_config("ripples_division", n, steps), workdir, tmp_path)
+  assert_replay_matches(make_config("ripples_division", n, steps, MODEL), workdir, tmp_path)
 
 
 def test_launcher_leaves_no_process_behind_on_ctrl_c(tmp_path):

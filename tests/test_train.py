@@ -50,7 +50,7 @@ def test_bad_config_stops_before_compile_with_one_line(tmp_path):
 BAD = [
     ("algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static"),
     ("dataset", "imagenet", "config.dataset: 'imagenet' is not allowed: one of mnist1d, digits, cifar10, synthetic"),
-    ("model", "vit", "config.model: 'vit' is not allowed: one of mlp, cnn1d, cnn2d, resnet20, resnet56"),
+    ("model", "vit", "config.model: 'vit' is not allowed: one of mlp, mlp_gelu, cnn1d, cnn2d, resnet20, resnet56"),
     ("executor", "cluster", "config.executor: 'cluster' is not allowed: one of spmd, sim, async"),
     ("num_workers", 12, "config.num_workers: 12 is not allowed: at most the 8 devices or a multiple of 8"),
     ("num_workers", 0, "config.num_workers: 0 is not allowed: a positive integer"),
@@ -103,6 +103,8 @@ BAD_SIM += [
     (ASYNC, "runtime.stall_timeout", 10.0,
      "config.runtime.stall_timeout: 10.0 is not allowed: seconds > runtime.heartbeat_timeout=15.0"),
     (ASYNC, "hetero.slowdown", 0.5, "config.hetero.slowdown: 0.5 is not allowed: a factor >= 1"),
+    (ASYNC, "runtime.fail_worker", 1,
+     "config.runtime.fail_worker: 1 is not allowed: -1 (none) or a worker id < num_workers=1"),
 ]
 
 

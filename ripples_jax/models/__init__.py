@@ -8,6 +8,7 @@ closed over by the caller's jitted function.
   params, state = init_model(model, jax.random.key(0), x[:1])
   logits, state = apply_model(model, params, state, x, train=True)
 """
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -17,10 +18,13 @@ import numpy as np
 from ripples_jax.models.resnet import CifarResNet, ResNet20, ResNet56
 from ripples_jax.models.simple import CNN1D, CNN2D, MLP
 
-MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", "resnet20", "resnet56")
+MODEL_NAMES = ("mlp", "mlp_gelu", "cnn1d", "cnn2d", "resnet20", "resnet56")
 
 _BUILDERS = {
     "mlp": MLP,
+    # Smooth activations: rounding differences stay rounding-sized along a trajectory (no ReLU kink
+    # to flip), so two orders of the same computation can be compared tightly (tests/test_runtime).
+    "mlp_gelu": functools.partial(MLP, activation=nn.gelu),
     "cnn1d": CNN1D,
     "cnn2d": CNN2D,
     "resnet20": ResNet20,

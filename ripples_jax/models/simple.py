@@ -2,23 +2,24 @@
 
 All take `train` in `__call__` (ignored here) so callers treat every model alike.
 """
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 
 class MLP(nn.Module):
-  """Flattens the input, then ReLU dense layers and a linear classifier."""
+  """Flattens the input, then dense layers with `activation` (ReLU) and a linear classifier."""
   num_classes: int
   hidden: Sequence[int] = (256, 256)
+  activation: Callable = nn.relu
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
     x = x.reshape((x.shape[0], -1))
     for h in self.hidden:
-      x = nn.relu(nn.Dense(h)(x))
+      x = self.activation(nn.Dense(h)(x))
     return nn.Dense(self.num_classes)(x)
 
 

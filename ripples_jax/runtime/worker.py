@@ -12,6 +12,7 @@ b - runtime.estimate_lag, so a fast worker rarely waits for them.
 import functools
 import glob
 import os
+import signal
 import time
 
 import jax
@@ -38,6 +39,20 @@ EMA = 0.3  # weight of the newest step in this worker's step-time estimate
 def snapshot_path(workdir: str, block, worker: int) -> str:
   name = f"{block:06d}" if isinstance(block, int) else block
   return os.path.join(workdir, "snapshots", f"{name}-{worker}.npy")
+
+
+def fail_now(manager, saved, block: int) -> None:
+  """Fault injection (runtime.fail_worker/fail_block): SIGKILL this process at a fixed point of the run.
+
+  Waits until this worker's newest checkpoint has committed first, so the block a resumed run starts
+  from is fixed by the config, not by how far the background write got (tests need both fixed).
+  """
+  manager.wait_until_finished()
+  deadline = time.monotonic() + 60
+  while saved is not None and saved not in ckpt_lib.restorable_steps(manager) and time.monotonic() < deadline:
+    time.sleep(0.05)  # process 0 renames the checkpoint into place once every process has written
+  logging.warning("runtime.fail_worker: worker %d kills itself at block %d", jax.process_index(), block)
+  os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_step_fn(model, optimizer, unravel, local_mesh: Mesh):
@@ -174,9 +189,11 @@ def run(config, workdir: str) -> dict:
   watchdog.start()
   bar = Progress(config.num_steps, config.log_every) if me == 0 else None
   eval_blocks = max(1, config.eval_every // rt.block_steps)
-  fetched = {}
+  fetched, saved = {}, start
   try:
     while True:
+      if me == rt.fail_worker and block == rt.fail_block:
+        fail_now(manager, saved, block)
       if block not in est_history:
         coord.publish_estimate(kv, block, me, estimate)
         est_history[block] = estimate
@@ -191,6 +208,7 @@ def run(config, workdir: str) -> dict:
         # Collective: every worker saves at this block (the plan is the same everywhere).
         ckpt_lib.save(manager, block, pack(state, steps_done, est_history, estimate, now()),
                       {"planned": planned, "block": block})
+        saved = block
       trace.flush()
       if not any(b_plan.tokens):
         break
