@@ -10,7 +10,7 @@ All-Reduce with the same config within 1 point (WORKSPACE.md has the measured nu
 Variants (`:k=v,...`): algorithm, executor, num_workers, dataset, model, layout, steps.
 A rerun with the same --workdir resumes from the newest checkpoint (every `checkpoint_every` steps).
 """
-from ripples_jax.config_util import parse_arg
+from ripples_jax.config import parse_arg
 import ml_collections
 
 

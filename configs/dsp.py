@@ -10,7 +10,7 @@ epochs.
 """
 import ml_collections
 
-from ripples_jax.config_util import parse_arg
+from ripples_jax.config import parse_arg
 
 
 def get_config(arg=None):

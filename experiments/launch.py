@@ -12,6 +12,8 @@ import sys
 
 from absl import app, flags
 
+from ripples_jax.runtime.launcher import launch
+
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 4, "Worker processes to start.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices per process.")
 _PLATFORM = flags.DEFINE_string("platform", "cpu", "JAX_PLATFORMS for the children ('' keeps the default).")
@@ -20,7 +22,6 @@ _MODULE = flags.DEFINE_string("module", "experiments.train", "The entry point ea
 
 
 def main(argv):
-  from ripples_jax.runtime.launcher import launch
   sys.exit(launch(_NUM_PROCESSES.value, argv[1:], _MODULE.value, _CPU_DEVICES.value, _PLATFORM.value,
                   _GRACE.value))
 

@@ -10,38 +10,23 @@ The asynchronous runtime (executor=async) runs one process per worker; locally:
   python -m experiments.launch --num_processes=4 -- --config=configs/default.py:executor=async,num_workers=4
 """
 import os
-import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import app
 
-from experiments import distributed_flags
-from ripples_jax.platform import force_host_devices
+from experiments import common_flags
+from ripples_jax import run, runlog
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "default.py"),
-    "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: a fresh folder under runs/).")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force when running on the host.")
+_CONFIG = common_flags.config_flag("default.py")
 
 
 def main(argv):
   del argv
-  # Must happen before jax is imported: the host platform reads it once.
-  force_host_devices(_CPU_DEVICES.value)
-  from ripples_jax import metrics, train
-  from ripples_jax.data import DatasetError
-  from ripples_jax.validation import ConfigError
-
-  distributed_flags.maybe_initialize()
-  try:
-    summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, DatasetError) as e:  # bad input: one line, no traceback
-    sys.exit(f"error: {e}")
+  common_flags.set_up_host()
+  summary = common_flags.run_or_exit(run.train_and_evaluate, _CONFIG.value, common_flags.WORKDIR.value)
   if "final_test_accuracy" not in summary:  # an asynchronous worker other than process 0
     print(f"worker {summary['worker']}: {summary['worker_steps']} local steps")
     return
-  print(metrics.summary_table([summary]))
+  print(runlog.summary_table([summary]))
   print(f"run files: {os.path.abspath(summary['workdir'])}")
 
 

@@ -8,32 +8,19 @@ multi-process runtime like every entry point, but a pipeline runs inside one pro
 process's devices), so more than one process is refused with a message.
 """
 import os
-import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import app
 
-from experiments import distributed_flags
-from ripples_jax.platform import force_host_devices
+from experiments import common_flags
+from ripples_jax.pipeline import train
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "dsp.py"),
-    "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: a fresh folder under runs/).")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force when running on the host.")
+_CONFIG = common_flags.config_flag("dsp.py")
 
 
 def main(argv):
   del argv
-  force_host_devices(_CPU_DEVICES.value)
-  from ripples_jax import train_dsp
-  from ripples_jax.data import DatasetError
-  from ripples_jax.validation import ConfigError
-  distributed_flags.maybe_initialize()
-  try:
-    s = train_dsp.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, DatasetError) as e:  # bad input: one line, no traceback
-    sys.exit(f"error: {e}")
+  common_flags.set_up_host()
+  s = common_flags.run_or_exit(train.train_and_evaluate, _CONFIG.value, common_flags.WORKDIR.value)
   print(f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
         f"modeled_speedup_vs_bp={s['modeled_speedup_vs_bp']:.2f} time={s['time']:.1f}s")
   print(f"run files: {os.path.abspath(s['workdir'])}")

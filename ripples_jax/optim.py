@@ -2,6 +2,9 @@
 import optax
 from absl import logging
 
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+LR_SCHEDULES = ("constant", "cosine")
+
 
 def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
   """optax optimizer from config.optimizer; the step count in its state is each worker's own."""

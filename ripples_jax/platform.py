@@ -1,12 +1,22 @@
-"""Host set-up that must happen before jax is imported (no jax import here)."""
+"""Host set-up before the first device use: forced CPU devices, jax.distributed."""
 import os
 
+import jax
+from absl import logging
 
-def force_host_devices(count: int) -> None:
-  """Asks XLA for `count` CPU devices unless XLA_FLAGS already says how many (accelerators unaffected)."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+def use_cpu_devices(count: int) -> None:
+  """Gives the CPU backend `count` devices (accelerators are unaffected).
+
+  Call before the first device use. XLA_FLAGS's --xla_force_host_platform_device_count, when set (the
+  tests' conftest, the local launcher, users), takes precedence; so does a backend already started.
+  """
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError as e:  # the backend is already up: its device count stands
+    logging.warning("cpu devices: keeping %d (%s)", jax.device_count(), str(e).splitlines()[0][:80])
 
 
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -15,15 +25,7 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
 
   CPU processes talk through gloo (the default CPU backend has no cross-process collectives).
   """
-  import jax  # only here: this module is imported before XLA_FLAGS is final
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   ids = [int(i) for i in local_device_ids] if local_device_ids else None
   jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids=ids)
 
-
-def write_table(table: str, path: str | None) -> None:
-  """Prints a benchmark's markdown table and, with a path, saves it."""
-  print(table)
-  if path:
-    with open(path, "w") as f:
-      f.write(table + "\n")

@@ -143,3 +143,25 @@ def test_eval_reports_consensus_distance(setup):
   np.testing.assert_allclose(float(ev["consensus_distance"]), expect, rtol=1e-4)
   assert expect > 0
   assert 0 <= float(ev["test_accuracy"]) <= 1
+
+
+# Golden values (nanodo-style canary): one Static GG round of the default algorithm from seed 0.
+# Update them ONLY when a change of numerics is intended, and say so in the commit message.
+CANARY_LOSS = 1.7944014072418213
+CANARY_PARAM_RMS = 0.23883309960365295
+
+
+def test_canary_one_static_gg_round(setup):
+  model, data, batches = setup
+  mesh = C.make_worker_mesh(N)
+  opt = optax.sgd(0.1, momentum=0.9)
+  state = engine.init_state(model, opt, jax.random.key(0), data["x_train"][:1], N, mesh)
+  round_fn = engine.make_round_fn(model, opt, mesh, static_gg_layouts(N, 4), "auto")
+  x, y = batches[0]
+  state, loss_W = round_fn(state, jnp.asarray(x), jnp.asarray(y), jnp.ones(N, bool), 0)
+  loss = float(np.mean(loss_W))
+  rms = float(np.sqrt(np.mean(np.concatenate([np.asarray(a).ravel() ** 2
+                                              for a in jax.tree.leaves(state["params"])]))))
+  message = "numerics changed: update the canary only when a change of numerics is intended"
+  np.testing.assert_allclose(loss, CANARY_LOSS, rtol=1e-5, err_msg=message)
+  np.testing.assert_allclose(rms, CANARY_PARAM_RMS, rtol=1e-5, err_msg=message)

@@ -1,11 +1,12 @@
-"""One short end-to-end run of every benchmark and reproduction entry point (flax-examples style)."""
+"""Every benchmark's run() in-process at tiny sizes, and one short end-to-end run of every reproduction
+entry point (flax-examples style; those start a process and are marked slow)."""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
-
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,23 +19,77 @@ def run(module, *args, tmp_path):
   return out.stdout
 
 
-def test_bench_collectives(tmp_path):
-  out = run("experiments.bench_collectives", "--sizes=1024", "--reps=2", tmp_path=tmp_path)
-  assert "| 1K | gg_intra | 4 |" in out and "| 1K | hypercube2 | 2 |" in out
+def positive(cells) -> bool:
+  """Every cell a finite positive number (a trailing 'x' or '%' allowed)."""
+  values = [float(str(c).rstrip("x%").replace(",", "")) for c in cells]
+  return all(math.isfinite(v) and v > 0 for v in values)
 
 
-def test_bench_engine(tmp_path):
-  out = run("experiments.bench_engine", "--cases=cnn1d/mnist1d", "--reps=2", "--batch_size=4",
-            tmp_path=tmp_path)
-  for step in ("dp", "allreduce", "ripples_static", "ripples_hypercube"):
-    assert f"| {step} |" in out
+# -- benchmarks, in-process --------------------------------------------------------------------------
 
 
-def test_bench_timeline(tmp_path):
-  out = run("experiments.bench_timeline", "--workers=4", "--steps=20", tmp_path=tmp_path)
-  assert out.count("| 4 |") == 9  # every algorithm
+def test_bench_collectives():
+  from benchmarks import bench_collectives
+  table = bench_collectives.run(sizes=(1024,), reps=2)
+  layouts = bench_collectives.schedule_layouts(8)
+  assert table.column("layout") == list(layouts) + ["(switch over all layouts)"]
+  rows = table.rows[:-1]
+  assert positive(r[table.header.index("ratio")] for r in rows)
+  assert positive(r[table.header.index("switched ratio")] for r in rows)
+  assert positive(table.column("compile s"))
+  assert "| 1K | gg_intra | 4 |" in str(table) and "| 1K | hypercube2 | 2 |" in str(table)
 
 
+def test_bench_engine():
+  from benchmarks import bench_engine
+  table = bench_engine.run(cases=("cnn1d/mnist1d",), batch_size=4, reps=2)
+  assert table.column("step") == ["dp", "allreduce", "ripples_static", "ripples_hypercube"]
+  ratios = table.column("ratio to DP step")
+  assert ratios[0] == "1.000" and positive(ratios) and positive(table.column("median ms"))
+
+
+def test_bench_timeline():
+  from benchmarks import bench_timeline
+  from ripples_jax.schedule import ALGORITHMS
+  table = bench_timeline.run(workers=(4,), steps=20)
+  assert table.column("algorithm") == list(ALGORITHMS) and set(table.column("workers")) == {4}
+  assert all(e >= 4 * 20 for e in table.column("events"))  # at least one event per step
+  assert positive(table.column("clock events/s")) and positive(table.column("packing events/s"))
+
+
+def test_bench_dsp():
+  from benchmarks import bench_dsp
+  table = bench_dsp.run(cases=("cnn1d/mnist1d",), stage_counts=(2,), batch_size=8, reps=2)
+  [row] = table.rows
+  assert row[:2] == ["cnn1d/mnist1d", 2]
+  assert positive(row[2:])
+  assert float(table.column("DSP equal, fused")[0]) == pytest.approx(2.0)  # K, without a bubble
+
+
+def test_bench_checkpoint():
+  from benchmarks import bench_checkpoint
+  table = bench_checkpoint.run(reps=1, steps=8)
+  [row] = table.rows
+  assert row[:5] == ["ripples_static", "spmd", 8, 2, 4]
+  assert positive(row[5:7]) and math.isfinite(float(row[7].rstrip("%")))
+
+
+@pytest.mark.slow
+def test_bench_runtime(tmp_path):
+  from benchmarks import bench_runtime
+  table = bench_runtime.run(str(tmp_path / "runtime"), num_processes=2, slowdowns=(1.0,),
+                            algorithms=("allreduce", "ripples_smart"), steps=10, step_time=0.02, target=0.05,
+                            extra_args=["--config.schedule.group_size=2"])
+  assert table.column("algorithm") == ["allreduce", "ripples_smart"]
+  assert table.column("vs All-Reduce")[0] == "1.00x" and positive(table.column("worker-steps/s"))
+  for f in ("table.md", "accuracy_vs_time.png"):
+    assert (tmp_path / "runtime" / f).stat().st_size > 0
+
+
+# -- reproductions, one process each -----------------------------------------------------------------
+
+
+@pytest.mark.slow
 def test_reproduce_ripples(tmp_path):
   out_dir = tmp_path / "rep"
   out = run("experiments.reproduce_ripples", "--workers=4", "--steps=4", "--algorithms=allreduce,ripples_smart",
@@ -44,12 +99,7 @@ def test_reproduce_ripples(tmp_path):
     assert (out_dir / f).stat().st_size > 0
 
 
-def test_bench_dsp(tmp_path):
-  out = run("experiments.bench_dsp", "--cases=cnn1d/mnist1d", "--stages=2", "--reps=2", "--batch_size=8",
-            tmp_path=tmp_path)
-  assert "| cnn1d/mnist1d | 2 |" in out
-
-
+@pytest.mark.slow
 def test_reproduce_dsp(tmp_path):
   out_dir = tmp_path / "dsp"
   out = run("experiments.reproduce_dsp", "--datasets=synthetic", "--stages=2", "--methods=bp,dsp", "--epochs=1",
@@ -60,6 +110,7 @@ def test_reproduce_dsp(tmp_path):
     assert (out_dir / f).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_reproduce_regenerates_a_step_with_its_provenance(tmp_path):
   results = tmp_path / "results"
   run("experiments.reproduce", "--steps=spectral", f"--results={results}", f"--work={tmp_path / 'work'}",
@@ -71,13 +122,8 @@ def test_reproduce_regenerates_a_step_with_its_provenance(tmp_path):
   assert "| spectral |" in (results / "index.md").read_text()
 
 
-def test_bench_checkpoint(tmp_path):
-  out = run("experiments.bench_checkpoint", "--reps=1", "--steps=8", tmp_path=tmp_path)
-  assert "| ripples_static | spmd | 8 | 2 | 4 |" in out
-
-
 def test_spectral_gap_matches_the_closed_form():
-  from ripples_jax.reproduce import spectral_table
+  from ripples_jax.analysis import spectral_table
   n = 16
   table = spectral_table(n, samples=400)
   for g in (2, 4, 8):

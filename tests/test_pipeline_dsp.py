@@ -8,7 +8,8 @@ import pytest
 
 from ripples_jax.data import load_dataset
 from ripples_jax.models import apply_model, build_model, init_model
-from ripples_jax.pipeline import dsp
+from ripples_jax.pipeline import baselines
+from ripples_jax.pipeline import tick as tick_lib
 
 B = 16
 
@@ -40,10 +41,10 @@ def batches(data, n, size=B):
 
 
 def run_ticks(stages, opt, schedule, bs, devices=None):
-  state = dsp.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  state = tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
   if devices:
-    state = dsp.place(state, devices)
-  tick = dsp.make_tick(stages, opt, schedule, len(bs), devices)
+    state = tick_lib.place(state, devices)
+  tick = tick_lib.make_tick(stages, opt, schedule, len(bs), devices)
   off = schedule.offsets[-1]
   for t in range(len(bs) + schedule.drain_ticks()):
     x = bs[t][0] if t < len(bs) else np.zeros_like(bs[0][0])
@@ -57,13 +58,14 @@ def params_of(state):
 
 
 def bp_reference(stages, opt, bs, x0):
-  state = dsp.init_pipeline(stages, opt, dsp.method_schedule("bp", len(stages)), jax.random.key(0), x0)
+  bp = tick_lib.method_schedule("bp", len(stages))
+  state = tick_lib.init_pipeline(stages, opt, bp, jax.random.key(0), x0)
   params = [st["params"] for st in state]
   ms = [st["model_state"] for st in state]
   opt_states = [opt.init(p) for p in params]
   for x, y in bs:
     def loss(ps):
-      logits, _ = dsp.compose(stages, ps, ms, x, train=True)
+      logits, _ = baselines.compose(stages, ps, ms, x, train=True)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     g = jax.grad(loss)(params)
     for k in range(len(stages)):
@@ -73,24 +75,24 @@ def bp_reference(stages, opt, bs, x0):
 
 
 def test_schedule_matches_design():
-  s = dsp.method_schedule("dsp", 3)
+  s = tick_lib.method_schedule("dsp", 3)
   assert s.staleness == (4, 2, 0) and s.offsets == (0, 1, 2)
   assert s.batches(10) == [(10, 6), (9, 7), (8, 8)]
-  d = dsp.method_schedule("dsp", 4, delay=2)
+  d = tick_lib.method_schedule("dsp", 4, delay=2)
   assert d.staleness == (12, 8, 4, 0)
-  assert dsp.method_schedule("ddg", 4).staleness == (3, 2, 1, 0)
-  assert dsp.method_schedule("bp", 4).staleness == (0, 0, 0, 0)
+  assert tick_lib.method_schedule("ddg", 4).staleness == (3, 2, 1, 0)
+  assert tick_lib.method_schedule("bp", 4).staleness == (0, 0, 0, 0)
 
 
 def test_tick_processes_the_scheduled_batches(data):
   """Identity stages carry the batch index as the value: the ring buffers must hold t - F_k (forward)
   and t - F_k - S_k (backward slot) at every tick."""
   K, stages = 3, [IdentityStage() for _ in range(3)]
-  sched = dsp.method_schedule("dsp", K)
+  sched = tick_lib.method_schedule("dsp", K)
   opt = optax.sgd(0.0)
   x0 = np.zeros((2, 3), np.float32)
-  state = dsp.init_pipeline(stages, opt, sched, jax.random.key(0), x0)
-  tick = dsp.make_tick(stages, opt, sched, 100)
+  state = tick_lib.init_pipeline(stages, opt, sched, jax.random.key(0), x0)
+  tick = tick_lib.make_tick(stages, opt, sched, 100)
   for t in range(12):
     state, _ = tick(state, np.full((2, 3), float(t), np.float32), np.zeros(2, np.int32), t)
     for k, (fwd_b, bwd_b) in enumerate(sched.batches(t)):
@@ -113,7 +115,7 @@ def test_one_stage_equals_plain_sgd(data):
   bs = batches(data, 6)
   model = build_model("mlp", data["num_classes"], hidden=(16,))
   opt = optax.sgd(0.1)
-  state = run_ticks([model], opt, dsp.method_schedule("dsp", 1), bs)
+  state = run_ticks([model], opt, tick_lib.method_schedule("dsp", 1), bs)
   params, ms = init_model(model, jax.random.fold_in(jax.random.key(0), 0), bs[0][0][:1])
   for x, y in bs:
     def loss(p):
@@ -127,7 +129,7 @@ def test_all_delays_zero_equals_bp(data, mode):
   bs = batches(data, 8)
   stages = mlp_stages(3)
   opt = optax.sgd(0.1, momentum=0.9)
-  state = run_ticks(stages, opt, dsp.method_schedule("dsp", 3, delay=0, mode=mode), bs)
+  state = run_ticks(stages, opt, tick_lib.method_schedule("dsp", 3, delay=0, mode=mode), bs)
   ref = bp_reference(stages, opt, bs, bs[0][0])
   for got, want in zip(params_of(state), ref):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
@@ -137,8 +139,8 @@ def test_bp_step_equals_the_reference(data):
   bs = batches(data, 4)
   stages = mlp_stages(3)
   opt = optax.sgd(0.1, momentum=0.9)
-  state = dsp.init_pipeline(stages, opt, dsp.method_schedule("bp", 3), jax.random.key(0), bs[0][0])
-  step = dsp.make_bp_step(stages, opt)
+  state = tick_lib.init_pipeline(stages, opt, tick_lib.method_schedule("bp", 3), jax.random.key(0), bs[0][0])
+  step = baselines.make_bp_step(stages, opt)
   for x, y in bs:
     state, _ = step(state, x, y)
   for got, want in zip(params_of(state), bp_reference(stages, opt, bs, bs[0][0])):
@@ -149,8 +151,8 @@ def test_gpipe_equals_bp(data):
   bs = batches(data, 4)
   stages = mlp_stages(3)
   opt = optax.sgd(0.1)
-  state = dsp.init_pipeline(stages, opt, dsp.method_schedule("bp", 3), jax.random.key(0), bs[0][0])
-  step = dsp.make_gpipe_step(stages, opt, microbatches=4)
+  state = tick_lib.init_pipeline(stages, opt, tick_lib.method_schedule("bp", 3), jax.random.key(0), bs[0][0])
+  step = baselines.make_gpipe_step(stages, opt, microbatches=4)
   for x, y in bs:
     state, _ = step(state, x, y)
   for got, want in zip(params_of(state), bp_reference(stages, opt, bs, bs[0][0])):
@@ -162,7 +164,7 @@ def test_one_device_and_one_stage_per_device_agree(data, method):
   bs = batches(data, 6)
   stages = mlp_stages(4)
   opt = optax.sgd(0.1, momentum=0.9)
-  sched = dsp.method_schedule(method, 4)
+  sched = tick_lib.method_schedule(method, 4)
   one = run_ticks(stages, opt, sched, bs)
   spread = run_ticks(stages, opt, sched, bs, devices=jax.devices()[:4])
   assert {list(st["params"]["Dense_0"]["kernel"].devices())[0] for st in spread} == set(jax.devices()[:4])
@@ -177,9 +179,9 @@ def test_stash_uses_the_stored_version(data):
   stages = mlp_stages(2)
   lr = 0.5
   opt = optax.sgd(lr)
-  sched = dsp.method_schedule("dsp", 2, mode="stash")
-  state = dsp.init_pipeline(stages, opt, sched, jax.random.key(0), bs[0][0])
-  tick = dsp.make_tick(stages, opt, sched, len(bs))
+  sched = tick_lib.method_schedule("dsp", 2, mode="stash")
+  state = tick_lib.init_pipeline(stages, opt, sched, jax.random.key(0), bs[0][0])
+  tick = tick_lib.make_tick(stages, opt, sched, len(bs))
   for t in range(5):
     state, _ = tick(state, bs[t][0], bs[max(t - 1, 0)][1], t)
   before = jax.tree.map(np.array, state[0])
@@ -209,14 +211,14 @@ def test_dsp_k4_drives_the_full_gradient_to_zero(data):
   sched_fn = lambda t: 0.3 / (1 + t / 300)
   opt = optax.chain(optax.add_decayed_weights(wd), optax.sgd(sched_fn))
   n = 3000
-  state = run_ticks(stages, opt, dsp.method_schedule("dsp", 4), [(x, y)] * n)
+  state = run_ticks(stages, opt, tick_lib.method_schedule("dsp", 4), [(x, y)] * n)
   params = [st["params"] for st in state]
 
   def objective(ps):
-    logits, _ = dsp.compose(stages, ps, [{}] * 4, x, train=False)
+    logits, _ = baselines.compose(stages, ps, [{}] * 4, x, train=False)
     l2 = sum(jnp.sum(a * a) for a in jax.tree.leaves(ps))
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + 0.5 * wd * l2
-  init = dsp.init_pipeline(stages, opt, dsp.method_schedule("dsp", 4), jax.random.key(0), x)
+  init = tick_lib.init_pipeline(stages, opt, tick_lib.method_schedule("dsp", 4), jax.random.key(0), x)
   g0 = jax.grad(objective)([st["params"] for st in init])
   g = jax.grad(objective)(params)
   norm = lambda g: float(jnp.sqrt(sum(jnp.sum(a * a) for a in jax.tree.leaves(g))))
@@ -228,9 +230,9 @@ def test_dsp_ring_buffer_bytes(data):
   bs = batches(data, 2)
   stages = mlp_stages(4)
   for mode in ("recompute", "stash"):
-    sched = dsp.method_schedule("dsp", 4, mode=mode)
-    state = dsp.init_pipeline(stages, optax.sgd(0.1), sched, jax.random.key(0), bs[0][0])
-    for k, (st, b) in enumerate(zip(state, dsp.stored_bytes(state))):
+    sched = tick_lib.method_schedule("dsp", 4, mode=mode)
+    state = tick_lib.init_pipeline(stages, optax.sgd(0.1), sched, jax.random.key(0), bs[0][0])
+    for k, (st, b) in enumerate(zip(state, tick_lib.stored_bytes(state))):
       s = sched.staleness[k]
       in_bytes = bs[0][0].nbytes if k == 0 else B * 16 * 4
       assert b["inputs"] == (s + 1) * in_bytes
@@ -245,8 +247,8 @@ def test_dni_predictor_trains_on_the_delayed_true_gradient(data):
   bs = batches(data, 2)
   stages = mlp_stages(3)
   opt, lr = optax.sgd(0.1), 0.05
-  state = dsp.init_dni(stages, opt, optax.sgd(lr), jax.random.key(0), bs[0][0], data["num_classes"])
-  step = dsp.make_dni_step(stages, opt, optax.sgd(lr))
+  state = baselines.init_dni(stages, opt, optax.sgd(lr), jax.random.key(0), bs[0][0], data["num_classes"])
+  step = baselines.make_dni_step(stages, opt, optax.sgd(lr))
   state, _ = step(state, *bs[0])
   for st in state[:-1]:
     assert not np.any(np.asarray(st["sg"]["bias"])) and bool(st["has_last"])
@@ -261,3 +263,67 @@ def test_dni_predictor_trains_on_the_delayed_true_gradient(data):
   assert not np.any(np.asarray(state[0]["sg"]["kernel"]))
   state, _ = step(state, *bs[0])
   assert np.any(np.asarray(state[0]["sg"]["kernel"]))
+
+
+# Recorded once from the tick of DSP K=2 (mlp_stages(2), SGD lr 0.1 momentum 0.9, batches(data, 4)).
+GOLDEN_LOSSES = [1.7302465438842773, 1.7520551681518555, 1.3649051189422607, 1.2455646991729736]
+GOLDEN_PARAM_RMS = [0.2531256079673767, 0.2603178322315216]
+
+
+def test_golden_dsp_tick_canary(data):
+  """A canary of the tick's numerics: 4 batches through DSP K=2 (warm-up and drain included), the
+  losses of the 4 scheduled batches and each stage's parameter RMS against recorded values."""
+  bs = batches(data, 4)
+  stages = mlp_stages(2)
+  opt = optax.sgd(0.1, momentum=0.9)
+  sched = tick_lib.method_schedule("dsp", 2)
+  state = tick_lib.init_pipeline(stages, opt, sched, jax.random.key(0), bs[0][0])
+  tick = tick_lib.make_tick(stages, opt, sched, len(bs))
+  losses = []
+  for t in range(len(bs) + sched.drain_ticks()):
+    x = bs[t][0] if t < len(bs) else np.zeros_like(bs[0][0])
+    state, (loss, _) = tick(state, x, bs[min(max(t - 1, 0), len(bs) - 1)][1], t)
+    if 0 <= t - 1 < len(bs):
+      losses.append(float(loss))
+  rms = [float(np.sqrt(np.mean(np.concatenate([np.ravel(a) ** 2 for a in jax.tree.leaves(p)]))))
+         for p in params_of(state)]
+  msg = ("the DSP tick's numerics changed; update GOLDEN_LOSSES / GOLDEN_PARAM_RMS only when a change "
+         "of numerics is intended")
+  np.testing.assert_allclose(losses, GOLDEN_LOSSES, rtol=1e-5, err_msg=msg)
+  np.testing.assert_allclose(rms, GOLDEN_PARAM_RMS, rtol=1e-5, err_msg=msg)
+
+
+def test_links_with_delay_two_deliver_the_oldest_entry():
+  """Links of delay 2 (K=3, S = {8, 4, 0}, F = {0, 2, 4}): each FIFO must hand over what entered it 2
+  ticks ago (fifo[0]), not 1 tick ago. Identity stages carry batch t's index in its input, so stage k's
+  stored input is batch t - F_k; the error gradient that reaches stage 0 is the loss gradient of batch
+  t - F_1 - S_1, which depends on the batch."""
+  K, stages = 3, [IdentityStage() for _ in range(3)]
+  sched = tick_lib.method_schedule("dsp", K, delay=2)
+  assert sched.offsets == (0, 2, 4) and sched.staleness == (8, 4, 0)
+  opt = optax.sgd(0.0)
+  y = np.zeros(2, np.int32)
+  x_of = lambda b: np.array([[b, 0, 0], [0, 0.5 * b, 0]], np.float32)
+  loss_grad = jax.grad(lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())
+  state = tick_lib.init_pipeline(stages, opt, sched, jax.random.key(0), x_of(0))
+  tick = tick_lib.make_tick(stages, opt, sched, 100)
+  checked = 0
+  for t in range(16):
+    state, _ = tick(state, x_of(t), y, t)
+    for k, (fwd_b, _) in enumerate(sched.batches(t)):
+      if fwd_b >= 0:
+        ring = np.asarray(state[k]["in_ring"])[t % (sched.staleness[k] + 1)]
+        np.testing.assert_array_equal(ring, x_of(fwd_b), err_msg=f"stage {k} tick {t}")
+    b = t - sched.offsets[1] - sched.staleness[1]  # the batch stage 1 sent down at tick t
+    if b >= 0:
+      np.testing.assert_allclose(np.asarray(state[0]["bwd_fifo"][-1]), loss_grad(x_of(b)), rtol=1e-6,
+                                 err_msg=f"tick {t}")
+      checked += 1
+  assert checked == 10
+
+
+def test_method_table_covers_every_method():
+  from ripples_jax.pipeline import timing
+  from ripples_jax.config import DSP_METHODS
+  assert tuple(baselines.METHODS) == DSP_METHODS == timing.METHODS
+  assert set(baselines.TICK_METHODS) <= set(baselines.METHODS)

@@ -12,8 +12,8 @@ from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model
 from ripples_jax.pipeline import split
 
 B = 2
-INPUTS = {"mlp": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1), "resnet20": (32, 32, 3)}
-MAX_STAGES = {"mlp": 3, "cnn1d": 4, "cnn2d": 4, "resnet20": 11, "resnet56": 29}
+INPUTS = {"mlp": (40, 1), "mlp_gelu": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1), "resnet20": (32, 32, 3)}
+MAX_STAGES = {"mlp": 3, "mlp_gelu": 3, "cnn1d": 4, "cnn2d": 4, "resnet20": 11, "resnet56": 29}
 
 # Tests check values, not speed: one jit per call with XLA's costly CPU passes off.
 # Inits are the slow compiles (~2.5 s for ResNet-20), so most tests init the unsplit

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ripples_jax import metrics
+from ripples_jax import runlog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,6 +57,7 @@ SIM = ["--config=configs/default.py:executor=sim,num_workers=4,model=mlp,algorit
        "--config.eval_every=50", "--config.checkpoint_every=50"]
 
 
+@pytest.mark.slow
 def test_simulation_resumes_byte_identical_and_survives_a_corrupt_checkpoint(tmp_path):
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
   run("experiments.train", whole, SIM)
@@ -87,6 +88,7 @@ SPMD = ["--config=configs/default.py:model=mlp,steps=300", "--config.log_every=1
         "--config.eval_every=100", "--config.checkpoint_every=100"]
 
 
+@pytest.mark.slow
 def test_spmd_resumes_within_float_tolerance(tmp_path):
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
   run("experiments.train", whole, SPMD)
@@ -105,6 +107,7 @@ DSP = ["--config=configs/dsp.py:method=dsp,num_stages=2,model=mlp", "--config.nu
        "--config.log_every=25", "--config.eval_every=125", "--config.checkpoint_every=125"]
 
 
+@pytest.mark.slow
 def test_dsp_pipeline_resumes_exactly(tmp_path):
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
   run("experiments.train_dsp", whole, DSP)
@@ -115,6 +118,7 @@ def test_dsp_pipeline_resumes_exactly(tmp_path):
   assert strip(records(cut)) == strip(records(whole))
 
 
+@pytest.mark.slow
 def test_spmd_on_two_processes_equals_one_process(tmp_path):
   from ripples_jax.runtime.launcher import launch
   import io
@@ -139,4 +143,4 @@ def test_spmd_on_two_processes_equals_one_process(tmp_path):
 def test_non_finite_loss_names_the_step_and_the_last_checkpoint():
   with pytest.raises(FloatingPointError, match=r"train_loss is nan at step 70; stopping the run; "
                      r"the last good checkpoint is /w/ckpt/50"):
-    metrics.check_finite(70, "/w/ckpt/50", train_loss=float("nan"))
+    runlog.check_finite(70, "/w/ckpt/50", train_loss=float("nan"))

@@ -224,6 +224,7 @@ def assert_replay_matches(config, workdir, tmp_path):
   assert min(swapped) > 10 * max(err) and min(swapped) > 1e-5, (err, swapped)
 
 
+@pytest.mark.slow
 def test_two_process_run_and_replay_through_the_engine(tmp_path):
   workdir = str(tmp_path / "run")
   code, out = launch_bounded(2, run_args(workdir, "ripples_smart", 2, 24, [
@@ -246,6 +247,7 @@ def exited(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_four_processes_killed_worker_then_resume(tmp_path):
   workdir = str(tmp_path / "run")
   n, steps = 4, 120
@@ -284,6 +286,7 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
   assert_replay_matches(make_config("ripples_division", n, steps, MODEL), workdir, tmp_path)
 
 
+@pytest.mark.slow
 def test_launcher_leaves_no_process_behind_on_ctrl_c(tmp_path):
   import subprocess
   import sys

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from configs import default as default_config
-from ripples_jax import train
-from ripples_jax.validation import ConfigError, validate_train_config
+from ripples_jax import run
+from ripples_jax.config import ConfigError, validate_train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,6 +20,7 @@ def run_entry_point(args, tmp_path):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_entry_point_one_step(tmp_path):
   workdir = tmp_path / "run"
   out = run_entry_point(["--config=configs/default.py:steps=1,dataset=synthetic,model=mlp",
@@ -37,6 +38,7 @@ def test_entry_point_one_step(tmp_path):
   assert summary["throughput"] > 0 and 0 <= summary["final_test_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_bad_config_stops_before_compile_with_one_line(tmp_path):
   workdir = tmp_path / "bad"
   out = run_entry_point(["--config=configs/default.py:algorithm=gossip", f"--workdir={workdir}"], tmp_path)
@@ -135,7 +137,7 @@ def test_default_config_is_valid():
 def test_in_process_run_learns_and_writes_metrics(tmp_path):
   config = default_config.get_config("dataset=digits,model=mlp,steps=60")
   config.eval_every, config.log_every = 30, 10
-  summary = train.train_and_evaluate(config, str(tmp_path))
+  summary = run.train_and_evaluate(config, str(tmp_path))
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
   assert [r["step"] for r in records if "test_accuracy" in r] == [30, 60]

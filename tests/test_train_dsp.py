@@ -7,11 +7,12 @@ import sys
 import pytest
 
 from configs import dsp as dsp_config
-from ripples_jax.validation import ConfigError, validate_dsp_config
+from ripples_jax.config import ConfigError, validate_dsp_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dsp", "gpipe", "dni"])
 def test_entry_point_runs_and_writes_outputs(tmp_path, method):
   workdir = tmp_path / method
@@ -63,6 +64,7 @@ def test_dsp_refuses_several_processes():
     validate_dsp_config(dsp_config.get_config(), num_devices=8, num_processes=2)
 
 
+@pytest.mark.slow
 def test_bad_stage_count_stops_before_compile(tmp_path):
   out = subprocess.run([sys.executable, "-m", "experiments.train_dsp",
                         "--config=configs/dsp.py:num_stages=9", f"--workdir={tmp_path / 'x'}"],

@@ -30,7 +30,7 @@ into the stem + stage 1, stage 2, stage 3 + head.
 """
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -43,7 +43,7 @@ from ripples_jax.models.simple import conv1d_patches
 # Per-example input used for the cost estimate when none is given: each model's
 # natural dataset (MNIST-1D, 8x8 digits, CIFAR-10). Pass `sample_shape` otherwise.
 DEFAULT_SAMPLE_SHAPES = {
-    "mlp": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1),
+    "mlp": (40, 1), "mlp_gelu": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1),
     "resnet20": (32, 32, 3), "resnet56": (32, 32, 3),
 }
 # A split may be this much more expensive than the best one to cut at ResNet stage boundaries.
@@ -54,16 +54,17 @@ PREFERRED_CUT_SLACK = 0.1
 
 
 class DenseUnit(nn.Module):
-  """Flatten, Dense, ReLU (unless the head): an MLP layer, a CNN hidden layer or head."""
+  """Flatten, Dense, the activation (ReLU; none on the head): an MLP layer, a CNN hidden layer or head."""
   features: int
   layer: str
-  relu: bool = True
+  relu: bool = True                  # False: no activation (the head)
+  activation: Callable = nn.relu     # the MLP's own (mlp_gelu: GELU)
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
     x = nn.Dense(self.features, name=self.layer)(x.reshape((x.shape[0], -1)))
-    return nn.relu(x) if self.relu else x
+    return self.activation(x) if self.relu else x
 
 
 class Conv1DUnit(nn.Module):
@@ -149,9 +150,10 @@ def model_units(name: str, num_classes: int, **kw) -> list[nn.Module]:
   give the units' sizes, so defaults and validation stay the model's own.
   """
   model = build_model(name, num_classes, **kw)
-  if name == "mlp":
+  if name in ("mlp", "mlp_gelu"):
     sizes = list(model.hidden) + [num_classes]
-    return [DenseUnit(h, f"Dense_{i}", relu=i < len(model.hidden)) for i, h in enumerate(sizes)]
+    return [DenseUnit(h, f"Dense_{i}", relu=i < len(model.hidden), activation=model.activation)
+            for i, h in enumerate(sizes)]
   if name == "cnn1d":
     convs = [Conv1DUnit(f, model.kernel_size, model.stride, f"Dense_{i}")
              for i, f in enumerate(model.features)]

@@ -1,4 +1,7 @@
-"""Iteration-time model of DSP and its baselines, with stragglers. Pure numpy.
+"""Iteration-time model of DSP and its baselines, with stragglers, and the measurement that feeds it.
+
+The model is pure numpy; `measure_stage_times` times each stage's jitted forward and backward with
+`time_interleaved` (round-robin medians), so the model's inputs are measured, never assumed.
 
 A network split depth-wise into K stages; stage k takes F_k for the forward and B_k for the backward of
 one batch (the lead measures them with jax and passes them in). One iteration = one batch trained.
@@ -23,7 +26,13 @@ a fixed straggler and random slowdowns all follow from the dependencies alone:
   times = simulate("dsp", F, B, 200, straggler_stage=1, slowdown=3.0)
   steady_spacing(times)           # = iteration time with the straggler
 """
+import time
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from ripples_jax.models import apply_model
 
 METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
 
@@ -207,3 +216,38 @@ def straggler_report(fwd_K, bwd_K, num_iters=400, methods=METHODS, **kw) -> dict
     rows[m] = {"base": base, "slowed": slowed, "ratio": slowed / base,
                "speedup": rows["bp"]["slowed"] / slowed if rows else 1.0}
   return {m: rows[m] for m in methods}
+
+
+def time_interleaved(fns: dict, reps: int = 30, warmup: int = 2) -> dict:
+  """Median seconds per call of each zero-argument fn (returning jax values), calls interleaved
+  round-robin so that drift on a shared machine hits every fn alike."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      jax.block_until_ready(fn())
+  times = {k: [] for k in fns}
+  for _ in range(reps):
+    for k, fn in fns.items():
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[k].append(time.perf_counter() - t)
+  return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def measure_stage_times(stages, state, sample_x, reps: int = 20):
+  """Median forward and backward seconds of each stage's jitted program on one batch."""
+  fwd_K, bwd_K = [], []
+  x = jnp.asarray(sample_x)
+  for stage, st in zip(stages, state):
+    x = jax.device_put(x, jax.tree.leaves(st["params"])[0].sharding)  # the stage's device (per_stage)
+    f = jax.jit(lambda p, x, stage=stage, ms=st["model_state"]: apply_model(stage, p, ms, x, True)[0])
+    y = f(st["params"], x)
+
+    def fb(p, x, stage=stage, ms=st["model_state"], y=y):
+      out, pullback = jax.vjp(lambda p, x: apply_model(stage, p, ms, x, True)[0], p, x)
+      return pullback(jnp.ones_like(out))
+    fb = jax.jit(fb)
+    med = time_interleaved({"f": lambda: f(st["params"], x), "fb": lambda: fb(st["params"], x)}, reps=reps)
+    fwd_K.append(med["f"])
+    bwd_K.append(max(med["fb"] - med["f"], 0.0))
+    x = y
+  return fwd_K, bwd_K

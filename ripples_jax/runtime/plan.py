@@ -64,7 +64,7 @@ def plan_block(config, index: int, planned_steps: int, estimates, model_bytes: f
           groups.append(tuple(sorted(members)))
     return Block(index, tuple(groups), tuple(tuple(t) for t in tokens))
 
-  from ripples_jax.sim import make_group_generator  # the simulator's generators, unchanged
+  from ripples_jax.schedule import make_group_generator  # the simulator's generators, unchanged
   times = tuple(float(e) for e in estimates)
   speed = timeline.SpeedModel(max(times), n, times=times, seed=config.seed)
   tl = config.timeline

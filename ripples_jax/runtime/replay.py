@@ -10,9 +10,8 @@ import numpy as np
 
 from ripples_jax import data as data_lib
 from ripples_jax import engine, timeline
+from ripples_jax import setup as setup_lib
 from ripples_jax.collectives import make_worker_mesh
-from ripples_jax.models import build_model
-from ripples_jax.optim import make_optimizer
 from ripples_jax.runtime import trace as trace_lib
 
 
@@ -54,10 +53,8 @@ def merged_events(traces: dict, num_workers: int) -> list:
 def replay(config, workdir: str) -> dict:
   """The engine's final state {"params", "model_state"} (leading worker axis) for the recorded order."""
   n = config.num_workers
-  data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
-  shards = data_lib.shard_indices(data["y_train"], n, config.data_sharding, seed=config.seed)
-  model = build_model(config.model, data["num_classes"])
-  optimizer = make_optimizer(config.optimizer, config.num_steps)
+  s = setup_lib.build(config)
+  data, shards, model, optimizer = s.data, s.shards, s.model, s.optimizer
   mesh = make_worker_mesh(n, jax.devices()[:1])
   state = engine.init_sim_state(model, optimizer, jax.random.key(config.seed), data["x_train"][:1], n, mesh)
   round_fn = engine.make_sim_round_fn(model, optimizer, mesh, n, n)

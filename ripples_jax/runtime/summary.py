@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ripples_jax import engine
-from ripples_jax import metrics as metrics_lib
 from ripples_jax.runtime import trace as trace_lib
 
 
@@ -20,7 +19,9 @@ def _stacked(unravel, flats):
   return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def summarize(config, workdir: str, model, unravel, data) -> dict:
+def summarize(config, workdir: str, setup, unravel, log) -> dict:
+  """Evaluates the block snapshots, records them through the RunLog, writes summary.json and the Gantt."""
+  model, data = setup.model, setup.data
   n = config.num_workers
   traces = trace_lib.load_traces(workdir)
   steps = np.array([sum(e["k"] == "step" for e in traces.get(w, [])) for w in range(n)])
@@ -57,31 +58,15 @@ def summarize(config, workdir: str, model, unravel, data) -> dict:
         and ev["test_accuracy"] >= config.target_accuracy):
       time_to_target = t
 
-  path = os.path.join(workdir, "metrics.jsonl")
-  if os.path.exists(path):
-    os.remove(path)  # rebuilt whole from the snapshots: a resumed run's file covers the whole run
-  writer = metrics_lib.MetricWriter(workdir)
-  try:
-    for r in records:
-      writer.write({k: v for k, v in r.items() if v is not None})
-  finally:
-    writer.close()
+  for r in records:  # the run's only records: metrics.jsonl was cut back to none on resume
+    log.record(**{k: v for k, v in r.items() if v is not None})
 
   split = trace_lib.time_split(traces)
   compiles = [next((e["compiles"] for e in traces.get(w, []) if e["k"] == "end"), None) for w in range(n)]
-  last = records[-1]
-  summary = {
-      "algorithm": config.algorithm, "executor": "async", "num_workers": n,
-      "num_steps": config.num_steps, "final_test_accuracy": last["test_accuracy"],
-      "final_worker_test_accuracy": last["worker_test_accuracy"],
-      "final_consensus_distance": last["consensus_distance"], "final_train_loss": last["train_loss"],
-      "time": end, "throughput": float(steps.sum() / end), "worker_steps": steps.tolist(),
-      "compute_time": split["compute"], "wait_time": split["wait"], "comm_time": split["comm"],
-      "preduce_programs": compiles, "time_to_target": time_to_target,
-      "target_accuracy": config.target_accuracy, "step_time": config.runtime.step_time,
-      "slow_workers": list(config.hetero.slow_workers), "slowdown": config.hetero.slowdown,
-      "workdir": workdir,
-  }
-  metrics_lib.write_json(os.path.join(workdir, "summary.json"), summary)
+  summary = log.finish(
+      time=end, worker_steps=steps, compute_time=split["compute"], wait_time=split["wait"],
+      comm_time=split["comm"], preduce_programs=compiles, time_to_target=time_to_target,
+      target_accuracy=config.target_accuracy, step_time=config.runtime.step_time,
+      slow_workers=list(config.hetero.slow_workers), slowdown=config.hetero.slowdown)
   trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
   return summary

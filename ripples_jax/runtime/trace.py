@@ -11,7 +11,7 @@ import glob
 import json
 import os
 
-from ripples_jax import plots
+from ripples_jax import analysis
 
 
 def trace_path(workdir: str, worker: int) -> str:
@@ -91,6 +91,6 @@ def write_gantt(workdir: str, path: str | None = None, title: str | None = None,
   if not traces:
     raise FileNotFoundError(f"{workdir}: no trace-<worker>.jsonl files")
   path = path or os.path.join(workdir, "gantt.png")
-  plots.gantt(intervals(traces), max(traces) + 1, path, title or f"runtime trace: {workdir}", t_max,
+  analysis.gantt(intervals(traces), max(traces) + 1, path, title or f"runtime trace: {workdir}", t_max,
               xlabel="wall-clock time (s)")
   return path

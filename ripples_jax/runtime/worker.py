@@ -9,6 +9,7 @@ can occur. Step-time estimates (EMA of this worker's measured steps) are exchang
 through the coordination service; block b is planned with the estimates published at block
 b - runtime.estimate_lag, so a fast worker rarely waits for them.
 """
+import dataclasses
 import functools
 import glob
 import os
@@ -22,13 +23,12 @@ from absl import logging
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ripples_jax import data as data_lib
 from ripples_jax import checkpoint as ckpt_lib
+from ripples_jax import data as data_lib
 from ripples_jax import engine
-from ripples_jax import metrics as metrics_lib
-from ripples_jax.models import build_model, init_model
-from ripples_jax.optim import make_optimizer
-from ripples_jax.progress import Progress
+from ripples_jax import setup as setup_lib
+from ripples_jax.models import init_model
+from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import coord, plan as plan_lib, summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import LOCAL, WORKER, GroupAverager, to_global, to_local
@@ -72,186 +72,223 @@ def make_step_fn(model, optimizer, unravel, local_mesh: Mesh):
   return jax.jit(step, in_shardings=(rep, batch, batch), out_shardings=(rep, rep), donate_argnums=0), rep, batch
 
 
-def run(config, workdir: str) -> dict:
-  """This process's worker: runs its part of the plan, then (process 0) writes the run's summary."""
-  rt, n = config.runtime, config.num_workers
-  me = jax.process_index()
-  kv = coord.client()
-  data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
-  shards = data_lib.shard_indices(data["y_train"], n, config.data_sharding, seed=config.seed)
-  model = build_model(config.model, data["num_classes"])
-  optimizer = make_optimizer(config.optimizer, config.num_steps)
+@dataclasses.dataclass
+class Loop:
+  """This worker's loop state. `block` and `planned` are the same on every worker (the checkpoint's
+  cursor); the rest is this worker's own and travels in its row of the checkpointed arrays."""
+  state: dict                 # {"flat": D, "opt_state"} on this worker's devices
+  block: int = 0              # the block about to run
+  planned: int = 0            # worker steps planned before `block`, all workers
+  steps_done: int = 0         # this worker's local steps
+  estimate: float = 0.0       # EMA of this worker's step time
+  est_history: dict = dataclasses.field(default_factory=dict)  # block -> the estimate published there
+  time: float = 0.0           # seconds of the run before this process started (resume)
+  resumed_at: int | None = None
 
-  # Devices per worker, in the global order every process sees the same way.
-  devices_of = {w: [d for d in jax.devices() if d.process_index == w] for w in range(n)}
-  local_mesh = Mesh(np.array(devices_of[me]), (LOCAL,))
-  params, model_state = init_model(model, jax.random.key(config.seed), data["x_train"][:1])
-  flat0, unravel = ravel_pytree({"params": params, "model_state": model_state})
-  step_fn, rep, batch_sharding = make_step_fn(model, optimizer, unravel, local_mesh)
-  averager = GroupAverager(local_mesh, devices_of, rt.cache_size)
-  model_bytes = config.timeline.model_bytes or 4 * flat0.size
 
-  def batch(step):
-    idx = data_lib.batch_indices([shards[me]], config.batch_size, config.seed, [step], workers=[me])[0]
-    return (jax.device_put(data["x_train"][idx], batch_sharding),
-            jax.device_put(data["y_train"][idx], batch_sharding))
+class Worker:
+  """This process's worker: its devices, jitted step, P-Reduce programs and checkpoint layout."""
 
-  # From host copies: the step donates its input, so every fresh state needs buffers of its own.
-  flat0_host, opt0_host = np.asarray(flat0), jax.device_get(optimizer.init(params))
-  fresh = lambda: jax.device_put({"flat": flat0_host, "opt_state": opt0_host}, rep)
-  hetero = config.hetero
-  slow = me in tuple(hetero.slow_workers)
+  def __init__(self, config, s: setup_lib.Setup):
+    self.config, self.s, self.rt = config, s, config.runtime
+    n, self.me = config.num_workers, jax.process_index()
+    # Devices per worker, in the global order every process sees the same way.
+    self.devices_of = {w: [d for d in jax.devices() if d.process_index == w] for w in range(n)}
+    self.local_mesh = Mesh(np.array(self.devices_of[self.me]), (LOCAL,))
+    self.global_mesh = Mesh(np.array([self.devices_of[w] for w in range(n)]), (WORKER, LOCAL))
+    params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
+    flat0, self.unravel = ravel_pytree({"params": params, "model_state": model_state})
+    self.step_fn, self.rep, self.batch_sharding = make_step_fn(s.model, s.optimizer, self.unravel,
+                                                               self.local_mesh)
+    self.averager = GroupAverager(self.local_mesh, self.devices_of, self.rt.cache_size)
+    self.model_bytes = config.timeline.model_bytes or 4 * flat0.size
+    # From host copies: the step donates its input, so every fresh state needs buffers of its own.
+    self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
+    hetero = config.hetero
+    self.slow = self.me in tuple(hetero.slow_workers)
 
-  def slowdown(step):
+  def fresh(self) -> dict:
+    return jax.device_put({"flat": self._flat0, "opt_state": self._opt0}, self.rep)
+
+  def batch(self, step: int):
+    c, s = self.config, self.s
+    idx = data_lib.batch_indices([s.shards[self.me]], c.batch_size, c.seed, [step], workers=[self.me])[0]
+    return (jax.device_put(s.data["x_train"][idx], self.batch_sharding),
+            jax.device_put(s.data["y_train"][idx], self.batch_sharding))
+
+  def slowdown(self, step: int) -> float:
     """Injected heterogeneity (DESIGN 3.5): this step takes `slowdown` x its real time."""
-    if slow:
+    hetero = self.config.hetero
+    if self.slow:
       return float(hetero.slowdown)
-    if hetero.random_p and np.random.default_rng([5, config.seed, me, step]).random() < hetero.random_p:
+    if hetero.random_p and np.random.default_rng([5, self.config.seed, self.me, step]).random() < hetero.random_p:
       return float(hetero.slowdown)
     return 1.0
 
-  def timed_step(state, step):
-    x, y = batch(step)
+  def timed_step(self, state, step: int):
+    """(state, loss, t0, end of compute, t1): the step, padded to runtime.step_time and slowed."""
+    x, y = self.batch(step)
     t0 = time.perf_counter()
-    state, loss = step_fn(state, x, y)
+    state, loss = self.step_fn(state, x, y)
     loss = float(loss)  # blocks: the step's real time is what the padding and the estimates need
     t_compute = time.perf_counter()
-    padded = max(t_compute - t0, rt.step_time)
-    target = t0 + padded * slowdown(step)
+    padded = max(t_compute - t0, self.rt.step_time)
+    target = t0 + padded * self.slowdown(step)
     while (left := target - time.perf_counter()) > 0:
       time.sleep(left)
     return state, loss, t0, t_compute, time.perf_counter()
 
-  # Warm-up on a throw-away state: compiles the step and measures this worker's step time, the
-  # estimate every process plans the first blocks with.
-  scratch = fresh()
-  scratch, *_ = timed_step(scratch, 0)
-  warm = []
-  for k in range(rt.warmup_steps):
-    scratch, _, t0, _, t1 = timed_step(scratch, k)
-    warm.append(t1 - t0)
-  del scratch
-  estimate = float(np.median(warm))
+  def warm_up(self) -> float:
+    """Compiles the step on a throw-away state; the median of the timed steps after it is this
+    worker's first estimate, the one every process plans the first blocks with."""
+    scratch = self.fresh()
+    scratch, *_ = self.timed_step(scratch, 0)
+    warm = []
+    for k in range(self.rt.warmup_steps):
+      scratch, _, t0, _, t1 = self.timed_step(scratch, k)
+      warm.append(t1 - t0)
+    return float(np.median(warm))
 
-  # Checkpoints are global: at an agreed block every worker contributes its shard of one array per
-  # leaf, stacked on a worker axis (orbax writes each process's shards; it refuses per-process
-  # host-local arrays in a multi-process job). Resume from the newest one that reads back.
-  global_mesh = Mesh(np.array([devices_of[w] for w in range(n)]), (WORKER, LOCAL))
-  manager = ckpt_lib.manager(os.path.abspath(os.path.join(workdir, "ckpt")), rt.checkpoint_keep)
-  lag = rt.estimate_lag
-
-  def pack(state, steps_done, est_history, estimate, t):
-    blocks = sorted(est_history)[-(lag + 1):]
+  # Checkpoints are global: at an agreed block every worker contributes its row of one array per leaf,
+  # stacked on a worker axis (orbax writes each process's shards; it refuses per-process host-local
+  # arrays in a multi-process job).
+  def pack(self, loop: Loop, t: float):
+    lag = self.rt.estimate_lag
+    blocks = sorted(loop.est_history)[-(lag + 1):]
     est = np.full(lag + 1, np.nan)
-    est[:len(blocks)] = [est_history[b] for b in blocks]
+    est[:len(blocks)] = [loop.est_history[b] for b in blocks]
     ids = np.full(lag + 1, -1, np.int32)
     ids[:len(blocks)] = blocks
     exact = lambda a: np.asarray(a, np.float64).reshape(-1).view(np.int32)  # float64, bit for bit
-    local = {**state, "steps_done": np.int32(steps_done), "est": exact(est), "est_blocks": ids,
-             "estimate": exact(estimate), "time": exact(t)}
-    return jax.tree.map(lambda a: to_global(jax.device_put(a, rep), global_mesh), local)
+    local = {**loop.state, "steps_done": np.int32(loop.steps_done), "est": exact(est), "est_blocks": ids,
+             "estimate": exact(loop.estimate), "time": exact(t)}
+    return jax.tree.map(lambda a: to_global(jax.device_put(a, self.rep), self.global_mesh), local)
 
-  def unpack(global_tree):
-    local = jax.tree.map(lambda a: to_local(a, rep), global_tree)
+  def unpack(self, global_tree, cursor: dict) -> Loop:
+    local = jax.tree.map(lambda a: to_local(a, self.rep), global_tree)
     f64 = lambda a: np.asarray(a).view(np.float64)
     est = {int(b): float(v) for b, v in zip(np.asarray(local["est_blocks"]), f64(local["est"])) if b >= 0}
-    state = {"flat": local["flat"], "opt_state": local["opt_state"]}
-    return state, int(local["steps_done"]), est, float(f64(local["estimate"])[0]), float(f64(local["time"])[0])
+    return Loop({"flat": local["flat"], "opt_state": local["opt_state"]}, cursor["block"], cursor["planned"],
+                int(local["steps_done"]), float(f64(local["estimate"])[0]), est, float(f64(local["time"])[0]),
+                resumed_at=cursor["block"])
 
-  like = pack(fresh(), 0, {0: 0.0}, 0.0, 0.0)
-  got = ckpt_lib.restore_latest(manager, like)  # a corrupt latest one: warned about, the previous used
-  if got is not None:
-    start, restored, meta = got
-    state, steps_done, est_history, estimate, t_offset = unpack(restored)
-    block, planned = start, meta["planned"]
-    for b, v in est_history.items():
-      coord.publish_estimate(kv, b, me, v)
-    logging.info("worker %d: resuming at block %d after %d local steps", me, block, steps_done)
+
+def resume(worker: Worker, log: RunLog, kv, workdir: str, estimate: float) -> Loop:
+  """The loop state from the newest checkpoint that reads back, or a fresh one; what the lost run did
+  after that point (snapshots, trace events) is dropped so this run redoes it."""
+  me = worker.me
+  got = log.restore(worker.pack(Loop(worker.fresh(), est_history={0: 0.0}), 0.0))
+  if got is None:
+    loop = Loop(worker.fresh(), estimate=estimate)
   else:
-    start = None
-    state, block, steps_done, planned, est_history, t_offset = fresh(), 0, 0, 0, {}, 0.0
-  for b in ckpt_lib.restorable_steps(manager):
-    if start is None or b > start:
-      manager.delete(b)  # past the resume point (or unusable): this run writes its own
+    loop = worker.unpack(got[1], got[2])
+    for b, v in loop.est_history.items():
+      coord.publish_estimate(kv, b, me, v)
+    logging.info("worker %d: resuming at block %d after %d local steps", me, loop.block, loop.steps_done)
   for path in glob.glob(os.path.join(workdir, "snapshots", f"*-{me}.npy")):
     name = os.path.basename(path).split("-")[0]
-    if not name.isdigit() or int(name) >= block:
-      os.remove(path)  # what the lost run did after the resume point is redone
+    if not name.isdigit() or int(name) >= loop.block:
+      os.remove(path)
   os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
-  trace = trace_lib.TraceWriter(workdir, me, keep_before_block=block if start is not None else None)
+  return loop
 
-  progress = {"steps": steps_done, "events": 0, "done": False}
-  watchdog = coord.Watchdog(kv, me, n, lambda: (progress["steps"], progress["events"], progress["done"]),
-                            rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout)
-  kv.wait_at_barrier(f"{coord.PREFIX}/start/{block}", int(rt.stall_timeout * 1000))
-  t_start = time.perf_counter() - t_offset
-  now = lambda: time.perf_counter() - t_start
-  watchdog.start()
-  bar = Progress(config.num_steps, config.log_every) if me == 0 else None
-  eval_blocks = max(1, config.eval_every // rt.block_steps)
-  fetched, saved = {}, start
-  try:
-    while True:
-      if me == rt.fail_worker and block == rt.fail_block:
-        fail_now(manager, saved, block)
-      if block not in est_history:
-        coord.publish_estimate(kv, block, me, estimate)
-        est_history[block] = estimate
-      est_block = max(0, block - rt.estimate_lag)
-      if config.algorithm in plan_lib.PLANNED and est_block not in fetched:
-        fetched[est_block] = coord.fetch_estimates(kv, est_block, n, 10 * rt.stall_timeout)
-      b_plan = plan_lib.plan_block(config, block, planned, fetched.get(est_block, [1.0] * n), model_bytes)
-      trace.add(k="block", b=block, t=now(), s=steps_done)
-      if block % eval_blocks == 0:
-        np.save(snapshot_path(workdir, block, me), np.asarray(state["flat"]))
-      if rt.checkpoint_every and block and block % rt.checkpoint_every == 0 and start != block:
-        # Collective: every worker saves at this block (the plan is the same everywhere).
-        ckpt_lib.save(manager, block, pack(state, steps_done, est_history, estimate, now()),
-                      {"planned": planned, "block": block})
-        saved = block
+
+def run(config, workdir: str) -> dict:
+  """This process's worker: runs its part of the plan, then (process 0) writes the run's summary."""
+  rt, n = config.runtime, config.num_workers
+  s = setup_lib.build(config)
+  workdir = make_workdir(workdir)
+  kv = coord.client()
+  worker = Worker(config, s)
+  me = worker.me
+  estimate = worker.warm_up()
+  with RunLog(workdir, config, config.num_steps, checkpoint_every=rt.checkpoint_every,
+              checkpoint_keep=rt.checkpoint_keep) as log:
+    loop = resume(worker, log, kv, workdir, estimate)
+    trace = trace_lib.TraceWriter(workdir, me, keep_before_block=loop.block if loop.resumed_at is not None else None)
+    progress = {"steps": loop.steps_done, "events": 0, "done": False}
+    watchdog = coord.Watchdog(kv, me, n, lambda: (progress["steps"], progress["events"], progress["done"]),
+                              rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout)
+    kv.wait_at_barrier(f"{coord.PREFIX}/start/{loop.block}", int(rt.stall_timeout * 1000))
+    t_start = time.perf_counter() - loop.time
+    watchdog.start()
+    try:
+      run_blocks(worker, loop, log, kv, trace, progress, t_start, workdir)
+      np.save(snapshot_path(workdir, "final", me), np.asarray(loop.state["flat"]))
+      trace.add(k="end", b=loop.block, t=time.perf_counter() - t_start, s=loop.steps_done,
+                compiles=worker.averager.compiles)
       trace.flush()
-      if not any(b_plan.tokens):
-        break
-      for tok in b_plan.tokens[me]:
-        if tok == plan_lib.STEP:
-          state, loss, t0, tc, t1 = timed_step(state, steps_done)
-          estimate = (1 - EMA) * estimate + EMA * (t1 - t0)
-          trace.add(k="step", b=block, s=steps_done, t0=t0 - t_start, t1=t1 - t_start, c=tc - t_start,
-                    loss=loss)
-          steps_done += 1
-          progress["steps"] = steps_done
-          if not np.isfinite(loss):  # stops this worker; its peers' watchdogs then stop theirs
-            last_ckpt = manager.latest_step()
-            metrics_lib.check_finite(steps_done, f"{manager.directory}/{last_ckpt}" if last_ckpt else None,
-                                     train_loss=loss)
-          if bar:
-            bar.update(min(steps_done, config.num_steps), train_loss=loss)
-        else:
-          members = b_plan.groups[tok]
-          t0 = now()
-          state["flat"] = averager.average(members, state["flat"])
-          state["flat"].block_until_ready()
-          trace.add(k="group", b=block, g=tok, m=list(members), t0=t0, t1=now())
-        progress["events"] += 1
-      planned += int(b_plan.steps().sum())
-      block += 1
-    np.save(snapshot_path(workdir, "final", me), np.asarray(state["flat"]))
-    trace.add(k="end", b=block, t=now(), s=steps_done, compiles=averager.compiles)
+      log.wait()
+      progress["done"] = True
+      kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+    except Exception:
+      # A collective or the key-value store may fail (rather than hang) when a peer dies: give the
+      # watchdog the time to name the lost worker before the error surfaces.
+      trace.flush()
+      watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
+      raise
+    finally:
+      trace.flush()
+    watchdog.stop()
+    logging.info("worker %d: %d local steps, %d P-Reduce programs compiled", me, loop.steps_done,
+                 worker.averager.compiles)
+    if me != 0:
+      return {"algorithm": config.algorithm, "executor": "async", "worker": me,
+              "worker_steps": loop.steps_done, "workdir": workdir}
+    return summary_lib.summarize(config, workdir, s, worker.unravel, log)
+
+
+def run_blocks(worker: Worker, loop: Loop, log: RunLog, kv, trace, progress, t_start, workdir) -> None:
+  """Block after block until the plan is empty: estimates, plan, snapshot, checkpoint, then the
+  block's tokens (local steps and groups, in the plan's order)."""
+  config, rt, me, n = worker.config, worker.rt, worker.me, worker.config.num_workers
+  now = lambda: time.perf_counter() - t_start
+  eval_blocks = max(1, config.eval_every // rt.block_steps)
+  fetched, saved = {}, loop.resumed_at
+  while True:
+    block = loop.block
+    if me == rt.fail_worker and block == rt.fail_block:
+      fail_now(log.mgr, saved, block)
+    if block not in loop.est_history:
+      coord.publish_estimate(kv, block, me, loop.estimate)
+      loop.est_history[block] = loop.estimate
+    est_block = max(0, block - rt.estimate_lag)
+    if config.algorithm in plan_lib.PLANNED and est_block not in fetched:
+      fetched[est_block] = coord.fetch_estimates(kv, est_block, n, 10 * rt.stall_timeout)
+    b_plan = plan_lib.plan_block(config, block, loop.planned, fetched.get(est_block, [1.0] * n),
+                                 worker.model_bytes)
+    trace.add(k="block", b=block, t=now(), s=loop.steps_done)
+    if block % eval_blocks == 0:
+      np.save(snapshot_path(workdir, block, me), np.asarray(loop.state["flat"]))
+    if rt.checkpoint_every and block and block % rt.checkpoint_every == 0 and loop.resumed_at != block:
+      # Collective: every worker saves at this block (the plan is the same everywhere).
+      log.checkpoint(block, worker.pack(loop, now()), {"block": block, "planned": loop.planned}, force=True)
+      saved = block
     trace.flush()
-    ckpt_lib.finish(manager)
-    progress["done"] = True
-    kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
-  except Exception:
-    # A collective or the key-value store may fail (rather than hang) when a peer dies: give the
-    # watchdog the time to name the lost worker before the error surfaces.
-    trace.flush()
-    watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
-    raise
-  finally:
-    trace.flush()
-  watchdog.stop()
-  logging.info("worker %d: %d local steps, %d P-Reduce programs compiled", me, steps_done, averager.compiles)
-  if me != 0:
-    return {"algorithm": config.algorithm, "executor": "async", "worker": me, "worker_steps": steps_done,
-            "workdir": workdir}
-  return summary_lib.summarize(config, workdir, model, unravel, data)
+    if not any(b_plan.tokens):
+      return
+    for tok in b_plan.tokens[me]:
+      if tok == plan_lib.STEP:
+        run_step(worker, loop, log, trace, t_start)
+        progress["steps"] = loop.steps_done
+      else:
+        members = b_plan.groups[tok]
+        t0 = now()
+        loop.state["flat"] = worker.averager.average(members, loop.state["flat"])
+        loop.state["flat"].block_until_ready()
+        trace.add(k="group", b=block, g=tok, m=list(members), t0=t0, t1=now())
+      progress["events"] += 1
+    loop.planned += int(b_plan.steps().sum())
+    loop.block += 1
+
+
+def run_step(worker: Worker, loop: Loop, log: RunLog, trace, t_start: float) -> None:
+  """One local step: trace it, update the estimate, stop the worker on a non-finite loss."""
+  loop.state, loss, t0, tc, t1 = worker.timed_step(loop.state, loop.steps_done)
+  loop.estimate = (1 - EMA) * loop.estimate + EMA * (t1 - t0)
+  trace.add(k="step", b=loop.block, s=loop.steps_done, t0=t0 - t_start, t1=t1 - t_start, c=tc - t_start,
+            loss=loss)
+  loop.steps_done += 1
+  # Stops this worker; its peers' watchdogs then stop theirs.
+  check_finite(loop.steps_done, log.describe_last(), train_loss=loss)
+  log.progress(min(loop.steps_done, worker.config.num_steps), train_loss=loss)

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from ripples_jax.collectives import Layout
+from ripples_jax.schedule import group_gen
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
 
 # Every algorithm runs in the simulator (executor=sim); the lockstep executor runs the periodic ones.
@@ -45,6 +46,20 @@ def static_layouts(config) -> tuple[Layout, ...]:
   if s.layout == "hypercube":
     return hypercube_layouts(n, s.hypercube_group_size)
   raise ValueError(f"config.schedule.layout: {s.layout!r} is not allowed: one of {', '.join(STATIC_LAYOUTS)}")
+
+
+def make_group_generator(config, rng: np.random.Generator):
+  """The Group Generator of a ripples_* algorithm (None for the baselines); used by sim and runtime."""
+  n, s = config.num_workers, config.schedule
+  if config.algorithm == "ripples_static":
+    return group_gen.static_gg(static_layouts(config))
+  if config.algorithm == "ripples_random":
+    return group_gen.random_gg(n, s.group_size, rng)
+  if config.algorithm == "ripples_division":
+    return group_gen.division_gg(n, s.group_size, rng)
+  if config.algorithm == "ripples_smart":
+    return group_gen.smart_gg(n, s.group_size, s.smart_tolerance, s.smart_max_gap)
+  return None
 
 
 def make_schedule(config) -> PeriodicSchedule:

@@ -1,4 +1,4 @@
-"""Model-parallel pipelines with layer-wise staleness: DSP and the methods it is compared with.
+"""The pipeline tick: DSP's link delays and staleness ring buffers, and the methods that are one tick.
 
 A network is split depth-wise into K stages (pipeline/split.py). Link k -> k+1 carries activations up
 with a delay of f_k ticks and error gradients down with a delay of b_k ticks (fixed-length FIFOs). With
@@ -17,7 +17,8 @@ The same tick describes every method:
   dsp  f = b = d (default 1)      forward, backward and update locks all broken
   ddg  f = 0, b = 1, stash        locked forward, delayed error gradients, the stored graph
   fr   f = 0, b = 1, recompute    locked forward, delayed error gradients, inputs only
-GPipe (micro-batches, flush, rematerialisation) is `gpipe_step`.
+GPipe (micro-batches, flush, rematerialisation), BP as one model and DNI are whole-model steps
+(baselines.py, which also holds the table of every method).
 """
 import dataclasses
 import functools
@@ -30,6 +31,7 @@ import optax
 from ripples_jax.models import apply_model, init_model
 
 MODES = ("recompute", "stash")
+PLACEMENTS = ("one_device", "per_stage")  # every stage on one device, or stage k on device k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,90 +218,6 @@ def place(state: list[dict], devices) -> list[dict]:
   return [jax.device_put(st, d) for st, d in zip(state, devices)]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Whole-model steps: BP on the composed stages, and GPipe.
-
-
-def compose(stages, params_K, model_state_K, x, train: bool):
-  """The K stages applied in order: the unsplit network."""
-  new_states = []
-  for stage, p, ms in zip(stages, params_K, model_state_K):
-    x, ms = apply_model(stage, p, ms, x, train=train)
-    new_states.append(ms)
-  return x, new_states
-
-
-def update_stages(optimizer, state, grads_K, model_state_K):
-  """Every stage applies its own gradient (whole-model steps: one update per stage per batch)."""
-  new = []
-  for st, g, ms in zip(state, grads_K, model_state_K):
-    updates, opt_state = optimizer.update(g, st["opt_state"], st["params"])
-    new.append(dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
-                    model_state=ms))
-  return new
-
-
-def make_bp_step(stages, optimizer):
-  """Plain backprop of the composed stages (one model), then every stage's update."""
-
-  def loss_fn(params_K, model_state_K, x, y):
-    logits, new_ms = compose(stages, params_K, model_state_K, x, train=True)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return loss, (new_ms, jnp.mean(jnp.argmax(logits, -1) == y))
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def step(state, x, y):
-    (loss, (ms_K, acc)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        [st["params"] for st in state], [st["model_state"] for st in state], x, y)
-    return update_stages(optimizer, state, grads, ms_K), (loss, acc)
-
-  return step
-
-
-def make_gpipe_step(stages, optimizer, microbatches: int):
-  """GPipe: M micro-batches through the K stages, stage outputs rematerialised in the backward,
-  gradients accumulated, one update per stage after the flush. Numerically BP on the full batch."""
-
-  def loss_fn(params_K, model_state_K, x, y):
-    h = x
-    new_ms = []
-    for stage, p, ms in zip(stages, params_K, model_state_K):
-      # Rematerialisation: keep only stage boundaries; recompute the inside in the backward.
-      h, ms = jax.checkpoint(lambda p, ms, h, stage=stage: apply_model(stage, p, ms, h, train=True))(p, ms, h)
-      new_ms.append(ms)
-    loss = optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
-    return loss, (new_ms, jnp.mean(jnp.argmax(h, -1) == y))
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def step(state, x, y):
-    params_K = [st["params"] for st in state]
-    ms_K = [st["model_state"] for st in state]
-    xm = x.reshape((microbatches, -1) + x.shape[1:])
-    ym = y.reshape((microbatches, -1))
-
-    def micro(carry, xy):
-      g_acc, ms, loss_acc, acc_acc = carry
-      (loss, (ms, acc)), g = jax.value_and_grad(loss_fn, has_aux=True)(params_K, ms, *xy)
-      g_acc = jax.tree.map(lambda a, b: a + b / microbatches, g_acc, g)
-      return (g_acc, ms, loss_acc + loss / microbatches, acc_acc + acc / microbatches), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params_K)
-    (grads, ms_K, loss, acc), _ = jax.lax.scan(micro, (zeros, ms_K, 0.0, 0.0), (xm, ym))
-    return update_stages(optimizer, state, grads, ms_K), (loss, acc)
-
-  return step
-
-
-def make_eval(stages):
-  @jax.jit
-  def evaluate(state, x, y):
-    logits, _ = compose(stages, [st["params"] for st in state], [st["model_state"] for st in state], x,
-                        train=False)
-    return (jnp.mean(jnp.argmax(logits, -1) == y),
-            optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
-  return evaluate
-
-
 def stored_bytes(state: list[dict]) -> list[dict]:
   """Bytes each stage holds, by kind, read from the live state (not a formula)."""
   size = lambda t: int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(t)))
@@ -311,88 +229,3 @@ def stored_bytes(state: list[dict]) -> list[dict]:
                 "optimizer": size(st["opt_state"])})
   return out
 
-
-# ----------------------------------------------------------------------------------------------------
-# DNI: decoupled neural interfaces (synthetic gradients).
-
-
-def init_dni(stages, optimizer, predictor_opt, rng, sample_x, num_classes: int) -> list[dict]:
-  """Stage state plus, below the last stage, a synthetic-gradient predictor of dL/d(output) that is
-  linear in the output and the one-hot label (cDNI: without the label a predictor cannot know which
-  way the loss pulls), zero-initialised so the first updates are no-ops rather than noise, and the last
-  (output, label, true gradient) triple waiting to train it."""
-  state = init_pipeline(stages, optimizer, method_schedule("bp", len(stages)), rng, sample_x)
-  x = jnp.asarray(sample_x)
-  for k, (stage, st) in enumerate(zip(stages, state)):
-    y = jax.eval_shape(lambda p, m, x: apply_model(stage, p, m, x, train=False)[0],
-                       st["params"], st["model_state"], x)
-    if k < len(stages) - 1:
-      d = int(np.prod(y.shape[1:]))
-      sg = {"kernel": jnp.zeros((d, d), y.dtype), "label_kernel": jnp.zeros((num_classes, d), y.dtype),
-            "bias": jnp.zeros((d,), y.dtype)}
-      st.update(sg=sg, sg_opt_state=predictor_opt.init(sg), last_out=jnp.zeros(y.shape, y.dtype),
-                last_true=jnp.zeros(y.shape, y.dtype), last_y=jnp.zeros(y.shape[0], jnp.int32),
-                has_last=jnp.array(False))
-    x = jnp.zeros(y.shape, y.dtype)
-  return state
-
-
-def _predict(sg, h, labels):
-  flat = h.reshape(h.shape[0], -1)
-  return (flat @ sg["kernel"] + sg["label_kernel"][labels] + sg["bias"]).reshape(h.shape)
-
-
-def make_dni_step(stages, optimizer, predictor_opt):
-  """One DNI iteration: a locked forward; every stage below the top updates at once from its
-  predictor's synthetic gradient; the gradient each stage sends down (from the top's true loss, or from
-  back-propagating a synthetic gradient) is the target its lower neighbour's predictor trains on one
-  iteration later, when it has arrived."""
-  K = len(stages)
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def step(state, x, y):
-    state = [dict(st) for st in state]
-    ins, h = [], x
-    for k in range(K - 1):
-      ins.append(h)
-      h, _ = apply_model(stages[k], state[k]["params"], state[k]["model_state"], h, train=True)
-    ins.append(h)
-    # Top stage: the true loss.
-    top = state[K - 1]
-
-    def loss_fn(p, x_in):
-      logits, ms = apply_model(stages[K - 1], p, top["model_state"], x_in, train=True)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == y))
-    (loss, (ms, acc)), (g_p, down) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        top["params"], ins[K - 1])
-    updates, opt_state = optimizer.update(g_p, top["opt_state"], top["params"])
-    state[K - 1] = dict(top, params=optax.apply_updates(top["params"], updates), opt_state=opt_state,
-                        model_state=ms)
-    for k in reversed(range(K - 1)):
-      st = state[k]
-      # Train the predictor on the pair that arrived: last iteration's output and its true gradient.
-      # The predictor learns the per-example gradient (batch x dL/dh of the mean loss): O(1) targets
-      # whatever the batch size, so one predictor step size fits every stage.
-      n = st["last_out"].shape[0]
-
-      def sg_loss(sg):
-        err = _predict(sg, st["last_out"], st["last_y"]) - n * st["last_true"]
-        return 0.5 * jnp.mean(jnp.sum(jnp.square(err).reshape(n, -1), axis=1))
-      sg_grads = jax.grad(sg_loss)(st["sg"])
-      sg_updates, sg_opt_state = predictor_opt.update(sg_grads, st["sg_opt_state"], st["sg"])
-      sg = jax.tree.map(lambda new, old: jnp.where(st["has_last"], new, old),
-                        optax.apply_updates(st["sg"], sg_updates), st["sg"])
-      # Update the stage at once from the synthetic gradient of its output.
-      out, pullback = jax.vjp(lambda p, xi: apply_model(stages[k], p, st["model_state"], xi, train=True),
-                              st["params"], ins[k])
-      synthetic = _predict(sg, out[0], y) / out[0].shape[0]
-      g_p, g_in = pullback((synthetic, jax.tree.map(jnp.zeros_like, out[1])))
-      updates, opt_state = optimizer.update(g_p, st["opt_state"], st["params"])
-      state[k] = dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
-                      model_state=out[1], sg=sg, sg_opt_state=sg_opt_state, last_out=out[0],
-                      last_true=down, last_y=y, has_last=jnp.array(True))
-      down = g_in
-    return state, (loss, acc)
-
-  return step

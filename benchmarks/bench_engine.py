@@ -1,16 +1,26 @@
-"""Engine overhead: a Ripples round (local step + P-Reduce of parameters, layout as data) against a
-conventional data-parallel step (gradient all-reduce) of the same model, batch and mesh."""
+r"""Engine overhead: Ripples round vs a conventional data-parallel step, side by side in one process.
+
+  python -m benchmarks.bench_engine        # 8 forced CPU devices, CNN1D and CNN2D, batch 32/worker
+
+A Ripples round (local step + P-Reduce of parameters, layout as data) against a conventional
+data-parallel step (gradient all-reduce) of the same model, batch and mesh.
+Target: a Ripples static round costs at most 1.15x the data-parallel (gradient all-reduce) step.
+"""
 import itertools
 
 import jax
 import numpy as np
 import optax
+from absl import app, flags
 
+from benchmarks.timing import Table, compile_seconds, time_interleaved, write_table
 from ripples_jax import engine
-from ripples_jax.benchmark import compile_seconds, markdown_table, time_interleaved
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import build_model, num_params
+from ripples_jax.platform import use_cpu_devices
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
+
+FLAGS = flags.FLAGS
 
 CASES = {  # name: (model, input shape, classes)
     "cnn1d/mnist1d": ("cnn1d", (40, 1), 10),
@@ -18,7 +28,16 @@ CASES = {  # name: (model, input shape, classes)
 }
 
 
-def run(cases: list[str], batch_size: int, reps: int) -> str:
+def define_flags() -> None:
+  flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force on the host.")
+  flags.DEFINE_list("cases", ["cnn1d/mnist1d", "cnn2d/cifar-shape"], "Model cases.")
+  flags.DEFINE_integer("batch_size", 32, "Per-worker batch.")
+  flags.DEFINE_integer("reps", 40, "Timed repetitions per variant.")
+  flags.DEFINE_string("out", None, "Optional path for the table (markdown).")
+
+
+def run(cases=("cnn1d/mnist1d", "cnn2d/cifar-shape"), batch_size: int = 32, reps: int = 40) -> Table:
+  """One row per (case, step variant): median ms, ratio to the data-parallel step, compile seconds."""
   n = jax.device_count()
   mesh = make_worker_mesh(n)
   sharding = engine.worker_sharding(mesh)
@@ -62,5 +81,16 @@ def run(cases: list[str], batch_size: int, reps: int) -> str:
       rows.append([case, f"{p / 1e3:.0f}K", label, f"{1e3 * med[label]:.2f}",
                    f"{med[label] / med['dp']:.3f}", f"{compile_s[label]:.2f}"])
   header = ["model", "params", "step", "median ms", "ratio to DP step", "compile s"]
-  return (f"{n} {jax.default_backend()} devices, one worker per device, batch {batch_size}/worker, "
-          f"median of {reps} interleaved reps\n\n" + markdown_table(header, rows))
+  return Table(header, rows, f"{n} {jax.default_backend()} devices, one worker per device, batch "
+               f"{batch_size}/worker, median of {reps} interleaved reps")
+
+
+def main(argv):
+  del argv
+  use_cpu_devices(FLAGS.cpu_devices)
+  write_table(run(FLAGS.cases, FLAGS.batch_size, FLAGS.reps), FLAGS.out)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

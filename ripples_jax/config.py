@@ -1,19 +1,50 @@
-"""One place that checks a run's config before anything is loaded or compiled.
+"""Configs: the `:k=v` variant parser, and the one place that checks a run's config before anything
+is loaded or compiled.
 
-Every problem is reported as one line: `config.<key>: <value> is not allowed: <what is>`.
+Every problem is reported as one line: `config.<key>: <value> is not allowed: <what is>`. The allowed
+values are imported from the modules that own them (a new model, dataset or method is allowed as soon
+as its owner lists it); this module adds only the cross-field rules.
 """
+import ast
 import math
 
+import ml_collections
+
+from ripples_jax.data import DATASET_NAMES as DATASETS, SHARD_MODES as DATA_SHARDINGS
 from ripples_jax.engine import PREDUCE_IMPLS
 from ripples_jax.models import MODEL_NAMES
+from ripples_jax.optim import LR_SCHEDULES, OPTIMIZERS
+from ripples_jax.pipeline.tick import MODES, PLACEMENTS
+from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
 from ripples_jax.runtime.plan import RUNTIME_ALGORITHMS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 
-DATASETS = ("mnist1d", "digits", "cifar10", "synthetic")
-EXECUTORS = ("spmd", "sim", "async")
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
-LR_SCHEDULES = ("constant", "cosine")
-DATA_SHARDINGS = ("iid", "noniid")
+EXECUTORS = ("spmd", "sim", "async")  # run.train_and_evaluate dispatches on these
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """Parses 'k=v,k2=v2' (the part after ':' in --config=configs/x.py:k=v) into typed fields.
+
+  Values are parsed as python literals where possible and otherwise kept as strings; keys must be among
+  `defaults`, whose values give the allowed types.
+  """
+  out = ml_collections.ConfigDict(defaults)
+  if not arg:
+    return out
+  for item in arg.split(","):
+    if not item:
+      continue
+    if "=" not in item:
+      raise ValueError(f"config arg: {item!r} is not allowed: expected key=value, keys {sorted(defaults)}")
+    key, value = item.split("=", 1)
+    if key not in defaults:
+      raise ValueError(f"config arg: {key!r} is not allowed: one of {sorted(defaults)}")
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      pass
+    out[key] = value
+  return out
 
 
 class ConfigError(ValueError):
@@ -164,16 +195,11 @@ def _int_in(config, key, lo, hi, allowed):
     _fail(key, value, allowed)
 
 
-DSP_METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
-PLACEMENTS = ("one_device", "per_stage")
-
-
 def validate_dsp_config(config, num_devices: int | None = None, num_processes: int = 1) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
   if num_processes > 1:
     raise ConfigError(f"--jax_distributed: {num_processes} processes are not allowed: a pipeline runs "
                       "inside one process (its stages on that process's devices)")
-  from ripples_jax.pipeline.dsp import MODES
   from ripples_jax.pipeline.split import max_stages
   _one_of(config, "method", DSP_METHODS)
   _one_of(config, "mode", MODES)

@@ -1,13 +1,31 @@
-"""P-Reduce against a full all-reduce of the same bytes, for every layout the schedules emit."""
+r"""P-Reduce step time for every layout the schedules emit, against a full all-reduce of the same bytes.
+
+  python -m benchmarks.bench_collectives            # 8 forced CPU devices, 64K and 1M float32/device
+
+Prints a markdown table: median seconds per call (interleaved reps in one process), the ratio to the
+full all-reduce, and compile seconds. 'direct' is one compiled program per layout (p_reduce's cache);
+'switched' is the engine's form: one program over all layouts with the layout index as data.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchmarks.timing import Table, compile_seconds, time_interleaved, write_table
 from ripples_jax import collectives as C
-from ripples_jax.benchmark import compile_seconds, markdown_table, time_interleaved
+from ripples_jax.platform import use_cpu_devices
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_integer("cpu_devices", 8, "CPU devices to force on the host.")
+  flags.DEFINE_list("sizes", ["65536", "1048576"], "float32 elements per device.")
+  flags.DEFINE_integer("reps", 40, "Timed repetitions per variant.")
+  flags.DEFINE_string("out", None, "Optional path for the table (markdown).")
 
 
 def schedule_layouts(n: int) -> dict[str, C.Layout]:
@@ -21,7 +39,8 @@ def schedule_layouts(n: int) -> dict[str, C.Layout]:
   return out
 
 
-def run(sizes: list[int], reps: int) -> str:
+def run(sizes=(65536, 1048576), reps: int = 40) -> Table:
+  """One row per (size, layout) on every device jax sees, plus the compile time of the switched program."""
   devices = jax.devices()
   n = len(devices)
   mesh = C.make_worker_mesh(n)
@@ -59,5 +78,15 @@ def run(sizes: list[int], reps: int) -> str:
                  f"{compile_s['switched']:.3f}"])
   header = ["f32/device", "layout", "group sizes", "full all-reduce ms", "P-Reduce ms", "ratio",
             "switched ms", "switched ratio", "compile s"]
-  return (f"{n} {jax.default_backend()} devices, median of {reps} interleaved reps\n\n"
-          + markdown_table(header, rows))
+  return Table(header, rows, f"{n} {jax.default_backend()} devices, median of {reps} interleaved reps")
+
+
+def main(argv):
+  del argv
+  use_cpu_devices(FLAGS.cpu_devices)
+  write_table(run([int(s) for s in FLAGS.sizes], FLAGS.reps), FLAGS.out)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

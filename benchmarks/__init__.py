@@ -1,0 +1,1 @@
+"""Benchmarks: one module each, run as `python -m benchmarks.<name>` or in-process through its run()."""

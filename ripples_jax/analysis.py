@@ -1,0 +1,155 @@
+"""Analysis of results: PNG figures a person can read (titled axes with units, legends), the throughput
+limit with one slow worker, and the spectral gap of each Group Generator against group size."""
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+COLORS = {"compute": "#4C72B0", "wait": "#DD8452", "comm": "#55A868"}
+
+
+def accuracy_vs_time(panels: dict, path: str, title: str, xlabel: str = "virtual time (s)") -> None:
+  """panels: {panel title: {label: [(virtual seconds, test accuracy), ...]}}; one subplot per panel."""
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+  for ax, (name, curves) in zip(axes[0], panels.items()):
+    for label, points in curves.items():
+      if points:
+        t, acc = zip(*points)
+        ax.plot(t, [100 * a for a in acc], marker=".", label=label)
+    ax.set_title(name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy of the averaged model (%)")
+    ax.grid(alpha=0.3)
+  axes[0][-1].legend(fontsize=8, loc="lower right")
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | None = None,
+          xlabel: str = "virtual time (s)") -> None:
+  """One row per worker: compute, waiting for a group, communicating (timeline.Trace.intervals)."""
+  fig, ax = plt.subplots(figsize=(11, 0.32 * num_workers + 1.5))
+  for kind, color in COLORS.items():
+    bars = {}
+    for w, k, t0, t1 in intervals:
+      if k == kind and (t_max is None or t0 < t_max):
+        bars.setdefault(w, []).append((t0, min(t1, t_max or t1) - t0))
+    for w, spans in bars.items():
+      ax.broken_barh(spans, (w - 0.4, 0.8), color=color, label=kind if w == min(bars) else None)
+  ax.set_yticks(range(num_workers))
+  ax.set_ylabel("worker")
+  ax.set_xlabel(xlabel)
+  ax.invert_yaxis()
+  if t_max:
+    ax.set_xlim(0, t_max)
+  handles, labels = ax.get_legend_handles_labels()
+  ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=3)
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def lines(series: dict, path: str, title: str, xlabel: str, ylabel: str) -> None:
+  """series: {label: {x: y}}; one line with markers per label."""
+  fig, ax = plt.subplots(figsize=(9.5, 4.2))
+  for label, points in series.items():
+    if points:
+      x = sorted(points)
+      ax.plot(x, [points[k] for k in x], marker="o", label=label)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over a line
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def dsp_figures(out_dir, curves, datasets, stage_counts, methods, losses, delays, lrs) -> None:
+  """accuracy_vs_epoch.png, accuracy_vs_modeled_time.png (one panel per (dataset, K); curves[ds, K, method]:
+  [(epoch, modeled time, test accuracy)]) and staleness_lr_sweep.png (losses[delay, lr]: final loss)."""
+  panels = [(ds, K) for ds in datasets for K in stage_counts]
+  for xi, xlabel, fname in ((0, "epoch", "accuracy_vs_epoch.png"),
+                            (1, "modeled time (s, measured stage times)", "accuracy_vs_modeled_time.png")):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (ds, K) in zip(axes[0], panels):
+      for m in methods:
+        pts = curves[ds, K, m]
+        if pts:
+          ax.plot([p[xi] for p in pts], [100 * p[2] for p in pts], marker=".", label=m)
+      ax.set_title(f"{ds}, K={K}")
+      ax.set_xlabel(xlabel)
+      ax.set_ylabel("test accuracy (%)")
+      ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, fname), dpi=110)
+    plt.close(fig)
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  for d in delays:
+    ax.plot(lrs, [losses[d, lr] for lr in lrs], marker="o", label=f"delay d={d}")
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("learning rate")
+  ax.set_ylabel("final training loss")
+  ax.set_title("DSP, K=4: final loss against staleness and step size")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "staleness_lr_sweep.png"), dpi=110)
+  plt.close(fig)
+
+
+def limit(n: int, s: float) -> float:
+  """Best throughput relative to All-Reduce when one of n workers is s x slower: (s (n - 1) + 1) / n."""
+  return (s * (n - 1) + 1) / n
+
+
+# -- spectral gap against group size and Group Generator (DESIGN 3.2) --------------------------------
+
+
+def symmetric_gap(matrices) -> float:
+  """Spectral gap of E[W^T W] for a generator whose distribution is invariant under relabelling the
+  workers (Random GG, Group Division): then E[W^T W] = a I + b 1 1^T exactly, so lambda_2 = a, read
+  from the Monte Carlo mean's diagonal and off-diagonal averages (the top eigenvalue of a noisy sample
+  mean would be biased upward)."""
+  m = np.mean([w.T @ w for w in matrices], axis=0)
+  n = len(m)
+  diag, off = np.trace(m) / n, (m.sum() - np.trace(m)) / (n * (n - 1))
+  return float(1.0 - (diag - off))
+
+
+def spectral_table(n: int = 16, samples: int = 2000, seed: int = 0):
+  """{generator: {group size: spectral gap 1 - lambda_2(E[W^T W])}}: Monte Carlo for the random
+  generators, exact over one period for the periodic ones."""
+  from ripples_jax import collectives  # here: the figures alone need no jax
+  from ripples_jax.schedule.static import hypercube_layouts, static_gg_layouts
+  rng = np.random.default_rng(seed)
+  sizes = (2, 3, 4, 8)
+  out = {"random GG (one group per round)": {}, "group division (a partition per round)": {},
+         "static GG (node layout, g workers per node)": {}, "hypercube (radix g)": {}}
+  for g in sizes:
+    out["random GG (one group per round)"][g] = symmetric_gap(
+        [collectives.mixing_matrix([rng.choice(n, g, replace=False)], n) for _ in range(samples)])
+    out["group division (a partition per round)"][g] = symmetric_gap(
+        [collectives.mixing_matrix(np.split(rng.permutation(n), range(g, n, g)), n) for _ in range(samples)])
+    static = static_gg_layouts(n, g)
+    out["static GG (node layout, g workers per node)"][g] = collectives.spectral_gap(
+        [collectives.mixing_matrix(layout, n) for layout in static])
+    if g in (2, 4):  # n = 16 is a power of 2 and of 4
+      out["hypercube (radix g)"][g] = collectives.spectral_gap(
+          [collectives.mixing_matrix(layout, n) for layout in hypercube_layouts(n, g)])
+  return out
+
+
+def spectral_gap_figure(table: dict, path: str, n: int) -> None:
+  """The spectral_table as one line per generator against group size."""
+  lines(table, path, f"Spectral gap of one round's averaging, {n} workers (higher mixes faster)",
+        "group size g", "spectral gap 1 - lambda_2(E[W^T W])")
