@@ -50,4 +50,5 @@ def get_config(arg=None):
   c.eval_every = 500
   c.checkpoint_every = 2000        # batches between orbax checkpoints (0: none); a rerun resumes
   c.checkpoint_keep = 2
+  c.on_config_change = "refuse"    # a rerun whose workdir holds another config: refuse | new | force
   return c

@@ -1,14 +1,33 @@
 """The flags every training entry point shares (workdir, CPU devices, --jax_distributed and its
-arguments), and the host set-up and bad-input handling around the one library call."""
-import os
-import sys
+arguments), and the host set-up and bad-input handling around the one library call.
 
+Bad input ends the process with one line on stderr, `error: <key, path or value>: ... is not allowed:
+<what is>`, before JAX initialises or anything compiles:
+
+  app.run(main, flags_parser=common_flags.parse_flags)   # flags, --config, --workdir, stray arguments
+  common_flags.run_or_exit(train_and_evaluate, ...)        # config values, datasets, the NaN stop, I/O
+
+Exit codes: EXIT_BAD_INPUT (2) for input that is not allowed, EXIT_DIVERGED (3) for the NaN stop,
+EXIT_IO (74, sysexits' EX_IOERR) when the file system fails under a running run (a full disk).
+"""
+import errno
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+
+import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
 from ripples_jax.config import ConfigError
 from ripples_jax.data import DatasetError
 from ripples_jax.platform import init_distributed, use_cpu_devices
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_IO = 74
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: a fresh folder under runs/).")
 CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to use when running on the host.")
@@ -18,12 +37,166 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the j
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (default: JAX's).")
 _LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "This process's GPUs (default: JAX's).")
 
+_CONFIG_NAME = "config"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_default_config = None  # the --config default of this entry point (config_flag)
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT):
+  """Ends the process: `error: <message>` as one line on stderr, exit status `code`."""
+  line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+  sys.stderr.write(f"error: {line}\n")
+  sys.stderr.flush()
+  sys.exit(code)
+
 
 def config_flag(default_file: str):
   """--config: a file under configs/, optionally with ':k=v,...' variant arguments."""
+  global _default_config
   path = os.path.join(os.path.dirname(__file__), "..", "configs", default_file)
-  return config_flags.DEFINE_config_file(
-      "config", path, "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
+  _default_config = f"configs/{default_file}" if os.path.samefile(os.getcwd(), _ROOT) else path
+  try:
+    # Without --config on the command line, ml_collections loads the default (and applies the
+    # --config.* overrides) right here, at definition time.
+    return config_flags.DEFINE_config_file(
+        _CONFIG_NAME, path, "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
+  except Exception as e:  # noqa: BLE001  any failure here comes from the command line or the config file
+    fail(describe_flag_error(e, sys.argv))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flags_parser: absl's parse, with every bad flag, config file, --config.* override, stray
+  argument or unusable --workdir reported as one line (exit 2) before main runs."""
+  try:
+    rest = flags.FLAGS(argv)
+  except Exception as e:  # noqa: BLE001  ml_collections raises KeyError, AttributeError, IOError, ...
+    fail(describe_flag_error(e, argv))
+  if len(rest) > 1:
+    fail(f"{rest[1]!r}: a positional argument is not allowed: flags only, e.g. "
+         f"--config={_config_spec(argv)}:k=v,... or --config.key=value")
+  if _CONFIG_NAME in flags.FLAGS:
+    config = flags.FLAGS[_CONFIG_NAME].value
+    if not isinstance(config, ml_collections.ConfigDict):  # ml_collections defers a load failure
+      try:
+        config.lock()
+      except Exception as e:  # noqa: BLE001
+        fail(describe_flag_error(e, argv))
+  check_workdir(WORKDIR.value)
+  return rest
+
+
+def _config_spec(argv) -> str:
+  """The --config value on the command line (the last one), or this entry point's default."""
+  spec = _default_config or "configs/default.py"
+  for i, arg in enumerate(argv):
+    for prefix in (f"--{_CONFIG_NAME}=", f"-{_CONFIG_NAME}="):
+      if arg.startswith(prefix):
+        spec = arg[len(prefix):]
+    if arg in (f"--{_CONFIG_NAME}", f"-{_CONFIG_NAME}") and i + 1 < len(argv):
+      spec = argv[i + 1]
+  return spec
+
+
+def _overrides(argv):
+  """[(dotted key, value text)] of every --config.key=value (or --config.key value, --[no]config.key)."""
+  out = []
+  for i, arg in enumerate(argv):
+    for prefix, implied in ((f"--{_CONFIG_NAME}.", None), (f"-{_CONFIG_NAME}.", None),
+                            (f"--no{_CONFIG_NAME}.", "False")):
+      if arg.startswith(prefix):
+        key, eq, value = arg[len(prefix):].partition("=")
+        if not eq:
+          value = implied or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "True")
+        out.append((key, value))
+        break
+  return out
+
+
+def _chain(e):
+  """e and every exception it was raised from or during, outermost first."""
+  seen = []
+  while e is not None and e not in seen:
+    seen.append(e)
+    e = e.__cause__ or e.__context__
+  return seen
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "True or False",
+               tuple: "a tuple"}
+
+
+def describe_flag_error(e: BaseException, argv) -> str:
+  """One line for a failure to parse the command line: what was given and what is allowed."""
+  chain = _chain(e)
+  config_errors = [x for x in chain if isinstance(x, ConfigError)]
+  if config_errors:  # a bad :k=v variant (parse_arg); ml_collections re-raises it wrapped
+    return str(config_errors[-1])
+  spec = _config_spec(argv)
+  path = spec.split(":", 1)[0]
+  if not os.path.isfile(path):
+    what = "a folder" if os.path.isdir(path) else "no such file"
+    return (f"--config: {path!r} is not allowed: {what}; a python file defining get_config(arg), "
+            f"e.g. {_default_config or 'configs/default.py'}")
+  try:
+    config = _load_config(spec)
+    config.keys()
+  except Exception as load_error:  # noqa: BLE001  the config file itself fails
+    root = _chain(load_error)[-1]
+    return f"--config: {path!r} is not allowed: it fails to load ({type(root).__name__}: {root})"
+  for key, value in _overrides(argv):
+    node, where = config, _CONFIG_NAME
+    for part in key.split("."):
+      if not isinstance(node, ml_collections.ConfigDict):
+        return (f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: {where} is a value "
+                f"({type(node).__name__}), not a group of keys")
+      if part not in node:
+        keys = ", ".join(sorted(node.keys()))
+        return f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: {where} has no key {part!r} (its keys: {keys})"
+      node, where = node[part], f"{where}.{part}"
+    if any(str(x).startswith(f"flag --{_CONFIG_NAME}.{key}=") for x in chain):  # absl: a bad value
+      kind = type(node)
+      return (f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: "
+              f"{_TYPE_NAMES.get(kind, kind.__name__)} like its default {node!r}")
+  if any(type(x).__name__ == "FlagOrderError" for x in chain):  # ml_collections: overrides come after --config
+    first = next((a for a in argv[1:] if a.startswith(f"--{_CONFIG_NAME}.")), "--config.<key>")
+    return (f"{first}: an override before --{_CONFIG_NAME} is not allowed: --{_CONFIG_NAME}=<file> first, "
+            f"then --{_CONFIG_NAME}.<key>=<value>")
+  if isinstance(e, flags.Error):  # absl's own messages are one line: an unknown flag, a bad value
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+  root = chain[-1]
+  return f"command line {' '.join(argv[1:])!r} is not allowed: {type(root).__name__}: {root}"
+
+
+def _load_config(spec: str):
+  """get_config(arg) of 'file.py[:arg]', as ml_collections calls it (without the overrides)."""
+  path, colon, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_config_for_error_message", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if colon else module.get_config()
+
+
+def check_workdir(workdir: str | None) -> None:
+  """Exits with one line unless `workdir` (default: a new folder under runs/) can be created or written.
+
+  Nothing is created: the folder nearest to it that exists gets a probe file, removed at once.
+  """
+  shown = workdir if workdir else "runs/<time>"
+  path = os.path.abspath(workdir or "runs")
+  if os.path.exists(path) and not os.path.isdir(path):
+    fail(f"--workdir: {shown!r} is not allowed: it is a file, not a folder")
+  probe = path
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    fail(f"--workdir: {shown!r} is not allowed: {probe} is a file, not a folder")
+  try:
+    fd, tmp = tempfile.mkstemp(dir=probe, prefix=".write-probe-")
+    os.close(fd)
+    os.remove(tmp)
+  except OSError as e:
+    fail(f"--workdir: {shown!r} is not allowed: {probe} is not writable ({e.strerror}); a folder this "
+         "process can write")
 
 
 def set_up_host() -> None:
@@ -34,8 +207,37 @@ def set_up_host() -> None:
 
 
 def run_or_exit(fn, *args):
-  """fn(*args); bad input (a config value, a dataset) ends the process with one line, no traceback."""
+  """fn(*args); bad input (a config value, a dataset), the NaN stop and a failing file system end the
+  process with one line, no traceback, and their own exit codes. What the run wrote stays on disk."""
   try:
     return fn(*args)
   except (ConfigError, DatasetError) as e:
-    sys.exit(f"error: {e}")
+    fail(str(e), EXIT_BAD_INPUT)
+  except FloatingPointError as e:  # runlog.check_finite: names the step and the last good checkpoint
+    fail(str(e), EXIT_DIVERGED)
+  except KeyboardInterrupt:  # Ctrl-C: the RunLog has closed (checkpoints committed, lock released)
+    fail("interrupted; run the same command again to resume from the newest checkpoint", 130)
+  except OSError as e:  # a full disk, a folder gone read-only under the run
+    # Without a strerror, str(e) is already a sentence (e.g. one that names the last good checkpoint).
+    fail(describe_os_error(e.filename, e.errno, e.strerror) if e.strerror else str(e), EXIT_IO)
+  except ValueError as e:  # orbax/tensorstore report a failed write as ValueError(... [os_error_code='28'])
+    got = _storage_error(str(e))
+    if got is None:
+      raise
+    fail(describe_os_error(*got), EXIT_IO)
+
+
+def _storage_error(message: str):
+  """(path, errno, strerror) from a tensorstore I/O error message, or None."""
+  code = re.search(r"\[os_error_code='?(\d+)'?\]", message)
+  if code is None:
+    return None
+  paths = re.findall(r'(?:Failed writing|Error writing|local file|file): "([^"]+)"', message)
+  return (paths[-1] if paths else None), int(code.group(1)), os.strerror(int(code.group(1)))
+
+
+def describe_os_error(path, code, strerror) -> str:
+  name = errno.errorcode.get(code, "") if code else ""
+  where = f"{path}: " if path else ""
+  return (f"{where}{strerror}" + (f" ({name})" if name else "") + "; the files the run wrote so far are "
+          "kept: fix this and rerun the same command to resume from the newest checkpoint")

@@ -20,35 +20,48 @@ from ripples_jax.runtime.plan import RUNTIME_ALGORITHMS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 
 EXECUTORS = ("spmd", "sim", "async")  # run.train_and_evaluate dispatches on these
+ON_CONFIG_CHANGE = ("refuse", "new", "force")  # runlog.make_workdir: a workdir holding another run
+# The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
+_HETERO_OFF = {"slow_workers": (), "slowdown": 1.0, "random_p": 0.0, "jitter": 0.0}
+
+
+class ConfigError(ValueError):
+  """A config value that is not allowed; str() is the one-line message."""
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   """Parses 'k=v,k2=v2' (the part after ':' in --config=configs/x.py:k=v) into typed fields.
 
   Values are parsed as python literals where possible and otherwise kept as strings; keys must be among
-  `defaults`, whose values give the allowed types.
+  `defaults`, and each value must have its default's type (an int where a float goes is fine). A bad
+  item raises ConfigError naming it: `config:<key>: <value> is not allowed: <what is>`.
   """
   out = ml_collections.ConfigDict(defaults)
   if not arg:
     return out
+  keys = ", ".join(sorted(defaults))
   for item in arg.split(","):
     if not item:
       continue
     if "=" not in item:
-      raise ValueError(f"config arg: {item!r} is not allowed: expected key=value, keys {sorted(defaults)}")
-    key, value = item.split("=", 1)
+      raise ConfigError(f"config:{item}: {item!r} is not allowed: a variant key=value, keys {keys}")
+    key, text = item.split("=", 1)
     if key not in defaults:
-      raise ValueError(f"config arg: {key!r} is not allowed: one of {sorted(defaults)}")
+      raise ConfigError(f"config:{key}: {key!r} is not allowed: a variant key, one of {keys}")
     try:
-      value = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      pass
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+      value = text
+    default = defaults[key]
+    kind = type(default)
+    if not (type(value) is kind or (kind is float and type(value) is int)):
+      raise ConfigError(f"config:{key}: {value!r} is not allowed: {_TYPE_NAMES.get(kind, kind.__name__)} "
+                        f"like its default {default!r}")
     out[key] = value
   return out
 
 
-class ConfigError(ValueError):
-  """A config value that is not allowed; str() is the one-line message."""
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
 
 
 def _fail(key, value, allowed):
@@ -86,6 +99,7 @@ def validate_train_config(config, num_devices: int, num_processes: int = 1,
   for key in ("num_workers", "batch_size", "num_steps", "log_every", "eval_every", "checkpoint_keep"):
     _positive_int(config, key)
   _int_in(config, "checkpoint_every", 0, 10**9, "an integer number of steps >= 0 (0: no checkpoints)")
+  _int_in(config, "seed", 0, 2**32 - 1, "an integer in [0, 2**32)")
   n = config.num_workers
   if config.executor == "spmd" and n > num_devices and n % num_devices:  # the simulator uses one device
     _fail("num_workers", n, f"at most the {num_devices} devices or a multiple of {num_devices}")
@@ -104,6 +118,8 @@ def validate_train_config(config, num_devices: int, num_processes: int = 1,
     _check_runtime(config)
 
   _check_optimizer(config)
+  if "on_config_change" in config:
+    _one_of(config, "on_config_change", ON_CONFIG_CHANGE)
   _check_schedule(config, n)
 
 
@@ -116,10 +132,10 @@ def _check_runtime(config):
   _int_in(config, "runtime.fail_worker", -1, config.num_workers - 1,
           f"-1 (none) or a worker id < num_workers={config.num_workers}")
   _int_in(config, "runtime.fail_block", 0, 10**9, "an integer >= 0")
-  if not rt.step_time >= 0:
-    _fail("runtime.step_time", rt.step_time, "seconds >= 0 (0: no padding)")
-  if not rt.heartbeat_s > 0:
-    _fail("runtime.heartbeat_s", rt.heartbeat_s, "seconds > 0")
+  _number(config, "runtime.step_time", lambda v: v >= 0, "seconds >= 0 (0: no padding)")
+  _number(config, "runtime.heartbeat_s", lambda v: v > 0, "seconds > 0")
+  _number(config, "runtime.heartbeat_timeout", lambda v: v > 0, "seconds > 0")
+  _number(config, "runtime.stall_timeout", lambda v: v > 0, "seconds > 0")
   if not rt.heartbeat_timeout > 2 * rt.heartbeat_s:
     _fail("runtime.heartbeat_timeout", rt.heartbeat_timeout,
           f"seconds > 2 x runtime.heartbeat_s={rt.heartbeat_s}")
@@ -132,12 +148,9 @@ def _check_optimizer(config):
   opt = config.optimizer
   _one_of(config, "optimizer.name", OPTIMIZERS)
   _one_of(config, "optimizer.lr_schedule", LR_SCHEDULES)
-  if not isinstance(opt.lr, (int, float)) or not math.isfinite(opt.lr) or opt.lr <= 0:
-    _fail("optimizer.lr", opt.lr, "a finite number > 0")
-  if not 0 <= opt.momentum < 1:
-    _fail("optimizer.momentum", opt.momentum, "a number in [0, 1)")
-  if opt.weight_decay < 0:
-    _fail("optimizer.weight_decay", opt.weight_decay, "a number >= 0")
+  _number(config, "optimizer.lr", lambda v: v > 0, "a finite number > 0")
+  _number(config, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
+  _number(config, "optimizer.weight_decay", lambda v: v >= 0, "a number >= 0")
   if isinstance(opt.warmup_steps, bool) or not isinstance(opt.warmup_steps, int) or opt.warmup_steps < 0:
     _fail("optimizer.warmup_steps", opt.warmup_steps, "an integer >= 0")
 
@@ -159,8 +172,7 @@ def _check_schedule(config, n):
   if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
     _int_in(config, "schedule.group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
   if config.algorithm == "ripples_smart":
-    if not s.smart_tolerance > 0:
-      _fail("schedule.smart_tolerance", s.smart_tolerance, "a number > 0 (a fraction of a step time)")
+    _number(config, "schedule.smart_tolerance", lambda v: v > 0, "a number > 0 (a fraction of a step time)")
     _int_in(config, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0")
   if config.algorithm in ("adpsgd", "ps_async") and n < 2:
     _fail("num_workers", n, f"at least 2 for {config.algorithm}")
@@ -171,22 +183,34 @@ def _check_schedule(config, n):
     for w in ids:
       if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n:
         _fail("hetero.slow_workers", ids, f"worker ids in [0, num_workers={n})")
-    if not h.slowdown >= 1:
-      _fail("hetero.slowdown", h.slowdown, "a factor >= 1")
-    if not 0 <= h.random_p <= 1:
-      _fail("hetero.random_p", h.random_p, "a probability in [0, 1]")
-    if not h.jitter >= 0:
-      _fail("hetero.jitter", h.jitter, "a lognormal sigma >= 0")
-    t = config.timeline
-    if not t.compute_time >= 0:
-      _fail("timeline.compute_time", t.compute_time, "seconds >= 0 (0: measure the real jitted step)")
-    for key in ("alpha", "model_bytes", "bandwidth", "ps_bandwidth"):
-      if not t[key] >= 0 or (key.endswith("bandwidth") and not t[key] > 0):
-        _fail(f"timeline.{key}", t[key], "a number > 0" if key.endswith("bandwidth") else "a number >= 0")
-    if not config.time_budget >= 0:
-      _fail("time_budget", config.time_budget, "seconds >= 0 (0: no budget)")
-    if not 0 <= config.target_accuracy <= 1:
-      _fail("target_accuracy", config.target_accuracy, "a fraction in [0, 1] (0: none)")
+    _number(config, "hetero.slowdown", lambda v: v >= 1, "a factor >= 1")
+    _number(config, "hetero.random_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+    _number(config, "hetero.jitter", lambda v: v >= 0, "a lognormal sigma >= 0")
+    _number(config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)")
+    for key in ("alpha", "model_bytes"):
+      _number(config, f"timeline.{key}", lambda v: v >= 0, "a number >= 0")
+    for key in ("bandwidth", "ps_bandwidth"):
+      _number(config, f"timeline.{key}", lambda v: v > 0, "a number > 0")
+    _number(config, "time_budget", lambda v: v >= 0, "seconds >= 0 (0: no budget)")
+    _number(config, "target_accuracy", lambda v: 0 <= v <= 1, "a fraction in [0, 1] (0: none)")
+  else:  # the lockstep executor has no clock: heterogeneity would be silently ignored
+    for key, off in _HETERO_OFF.items():
+      value = config.hetero[key]
+      if (tuple(value) if isinstance(value, (list, tuple)) else value) != off:
+        _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: hetero.* needs "
+              "executor=sim or executor=async")
+
+
+def _number(config, key, ok, allowed):
+  """A finite int or float for which ok(value) holds."""
+  value = _get(config, key)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    _fail(key, value, allowed)
+  if not math.isfinite(value):
+    finite = "a finite " + allowed[2:] if allowed.startswith("a ") else "finite " + allowed
+    _fail(key, value, allowed if "finite" in allowed else finite)
+  if not ok(value):
+    _fail(key, value, allowed)
 
 
 def _int_in(config, key, lo, hi, allowed):
@@ -226,11 +250,11 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
   if config.dataset == "cifar10" and not config.data_dir:
     _fail("data_dir", config.data_dir, "cifar10 needs the directory holding data_batch_1..5 and test_batch")
   _check_optimizer(config)
-  if not config.dni_lr > 0:
-    _fail("dni_lr", config.dni_lr, "a number > 0")
-  if not config.slowdown >= 1:
-    _fail("slowdown", config.slowdown, "a factor >= 1")
+  if "on_config_change" in config:
+    _one_of(config, "on_config_change", ON_CONFIG_CHANGE)
+  _number(config, "dni_lr", lambda v: v > 0, "a number > 0")
+  _number(config, "slowdown", lambda v: v >= 1, "a factor >= 1")
   _int_in(config, "straggler_stage", -1, config.num_stages - 1,
           f"a stage in [0, num_stages={config.num_stages}) or -1 for none")
-  if not 0 <= config.straggler_p <= 1:
-    _fail("straggler_p", config.straggler_p, "a probability in [0, 1]")
+  _number(config, "straggler_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+  _int_in(config, "seed", 0, 2**32 - 1, "an integer in [0, 2**32)")

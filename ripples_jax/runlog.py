@@ -8,10 +8,17 @@
 
 Invariants: metrics.jsonl is only ever appended to, except by restore(), which cuts it back to the
 lines that existed when the restored checkpoint was taken (so a resumed run neither loses nor repeats a
-record) or, on a fresh start in a used workdir, moves it aside to metrics.jsonl.old. Only the lead
-process (process 0) writes files; every process takes part in checkpoints (orbax's multi-process
-model). A non-finite loss stops the run after its record is on disk, naming the step and the last
-good checkpoint.
+record) or, on a fresh start in a used workdir, moves the earlier run's files aside under numbered names
+(metrics.1.jsonl, config.1.json, summary.1.json, ...; never overwritten). A resume continues only the
+same run: every checkpoint stores the config's identity (every key but IDENTITY_FREE), and a rerun
+with another identity is refused with one line naming the differing keys (`on_mismatch="new"` starts
+in a fresh subfolder instead, "force" resumes anyway and records the change). One run per workdir: the
+lead holds WORKDIR/.lock (pid, host) for the run's life; a second run is refused, a stale lock (a dead
+pid on this host) taken over with a warning. Checkpoints are verified (checkpoint.fingerprint) and a
+state with a non-finite value is never saved, so the NaN stop names a checkpoint that is good.
+Only the lead process (process 0) writes files; every process takes part in checkpoints (orbax's
+multi-process model). Non-finite values are written to metrics.jsonl as null, their keys listed under
+"nonfinite" (strict JSON).
 
   with RunLog(workdir, config, total_steps=config.num_steps) as log:
     got = log.restore(state)            # None, or (step, state, cursor)
@@ -19,9 +26,14 @@ good checkpoint.
     log.checkpoint(step, state, cursor={"round": 7})
     summary = log.finish(time=t, worker_steps=[...], conflicts=[...])
 """
+import contextlib
+import errno
+import glob
 import json
 import math
 import os
+import shutil
+import socket
 import time
 
 import jax
@@ -30,15 +42,46 @@ from absl import logging
 
 from ripples_jax import checkpoint
 from ripples_jax.progress import Progress
-from ripples_jax.config import ConfigError
+from ripples_jax.config import ON_CONFIG_CHANGE as ON_MISMATCH, ConfigError
+
+# Keys a resumed run may change without becoming another run: logging, evaluation and checkpoint
+# cadence, where data is read from, and the runtime's failure detection. num_steps is not among them:
+# it sets the learning-rate schedule's horizon, so a longer run is a different run.
+IDENTITY_FREE = ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "data_dir",
+                 "target_accuracy", "runtime.heartbeat_s", "runtime.heartbeat_timeout",
+                 "runtime.stall_timeout", "runtime.checkpoint_keep", "runtime.checkpoint_every",
+                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_block", "on_config_change")
 
 SUMMARY_KEYS = ("algorithm", "executor", "num_workers", "num_steps", "final_test_accuracy",
                 "final_worker_test_accuracy", "final_consensus_distance", "final_train_loss", "time",
                 "worker_steps", "throughput", "workdir")
 
 
-def make_workdir(workdir: str | None) -> str:
-  """The given workdir, or a fresh timestamped folder under runs/ (one process only)."""
+class StorageError(OSError):
+  """The run's files cannot be written (disk full, read-only); str() is the one-line message."""
+
+
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+
+
+def _storage_failure(e: Exception) -> str | None:
+  """The reason, when `e` means the disk refused a write (orbax reports ENOSPC as a ValueError)."""
+  if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+    return e.strerror
+  text = str(e)
+  for reason in ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied"):
+    if reason in text:
+      return reason
+  return None
+
+
+def make_workdir(workdir: str | None, config=None) -> str:
+  """The run's folder: the given one, or a fresh timestamped folder under runs/ (one process only).
+
+  With `config`, a workdir whose newest checkpoint holds another run (another config identity) is
+  refused with one line, or per config.on_config_change: "new" runs in a fresh subfolder run-<k>,
+  "force" resumes anyway (the earlier config.json is kept as config.<k>.json).
+  """
   if workdir is None and jax.process_count() > 1:
     raise ConfigError("--workdir: None is not allowed with several processes: a folder every process sees")
   if not workdir:
@@ -46,8 +89,61 @@ def make_workdir(workdir: str | None) -> str:
     base, k = workdir, 1
     while os.path.exists(workdir):
       workdir, k = f"{base}-{k}", k + 1
-  os.makedirs(workdir, exist_ok=True)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir: {workdir!r} is not allowed: it is a file, not a folder")
+  if config is not None:
+    workdir = _check_identity(workdir, config)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--workdir: {workdir!r} is not allowed: {e.strerror}") from None
+  if not os.access(workdir, os.W_OK):
+    raise ConfigError(f"--workdir: {workdir!r} is not allowed: not writable")
   return workdir
+
+
+def newest_meta(workdir: str):
+  """(step, metadata dict) of the newest committed checkpoint whose metadata reads, or None."""
+  ckpt = os.path.join(workdir, "ckpt")
+  steps = sorted((int(d) for d in os.listdir(ckpt) if d.isdigit()), reverse=True) if os.path.isdir(ckpt) else []
+  for step in steps:
+    try:
+      with open(os.path.join(ckpt, str(step), "meta", "metadata")) as f:
+        return step, json.load(f)
+    except (OSError, ValueError):
+      continue
+  return None
+
+
+def _check_identity(workdir: str, config) -> str:
+  got = newest_meta(workdir)
+  if got is None:
+    return workdir
+  step, meta = got
+  mode = config.get("on_config_change", "refuse")
+  if mode not in ON_MISMATCH:
+    raise ConfigError(f"config.on_config_change: {mode!r} is not allowed: one of {', '.join(ON_MISMATCH)}")
+  where = os.path.join(workdir, "ckpt", str(step))
+  if "identity" not in meta:
+    raise ConfigError(f"--workdir: {workdir!r} is not allowed: {where} was written by an older version "
+                      "(no run identity); resume it with that version, or use another --workdir")
+  diff = differences(meta["identity"], identity(config))
+  if not diff or mode == "force":
+    if diff:
+      logging.warning("resuming %s with a changed config (on_config_change=force): %s", where, "; ".join(diff))
+    return workdir
+  if mode == "new":
+    if jax.process_count() > 1:
+      raise ConfigError("config.on_config_change: 'new' is not allowed with several processes: give a "
+                        "new --workdir")
+    k = 1
+    while os.path.exists(os.path.join(workdir, f"run-{k}")):
+      k += 1
+    logging.warning("%s holds another run (%s): starting in %s/run-%d", workdir, "; ".join(diff), workdir, k)
+    return _check_identity(os.path.join(workdir, f"run-{k}"), config)
+  raise ConfigError(f"--workdir: {workdir!r} is not allowed: its checkpoint {where} is another run "
+                    f"({'; '.join(diff)}); rerun with that config, another --workdir, or "
+                    "--config.on_config_change=new (a fresh subfolder) or force (resume anyway)")
 
 
 def to_python(v):
@@ -71,6 +167,106 @@ def check_finite(step: int, last_checkpoint: str | None = None, **values) -> Non
     if v is not None and not math.isfinite(v):
       where = f"; the last good checkpoint is {last_checkpoint}" if last_checkpoint else ""
       raise FloatingPointError(f"{k} is {v} at step {step}; stopping the run{where}")
+
+
+def identity(config) -> dict:
+  """The config as flat {dotted key: JSON value}, without the keys a resume may change."""
+  flat = {}
+
+  def walk(prefix, d):
+    for k, v in d.items():
+      if isinstance(v, dict):
+        walk(f"{prefix}{k}.", v)
+      else:
+        flat[prefix + k] = v
+  walk("", config.to_dict())
+  return json.loads(json.dumps({k: v for k, v in sorted(flat.items()) if k not in IDENTITY_FREE},
+                               default=str))
+
+
+def _verify(state, meta) -> None:
+  """restore_latest's check: the restored arrays must be the saved ones (flipped bytes are refused)."""
+  if "identity" not in meta:
+    raise checkpoint.CheckpointMismatch("written by an older version (no run identity)")
+  sums, _ = checkpoint.fingerprint(state)
+  if sums != meta["sums"]:
+    raise checkpoint.CheckpointMismatch("its arrays differ from what was saved (fingerprint mismatch)")
+
+
+def differences(saved: dict, now: dict) -> list[str]:
+  return [f"{k} {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}"
+          for k in sorted(set(saved) | set(now)) if saved.get(k, "<unset>") != now.get(k, "<unset>")]
+
+
+def archive(workdir: str) -> int | None:
+  """Moves an earlier run's records aside under the first free number; returns it (None: nothing)."""
+  names = ("metrics.jsonl", "config.json", "summary.json")
+  present = [n for n in names if os.path.exists(os.path.join(workdir, n))]
+  if not present:
+    return None
+  k = 1
+  while any(os.path.exists(os.path.join(workdir, numbered(n, k))) for n in names):
+    k += 1
+  for n in present:
+    os.replace(os.path.join(workdir, n), os.path.join(workdir, numbered(n, k)))
+  return k
+
+
+def numbered(name: str, k: int) -> str:
+  stem, ext = os.path.splitext(name)
+  return f"{stem}.{k}{ext}"
+
+
+class WorkdirLock:
+  """WORKDIR/.lock, created exclusively, holding "pid host start-time"; removed on release."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, ".lock")
+    self.held = False
+
+  def acquire(self) -> None:
+    me = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+    for _ in range(2):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        holder = self._holder()
+        if holder and holder[1] == socket.gethostname() and not _alive(holder[0]):
+          logging.warning("%s: taking over a stale lock of pid %d (no longer running)", self.path, holder[0])
+          os.remove(self.path)
+          continue
+        who = f"pid {holder[0]} on {holder[1]} since {holder[2]}" if holder else "an unreadable lock"
+        raise ConfigError(f"--workdir: {os.path.dirname(self.path)!r} is not allowed: it is in use by {who} "
+                          f"(one run per workdir; if that run is gone, delete {self.path})")
+      with os.fdopen(fd, "w") as f:
+        f.write(me + "\n")
+      self.held = True
+      return
+
+  def _holder(self):
+    try:
+      pid, host, since = open(self.path).read().split()[:3]
+      return int(pid), host, since
+    except (OSError, ValueError):
+      return None
+
+  def release(self) -> None:
+    if self.held:
+      self.held = False
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
 
 
 def count_lines(path: str) -> int:
@@ -102,40 +298,55 @@ class RunLog:
                tensorboard: bool = True, progress: bool = True):
     self.workdir, self.config, self.total_steps = workdir, config, total_steps
     self.is_lead = jax.process_index() == 0 if is_lead is None else is_lead
+    self.lock = WorkdirLock(workdir)
+    if self.is_lead:
+      os.makedirs(workdir, exist_ok=True)
+      self.lock.acquire()  # before anything is read or cut: another live run's files stay untouched
     every = config.checkpoint_every if checkpoint_every is None else checkpoint_every
     keep = config.checkpoint_keep if checkpoint_keep is None else checkpoint_keep
     self.every = every
     self.ckpt_dir = os.path.abspath(os.path.join(workdir, "ckpt"))
     self.mgr = checkpoint.manager(self.ckpt_dir, keep) if every else None
     self.metrics_path = os.path.join(workdir, "metrics.jsonl")
+    self.identity = identity(config)
     self.last_ckpt = None   # the newest checkpoint step this run restored or saved
     self.last = {}          # the newest value of every recorded key
     self._tensorboard = tensorboard
     self._file = self._tb = None
+    self._warned_nonfinite = False
     self._progress = Progress(total_steps, config.log_every) if progress and self.is_lead else None
-    if self.is_lead:
-      os.makedirs(workdir, exist_ok=True)
-      with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
 
   # -- checkpoints --------------------------------------------------------------------------------
 
   def restore(self, like):
-    """(step, state, cursor) of the newest checkpoint that reads back, or None (a fresh start).
+    """(step, state, cursor) of the newest good checkpoint, or None (a fresh start); writes config.json.
 
-    Call it before the first record(): it cuts metrics.jsonl back to the checkpoint.
+    Call it before the first record(): it cuts metrics.jsonl back to the checkpoint, or on a fresh
+    start moves an earlier run's records aside under numbered names.
     """
-    got = checkpoint.restore_latest(self.mgr, like) if self.mgr else None
-    if self.is_lead:
-      if got is None and os.path.exists(self.metrics_path):
-        os.replace(self.metrics_path, self.metrics_path + ".old")  # a fresh start: keep the old aside
-      elif got is not None:
-        truncate_lines(self.metrics_path, got[2]["metrics_lines"])
+    got = checkpoint.restore_latest(self.mgr, like, check=_verify) if self.mgr else None
     if self.mgr is not None:
       # Newer steps did not read back: delete them, or orbax would skip this run's saves up to them.
       for bad in checkpoint.restorable_steps(self.mgr):
         if got is None or bad > got[0]:
+          logging.warning("deleting checkpoint %s/%d: it does not read back", self.ckpt_dir, bad)
           self.mgr.delete(bad)
+    if self.is_lead:
+      if got is None:
+        k = archive(self.workdir)  # a fresh start: an earlier run's records are kept, numbered
+        if k is not None:
+          logging.warning("%s: an earlier run's records were moved to *.%d.*", self.workdir, k)
+      else:
+        truncate_lines(self.metrics_path, got[2]["metrics_lines"])
+        if differences(got[2]["identity"], self.identity):  # on_config_change=force
+          config_path = os.path.join(self.workdir, "config.json")
+          if os.path.exists(config_path):
+            k = 1
+            while os.path.exists(os.path.join(self.workdir, numbered("config.json", k))):
+              k += 1
+            os.replace(config_path, os.path.join(self.workdir, numbered("config.json", k)))
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        f.write(self.config.to_json_best_effort(indent=2))
     if got is None:
       return None
     step, state, meta = got
@@ -144,22 +355,50 @@ class RunLog:
     self.last = dict(meta.get("last", {}))
     return step, state, meta["cursor"]
 
+  @contextlib.contextmanager
+  def _writing(self, what: str):
+    """Turns a refused write into one StorageError line; drops a checkpoint the write left half-made."""
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001  re-raised unless the disk refused the write
+      reason = _storage_failure(e)
+      if reason is None:
+        raise
+      if self.is_lead:
+        for tmp in glob.glob(os.path.join(self.ckpt_dir, "*.orbax-checkpoint-tmp*")):
+          shutil.rmtree(tmp, ignore_errors=True)
+      good = checkpoint.restorable_steps(self.mgr) if self.mgr is not None else []
+      last = f"{self.ckpt_dir}/{good[0]}" if good else "none"
+      raise StorageError(f"{what}: {reason}; the last good checkpoint is {last}; free space and run the "
+                         "same command again to resume") from None
+
   def checkpoint(self, step: int, state, cursor: dict, force: bool = False) -> None:
-    """Saves (state, cursor) at `step` every `checkpoint_every` steps (or when forced); collective."""
+    """Saves (state, cursor) at `step` every `checkpoint_every` steps (or when forced); collective.
+
+    A state holding a non-finite value is not saved (a warning says so), so the last checkpoint is
+    always one a run can continue from.
+    """
     if self.mgr is None or step == self.last_ckpt or not (force or step % self.every == 0):
+      return
+    sums, finite = checkpoint.fingerprint(state)
+    if not finite:
+      logging.warning("step %d: the state holds a non-finite value; not checkpointed (the last good "
+                      "checkpoint stays %s)", step, self.describe_last())
       return
     if self._file:
       self._file.flush()
     # A deep copy now: orbax serialises the metadata in the background, after the loop moved on.
-    meta = json.loads(json.dumps({"cursor": cursor, "last": self.last,
-                                  "metrics_lines": count_lines(self.metrics_path)}))
-    checkpoint.save(self.mgr, step, state, meta)
+    meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
+                                  "sums": sums, "metrics_lines": count_lines(self.metrics_path)}))
+    with self._writing(f"{self.ckpt_dir}/{step}"):
+      checkpoint.save(self.mgr, step, state, meta)  # raises a failure of the previous background write
     self.last_ckpt = step
 
   def wait(self) -> None:
     """Blocks until every checkpoint write has committed."""
     if self.mgr is not None:
-      self.mgr.wait_until_finished()
+      with self._writing(self.ckpt_dir):
+        self.mgr.wait_until_finished()
 
   def describe_last(self) -> str:
     if self.last_ckpt is None:
@@ -180,10 +419,15 @@ class RunLog:
     record = {"step": int(step), "time": time}
     record.update({k: to_python(v) for k, v in scalars.items()})
     self.last.update(record)
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
     if self.is_lead:
       self._open()
-      self._file.write(json.dumps(record) + "\n")
-      self._file.flush()
+      line = {k: (None if k in bad else v) for k, v in record.items()}
+      if bad:  # strict JSON: null, and the keys (with their values) named
+        line["nonfinite"] = {k: str(record[k]) for k in bad}
+      with self._writing(self.metrics_path):
+        self._file.write(json.dumps(line, allow_nan=False) + "\n")
+        self._file.flush()
       if self._tb is not None:
         for k, v in record.items():
           if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -224,9 +468,16 @@ class RunLog:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
-    if self.mgr is not None:
-      checkpoint.finish(self.mgr)
-      self.mgr = None
+    try:
+      if self.mgr is not None:
+        try:
+          with self._writing(self.ckpt_dir):
+            self.mgr.wait_until_finished()
+        finally:
+          self.mgr.close()
+          self.mgr = None
+    finally:
+      self.lock.release()  # last: pending checkpoint writes belong to this run
 
   def __enter__(self):
     return self

@@ -66,7 +66,7 @@ def simulate_and_train(config, workdir: str | None = None):
   """
   n = config.num_workers
   s = setup_lib.build(config)
-  workdir = make_workdir(workdir)
+  workdir = make_workdir(workdir, config)
   has_server = config.algorithm == "ps_async"
   slots = n + has_server  # the parameter server is one more slot
   # All slots on one device: the rounds are many and small, and their cross-slot gathers would be

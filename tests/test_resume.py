@@ -144,3 +144,34 @@ def test_non_finite_loss_names_the_step_and_the_last_checkpoint():
   with pytest.raises(FloatingPointError, match=r"train_loss is nan at step 70; stopping the run; "
                      r"the last good checkpoint is /w/ckpt/50"):
     runlog.check_finite(70, "/w/ckpt/50", train_loss=float("nan"))
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_workdir_refuses_and_the_first_is_unharmed(tmp_path):
+  wd = str(tmp_path / "run")
+  args = SIM[:1] + ["--config.log_every=10", "--config.eval_every=100", "--config.checkpoint_every=100",
+                    "--config.timeline.compute_time=0.01"]
+  first = subprocess.Popen(command("experiments.train", wd, args), cwd=ROOT, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(wd, ".lock")):
+      assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+      time.sleep(0.05)
+    second = subprocess.run(command("experiments.train", wd, args), cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode != 0 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines()[-1].startswith(f"error: --workdir: '{wd}' is not allowed: it is in "
+                                                            f"use by pid {first.pid} on ")
+    assert first.wait(300) == 0
+  finally:
+    if first.poll() is None:
+      first.kill()
+  steps = [r["step"] for r in records(wd)]
+  assert steps == sorted(set(steps)) and steps[-1] == 400  # the first run's records, whole
+  # A rerun with another learning rate is another run: refused with the differing key, nothing touched.
+  before = open(os.path.join(wd, "metrics.jsonl")).read()
+  out = subprocess.run(command("experiments.train", wd, args + ["--config.optimizer.lr=0.05"]), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0 and "optimizer.lr 0.1 -> 0.05" in out.stderr.strip().splitlines()[-1]
+  assert open(os.path.join(wd, "metrics.jsonl")).read() == before

@@ -1,6 +1,7 @@
 """RunLog owns a run's files: records, resume cut-back, checkpoints with cursors, the summary."""
 import json
 import os
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,9 @@ import numpy as np
 import pytest
 
 from configs import default as default_config
-from ripples_jax.runlog import SUMMARY_KEYS, RunLog
+from ripples_jax import checkpoint
+from ripples_jax.config import ConfigError
+from ripples_jax.runlog import SUMMARY_KEYS, RunLog, make_workdir
 
 
 def config(**kw):
@@ -44,16 +47,18 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_and_restores_the_cursor(tmp_
   assert json.load(open(os.path.join(wd, "config.json")))["num_steps"] == 100
 
 
-def test_a_fresh_start_keeps_an_old_metrics_file_aside(tmp_path):
+def test_fresh_starts_never_overwrite_earlier_records(tmp_path):
   wd = str(tmp_path)
-  with RunLog(wd, config(checkpoint_every=0), 100, progress=False, tensorboard=False) as log:
-    log.restore({})
-    log.record(1, 0.1, train_loss=2.0)
-  with RunLog(wd, config(checkpoint_every=0), 100, progress=False, tensorboard=False) as log:
-    assert log.restore({}) is None
-    log.record(5, 0.1, train_loss=1.0)
-  assert [r["step"] for r in lines(wd)] == [5]
-  assert json.loads(open(os.path.join(wd, "metrics.jsonl.old")).read())["step"] == 1
+  for k, step in enumerate((1, 5, 9)):
+    with RunLog(wd, config(checkpoint_every=0), 100, progress=False, tensorboard=False) as log:
+      assert log.restore({}) is None
+      log.record(step, 0.1, train_loss=1.0)
+      log.finish(time=1.0, worker_steps=[step])
+  assert [r["step"] for r in lines(wd)] == [9]
+  for k, step in ((1, 1), (2, 5)):  # numbered, in order, each run's files together
+    assert json.loads(open(os.path.join(wd, f"metrics.{k}.jsonl")).read())["step"] == step
+    assert json.load(open(os.path.join(wd, f"summary.{k}.json")))["worker_steps"] == [step]
+    assert os.path.exists(os.path.join(wd, f"config.{k}.json"))
 
 
 def test_a_non_finite_loss_is_written_then_stops_the_run(tmp_path):
@@ -84,3 +89,100 @@ def test_only_the_lead_writes_files(tmp_path):
     log.record(1, 0.1, train_loss=1.0)
     log.finish(time=1.0, worker_steps=[1])
   assert not os.path.exists(wd)
+
+
+def saved_run(wd, **kw):
+  with RunLog(wd, config(**kw), 100, progress=False, tensorboard=False) as log:
+    log.restore({"w": jnp.zeros(4)})
+    log.record(10, 1.0, train_loss=0.5)
+    log.checkpoint(10, {"w": jnp.arange(4.0)}, {"round": 10})
+
+
+def test_a_changed_config_is_refused_with_the_differing_keys(tmp_path):
+  wd = str(tmp_path)
+  saved_run(wd)
+  with pytest.raises(ConfigError, match=r"is another run \(num_steps 100 -> 200; optimizer.lr 0.1 -> 0.05\)"):
+    make_workdir(wd, config(**{"optimizer.lr": 0.05, "num_steps": 200}))
+  assert make_workdir(wd, config(log_every=5, eval_every=7)) == wd  # cadence may change
+  fresh = make_workdir(wd, config(**{"optimizer.lr": 0.05, "on_config_change": "new"}))
+  assert fresh == os.path.join(wd, "run-1") and os.path.isdir(fresh)
+  assert make_workdir(wd, config(**{"optimizer.lr": 0.05, "on_config_change": "force"})) == wd
+  with RunLog(wd, config(**{"optimizer.lr": 0.05, "on_config_change": "force"}), 100, progress=False,
+              tensorboard=False) as log:
+    assert log.restore({"w": jnp.zeros(4)})[0] == 10
+  assert json.load(open(os.path.join(wd, "config.1.json")))["optimizer"]["lr"] == 0.1  # kept
+  assert json.load(open(os.path.join(wd, "config.json")))["optimizer"]["lr"] == 0.05
+
+
+def values(step):
+  return jax.random.normal(jax.random.key(step), (160_000,))  # big enough for its own data file
+
+
+def test_a_flipped_byte_in_a_checkpoint_falls_back_to_the_previous_one(tmp_path):
+  wd = str(tmp_path)
+  like = {"w": jnp.zeros(160_000)}
+  with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
+    log.restore(like)
+    for step in (10, 20):
+      log.checkpoint(step, {"w": values(step)}, {"round": step})
+  # One flipped byte in checkpoint 20's largest data file: orbax restores other numbers without an
+  # error (checked below); only the fingerprint can catch it.
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(wd, "ckpt", "20", "state")) for f in fs]
+  path = max(files, key=os.path.getsize)
+  raw = bytearray(open(path, "rb").read())
+  raw[len(raw) // 2] ^= 0x10
+  open(path, "wb").write(bytes(raw))
+  mgr = checkpoint.manager(os.path.join(wd, "ckpt"), 2)
+  silent, _ = checkpoint.restore(mgr, 20, like)
+  checkpoint.finish(mgr)
+  assert not np.array_equal(silent["w"], values(20))  # what orbax alone would resume from
+  with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
+    step, state, cursor = log.restore(like)
+  assert step == 10 and cursor == {"round": 10}
+  np.testing.assert_array_equal(state["w"], values(10))
+  assert sorted(os.listdir(os.path.join(wd, "ckpt"))) == ["10"]  # the bad one is gone: saves resume
+
+
+def test_a_non_finite_state_is_never_checkpointed(tmp_path):
+  wd = str(tmp_path)
+  with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
+    log.restore({"w": jnp.zeros(2)})
+    log.checkpoint(10, {"w": jnp.zeros(2)}, {})
+    log.checkpoint(20, {"w": jnp.array([0.0, jnp.nan])}, {})
+    assert log.describe_last().endswith("ckpt/10")
+    with pytest.raises(FloatingPointError, match=r"ckpt/10"):
+      log.record(20, 2.0, train_loss=float("nan"))
+  assert sorted(os.listdir(os.path.join(wd, "ckpt"))) == ["10"]
+  last = open(os.path.join(wd, "metrics.jsonl")).read().splitlines()[-1]
+  assert json.loads(last) == {"step": 20, "time": 2.0, "train_loss": None, "nonfinite": {"train_loss": "nan"}}
+
+
+def test_one_run_per_workdir(tmp_path):
+  wd = str(tmp_path)
+  with RunLog(wd, config(), 100, progress=False, tensorboard=False):
+    with pytest.raises(ConfigError, match=rf"in use by pid {os.getpid()} on "):
+      RunLog(wd, config(), 100, progress=False, tensorboard=False)
+  with open(os.path.join(wd, ".lock"), "w") as f:  # a run that died without releasing it
+    f.write(f"999999999 {socket.gethostname()} 2026-01-01T00:00:00\n")
+  with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
+    assert open(os.path.join(wd, ".lock")).read().startswith(f"{os.getpid()} ")
+  assert not os.path.exists(os.path.join(wd, ".lock"))
+
+
+def test_a_checkpoint_of_an_older_version_is_refused_not_resumed(tmp_path):
+  wd = str(tmp_path)
+  saved_run(wd)
+  meta_path = os.path.join(wd, "ckpt", "10", "meta", "metadata")
+  meta = json.load(open(meta_path))
+  del meta["identity"]  # what the code before run identities wrote
+  json.dump(meta, open(meta_path, "w"))
+  with pytest.raises(ConfigError, match=r"ckpt/10 was written by an older version \(no run identity\)"):
+    make_workdir(wd, config())
+
+
+def test_a_lock_held_on_another_host_is_not_taken_over(tmp_path):
+  wd = str(tmp_path)
+  with open(os.path.join(wd, ".lock"), "w") as f:
+    f.write("12345 other-host 2026-01-01T00:00:00\n")
+  with pytest.raises(ConfigError, match=r"in use by pid 12345 on other-host since 2026-01-01T00:00:00 .*delete"):
+    RunLog(wd, config(), 100, progress=False, tensorboard=False)

@@ -270,10 +270,14 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
   elapsed = time.monotonic() - died["at"]
   assert elapsed < 60, f"the other workers took {elapsed:.0f} s to exit"
   assert "worker 2 kills itself at block 6" in out, out[-3000:]
-  lost = [l for l in out.splitlines() if "worker(s) [2] lost" in l]
-  assert len(lost) == 3, out[-3000:]  # each surviving worker names the lost one
-  assert "last completed step per worker" in lost[0]
-  assert "exit codes: [75, 75, -9, 75]" in out
+  # The launcher names worker 2 at once and stops the others (SIGTERM, process 0 last); each says why,
+  # with every worker's last completed step. (Without the launcher their watchdogs name worker 2 and
+  # exit 75: tests/test_launcher.py.)
+  assert "[launch] worker 2 exited with -9 (SIGKILL); stopping the others" in out, out[-3000:]
+  stopped = [l for l in out.splitlines() if "received SIGTERM (stopped by the launcher" in l]
+  assert len(stopped) == 3, out[-3000:]
+  assert "last completed step per worker" in stopped[0]
+  assert "exit codes: [143, 143, -9, 143]" in out
 
   code, out = launch_bounded(n, args)
   assert code == 0, out[-3000:]

@@ -67,6 +67,7 @@ BAD = [
     ("checkpoint_every", -5, "config.checkpoint_every: -5 is not allowed: an integer number of steps >= 0 "
      "(0: no checkpoints)"),
     ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
+    ("on_config_change", "ignore", "config.on_config_change: 'ignore' is not allowed: one of refuse, new, force"),
 ]
 
 

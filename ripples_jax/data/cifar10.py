@@ -1,4 +1,9 @@
-"""CIFAR-10 from a local copy of the python-pickle batches (no download)."""
+"""CIFAR-10 from a local copy of the python-pickle batches (no download).
+
+The batches are python pickles, and loading a pickle runs whatever code the file holds (the format's
+nature, not a bug here): point config.data_dir only at a copy you trust, e.g. the official
+cifar-10-python.tar.gz checked against its published checksum.
+"""
 import os
 import pickle
 
@@ -89,4 +94,4 @@ def load_cifar10(data_dir: str | None, normalize: bool = True) -> dict:
     x = x.astype(np.float32)
     return (x / 255.0 - MEAN) / STD if normalize else x
 
-  return pack(prep(x_train), y_train, prep(x_test), y_test, num_classes=10)
+  return pack(prep(x_train), y_train, prep(x_test), y_test, num_classes=10, source=f"cifar10: {root}")

@@ -12,10 +12,12 @@ import tempfile
 
 import numpy as np
 
-from ripples_jax.data._common import pack
+from ripples_jax.data._common import DatasetError, pack
 
 CACHE_ENV = "RIPPLES_JAX_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "ripples_jax")
+EXPECTED = (f"config.data_dir (else ${CACHE_ENV}, else {DEFAULT_CACHE}) is the folder holding the "
+            "generated cache mnist1d_*.npz, created and written on first use")
 
 
 def cache_dir(data_dir: str | None = None) -> str:
@@ -78,25 +80,51 @@ def _write_atomic(path: str, arrays: dict) -> None:
     raise
 
 
+def _error(path: str, problem: str) -> DatasetError:
+  return DatasetError(f"mnist1d: {path} {problem}; {EXPECTED}")
+
+
 def load_mnist1d(data_dir: str | None = None, num_samples: int = 5000,
                  gen_seed: int = 42) -> dict:
   """MNIST-1D as x (N, 40, 1) float32 (channel-last, for a 1D CNN), y int32.
 
   `gen_seed` defaults to the package's own seed (42), i.e. the standard dataset;
   with the defaults this is 4000 train / 1000 test examples of 10 classes.
+
+  A cache that does not read back as .npz is regenerated; one that reads but holds bad values
+  (labels outside 0..9, non-finite inputs, wrong shapes), a cache path that is a folder or cannot be
+  opened, and a cache folder that cannot be written raise DatasetError naming the path.
   """
   path = cache_path(data_dir, num_samples, gen_seed)
+  folder = os.path.dirname(path)
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    raise _error(folder, "is a file, not a folder")
+  if os.path.isdir(path):
+    raise _error(path, "is a folder where the cache file goes (move it away to regenerate the cache)")
   arrays = None
   if os.path.exists(path):
     try:
-      with np.load(path) as f:
-        arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test")}
-    except Exception:  # A damaged cache is not fatal: regenerate and overwrite it.
-      arrays = None
+      f = open(path, "rb")
+    except OSError as e:
+      raise _error(path, f"cannot be read ({e.strerror})") from None
+    with f:
+      try:
+        with np.load(f) as z:
+          arrays = {k: z[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+      except Exception:  # A damaged cache is not fatal: regenerate and overwrite it.
+        arrays = None
   if arrays is None:
     arrays = _generate(num_samples, gen_seed)
     arrays = {k: v.astype(np.float32 if k.startswith("x") else np.int32)
               for k, v in arrays.items()}
-    _write_atomic(path, arrays)
+    try:
+      _write_atomic(path, arrays)
+    except OSError as e:
+      raise _error(path, f"cannot be written ({e.strerror})") from None
+  hint = "delete it to regenerate the cache"
+  for k in ("x_train", "x_test"):
+    if arrays[k].ndim != 2:
+      raise DatasetError(f"mnist1d: {path} has {k} of shape {list(arrays[k].shape)}, not [N, 40]; {hint}")
   return pack(arrays["x_train"][..., None], arrays["y_train"],
-              arrays["x_test"][..., None], arrays["y_test"], num_classes=10)
+              arrays["x_test"][..., None], arrays["y_test"], num_classes=10,
+              source=f"mnist1d: {path}", hint=hint)

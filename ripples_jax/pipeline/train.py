@@ -129,7 +129,7 @@ def _setup(config):
 
 def train_and_evaluate(config, workdir: str | None = None) -> dict:
   validate_dsp_config(config, num_processes=jax.process_count())  # before anything loads or compiles
-  workdir = make_workdir(workdir)
+  workdir = make_workdir(workdir, config)
   stages, state, run = _setup(config)
   run["times"] = times = _model_times(config, stages, state, run["feed"].sample)
   n = run["num_batches"]

@@ -7,5 +7,6 @@
   summary    throughput, time split and accuracy over wall-clock time, from the run's files
   trace      per-worker event traces and their Gantt chart
   replay     the recorded event order through the single-process engine (what the runtime computed)
-  launcher   N local processes on 127.0.0.1, prefixed logs, fail-fast with SIGKILL after a grace period
+  launcher   N local processes on 127.0.0.1, prefixed logs, fail-fast: names the first failing worker,
+             SIGTERM to the others (process 0 last), SIGKILL after a grace period
 """

@@ -6,14 +6,29 @@ heartbeat into the coordination service's key-value store and watches everybody 
 stops beating, or no worker completes anything for a configured time, the process prints one line
 naming the lost worker(s) and the last step each worker completed, and exits hard (os._exit: the main
 thread may be stuck inside a collective and cannot be unwound).
+
+SIGTERM (the launcher stopping the job, a scheduler's cancel or preemption) takes the same path
+(SigtermStop): one line naming why and each worker's last completed step, exit code EXIT_TERM. JAX's
+own SIGTERM handler (its preemption service) only logs the signal and keeps running, so
+platform.init_distributed turns that service off.
+
+Where the service listens: bind_address and port_problem, used by platform.init_distributed (process 0)
+and the local launcher.
 """
+import ctypes
+import errno
+import ipaddress
 import os
+import signal
+import socket
 import sys
 import threading
 import time
 
 PREFIX = "ripples"
-EXIT_LOST = 75  # a peer was lost: distinct from crashes (1) and bad input (2)
+EXIT_LOST = 75   # a peer was lost: distinct from crashes (1) and bad input (2); resume to go on
+EXIT_TERM = 143  # stopped by SIGTERM: 128 + 15, what a shell reports for a SIGTERM death; resume to go on
+LAUNCHER_PID_ENV = "RIPPLES_LAUNCHER_PID"  # set by the local launcher: its workers stop when it dies
 
 
 def client():
@@ -31,6 +46,15 @@ def publish_estimate(kv, block: int, worker: int, seconds: float) -> None:
 def fetch_estimates(kv, block: int, num_workers: int, timeout_s: float) -> list[float]:
   return [float(kv.blocking_key_value_get(f"{PREFIX}/est/{block}/{w}", int(timeout_s * 1000)))
           for w in range(num_workers)]
+
+
+def _say(log, line: str) -> None:
+  """The exit line, if it can be written: with the launcher gone, stderr is a broken pipe, and the
+  process must exit all the same."""
+  try:
+    log(line)
+  except Exception:  # noqa: BLE001
+    pass
 
 
 class Watchdog:
@@ -56,6 +80,7 @@ class Watchdog:
     self.done = {w: False for w in range(num_workers)}
     self._contact = now
     self.fired = False
+    self._fire_lock = threading.RLock()  # the watchdog thread and a SIGTERM may want to exit at once
     self._thread = threading.Thread(target=self._run, name="ripples-watchdog", daemon=True)
 
   def start(self):
@@ -113,12 +138,40 @@ class Watchdog:
                  f"(workers {running} are blocked)", [])
 
   def _lost(self, why: str, lost: list) -> None:
-    self.fired = True
+    self._finish(why, lost, EXIT_LOST)
+
+  def terminate(self, why: str) -> None:
+    """Stops this process now (SIGTERM): the same line and exit path as a lost peer, code EXIT_TERM."""
+    if not self.fired:
+      self._refresh_steps(timeout_s=1.0)
+    self._finish(why, [], EXIT_TERM)
+
+  def _refresh_steps(self, timeout_s: float) -> None:
+    """Every worker's newest completed step for the exit line (the last check may be a beat old);
+    best effort, bounded: the service may be gone."""
+    def read():
+      try:
+        values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
+        for w in range(self.n):
+          if (value := values.get(f"{PREFIX}/hb/{w}")) is not None:
+            self.steps[w] = int(value.split()[1])
+        self.steps[self.worker] = int(self.progress()[0])
+      except Exception:  # noqa: BLE001
+        pass
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+  def _finish(self, why: str, lost: list, code: int) -> None:
+    with self._fire_lock:
+      if self.fired:
+        return
+      self.fired = True
     last = " ".join(f"w{w}:{self.steps[w]}" for w in range(self.n))
-    self.log(f"worker {self.worker}: {why}; last completed step per worker: {last}; exiting")
+    _say(self.log, f"worker {self.worker}: {why}; last completed step per worker: {last}; exiting")
     if self.worker == 0:
       self._outlive_peers(set(lost))
-    self.exit_fn(EXIT_LOST)
+    self.exit_fn(code)
 
   def _outlive_peers(self, lost: set) -> None:
     """Process 0 hosts the coordination service: when it goes, every other process's JAX client aborts
@@ -141,3 +194,112 @@ class Watchdog:
       if not alive:
         return
 
+
+class SigtermStop:
+  """SIGTERM ends this worker: one line naming why, exit code EXIT_TERM, through the watchdog once it
+  exists (`.watchdog = ...`: the line then has every worker's last completed step, and process 0 waits
+  for its peers to go first, as it does for a lost peer), directly during start-up.
+
+  The handler must run even while the main thread is stuck inside a collective (where Python signal
+  handlers wait): the C-level handler also writes the signal's number to a wakeup pipe, which a daemon
+  thread watches. Under the local launcher (LAUNCHER_PID_ENV), the kernel sends SIGTERM when the
+  launcher dies, even by SIGKILL (PR_SET_PDEATHSIG), so no worker outlives it.
+  """
+
+  def __init__(self, worker: int | None = None, log=None, exit_fn=os._exit):
+    if worker is None:
+      from jax._src import distributed
+      worker = distributed.global_state.process_id
+    self.worker = worker
+    self.watchdog = None
+    self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    self.exit_fn = exit_fn
+    self._lock = threading.RLock()
+    self._stopping = False
+
+  def install(self) -> "SigtermStop":
+    if threading.current_thread() is not threading.main_thread():
+      return self  # signal handlers can only be set from the main thread
+    signal.signal(signal.SIGTERM, lambda signum, frame: self.stop("received SIGTERM"))
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=self._listen, args=(read,), name="ripples-sigterm", daemon=True).start()
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher:
+      try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+      except (OSError, AttributeError):  # not Linux
+        pass
+      if os.getppid() != int(launcher):
+        self.stop(f"its launcher (pid {launcher}) is gone")
+    return self
+
+  def _listen(self, fd: int) -> None:
+    while True:
+      data = os.read(fd, 64)
+      if not data:
+        return
+      if signal.SIGTERM in data:
+        self.stop("received SIGTERM")
+
+  def stop(self, why: str) -> None:
+    with self._lock:
+      if self._stopping:
+        return
+      self._stopping = True
+    why = f"{why} (stopped by the launcher or the scheduler)"
+    if self.watchdog is not None:
+      self.watchdog.terminate(why)  # exits, unless the watchdog is already exiting (lost peer)
+    else:
+      _say(self.log, f"worker {self.worker}: {why} during start-up; exiting")
+      self.exit_fn(EXIT_TERM)
+
+
+# -- where the coordination service listens ---------------------------------------------------------
+
+
+def split_address(address: str) -> tuple[str, int]:
+  """'host:port', '[v6]:port' -> (host without brackets, port)."""
+  host, port = address.rsplit(":", 1)
+  return host.strip("[]"), int(port)
+
+
+def bind_address(coordinator_address: str) -> str | None:
+  """The address process 0's coordination service (an unauthenticated key-value store) binds.
+
+  It follows the coordinator address: a loopback address (127.0.0.1, ::1, localhost) binds loopback
+  only, any other IP address that interface only. A host name gives None: JAX's default, every
+  interface ([::]:port), since a host's own name may resolve to a loopback address on that host
+  (Debian's 127.0.1.1) while the other hosts reach it through its network address.
+  """
+  host, port = split_address(coordinator_address)
+  if host == "localhost":
+    return f"127.0.0.1:{port}"
+  try:
+    ip = ipaddress.ip_address(host)
+  except ValueError:
+    return None
+  return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def port_problem(bind: str) -> int | None:
+  """None when the service could bind `bind` ('host:port'; '[::]:port' for every interface), else the
+  errno: EADDRINUSE (a process listens there: gRPC would fail or, with SO_REUSEPORT, share the port
+  with it) or EADDRNOTAVAIL (not an address of this host)."""
+  host, port = split_address(bind)
+  every = host in ("", "::", "0.0.0.0")
+  try:
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  except OSError:  # IPv6 off on this host
+    s, host = socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0"
+  with s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+    if s.family == socket.AF_INET6 and every:
+      s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # [::] covers IPv4 too
+    try:
+      s.bind((host, port))
+      s.listen(1)
+    except OSError as e:
+      return e.errno or errno.EADDRINUSE
+  return None

@@ -196,8 +196,9 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str, estimate: float) -> Lo
 def run(config, workdir: str) -> dict:
   """This process's worker: runs its part of the plan, then (process 0) writes the run's summary."""
   rt, n = config.runtime, config.num_workers
+  sigterm = coord.SigtermStop().install()  # SIGTERM ends this worker: one line, coord.EXIT_TERM
   s = setup_lib.build(config)
-  workdir = make_workdir(workdir)
+  workdir = make_workdir(workdir, config)
   kv = coord.client()
   worker = Worker(config, s)
   me = worker.me
@@ -209,6 +210,7 @@ def run(config, workdir: str) -> dict:
     progress = {"steps": loop.steps_done, "events": 0, "done": False}
     watchdog = coord.Watchdog(kv, me, n, lambda: (progress["steps"], progress["events"], progress["done"]),
                               rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout)
+    sigterm.watchdog = watchdog
     kv.wait_at_barrier(f"{coord.PREFIX}/start/{loop.block}", int(rt.stall_timeout * 1000))
     t_start = time.perf_counter() - loop.time
     watchdog.start()

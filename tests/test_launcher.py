@@ -1,0 +1,463 @@
+"""The local launcher and the workers' stop paths: a failing worker is named and the rest stopped (process
+0 last), signals to the launcher or to a worker, no process left behind (checked by PID), the
+coordinator on loopback, a taken port as one line.
+
+`python -m tests.test_launcher --process_id=I --fake=...` is a stand-in worker (no JAX), for the
+launcher's own logic in a few seconds; the other multi-process tests run experiments.train for real.
+"""
+import argparse
+import errno
+import io
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ripples_jax.runtime import coord
+from ripples_jax.runtime.launcher import describe, launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.test_runtime import FakeKV  # noqa: E402  (the coordination service's key-value store)
+
+FAKE = "tests.test_launcher"
+
+
+def real_args(workdir, n, steps=100000):
+  return [f"--config=configs/default.py:executor=async,num_workers={n},algorithm=allreduce,model=mlp",
+          "--config.runtime.step_time=0.05", f"--config.num_steps={steps}", f"--workdir={workdir}",
+          "--config.runtime.heartbeat_timeout=5", "--config.runtime.checkpoint_every=0",
+          "--config.log_every=1000", "--config.eval_every=100000"]
+
+
+def exited(pid: int) -> bool:
+  """The process is gone or a zombie (dead, not yet reaped)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except FileNotFoundError:
+    return True
+
+
+def kill_all(pids):
+  for p in pids:
+    try:
+      os.killpg(p, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
+class Out(io.TextIOBase):
+  """The launcher's output (written by one thread per worker), with waits for a line."""
+
+  def __init__(self):
+    self.lines, self._cv = [], threading.Condition()
+
+  def write(self, text):
+    with self._cv:
+      self.lines.extend(text.splitlines())
+      self._cv.notify_all()
+    return len(text)
+
+  def text(self):
+    with self._cv:
+      return "\n".join(self.lines)
+
+  def wait_for(self, pattern, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    with self._cv:
+      while not any(re.search(pattern, l) for l in self.lines):
+        if not self._cv.wait(deadline - time.monotonic()) and time.monotonic() > deadline:
+          pytest.fail(f"no line matching {pattern!r} in {timeout_s} s:\n" + "\n".join(self.lines[-40:]))
+      return next(l for l in self.lines if re.search(pattern, l))
+
+
+def launch_thread(n, args, timeout_s=60, **kwargs):
+  """launch() in a thread: (out, pids, finish), finish() -> exit code; on timeout everything is killed
+  by PID and the test fails."""
+  out, pids, result, started = Out(), [], {}, threading.Event()
+
+  def on_start(p):
+    pids.extend(p)
+    started.set()
+
+  kwargs.setdefault("cwd", ROOT)
+  t = threading.Thread(target=lambda: result.setdefault("code", launch(n, args, out=out, on_start=on_start,
+                                                                          **kwargs)), daemon=True)
+  t.start()
+  assert started.wait(30), out.text()
+  deadline = time.monotonic() + timeout_s
+
+  def finish():
+    t.join(max(0.0, deadline - time.monotonic()))
+    if t.is_alive():
+      kill_all(pids)
+      pytest.fail(f"launch did not finish in {timeout_s} s:\n{out.text()[-3000:]}")
+    return result["code"]
+
+  return out, pids, finish
+
+
+def cli(n, args, grace_s=5, extra=()):
+  """experiments.launch as a subprocess: (process, pids, coordinator port) once it has reported its
+  workers."""
+  proc = subprocess.Popen([sys.executable, "-m", "experiments.launch", f"--num_processes={n}",
+                           f"--grace_s={grace_s}", *extra, "--", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  for line in proc.stdout:
+    if "pids [" in line:
+      return proc, json.loads(line.split("pids ")[1]), int(re.search(r"127\.0\.0\.1:(\d+)", line).group(1))
+  proc.kill()
+  pytest.fail(f"the launcher did not report its workers: exit code {proc.wait()}")
+
+
+def read_until(proc, pattern, timeout_s):
+  """Lines of proc.stdout up to the first matching `pattern` (fails after timeout_s)."""
+  seen, deadline = [], time.monotonic() + timeout_s
+  timer = threading.Timer(timeout_s, proc.kill)
+  timer.start()
+  try:
+    for line in proc.stdout:
+      seen.append(line)
+      if re.search(pattern, line):
+        return seen
+      if time.monotonic() > deadline:
+        break
+  finally:
+    timer.cancel()
+  pytest.fail(f"no line matching {pattern!r} in {timeout_s} s:\n" + "".join(seen[-40:]))
+
+
+# -- the stand-in worker ----------------------------------------------------------------------------
+
+
+def fake_worker(argv):
+  """--fake=I:ACTION,...  ACTION: exit:CODE:SECONDS, ignore (SIGTERM), default: wait for SIGTERM."""
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--process_id", type=int)
+  parser.add_argument("--fake", default="")
+  a, _ = parser.parse_known_args(argv)
+  plan = dict(item.split(":", 1) for item in a.fake.split(",") if item)
+  action = plan.get(str(a.process_id), "wait")
+  if action == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  else:  # the workers' own SIGTERM path (and the launcher's death as a SIGTERM)
+    def say(line):  # the launcher may be gone (SIGKILL): its end of the pipe is closed
+      try:
+        print(line, flush=True)
+      except OSError:
+        pass
+
+    def exit_fn(code):
+      if a.process_id:  # a peer takes a while: process 0 must still go after it
+        time.sleep(0.5)
+      say(f"fake {a.process_id} exits at {time.time():.3f}")
+      os._exit(code)
+    coord.SigtermStop(a.process_id, lambda m: say(f"{m} at {time.time():.3f}"), exit_fn).install()
+  print(f"fake {a.process_id} ready", flush=True)
+  if action.startswith("exit:"):
+    _, code, seconds = action.split(":")
+    time.sleep(float(seconds))
+    sys.exit(int(code))
+  while True:
+    time.sleep(0.1)
+
+
+def stop_time(out: str, worker: int) -> float:
+  return float(re.search(rf"worker {worker}: received SIGTERM.* at ([0-9.]+)", out).group(1))
+
+
+def exit_time(out: str, worker: int) -> float:
+  return float(re.search(rf"fake {worker} exits at ([0-9.]+)", out).group(1))
+
+
+# -- fast: pieces -----------------------------------------------------------------------------------
+
+
+def test_launch_rejects_fewer_than_one_process():
+  with pytest.raises(ValueError, match="at least 1 process"):
+    launch(0, [])
+
+
+def test_launch_refuses_a_taken_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    with pytest.raises(ValueError, match="is taken"):
+      launch(1, [], port=s.getsockname()[1])
+
+
+def test_bind_address_follows_the_coordinator_address():
+  assert coord.bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
+  assert coord.bind_address("localhost:1234") == "127.0.0.1:1234"
+  assert coord.bind_address("[::1]:1234") == "[::1]:1234"
+  assert coord.bind_address("10.0.0.7:1234") == "10.0.0.7:1234"
+  assert coord.bind_address("node-017:1234") is None  # a host name: JAX's default, every interface
+
+
+def test_port_problem_names_a_taken_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    assert coord.port_problem(f"127.0.0.1:{port}") == errno.EADDRINUSE
+    assert coord.port_problem(f"[::]:{port}") == errno.EADDRINUSE  # every interface includes it
+  assert coord.port_problem(f"127.0.0.1:{port}") is None
+  assert coord.port_problem(f"192.0.2.1:{port}") == errno.EADDRNOTAVAIL  # not this host's address
+
+
+def test_describe_exit_codes():
+  assert describe(-9) == "-9 (SIGKILL)"
+  assert describe(coord.EXIT_LOST) == "75 (it lost a peer)"
+  assert describe(coord.EXIT_TERM) == "143 (it was stopped by SIGTERM)"
+  assert describe(1) == "1"
+
+
+def test_sigterm_stops_a_worker_once_with_one_line():
+  logs, exits = [], []
+  stop = coord.SigtermStop(1, logs.append, exits.append)
+  stop.stop("received SIGTERM")
+  stop.stop("received SIGTERM")
+  assert exits == [coord.EXIT_TERM] and len(logs) == 1 and "worker 1: received SIGTERM" in logs[0]
+  assert "during start-up" in logs[0]
+  # Once the watchdog runs: its path, with every worker's last completed step.
+  kv, logs, exits = FakeKV(), [], []
+  dogs = [coord.Watchdog(kv, w, 2, lambda w=w: (7 + w, 3, False), 1.0, 5.0, 30.0, logs.append, exits.append)
+          for w in range(2)]
+  for d in dogs:
+    d.check(1.0)
+  stop = coord.SigtermStop(1, logs.append, exits.append)
+  stop.watchdog = dogs[1]
+  stop.stop("received SIGTERM")
+  dogs[1].check(100.0)  # the watchdog would now name worker 0 as lost: it has already exited
+  assert exits == [coord.EXIT_TERM] and len(logs) == 1
+  assert "worker 1: received SIGTERM" in logs[0] and "last completed step per worker: w0:7 w1:8" in logs[0]
+
+
+# -- the launcher's logic, with stand-in workers ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_first_failing_worker_is_named_and_the_others_stopped_process_0_last():
+  out, pids, finish = launch_thread(3, ["--fake=2:exit:3:1.0"], module=FAKE, grace_s=10, timeout_s=30)
+  t0 = time.monotonic()
+  code = finish()
+  text = out.text()
+  assert code == 3, text
+  assert time.monotonic() - t0 < 8, text  # 1 s, then the stop: not the 10 s grace period
+  assert "[launch] worker 2 exited with 3; stopping the others" in text, text
+  assert "exit codes: [143, 143, 3]" in text, text
+  # Process 0 hosts the coordination service: it is stopped once its peers have gone.
+  assert stop_time(text, 0) >= exit_time(text, 1) > stop_time(text, 1), text
+  assert all(exited(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_a_worker_that_ignores_sigterm_is_killed_at_the_end_of_the_grace_period():
+  out, pids, finish = launch_thread(3, ["--fake=1:ignore,2:exit:1:0.5"], module=FAKE, grace_s=3, timeout_s=30)
+  t0 = time.monotonic()
+  code = finish()
+  text = out.text()
+  assert code == 1 and "exit codes: [143, -9, 1]" in text, text
+  assert time.monotonic() - t0 < 0.5 + 3 + 2, text
+  assert all(exited(p) for p in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_the_launcher_stops_every_worker(sig):
+  proc, pids, port = cli(3, ["--fake="], extra=[f"--module={FAKE}"])  # --module: any entry point
+  try:
+    read_until(proc, r"fake \d ready", 30)
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    kill_all(pids)
+  assert proc.returncode == 128 + sig, rest
+  assert f"[launch] received {signal.Signals(sig).name}; stopping the workers" in rest, rest
+  assert all(exited(p) for p in pids), rest
+
+
+@pytest.mark.slow
+def test_workers_stop_when_the_launcher_is_killed():
+  proc, pids, port = cli(2, ["--fake="], extra=[f"--module={FAKE}"])
+  try:
+    read_until(proc, r"fake \d ready", 30)
+    read_until(proc, r"fake \d ready", 30)
+    proc.kill()  # SIGKILL: no handler runs; the kernel sends each worker SIGTERM (PR_SET_PDEATHSIG)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(exited(p) for p in pids):
+      time.sleep(0.1)
+    assert all(exited(p) for p in pids), [p for p in pids if not exited(p)]
+  finally:
+    kill_all(pids)
+
+
+@pytest.mark.slow
+def test_launcher_rejects_zero_processes_with_one_line():
+  r = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=0", "--", "--x"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert r.returncode == 2 and r.stdout == "", r
+  assert r.stderr.splitlines() == ["error: --num_processes=0 is not allowed: at least 1 process is needed"]
+
+
+# -- real workers -----------------------------------------------------------------------------------
+
+
+def listening(port: int) -> list:
+  """The addresses a socket listens on at `port`, from /proc/net/tcp and tcp6."""
+  got = []
+  for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+    try:
+      rows = open(path).read().splitlines()[1:]
+    except FileNotFoundError:
+      continue
+    for row in rows:
+      local, state = row.split()[1], row.split()[3]
+      host, p = local.split(":")
+      if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+        raw = bytes.fromhex(host)  # 32-bit words in host byte order
+        words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+        got.append(ipaddress.ip_address(b"".join(w[::-1] if sys.byteorder == "little" else w for w in words)))
+  return got
+
+
+def is_loopback(ip) -> bool:
+  return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+@pytest.mark.slow
+def test_worker_lost_during_start_up_is_named(tmp_path):
+  """Worker 1 is killed once jax.distributed has connected, before any heartbeat: worker 0 would wait
+  for it (topology exchange, first collective); the launcher names worker 1 and stops worker 0."""
+  out, pids, finish = launch_thread(2, real_args(tmp_path / "run", 2), grace_s=10, timeout_s=90)
+  try:
+    out.wait_for(r"^\[w1\] .*preemption service is disabled", 60)  # logged once connected
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    named = out.wait_for(r"^\[launch\] worker \d exited", 60)
+    assert time.monotonic() - killed < 60
+    code = finish()
+  finally:
+    kill_all(pids)
+  text = out.text()
+  assert named.startswith("[launch] worker 1 exited with -9 (SIGKILL); stopping the others"), text
+  # Worker 0 stops on the launcher's SIGTERM: with one line (143) once in the worker loop's set-up,
+  # by the signal's default action (-15) before it.
+  assert code == 128 + signal.SIGKILL and re.search(r"exit codes: \[(143|-15), -9\]", text), text
+  assert all(exited(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_leaves_no_worker_and_the_coordinator_is_on_loopback(tmp_path):
+  proc, pids, port = cli(2, real_args(tmp_path / "run", 2))
+  try:
+    read_until(proc, r"\[Gloo\]", 90)  # the workers are in their first collective
+    addresses = listening(port)
+    time.sleep(2)  # past the start barrier: in the worker loop
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    kill_all(pids)
+  assert addresses and all(is_loopback(a) for a in addresses), (port, addresses)
+  assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
+  stopped = [l for l in rest.splitlines() if "received SIGTERM (stopped by the launcher" in l]
+  assert len(stopped) == 2 and "exit codes: [143, 143]" in rest, rest[-3000:]
+  assert all(exited(p) for p in pids), rest[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_worker_is_one_line_and_stops_the_job(tmp_path):
+  out, pids, finish = launch_thread(2, real_args(tmp_path / "run", 2), grace_s=10, timeout_s=120)
+  try:
+    out.wait_for(r"\[Gloo\]", 90)
+    time.sleep(2)  # past the start barrier: the watchdog beats
+    os.kill(pids[1], signal.SIGTERM)
+    code = finish()
+  finally:
+    kill_all(pids)
+  text = out.text()
+  line = [l for l in text.splitlines() if "worker 1: received SIGTERM" in l]
+  assert len(line) == 1 and "last completed step per worker: w0:" in line[0], text[-3000:]
+  assert "[launch] worker 1 exited with 143 (it was stopped by SIGTERM)" in text, text[-3000:]
+  assert code == coord.EXIT_TERM and "exit codes: [143, 143]" in text, text[-3000:]
+  assert all(exited(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
+  """As on a cluster (one process per host, nobody stopping the others): worker 2 dies mid-run; each
+  survivor's watchdog names it within runtime.heartbeat_timeout (5 s), process 0 exiting last."""
+  from ripples_jax.runtime.launcher import child_env, free_port
+  n, port = 3, free_port()
+  env = child_env(1, "cpu")
+  del env[coord.LAUNCHER_PID_ENV]
+  procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", "--jax_distributed",
+                             f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}", f"--process_id={i}",
+                             "--cpu_devices=1", *real_args(tmp_path / "run", n)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True) for i in range(n)]
+  outs = [[] for _ in procs]
+  readers = [threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True) for p, o in zip(procs, outs)]
+  for t in readers:
+    t.start()
+  try:
+    deadline = time.monotonic() + 90
+    while not any("[Gloo]" in l for l in outs[2]) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    time.sleep(3)  # past the start barrier: the watchdogs beat
+    procs[2].kill()
+    killed = time.monotonic()
+    codes = [p.wait(timeout=60) for p in procs]
+    elapsed = time.monotonic() - killed
+  finally:
+    kill_all([p.pid for p in procs])
+  for t in readers:
+    t.join(5)
+  text = ["".join(o) for o in outs]
+  assert codes == [coord.EXIT_LOST, coord.EXIT_LOST, -9], (codes, text[0][-2000:], text[1][-2000:])
+  assert elapsed < 30, elapsed
+  for w in (0, 1):
+    assert re.search(rf"worker {w}: worker\(s\) \[2\] lost: no heartbeat for 5 s; last completed step", text[w])
+
+
+@pytest.mark.slow
+def test_a_taken_port_is_one_line_not_a_hang(tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    # Process 0 (on a cluster, or a port taken after the launcher picked it).
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "experiments.train", "--jax_distributed",
+                        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=0",
+                        "--cpu_devices=1", *real_args(tmp_path / "run", 2)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert time.monotonic() - t0 < 30
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert errors == [f"error: coordinator port {port} (127.0.0.1:{port}) is not free: Address already in use; "
+                      "pick another port in --coordinator_address"], r.stderr[-3000:]
+    # The launcher, asked for that port: one line, nothing started.
+    r = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", f"--port={port}", "--",
+                        *real_args(tmp_path / "run", 2)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.splitlines() == [f"error: --port={port} is not allowed: 127.0.0.1:{port} is taken (a process "
+                                     f"listens there); pick another, or 0 for a free one"]
+
+
+if __name__ == "__main__":
+  fake_worker(sys.argv[1:])
