@@ -25,7 +25,7 @@ from ripples_jax.runtime import coord
 from ripples_jax.runtime.launcher import describe, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from tests.test_runtime import FakeKV  # noqa: E402  (the coordination service's key-value store)
+from tests.fakes import FakeKV  # noqa: E402
 
 FAKE = "tests.test_launcher"
 

@@ -16,6 +16,7 @@ from ripples_jax import timeline
 from ripples_jax.runtime import coord, plan as plan_lib, trace as trace_lib
 from ripples_jax.runtime.launcher import launch
 from ripples_jax.runtime.replay import merged_events, replay
+from tests.fakes import FakeKV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,17 +92,6 @@ def test_static_plan_follows_the_static_layouts_across_blocks():
 
 
 # -- watchdog -------------------------------------------------------------------------------------
-
-
-class FakeKV:
-  def __init__(self):
-    self.store = {}
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    self.store[key] = value
-
-  def key_value_dir_get(self, prefix):
-    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
 
 
 def test_watchdog_names_the_silent_worker_and_the_last_steps():
