@@ -1,4 +1,5 @@
-"""Small stand-ins shared by the tests (no jax import: the launcher's stand-in worker uses them)."""
+"""Small stand-ins and process helpers shared by the tests (no jax import: the launcher's stand-in
+worker imports this)."""
 
 
 class FakeKV:
@@ -12,3 +13,12 @@ class FakeKV:
 
   def key_value_dir_get(self, prefix):
     return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+
+def exited(pid: int) -> bool:
+  """The process is gone or a zombie (dead, not yet reaped)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except FileNotFoundError:
+    return True

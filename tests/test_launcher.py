@@ -23,9 +23,9 @@ import pytest
 
 from ripples_jax.runtime import coord
 from ripples_jax.runtime.launcher import describe, launch
+from tests.fakes import FakeKV, exited
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from tests.fakes import FakeKV  # noqa: E402
 
 FAKE = "tests.test_launcher"
 
@@ -36,14 +36,6 @@ def real_args(workdir, n, steps=100000):
           "--config.runtime.heartbeat_timeout=5", "--config.runtime.checkpoint_every=0",
           "--config.log_every=1000", "--config.eval_every=100000"]
 
-
-def exited(pid: int) -> bool:
-  """The process is gone or a zombie (dead, not yet reaped)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-  except FileNotFoundError:
-    return True
 
 
 def kill_all(pids):

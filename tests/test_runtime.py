@@ -16,7 +16,7 @@ from ripples_jax import timeline
 from ripples_jax.runtime import coord, plan as plan_lib, trace as trace_lib
 from ripples_jax.runtime.launcher import launch
 from ripples_jax.runtime.replay import merged_events, replay
-from tests.fakes import FakeKV
+from tests.fakes import FakeKV, exited
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -227,14 +227,6 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
   assert "[w0]" in out and "[w1]" in out  # the launcher prefixes each worker's log
   assert_replay_matches(make_config("ripples_smart", 2, 24, MODEL), workdir, tmp_path)
 
-
-def exited(pid: int) -> bool:
-  """The process is gone or a zombie (dead, not yet reaped by the launcher)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-  except FileNotFoundError:
-    return True
 
 
 @pytest.mark.slow
