@@ -39,6 +39,9 @@ def define_flags() -> None:
 def run(cases=("cnn1d/mnist1d", "cnn2d/cifar-shape"), batch_size: int = 32, reps: int = 40) -> Table:
   """One row per (case, step variant): median ms, ratio to the data-parallel step, compile seconds."""
   n = jax.device_count()
+  if n < 2:  # P-Reduce between workers needs several; with one device there is nothing to average
+    raise SystemExit(f"error: bench_engine needs at least 2 devices (one worker per device), found {n} "
+                     f"{jax.default_backend()} device; on a host, --cpu_devices")
   mesh = make_worker_mesh(n)
   sharding = engine.worker_sharding(mesh)
   opt = optax.sgd(0.01, momentum=0.9)

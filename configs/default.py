@@ -82,5 +82,6 @@ def get_config(arg=None):
   c.eval_every = 500
   c.checkpoint_every = 1000        # steps between orbax checkpoints (0: none); a rerun resumes
   c.checkpoint_keep = 2
+  c.profile_steps = ""             # "a:b": a jax.profiler trace of steps [a, b) in WORKDIR/profile (spmd)
   c.on_config_change = "refuse"    # a rerun whose workdir holds another config: refuse | new | force
   return c

@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from ripples_jax.config import ConfigError
 from ripples_jax.data import DatasetError
-from ripples_jax.platform import init_distributed, use_cpu_devices
+from ripples_jax.platform import init_distributed, quiet_library_logs, use_cpu_devices
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -36,6 +36,9 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: JAX's).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (default: JAX's).")
 _LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "This process's GPUs (default: JAX's).")
+_VERBOSE_LIBRARIES = flags.DEFINE_bool(
+    "verbose_libraries", False, "Show other libraries' INFO log lines (orbax, jax) and the tracebacks of "
+    "their warnings on the console (by default only their warnings and errors, one line each).")
 
 _CONFIG_NAME = "config"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +70,7 @@ def config_flag(default_file: str):
 def parse_flags(argv: list[str]) -> list[str]:
   """app.run's flags_parser: absl's parse, with every bad flag, config file, --config.* override, stray
   argument or unusable --workdir reported as one line (exit 2) before main runs."""
+  argv = shipped_configs(argv)
   try:
     rest = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001  ml_collections raises KeyError, AttributeError, IOError, ...
@@ -83,6 +87,22 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(describe_flag_error(e, argv))
   check_workdir(WORKDIR.value)
   return rest
+
+
+def shipped_configs(argv: list[str]) -> list[str]:
+  """`--config=configs/<file>[:k=v]` names the configs shipped beside these entry points when no such
+  file exists from here (an installed package run from any folder: `ripples-train --config=...`)."""
+  shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
+  out = []
+  for arg in argv:
+    for prefix in (f"--{_CONFIG_NAME}=", f"-{_CONFIG_NAME}="):
+      if arg.startswith(prefix):
+        path, sep, variant = arg[len(prefix):].partition(":")
+        name = path[len("configs/"):] if path.startswith("configs/") else None
+        if name and not os.path.exists(path) and os.path.isfile(os.path.join(shipped, name)):
+          arg = prefix + os.path.normpath(os.path.join(shipped, name)) + sep + variant
+    out.append(arg)
+  return out
 
 
 def _config_spec(argv) -> str:
@@ -200,7 +220,9 @@ def check_workdir(workdir: str | None) -> None:
 
 
 def set_up_host() -> None:
-  """Forced CPU devices (before the first device use), then jax.distributed when asked."""
+  """The console's log filter (platform.quiet_library_logs, off with --verbose_libraries), forced CPU
+  devices (before the first device use), then jax.distributed when asked."""
+  quiet_library_logs(verbose=_VERBOSE_LIBRARIES.value)
   use_cpu_devices(CPU_DEVICES.value)
   if _JAX_DISTRIBUTED.value:
     init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICE_IDS.value)

@@ -13,7 +13,7 @@ import os
 
 from absl import app
 
-from experiments import common_flags
+from . import common_flags
 from ripples_jax import run, runlog
 
 _CONFIG = common_flags.config_flag("default.py")
@@ -28,6 +28,10 @@ def main(argv):
     return
   print(runlog.summary_table([summary]))
   print(f"run files: {os.path.abspath(summary['workdir'])}")
+
+
+def cli():  # the console script (pyproject [project.scripts])
+  app.run(main, flags_parser=common_flags.parse_flags)
 
 
 if __name__ == "__main__":

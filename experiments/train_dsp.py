@@ -11,7 +11,7 @@ import os
 
 from absl import app
 
-from experiments import common_flags
+from . import common_flags
 from ripples_jax.pipeline import train
 
 _CONFIG = common_flags.config_flag("dsp.py")
@@ -24,6 +24,10 @@ def main(argv):
   print(f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
         f"modeled_speedup_vs_bp={s['modeled_speedup_vs_bp']:.2f} time={s['time']:.1f}s")
   print(f"run files: {os.path.abspath(s['workdir'])}")
+
+
+def cli():  # the console script (pyproject [project.scripts])
+  app.run(main, flags_parser=common_flags.parse_flags)
 
 
 if __name__ == "__main__":

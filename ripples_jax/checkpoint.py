@@ -57,9 +57,10 @@ def fingerprint(state) -> tuple[list[list[int]], bool]:
   return [[int(x) for x in np.asarray(s)] for s in sums], bool(finite)
 
 
-def manager(directory: str, keep: int) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-  return ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
+def manager(directory: str, keep: int | None = None, create: bool = True) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+  handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:

@@ -90,6 +90,14 @@ def validate_train_config(config, num_devices: int, num_processes: int = 1,
                           local_devices: int | None = None) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train config."""
   _one_of(config, "executor", EXECUTORS)
+  if config.get("profile_steps"):
+    from ripples_jax.profiling import parse
+    try:
+      parse(config.profile_steps)
+    except ValueError:
+      _fail("profile_steps", config.profile_steps, "'a:b' with 0 <= a < b (steps [a, b) are traced), or ''")
+    if config.executor != "spmd":
+      _fail("profile_steps", config.profile_steps, f"'' with executor={config.executor} (profiling: spmd)")
   _one_of(config, "algorithm", {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS,
                                 "async": RUNTIME_ALGORITHMS}[config.executor])
   _one_of(config, "dataset", DATASETS)

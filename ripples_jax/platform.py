@@ -1,5 +1,7 @@
-"""Host set-up before the first device use: forced CPU devices, jax.distributed."""
+"""Host set-up before the first device use: the console's log filter, forced CPU devices, jax.distributed."""
+import logging as std_logging
 import os
+import sysconfig
 
 import jax
 from absl import logging
@@ -53,3 +55,64 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
       sys.exit(2)
   jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids=ids,
                              coordinator_bind_address=bind)
+
+
+# This project's source folders (also when installed: ripples_jax/ then holds experiments/ and configs/).
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_OWN = tuple(os.path.join(os.path.dirname(_PACKAGE), d) + os.sep
+             for d in ("ripples_jax", "experiments", "benchmarks", "configs", "tests"))
+# Where other libraries live: installed packages and the standard library.
+_LIBRARY_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                              if (p := sysconfig.get_paths().get(k))}))
+
+
+def from_library(pathname: str | None) -> bool:
+  """Whether a log record's source file belongs to another library (an installed package such as
+  orbax or jax, or the standard library) rather than to this project or a user's own script."""
+  if not pathname or pathname.startswith("<"):  # python -c, an interactive session
+    return False
+  path = os.path.abspath(pathname)
+  if path.startswith(_OWN):
+    return False
+  return (path.startswith(_LIBRARY_DIRS) or f"{os.sep}site-packages{os.sep}" in path
+          or f"{os.sep}dist-packages{os.sep}" in path)
+
+
+class LibraryFilter(std_logging.Filter):
+  """Keeps other libraries' INFO and DEBUG lines (orbax's ~46 per checkpoint, jax's "Unable to
+  initialize backend 'tpu'") off the console, keyed on each record's source file (from_library). Their
+  warnings and errors still show, as the message alone: a traceback they carry is left out (one line
+  says so). Records of this project pass unchanged. Lines that pass first clear a progress bar drawn
+  on the terminal (progress.clear_bar), so a line from any thread starts on a clean line."""
+
+  def __init__(self, handler: std_logging.Handler, verbose: bool = False):
+    super().__init__()
+    self.handler, self.verbose = handler, verbose
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if not self.verbose and from_library(record.pathname):
+      if record.levelno < std_logging.WARNING:
+        return False
+      if record.exc_info or record.exc_text or record.stack_info:
+        # Not this record: other handlers may want its traceback. A copy without it, on this handler.
+        short = std_logging.makeLogRecord(record.__dict__)
+        short.exc_info = short.exc_text = short.stack_info = None
+        short.msg = f"{record.getMessage()} (traceback hidden; --verbose_libraries shows it)"
+        short.args = None
+        self.handler.handle(short)
+        return False
+    from ripples_jax import progress
+    progress.clear_bar()
+    return True
+
+
+def quiet_library_logs(verbose: bool = False) -> LibraryFilter:
+  """Installs LibraryFilter on absl's handler (the console of every entry point; replaces an earlier
+  one). verbose=True (--verbose_libraries) lets every line through, tracebacks included."""
+  handler = logging.get_absl_handler()
+  for f in list(handler.filters):
+    if isinstance(f, LibraryFilter):
+      handler.removeFilter(f)
+  f = LibraryFilter(handler, verbose)
+  handler.addFilter(f)
+  return f

@@ -22,3 +22,55 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
     return sim.simulate_and_train(config, workdir)[0]
   from ripples_jax import spmd
   return spmd.train(config, workdir)
+
+
+def load(workdir: str, step: int | None = None) -> dict:
+  """The trained model back from a run's folder, on this process's first device (any device count).
+
+  Returns {"config", "step", "executor", "params" (per worker, leading worker axis), "params_avg" (the
+  workers' average: the model the run evaluates), "model_state" (per worker), "model_state_avg"}; a
+  simulated parameter server's model is its server slot. `step` picks a checkpoint (default: the
+  newest that reads back and matches its fingerprint). Ripples executors only (spmd, sim, async).
+  """
+  import json
+  import os
+
+  import jax.numpy as jnp
+  import ml_collections
+  from jax.flatten_util import ravel_pytree
+
+  from ripples_jax import checkpoint, setup as setup_lib
+  from ripples_jax.models import init_model
+
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  mgr = checkpoint.manager(os.path.abspath(os.path.join(workdir, "ckpt")), create=False)
+  steps = [step] if step is not None else checkpoint.restorable_steps(mgr)
+  if not steps:
+    raise FileNotFoundError(f"{workdir}/ckpt: no checkpoint to load")
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  for s in steps:
+    meta = mgr.item_metadata(s)["state"]
+    like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+    try:
+      state, saved = checkpoint.restore(mgr, s, like)
+      if saved.get("sums") is not None and checkpoint.fingerprint(state)[0] != saved["sums"]:
+        raise checkpoint.CheckpointMismatch("fingerprint mismatch")
+      break
+    except Exception:  # noqa: BLE001  not usable: the previous one, unless a step was asked for
+      if step is not None or s == steps[-1]:
+        raise
+  mgr.close()
+  n = config.num_workers
+  if config.executor == "async":  # each worker's flat vector: unflatten with the model's structure
+    s_ = setup_lib.build(config)
+    params, model_state = init_model(s_.model, jax.random.key(config.seed), s_.data["x_train"][:1])
+    _, unravel = ravel_pytree({"params": params, "model_state": model_state})
+    trees = [unravel(state["flat"][w]) for w in range(n)]
+    state = jax.tree.map(lambda *a: jnp.stack(a), *trees)
+  rows = slice(n, n + 1) if config.algorithm == "ps_async" else slice(0, n)
+  params = jax.tree.map(lambda a: a[rows], state["params"])
+  model_state = jax.tree.map(lambda a: a[rows], state["model_state"])
+  return {"config": config, "step": s, "executor": config.executor, "params": params,
+          "params_avg": jax.tree.map(lambda a: a.mean(0), params), "model_state": model_state,
+          "model_state_avg": jax.tree.map(lambda a: a.mean(0), model_state)}

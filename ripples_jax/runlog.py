@@ -2,14 +2,18 @@
 
   WORKDIR/config.json      the config, written when the log opens
   WORKDIR/metrics.jsonl    one JSON object per record(): step, time, then the scalars
-  WORKDIR/events.*         TensorBoard, the same scalars
+  WORKDIR/events.*         TensorBoard: the same scalars under train/ and eval/ tags (tb_tag), steps_per_s,
+                           the config as text and hparams; written as they come (no queue) and flushed at
+                           every record, so a checkpoint never holds a step TensorBoard lacks
   WORKDIR/summary.json     finish(): the keys every executor shares, plus the executor's own
   WORKDIR/ckpt/            orbax checkpoints (checkpoint.py): state + {"cursor", "metrics_lines"}
 
 Invariants: metrics.jsonl is only ever appended to, except by restore(), which cuts it back to the
 lines that existed when the restored checkpoint was taken (so a resumed run neither loses nor repeats a
-record) or, on a fresh start in a used workdir, moves the earlier run's files aside under numbered names
-(metrics.1.jsonl, config.1.json, summary.1.json, ...; never overwritten). A resume continues only the
+record; its TensorBoard events file starts with a purge at the step after the last kept record, so
+TensorBoard drops what the lost run wrote after it) or, on a fresh start in a used workdir, moves the
+earlier run's files aside under numbered names (metrics.1.jsonl, config.1.json, summary.1.json,
+tensorboard.1/ with its events; never overwritten). A resume continues only the
 same run: every checkpoint stores the config's identity (every key but IDENTITY_FREE), and a rerun
 with another identity is refused with one line naming the differing keys (`on_mismatch="new"` starts
 in a fresh subfolder instead, "force" resumes anyway and records the change). One run per workdir: the
@@ -18,7 +22,8 @@ pid on this host) taken over with a warning. Checkpoints are verified (checkpoin
 state with a non-finite value is never saved, so the NaN stop names a checkpoint that is good.
 Only the lead process (process 0) writes files; every process takes part in checkpoints (orbax's
 multi-process model). Non-finite values are written to metrics.jsonl as null, their keys listed under
-"nonfinite" (strict JSON).
+"nonfinite" (strict JSON). The console gets one line per committed checkpoint (`checkpoint <step>
+saved: <dir>`) and the progress line (progress.Progress).
 
   with RunLog(workdir, config, total_steps=config.num_steps) as log:
     got = log.restore(state)            # None, or (step, state, cursor)
@@ -50,7 +55,14 @@ from ripples_jax.config import ON_CONFIG_CHANGE as ON_MISMATCH, ConfigError
 IDENTITY_FREE = ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "data_dir",
                  "target_accuracy", "runtime.heartbeat_s", "runtime.heartbeat_timeout",
                  "runtime.stall_timeout", "runtime.checkpoint_keep", "runtime.checkpoint_every",
-                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_block", "on_config_change")
+                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_block", "on_config_change",
+                 "profile_steps")
+
+# TensorBoard tags of the metrics.jsonl keys (tb_tag); metrics.jsonl keeps its own keys.
+TB_TAGS = {"train_loss": "train/loss", "test_accuracy": "eval/accuracy", "test_loss": "eval/loss",
+           "worker_test_accuracy": "eval/worker_accuracy", "consensus_distance": "eval/consensus_distance",
+           "modeled_time": "train/modeled_time_s", "worker_steps": "train/worker_steps"}
+TB_METRICS = ("eval/accuracy", "eval/loss", "train/loss")  # the hparams dashboard's columns
 
 SUMMARY_KEYS = ("algorithm", "executor", "num_workers", "num_steps", "final_test_accuracy",
                 "final_worker_test_accuracy", "final_consensus_distance", "final_train_loss", "time",
@@ -146,6 +158,74 @@ def _check_identity(workdir: str, config) -> str:
                     "--config.on_config_change=new (a fresh subfolder) or force (resume anyway)")
 
 
+def tb_tag(key: str, simulated: bool = False) -> str:
+  """The TensorBoard tag of a record's key: train/... for the training curve, eval/... for what an
+  evaluation measures. `time` is train/time_s (seconds) or, in simulation, train/virtual_s."""
+  if key == "time":
+    return "train/virtual_s" if simulated else "train/time_s"
+  if key == "steps_per_s":
+    return "train/steps_per_virtual_s" if simulated else "train/steps_per_s"
+  if key in TB_TAGS:
+    return TB_TAGS[key]
+  if key.startswith("test_"):
+    return "eval/" + key[len("test_"):]
+  if key.startswith("train_"):
+    return "train/" + key[len("train_"):]
+  return "train/" + key
+
+
+class EventWriter:
+  """One TensorBoard events file, every event written into it at once; flush() puts it on disk.
+
+  Not tensorboardX's SummaryWriter: that hands events to a background thread through a queue which its
+  flush() does not drain (up to max_queue events added before a flush are still in memory after it), so
+  a checkpoint could hold steps TensorBoard loses to a kill. Built from tensorboardX's own parts (its
+  EventsWriter, summary protos); `purge_step` starts the file with SessionLog.START at that step, which
+  TensorBoard's reader takes as "drop every earlier event at this step or later" (what SummaryWriter's
+  purge_step writes).
+  """
+
+  def __init__(self, logdir: str, purge_step: int | None = None):
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    self._event = Event
+    # A fixed-width nanosecond suffix: two files opened within one second get distinct names, in order.
+    self._writer = EventsWriter(os.path.join(logdir, "events"), f".{time.time_ns()}")
+    if purge_step is not None:
+      self._writer.write_event(Event(wall_time=time.time(), step=int(purge_step),
+                                     session_log=SessionLog(status=SessionLog.START)))
+    self.flush()
+
+  def add(self, summary, step: int = 0) -> None:
+    self._writer.write_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+  def scalar(self, tag: str, value: float, step: int) -> None:
+    from tensorboardX import summary
+    self.add(summary.scalar(tag, float(value)), step)
+
+  def text(self, tag: str, text: str, step: int = 0) -> None:
+    from tensorboardX import summary
+    self.add(summary.text(tag, text), step)
+
+  def hparams(self, hparams: dict, metrics) -> None:
+    """The hparams dashboard's session: `hparams` (str, bool, int, float values) against `metrics` tags."""
+    from tensorboardX import summary
+    experiment, start, _ = summary.hparams(hparams, dict.fromkeys(metrics, 0.0))
+    self.add(experiment)
+    self.add(start)
+
+  def end_session(self) -> None:
+    """The hparams session's end (status: success); a resumed run's file closes the session too."""
+    from tensorboardX import summary
+    self.add(summary.hparams({}, {})[2])
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
 def to_python(v):
   """numpy/jax scalars and arrays -> JSON-friendly python values."""
   if hasattr(v, "tolist"):
@@ -199,17 +279,31 @@ def differences(saved: dict, now: dict) -> list[str]:
 
 
 def archive(workdir: str) -> int | None:
-  """Moves an earlier run's records aside under the first free number; returns it (None: nothing)."""
+  """Moves an earlier run's records aside under the first free number; returns it (None: nothing).
+
+  Its TensorBoard events go to the folder tensorboard.<k>/ (TensorBoard shows it as a run of its own).
+  """
   names = ("metrics.jsonl", "config.json", "summary.json")
   present = [n for n in names if os.path.exists(os.path.join(workdir, n))]
-  if not present:
+  events = event_files(workdir)
+  if not present and not events:
     return None
   k = 1
-  while any(os.path.exists(os.path.join(workdir, numbered(n, k))) for n in names):
+  while (any(os.path.exists(os.path.join(workdir, numbered(n, k))) for n in names)
+         or os.path.exists(os.path.join(workdir, f"tensorboard.{k}"))):
     k += 1
   for n in present:
     os.replace(os.path.join(workdir, n), os.path.join(workdir, numbered(n, k)))
+  if events:
+    os.makedirs(os.path.join(workdir, f"tensorboard.{k}"))
+    for path in events:
+      os.replace(path, os.path.join(workdir, f"tensorboard.{k}", os.path.basename(path)))
   return k
+
+
+def event_files(workdir: str) -> list[str]:
+  """The TensorBoard events files directly in `workdir`, oldest first (TensorBoard's reading order)."""
+  return sorted(glob.glob(os.path.join(glob.escape(workdir), "events.out.tfevents.*")))
 
 
 def numbered(name: str, k: int) -> str:
@@ -276,6 +370,15 @@ def count_lines(path: str) -> int:
     return sum(1 for _ in f)
 
 
+def last_step(path: str) -> int | None:
+  """The step of the last record in a metrics.jsonl, or None (no file, no record)."""
+  if not os.path.exists(path):
+    return None
+  with open(path, "rb") as f:
+    lines = [l for l in f.read().splitlines() if l.strip()]
+  return int(json.loads(lines[-1])["step"]) if lines else None
+
+
 def truncate_lines(path: str, n: int) -> None:
   """Keeps the first n lines of a file (atomically), dropping what a lost run wrote after them."""
   if not os.path.exists(path):
@@ -313,6 +416,10 @@ class RunLog:
     self.last = {}          # the newest value of every recorded key
     self._tensorboard = tensorboard
     self._file = self._tb = None
+    self._tb_purge = None           # restore(): the step the resumed run's events file purges from
+    self._tb_header = True          # whether the events file starts with the config (text, hparams)
+    self._rate_from = None          # (step, time) of the previous record: steps_per_s
+    self._saving = None             # a checkpoint step not yet announced as saved
     self._warned_nonfinite = False
     self._progress = Progress(total_steps, config.log_every) if progress and self.is_lead else None
 
@@ -338,7 +445,12 @@ class RunLog:
           logging.warning("%s: an earlier run's records were moved to *.%d.*", self.workdir, k)
       else:
         truncate_lines(self.metrics_path, got[2]["metrics_lines"])
-        if differences(got[2]["identity"], self.identity):  # on_config_change=force
+        # TensorBoard keeps what metrics.jsonl keeps: events up to its last record, none after.
+        kept = last_step(self.metrics_path)
+        self._tb_purge = 0 if kept is None else kept + 1
+        changed = bool(differences(got[2]["identity"], self.identity))
+        self._tb_header = self._tb_purge == 0 or changed
+        if changed:  # on_config_change=force
           config_path = os.path.join(self.workdir, "config.json")
           if os.path.exists(config_path):
             k = 1
@@ -353,6 +465,10 @@ class RunLog:
     logging.info("resuming from %s/%d", self.ckpt_dir, step)
     self.last_ckpt = step
     self.last = dict(meta.get("last", {}))
+    if "step" in self.last and "time" in self.last:
+      self._rate_from = (self.last["step"], self.last["time"])
+    if self._progress is not None:  # its last record's step (a checkpoint's own may count blocks)
+      self._progress.resume_at(min(int(self.last.get("step", 0)), self.total_steps))
     return step, state, meta["cursor"]
 
   @contextlib.contextmanager
@@ -387,18 +503,34 @@ class RunLog:
       return
     if self._file:
       self._file.flush()
+    if self._tb is not None:
+      self._tb.flush()
     # A deep copy now: orbax serialises the metadata in the background, after the loop moved on.
     meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
                                   "sums": sums, "metrics_lines": count_lines(self.metrics_path)}))
     with self._writing(f"{self.ckpt_dir}/{step}"):
       checkpoint.save(self.mgr, step, state, meta)  # raises a failure of the previous background write
-    self.last_ckpt = step
+    self._announce(final=True)  # orbax's save waited for the previous write: committed by now
+    self.last_ckpt = self._saving = step
+
+  def _announce(self, final: bool = False) -> None:
+    """One console line for the pending checkpoint once it is committed (orbax renames its folder to
+    the step then); `final`: the write is over, so a checkpoint that is not there is dropped unsaid."""
+    if self._saving is None or not self.is_lead:
+      return
+    where = os.path.join(self.ckpt_dir, str(self._saving))
+    if os.path.isdir(where):
+      logging.info("checkpoint %d saved: %s", self._saving, where)
+      self._saving = None
+    elif final:
+      self._saving = None
 
   def wait(self) -> None:
     """Blocks until every checkpoint write has committed."""
     if self.mgr is not None:
       with self._writing(self.ckpt_dir):
         self.mgr.wait_until_finished()
+      self._announce(final=True)
 
   def describe_last(self) -> str:
     if self.last_ckpt is None:
@@ -411,8 +543,27 @@ class RunLog:
     if self._file is None and self.is_lead:
       self._file = open(self.metrics_path, "a")
       if self._tensorboard:
-        from tensorboardX import SummaryWriter  # lazy: keeps library imports light
-        self._tb = SummaryWriter(self.workdir)
+        self._tb = EventWriter(self.workdir, purge_step=self._tb_purge)
+        if self._tb_header:
+          step = self._tb_purge or 0
+          self._tb.text("config", "```\n" + self.config.to_json_best_effort(indent=2) + "\n```", step)
+          if not step:  # a session of the hparams dashboard: once, at the run's start
+            self._tb.hparams(hparams(self.config), TB_METRICS)
+        self._tb.flush()
+
+  def _tensorboard_record(self, record: dict) -> None:
+    """The record's numbers under their tags (tb_tag), and steps_per_s since the previous record."""
+    step, simulated = record["step"], self.config.get("executor") == "sim"
+    for k, v in record.items():
+      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+        self._tb.scalar(tb_tag(k, simulated), v, step)
+    now = record.get("time")
+    if isinstance(now, (int, float)) and not isinstance(now, bool) and math.isfinite(now):
+      if self._rate_from is not None and step > self._rate_from[0] and now > self._rate_from[1]:
+        self._tb.scalar(tb_tag("steps_per_s", simulated),
+                        (step - self._rate_from[0]) / (now - self._rate_from[1]), step)
+      self._rate_from = (step, now)
+    self._tb.flush()
 
   def record(self, step: int, time: float, **scalars) -> dict:
     """One record: a JSON line, TensorBoard scalars, the progress line, then the NaN check."""
@@ -429,9 +580,7 @@ class RunLog:
         self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._file.flush()
       if self._tb is not None:
-        for k, v in record.items():
-          if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-            self._tb.add_scalar(k, v, record["step"])
+        self._tensorboard_record(record)
     self.progress(min(int(step), self.total_steps))
     # After writing, so the bad value is on disk.
     check_finite(step, self.describe_last(), **{k: v for k, v in record.items() if k.endswith("loss")})
@@ -440,6 +589,7 @@ class RunLog:
   def progress(self, step: int, **info) -> None:
     """The progress line (lead only), showing the newest loss and accuracy unless given."""
     if self._progress is not None:
+      self._announce()
       shown = {k: self.last[k] for k in ("train_loss", "test_accuracy") if k in self.last}
       self._progress.update(step, **{**shown, **info})
 
@@ -459,9 +609,14 @@ class RunLog:
     summary.update(extra)
     if self.is_lead:
       write_json(os.path.join(self.workdir, "summary.json"), summary)
+      if self._tb is not None:
+        self._tb.end_session()
+        self._tb.flush()
     return summary
 
   def close(self) -> None:
+    if self._progress is not None:
+      self._progress.close()
     if self._file is not None:
       self._file.close()
       self._file = None
@@ -473,6 +628,7 @@ class RunLog:
         try:
           with self._writing(self.ckpt_dir):
             self.mgr.wait_until_finished()
+          self._announce(final=True)
         finally:
           self.mgr.close()
           self.mgr = None
@@ -487,11 +643,30 @@ class RunLog:
     return False
 
 
+def hparams(config) -> dict:
+  """The config as flat {dotted key: str, bool, int or float} for TensorBoard's hparams dashboard
+  (other values as their text, None left out)."""
+  flat = {}
+
+  def walk(prefix, d):
+    for k, v in d.items():
+      if isinstance(v, dict):
+        walk(f"{prefix}{k}.", v)
+      elif v is not None:
+        flat[prefix + k] = v if isinstance(v, (str, bool, int, float)) else str(v)
+  walk("", config.to_dict())
+  return dict(sorted(flat.items()))
+
+
 def summary_table(rows: list[dict]) -> str:
-  """A short plain-text table: algorithm, workers, steps, test accuracy, time."""
-  head = ("algorithm", "workers", "steps", "test_acc", "time_s")
+  """A short plain-text table: algorithm, workers, steps, test accuracy, and the run's time: time_s in
+  seconds, or virtual_s, the simulator's virtual seconds (executor=sim; a mix of both gets both)."""
+  simulated = [r.get("executor") == "sim" for r in rows]
+  units = [u for u, on in (("time_s", not all(simulated)), ("virtual_s", any(simulated))) if on]
+  head = ("algorithm", "workers", "steps", "test_acc", *units)
+  times = lambda r, sim: [f"{r['time']:.1f}" if (u == "virtual_s") == sim else "-" for u in units]
   lines = [head] + [(r["algorithm"], str(r["num_workers"]), str(r["num_steps"]),
-                     f"{100 * r['final_test_accuracy']:.2f}%", f"{r['time']:.1f}") for r in rows]
+                     f"{100 * r['final_test_accuracy']:.2f}%", *times(r, sim)) for r, sim in zip(rows, simulated)]
   widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
   fmt = lambda l: "  ".join(s.ljust(w) for s, w in zip(l, widths))
   return "\n".join([fmt(lines[0]), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines[1:]])

@@ -18,6 +18,7 @@ from ripples_jax import schedule as schedule_lib
 from ripples_jax import setup as setup_lib
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import num_params
+from ripples_jax.profiling import StepProfiler
 from ripples_jax.runlog import RunLog, make_workdir
 
 
@@ -64,7 +65,9 @@ def train(config, workdir: str | None = None) -> dict:
       log.checkpoint(step, state, dataclasses.asdict(
           Cursor(step, worker_steps.tolist(), time.time() - t0)), force=force)
 
+    profiler = StepProfiler(config.get("profile_steps", ""), workdir, log.is_lead)
     for i in range(cur.step, config.num_steps):
+      profiler.step(i)
       x_WxB, y_WxB = data_lib.batch_at(s.data["x_train"], s.data["y_train"], s.shards, config.batch_size,
                                        config.seed, i, workers=local_rows)
       r = schedule.round(i)
@@ -84,6 +87,7 @@ def train(config, workdir: str | None = None) -> dict:
           pending = None
         save(step)
       log.progress(step)
+    profiler.close()
     save(config.num_steps, force=True)
     return log.finish(time=time.time() - t0, worker_steps=worker_steps)
 

@@ -335,7 +335,7 @@ def test_worker_lost_during_start_up_is_named(tmp_path):
   for it (topology exchange, first collective); the launcher names worker 1 and stops worker 0."""
   out, pids, finish = launch_thread(2, real_args(tmp_path / "run", 2), grace_s=10, timeout_s=90)
   try:
-    out.wait_for(r"^\[w1\] .*preemption service is disabled", 60)  # logged once connected
+    out.wait_for(r"^\[w1\] \[Gloo\] Rank 1 is connected", 60)  # printed (C++) once connected
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
     named = out.wait_for(r"^\[launch\] worker \d exited", 60)
@@ -453,3 +453,16 @@ def test_a_taken_port_is_one_line_not_a_hang(tmp_path):
 
 if __name__ == "__main__":
   fake_worker(sys.argv[1:])
+
+
+def test_the_platform_is_detected_and_each_gpu_worker_gets_its_own_gpu(monkeypatch):
+  from ripples_jax.runtime.launcher import child_env, resolve_platform
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+  assert resolve_platform("auto") == "cuda"
+  assert [child_env(1, "cuda", i)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["3", "5", "3"]
+  assert child_env(1, "cuda", 1)["JAX_PLATFORMS"] == "cuda"
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible
+  assert resolve_platform("auto") == "cpu"
+  assert resolve_platform("tpu") == "tpu"
+  env = child_env(4, "cpu", 0)
+  assert env["JAX_PLATFORMS"] == "cpu" and "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]

@@ -1,5 +1,7 @@
-"""RunLog owns a run's files: records, resume cut-back, checkpoints with cursors, the summary."""
+"""RunLog owns a run's files: records, resume cut-back, checkpoints with cursors, the summary, and
+TensorBoard events that hold every record exactly once across a kill and a resume."""
 import json
+import logging
 import os
 import socket
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import default as default_config
-from ripples_jax import checkpoint
+from ripples_jax import checkpoint, runlog
 from ripples_jax.config import ConfigError
 from ripples_jax.runlog import SUMMARY_KEYS, RunLog, make_workdir
 
@@ -186,3 +188,146 @@ def test_a_lock_held_on_another_host_is_not_taken_over(tmp_path):
     f.write("12345 other-host 2026-01-01T00:00:00\n")
   with pytest.raises(ConfigError, match=r"in use by pid 12345 on other-host since 2026-01-01T00:00:00 .*delete"):
     RunLog(wd, config(), 100, progress=False, tensorboard=False)
+
+
+# -- TensorBoard ------------------------------------------------------------------------------------
+
+def tensorboard_events(workdir):
+  """({(tag, step): [values]} of the scalars, {tag: steps} of the other summaries) as TensorBoard reads
+  `workdir`: with tensorboard's EventAccumulator when it is installed; otherwise from the TFRecord
+  protobufs, applying the same rules: files in name order, a record cut short by a kill ends its file,
+  and a SessionLog.START at step s drops every earlier event at step >= s."""
+  try:
+    from tensorboard.backend.event_processing import event_accumulator
+  except ImportError:
+    event_accumulator = None
+  if event_accumulator is not None:
+    acc = event_accumulator.EventAccumulator(workdir, size_guidance={event_accumulator.SCALARS: 0,
+                                                                     event_accumulator.TENSORS: 0})
+    acc.Reload()
+    scalars, other = {}, {}
+    for tag in acc.Tags()["scalars"]:
+      for e in acc.Scalars(tag):
+        scalars.setdefault((tag, e.step), []).append(e.value)
+    for tag in acc.Tags()["tensors"]:
+      other[tag] = [e.step for e in acc.Tensors(tag)]
+    return scalars, other
+  import struct
+  from tensorboardX.proto.event_pb2 import Event, SessionLog
+  from tensorboardX.record_writer import masked_crc32c as masked
+  seen = []  # (step, tag, value or None)
+  for path in runlog.event_files(workdir):
+    data, i = open(path, "rb").read(), 0
+    while i + 12 <= len(data):
+      header, (length_crc,) = data[i:i + 8], struct.unpack("<I", data[i + 8:i + 12])
+      (n,) = struct.unpack("<Q", header)
+      if masked(header) != length_crc or i + 16 + n > len(data):
+        break
+      body, (body_crc,) = data[i + 12:i + 12 + n], struct.unpack("<I", data[i + 12 + n:i + 16 + n])
+      if masked(body) != body_crc:
+        break
+      i += 16 + n
+      event = Event.FromString(body)
+      if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+        seen = [s for s in seen if s[0] < event.step]
+      for v in event.summary.value:
+        seen.append((event.step, v.tag, v.simple_value if v.WhichOneof("value") == "simple_value" else None))
+  scalars, other = {}, {}
+  for step, tag, value in seen:
+    if value is None:
+      other.setdefault(tag, []).append(step)
+    else:
+      scalars.setdefault((tag, step), []).append(value)
+  return scalars, other
+
+
+def expected_scalars(workdir, simulated=False):
+  """{(tag, step): [value]}: every number of every metrics.jsonl record, once."""
+  out = {}
+  for r in lines(workdir):
+    for k, v in r.items():
+      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+        out.setdefault((runlog.tb_tag(k, simulated), r["step"]), []).append(v)
+  return out
+
+
+def without_rate(scalars):
+  """The scalars but steps_per_s (TensorBoard's own, not in metrics.jsonl)."""
+  return {k: v for k, v in scalars.items() if not k[0].startswith("train/steps_per_")}
+
+
+def same(got, expected):
+  """Equal keys, and values equal as TensorBoard stores them (float32)."""
+  assert sorted(got) == sorted(expected)
+  for k in expected:
+    assert np.float32(got[k]).tolist() == np.float32(expected[k]).tolist(), k
+
+
+def test_tensorboard_is_on_disk_at_each_record_and_a_resume_drops_what_followed_the_checkpoint(tmp_path):
+  wd = str(tmp_path)
+  state = {"w": jnp.arange(4.0)}
+  with RunLog(wd, config(), 100, progress=False) as log:
+    log.restore(state)
+    for step in (10, 20):
+      log.record(step, 0.5 * step, train_loss=1.0 / step)
+      log.checkpoint(step, state, {"round": step})
+    log.record(30, 15.0, train_loss=0.03, test_accuracy=0.5)  # after the last checkpoint: lost
+    scalars, other = tensorboard_events(wd)  # while the run is live: nothing waits for close()
+    same(without_rate(scalars), expected_scalars(wd))
+    assert scalars[("train/loss", 30)] == pytest.approx([0.03]) and ("eval/accuracy", 30) in scalars
+    assert scalars[("train/steps_per_s", 20)] == pytest.approx([2.0])  # 10 steps in 5 s
+    assert other["config/text_summary"] == [0]
+    assert other["_hparams_/experiment"] == [0] and other["_hparams_/session_start_info"] == [0]
+  with RunLog(wd, config(), 100, progress=False) as log:
+    assert log.restore(state)[0] == 20
+    log.record(30, 16.0, train_loss=0.04)
+    log.record(40, 20.0, train_loss=0.05, test_accuracy=0.7)
+    log.finish(time=20.0, worker_steps=[40])
+  scalars, other = tensorboard_events(wd)
+  assert [r["step"] for r in lines(wd)] == [10, 20, 30, 40]
+  same(without_rate(scalars), expected_scalars(wd))  # each record once, the lost one gone
+  assert scalars[("train/steps_per_s", 30)] == pytest.approx([10 / 6])  # from the checkpoint's record
+  assert other["config/text_summary"] == [0]  # the config once: the resumed run kept it
+  assert len(runlog.event_files(wd)) == 2
+
+
+def test_a_fresh_start_moves_the_earlier_runs_events_aside(tmp_path):
+  wd = str(tmp_path)
+  for step in (5, 9):
+    with RunLog(wd, config(checkpoint_every=0), 100, progress=False) as log:
+      assert log.restore({}) is None
+      log.record(step, 1.0, train_loss=1.0)
+  assert set(tensorboard_events(wd)[0]) == {("train/loss", 9), ("train/time_s", 9)}
+  assert set(tensorboard_events(os.path.join(wd, "tensorboard.1"))[0]) == {("train/loss", 5), ("train/time_s", 5)}
+
+
+def test_tags_group_train_and_eval_and_name_the_time_unit():
+  assert [runlog.tb_tag(k) for k in ("train_loss", "test_accuracy", "test_loss", "worker_test_accuracy",
+                                     "consensus_distance", "time", "epoch")] == [
+      "train/loss", "eval/accuracy", "eval/loss", "eval/worker_accuracy", "eval/consensus_distance",
+      "train/time_s", "train/epoch"]
+  assert runlog.tb_tag("time", simulated=True) == "train/virtual_s"
+
+
+def test_a_committed_checkpoint_gets_one_console_line(tmp_path, caplog):
+  wd = str(tmp_path)
+  with caplog.at_level(logging.INFO):
+    with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
+      log.restore({"w": jnp.zeros(2)})
+      for step in (10, 20):
+        log.checkpoint(step, {"w": jnp.zeros(2) + step}, {})
+  ours = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+  assert ours == [f"checkpoint {s} saved: {os.path.join(os.path.abspath(wd), 'ckpt', str(s))}" for s in (10, 20)]
+
+
+@pytest.mark.slow
+def test_tensorboard_after_a_kill_and_a_resume_holds_every_record_once(tmp_path):
+  from tests.test_resume import SPMD, run, run_and_kill
+  wd = str(tmp_path / "run")
+  before = run_and_kill("experiments.train", wd, SPMD, 100)
+  assert 10 <= len(before) < 30  # killed after checkpoint 100, before the end (300)
+  run("experiments.train", wd, SPMD)
+  assert [r["step"] for r in lines(wd)] == list(range(10, 301, 10))
+  scalars, other = tensorboard_events(wd)
+  same(without_rate(scalars), expected_scalars(wd))
+  assert len(runlog.event_files(wd)) == 2 and other["config/text_summary"] == [0]

@@ -226,6 +226,14 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
     assert os.path.exists(os.path.join(workdir, f))
   assert "[w0]" in out and "[w1]" in out  # the launcher prefixes each worker's log
   assert_replay_matches(make_config("ripples_smart", 2, 24, MODEL), workdir, tmp_path)
+  # The run ends with a loadable checkpoint: each worker's final state, on this single process.
+  from ripples_jax import run
+  model = run.load(workdir)
+  assert model["executor"] == "async"
+  for w in range(2):
+    tree = {"params": jax.tree.map(lambda a: a[w], model["params"]),
+            "model_state": jax.tree.map(lambda a: a[w], model["model_state"])}
+    np.testing.assert_array_equal(ravel_pytree(tree)[0], np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy")))
 
 
 

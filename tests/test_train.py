@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs import default as default_config
@@ -67,6 +69,8 @@ BAD = [
     ("checkpoint_every", -5, "config.checkpoint_every: -5 is not allowed: an integer number of steps >= 0 "
      "(0: no checkpoints)"),
     ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
+    ("profile_steps", "5", "config.profile_steps: '5' is not allowed: 'a:b' with 0 <= a < b (steps [a, b) "
+     "are traced), or ''"),
     ("on_config_change", "ignore", "config.on_config_change: 'ignore' is not allowed: one of refuse, new, force"),
 ]
 
@@ -147,3 +151,20 @@ def test_in_process_run_learns_and_writes_metrics(tmp_path):
   assert summary["worker_steps"] == [60] * 8
   assert all(r["time"] >= 0 for r in records)
   assert records[-1]["consensus_distance"] >= 0
+  # The trained model back: the averaged params evaluate to the run's final accuracy, on one device.
+  model = run.load(str(tmp_path))
+  assert model["step"] == 60 and model["executor"] == "spmd"
+  from ripples_jax import setup
+  s = setup.build(model["config"])
+  logits = s.model.apply({"params": model["params_avg"], **model["model_state_avg"]}, s.data["x_test"])
+  acc = float((logits.argmax(-1) == s.data["y_test"]).mean())
+  assert abs(acc - summary["final_test_accuracy"]) < 1e-6
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a.mean(0), b, rtol=1e-6), model["params"],
+               model["params_avg"])
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+  config = default_config.get_config("dataset=synthetic,model=mlp,steps=6")
+  config.profile_steps, config.checkpoint_every = "2:4", 0
+  run.train_and_evaluate(config, str(tmp_path))
+  assert glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))

@@ -33,8 +33,33 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def child_env(cpu_devices: int, platform: str) -> dict:
+def local_gpus() -> list[str]:
+  """This host's NVIDIA GPUs as CUDA_VISIBLE_DEVICES entries (honouring one already set), or []."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    return [d for d in visible.split(",") if d.strip()]
+  try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+  except (OSError, subprocess.SubprocessError):
+    return []
+  return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+
+
+def resolve_platform(platform: str) -> str:
+  """'auto': cuda when this host has NVIDIA GPUs, else cpu; anything else is kept (JAX_PLATFORMS)."""
+  if platform != "auto":
+    return platform
+  return "cuda" if local_gpus() else "cpu"
+
+
+def child_env(cpu_devices: int, platform: str, index: int = 0) -> dict:
+  """The environment of worker `index`: forced CPU devices, JAX_PLATFORMS, and on cuda one GPU each
+  (worker i sees GPU i mod the host's GPU count: several workers may share one when there are fewer)."""
   env = dict(os.environ)
+  if platform == "cuda":
+    gpus = local_gpus()
+    if gpus:
+      env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
   flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
   if platform:
@@ -113,7 +138,7 @@ class _Signals:
 
 
 def launch(num_processes: int, args: list[str], module: str = "experiments.train", cpu_devices: int = 1,
-           platform: str = "cpu", grace_s: float = 30.0, out=None, on_start=None, cwd=None,
+           platform: str = "auto", grace_s: float = 30.0, out=None, on_start=None, cwd=None,
            port: int = 0) -> int:
   """Runs `python -m module args --jax_distributed ...` N times; returns the first non-zero exit code
   (a signal's -k as 128 + k), 128 + k after signal k to the launcher, 0 when every worker succeeds.
@@ -127,7 +152,7 @@ def launch(num_processes: int, args: list[str], module: str = "experiments.train
                      f"pick another, or 0 for a free one")
   out = out or sys.stdout
   address = f"127.0.0.1:{port or free_port()}"
-  env = child_env(cpu_devices, platform)
+  platform = resolve_platform(platform)
   procs, threads = [], []
   first = None  # (worker, exit code) of the first failure
   with _Signals() as signals:
@@ -138,13 +163,14 @@ def launch(num_processes: int, args: list[str], module: str = "experiments.train
         cmd = [sys.executable, "-m", module, *args, "--jax_distributed", f"--coordinator_address={address}",
                f"--num_processes={num_processes}", f"--process_id={i}", f"--cpu_devices={cpu_devices}"]
         # A session of its own: the launcher, not the terminal, decides when a worker dies.
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(cmd, env=child_env(cpu_devices, platform, i), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT,
                              start_new_session=True, cwd=cwd)
         procs.append(p)
         t = threading.Thread(target=_stream, args=(i, p.stdout, out), daemon=True)
         t.start()
         threads.append(t)
-      out.write(f"[launch] {num_processes} workers on {address}, pids {[p.pid for p in procs]}\n")
+      out.write(f"[launch] {num_processes} workers on {address} ({platform}), pids {[p.pid for p in procs]}\n")
       out.flush()
       if on_start and not signals.got:
         on_start([p.pid for p in procs])

@@ -216,6 +216,9 @@ def run(config, workdir: str) -> dict:
     watchdog.start()
     try:
       run_blocks(worker, loop, log, kv, trace, progress, t_start, workdir)
+      if rt.checkpoint_every:  # the final state, loadable (run.load); every worker is at this block
+        log.checkpoint(loop.block, worker.pack(loop, time.perf_counter() - t_start),
+                       {"block": loop.block, "planned": loop.planned}, force=True)
       np.save(snapshot_path(workdir, "final", me), np.asarray(loop.state["flat"]))
       trace.add(k="end", b=loop.block, t=time.perf_counter() - t_start, s=loop.steps_done,
                 compiles=worker.averager.compiles)
