@@ -211,6 +211,8 @@ def tensorboard_events(workdir):
         scalars.setdefault((tag, e.step), []).append(e.value)
     for tag in acc.Tags()["tensors"]:
       other[tag] = [e.step for e in acc.Tensors(tag)]
+    for tag in acc.PluginTagToContent("hparams"):  # kept as plugin metadata, not as tensors: step 0
+      other.setdefault(tag, [0])
     return scalars, other
   import struct
   from tensorboardX.proto.event_pb2 import Event, SessionLog
