@@ -20,9 +20,9 @@ from ripples_jax.runtime.launcher import launch
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 4, "Worker processes to start.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices per process.")
-_PLATFORM = flags.DEFINE_string("platform", "auto", "JAX_PLATFORMS for the children: auto (cuda when this "
-                                "host has NVIDIA GPUs, one per worker; else cpu), cpu, cuda, tpu, or '' "
-                                "(JAX's default).")
+_PLATFORM = flags.DEFINE_string("platform", "auto", "JAX_PLATFORMS for the children: auto (this process's "
+                                "JAX_PLATFORMS if set, else cuda when this host has NVIDIA GPUs, one per "
+                                "worker, else cpu), cpu, cuda, tpu, or '' (JAX's default).")
 _GRACE = flags.DEFINE_float("grace_s", 30.0, "Seconds between SIGTERM and SIGKILL when stopping workers.")
 _MODULE = flags.DEFINE_string("module", f"{__package__ or 'experiments'}.train",
                               "The entry point each process runs.")

@@ -457,7 +457,10 @@ if __name__ == "__main__":
 
 def test_the_platform_is_detected_and_each_gpu_worker_gets_its_own_gpu(monkeypatch):
   from ripples_jax.runtime.launcher import child_env, resolve_platform
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the launcher's own choice wins (conftest forces cpu)
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+  assert resolve_platform("auto") == "cpu"
+  monkeypatch.delenv("JAX_PLATFORMS")
   assert resolve_platform("auto") == "cuda"
   assert [child_env(1, "cuda", i)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["3", "5", "3"]
   assert child_env(1, "cuda", 1)["JAX_PLATFORMS"] == "cuda"

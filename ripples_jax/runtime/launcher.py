@@ -46,9 +46,12 @@ def local_gpus() -> list[str]:
 
 
 def resolve_platform(platform: str) -> str:
-  """'auto': cuda when this host has NVIDIA GPUs, else cpu; anything else is kept (JAX_PLATFORMS)."""
+  """'auto': the launcher's own JAX_PLATFORMS when set (the tests force cpu), else cuda when this host
+  has NVIDIA GPUs, else cpu; anything else is kept (it becomes the children's JAX_PLATFORMS)."""
   if platform != "auto":
     return platform
+  if os.environ.get("JAX_PLATFORMS"):
+    return os.environ["JAX_PLATFORMS"]
   return "cuda" if local_gpus() else "cpu"
 
 
