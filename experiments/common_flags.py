@@ -13,7 +13,6 @@ EXIT_IO (74, sysexits' EX_IOERR) when the file system fails under a running run 
 import errno
 import importlib.util
 import os
-import re
 import sys
 import tempfile
 
@@ -23,6 +22,7 @@ from ml_collections import config_flags
 
 from ripples_jax.config import ConfigError
 from ripples_jax.data import DatasetError
+from ripples_jax import runlog
 from ripples_jax.platform import init_distributed, quiet_library_logs, use_cpu_devices
 
 EXIT_BAD_INPUT = 2
@@ -251,11 +251,8 @@ def run_or_exit(fn, *args):
 
 def _storage_error(message: str):
   """(path, errno, strerror) from a tensorstore I/O error message, or None."""
-  code = re.search(r"\[os_error_code='?(\d+)'?\]", message)
-  if code is None:
-    return None
-  paths = re.findall(r'(?:Failed writing|Error writing|local file|file): "([^"]+)"', message)
-  return (paths[-1] if paths else None), int(code.group(1)), os.strerror(int(code.group(1)))
+  got = runlog.tensorstore_os_error(message)
+  return None if got is None else (got[0], got[1], os.strerror(got[1]))
 
 
 def describe_os_error(path, code, strerror) -> str:

@@ -37,6 +37,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -76,15 +77,19 @@ class StorageError(OSError):
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
+def tensorstore_os_error(message: str) -> tuple[str | None, int] | None:
+  """(path, errno) from a tensorstore/orbax I/O error message (`... [os_error_code='28']`), or None."""
+  code = re.search(r"\[os_error_code='?(\d+)'?\]", message)
+  if code is None:
+    return None
+  paths = re.findall(r'(?:Failed writing|Error writing|local file|file): "([^"]+)"', message)
+  return (paths[-1] if paths else None), int(code.group(1))
+
+
 def _storage_failure(e: Exception) -> str | None:
   """The reason, when `e` means the disk refused a write (orbax reports ENOSPC as a ValueError)."""
-  if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
-    return e.strerror
-  text = str(e)
-  for reason in ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied"):
-    if reason in text:
-      return reason
-  return None
+  code = e.errno if isinstance(e, OSError) else (tensorstore_os_error(str(e)) or (None, None))[1]
+  return os.strerror(code) if code in _STORAGE_ERRNOS else None
 
 
 def make_workdir(workdir: str | None, config=None) -> str:
@@ -249,8 +254,8 @@ def check_finite(step: int, last_checkpoint: str | None = None, **values) -> Non
       raise FloatingPointError(f"{k} is {v} at step {step}; stopping the run{where}")
 
 
-def identity(config) -> dict:
-  """The config as flat {dotted key: JSON value}, without the keys a resume may change."""
+def flat_config(config) -> dict:
+  """The config as {dotted key: value}, sorted by key."""
   flat = {}
 
   def walk(prefix, d):
@@ -260,7 +265,12 @@ def identity(config) -> dict:
       else:
         flat[prefix + k] = v
   walk("", config.to_dict())
-  return json.loads(json.dumps({k: v for k, v in sorted(flat.items()) if k not in IDENTITY_FREE},
+  return dict(sorted(flat.items()))
+
+
+def identity(config) -> dict:
+  """The config as flat {dotted key: JSON value}, without the keys a resume may change."""
+  return json.loads(json.dumps({k: v for k, v in flat_config(config).items() if k not in IDENTITY_FREE},
                                default=str))
 
 
@@ -646,16 +656,8 @@ class RunLog:
 def hparams(config) -> dict:
   """The config as flat {dotted key: str, bool, int or float} for TensorBoard's hparams dashboard
   (other values as their text, None left out)."""
-  flat = {}
-
-  def walk(prefix, d):
-    for k, v in d.items():
-      if isinstance(v, dict):
-        walk(f"{prefix}{k}.", v)
-      elif v is not None:
-        flat[prefix + k] = v if isinstance(v, (str, bool, int, float)) else str(v)
-  walk("", config.to_dict())
-  return dict(sorted(flat.items()))
+  return {k: v if isinstance(v, (str, bool, int, float)) else str(v)
+          for k, v in flat_config(config).items() if v is not None}
 
 
 def summary_table(rows: list[dict]) -> str:
