@@ -53,29 +53,31 @@ def get_config(arg=None):
   c.hetero.slowdown = 1.0          # a slow step takes this many times the base step
   c.hetero.random_p = 0.0          # or: every worker slowed with this probability per step
   c.hetero.jitter = 0.0            # lognormal sigma of every step time
+  c.hetero.rotate_every = 0.0      # seconds: the slow worker moves to the next id this often (0: stays)
   c.timeline = ml_collections.ConfigDict()
   c.timeline.compute_time = 0.01   # virtual seconds per base step (0: measure the real jitted step)
   c.timeline.alpha = 5e-6          # per-message latency, s
   c.timeline.bandwidth = 1.25e9    # bytes/s per link (10 Gb/s)
   c.timeline.ps_bandwidth = 1.25e9  # the parameter server's link
   c.timeline.model_bytes = 0.0     # 0: the model's real float32 bytes
+  c.timeline.request_rtt = 0.0     # seconds a request to the Group Generator takes to be answered
   c.time_budget = 0.0              # virtual seconds; 0: run num_steps x num_workers worker steps
   c.target_accuracy = 0.0          # summary.json reports time_to_target when set
 
   # executor=async only: the multi-process runtime (ripples_jax/runtime).
   c.runtime = ml_collections.ConfigDict()
   c.runtime.step_time = 0.0        # pad every real step to at least this many seconds (0: no padding)
-  c.runtime.block_steps = 8        # plan blocks of this many steps of the slowest worker
-  c.runtime.estimate_lag = 2       # block b is planned with the estimates published at block b - lag
-  c.runtime.warmup_steps = 3       # timed steps before the run: the first estimates
+  c.runtime.warmup_steps = 3       # timed steps before the run: the first step-time estimate
+  c.runtime.adpsgd_passive = "concurrent"  # AD-PSGD's passive side: concurrent (a communication
+                                   # thread, as published) | blocking (between its own steps)
   c.runtime.heartbeat_s = 1.0
   c.runtime.heartbeat_timeout = 15.0  # no heartbeat from a worker for this long: it is lost
   c.runtime.stall_timeout = 40.0   # no worker completes anything for this long: the run is stuck
-  c.runtime.checkpoint_every = 10  # blocks between checkpoints of each worker (0: none)
+  c.runtime.checkpoint_every = 80  # a checkpoint marker every this many steps per worker (0: none)
   c.runtime.checkpoint_keep = 3
   c.runtime.cache_size = 64        # compiled P-Reduce programs kept (one per member set)
-  c.runtime.fail_worker = -1       # fault injection: this worker SIGKILLs itself at the start of block
-  c.runtime.fail_block = 0         #   fail_block, once its newest checkpoint has committed (-1: never)
+  c.runtime.fail_worker = -1       # fault injection: this worker SIGKILLs itself before local step
+  c.runtime.fail_step = 0          #   fail_step, once its newest checkpoint has committed (-1: never)
 
   c.num_steps = arg.steps
   c.log_every = 50

@@ -7,8 +7,8 @@ The public API (imported lazily, so `import ripples_jax` stays cheap):
   p_reduce(x_WxD, groups, mesh=None)   Partial All-Reduce: each group's members get their group's mean
   mixing_matrix(groups, n)             the doubly stochastic W of one round of group averages
   spectral_gap(matrices)               1 - lambda_2(E[W^T W]): how fast a schedule mixes
-  static_gg / random_gg / division_gg / smart_gg
-                                       the Group Generators (host-side, deterministic under a seed)
+  random_gg / division_gg / smart_gg   the Group Generators (host-side, deterministic under a seed)
+  Service                              the online Group Generator protocol (simulator and runtime)
   make_group_generator(config, rng)    the generator a config names
   simulate(algorithm, speed, net, ...) the discrete-event clock alone (ripples_jax.timeline)
   simulate_and_train(config, workdir)  the simulator executor: the clock, then exact numerics
@@ -23,7 +23,7 @@ _EXPORTS = {
     "p_reduce": "ripples_jax.collectives",
     "mixing_matrix": "ripples_jax.collectives",
     "spectral_gap": "ripples_jax.collectives",
-    "static_gg": "ripples_jax.schedule.group_gen",
+    "Service": "ripples_jax.schedule.online",
     "random_gg": "ripples_jax.schedule.group_gen",
     "division_gg": "ripples_jax.schedule.group_gen",
     "smart_gg": "ripples_jax.schedule.group_gen",

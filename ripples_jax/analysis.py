@@ -55,13 +55,17 @@ def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | Non
   plt.close(fig)
 
 
-def lines(series: dict, path: str, title: str, xlabel: str, ylabel: str) -> None:
-  """series: {label: {x: y}}; one line with markers per label."""
+def lines(series: dict, path: str, title: str, xlabel: str, ylabel: str, vlines=()) -> None:
+  """series: {label: {x: y}}; one line with markers per label; dotted vertical lines at `vlines`."""
   fig, ax = plt.subplots(figsize=(9.5, 4.2))
   for label, points in series.items():
     if points:
       x = sorted(points)
-      ax.plot(x, [points[k] for k in x], marker="o", label=label)
+      ax.plot(x, [points[k] for k in x], marker="o", markersize=3, label=label)
+  x_max = max((max(p) for p in series.values() if p), default=0)
+  for v in vlines:
+    if v <= x_max:
+      ax.axvline(v, color="gray", linestyle=":", linewidth=1)
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=10)

@@ -11,11 +11,15 @@ several processes (a collective; every process calls it) and is exact (integer a
 reduction order). It is stored in the metadata at save and recomputed at restore; a mismatch (a
 flipped byte on disk) makes the checkpoint unusable like one that does not read back.
 """
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry, type_handlers
 
 
 class CheckpointMismatch(ValueError):
@@ -57,23 +61,60 @@ def fingerprint(state) -> tuple[list[list[int]], bool]:
   return [[int(x) for x in np.asarray(s)] for s in sums], bool(finite)
 
 
-def manager(directory: str, keep: int | None = None, create: bool = True) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
-  handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+class _OneWriter(array_metadata_store.Validator):
+  """A per-process checkpoint holds one process's array metadata, by design (see manager)."""
+
+  def _validate_process_count(self, *, ref_process_index: int) -> None:
+    pass
+
+
+def manager(directory: str, keep: int | None = None, create: bool = True,
+            process: int | None = None) -> ocp.CheckpointManager:
+  """A checkpoint manager over every process (the default) or, with `process`, of that process alone.
+
+  A per-process manager saves without waiting for any other process (no barrier), which is what the
+  runtime's marker checkpoints need. Orbax supports it through its documented options:
+  MultiprocessingOptions(primary_host=p, active_processes={p}) on the manager and the handlers, an
+  ArrayHandler whose primary host is p (it writes the array metadata), and an array-metadata validator
+  that accepts one process's metadata. The arrays must be global jax.Arrays (orbax refuses host-local
+  ones in a multi-process job): a worker saves its state as its row of a (workers, ...) array whose
+  other rows live in other processes and are not written (runtime.preduce.to_global; no communication).
+  """
+  if process is None:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  mp = ocp.options.MultiprocessingOptions(primary_host=process, active_processes={process},
+                                          barrier_sync_key_prefix=f"ripples-w{process}")
+  if create:
+    os.makedirs(directory, exist_ok=True)  # orbax refuses create=True with active_processes
+  registry = type_handler_registry.create_type_handler_registry(
+      (jax.Array, type_handlers.ArrayHandler(primary_host=process, replica_id=0)))
+  handlers = {"state": ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=registry,
+                                                   array_metadata_validator=_OneWriter()),
+              "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, multiprocessing_options=mp,
+                                         enable_async_checkpointing=False)
+  mgr = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  mgr.ripples_per_process = True
+  return mgr
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
-  mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                         meta=ocp.args.JsonSave(meta)))
+  item = (ocp.args.PyTreeSave(state) if getattr(mgr, "ripples_per_process", False)
+          else ocp.args.StandardSave(state))
+  mgr.save(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonSave(meta)))
 
 
 def restore(mgr: ocp.CheckpointManager, step: int, like):
   """(state with the structure, shapes, dtypes and shardings of `like`, meta)."""
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                         if isinstance(a, jax.Array) else a, like)
-  out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                  meta=ocp.args.JsonRestore()))
+  if getattr(mgr, "ripples_per_process", False):
+    item = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+  else:
+    item = ocp.args.StandardRestore(target)
+  out = mgr.restore(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
   return out["state"], out["meta"]
 
 
@@ -83,13 +124,15 @@ def restorable_steps(mgr: ocp.CheckpointManager) -> list[int]:
   return sorted(mgr.all_steps(), reverse=True)
 
 
-def restore_latest(mgr: ocp.CheckpointManager, like, check=None):
+def restore_latest(mgr: ocp.CheckpointManager, like, check=None, steps=None):
   """(step, state, meta) of the newest checkpoint that reads back (and passes `check(state, meta)`,
-  which raises to refuse it), or None.
+  which raises to refuse it), or None; among `steps` when given.
 
   A corrupt or partial checkpoint is skipped with a warning naming it, and the previous one is used.
   """
   for step in restorable_steps(mgr):
+    if steps is not None and step not in steps:
+      continue
     try:
       state, meta = restore(mgr, step, like)
       if check is not None:

@@ -16,13 +16,13 @@ from ripples_jax.models import MODEL_NAMES
 from ripples_jax.optim import LR_SCHEDULES, OPTIMIZERS
 from ripples_jax.pipeline.tick import MODES, PLACEMENTS
 from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
-from ripples_jax.runtime.plan import RUNTIME_ALGORITHMS
+from ripples_jax.schedule.online import ADPSGD_PASSIVE, RUNTIME_ALGORITHMS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 
 EXECUTORS = ("spmd", "sim", "async")  # run.train_and_evaluate dispatches on these
 ON_CONFIG_CHANGE = ("refuse", "new", "force")  # runlog.make_workdir: a workdir holding another run
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
-_HETERO_OFF = {"slow_workers": (), "slowdown": 1.0, "random_p": 0.0, "jitter": 0.0}
+_HETERO_OFF = {"slow_workers": (), "slowdown": 1.0, "random_p": 0.0, "jitter": 0.0, "rotate_every": 0.0}
 
 
 class ConfigError(ValueError):
@@ -133,13 +133,13 @@ def validate_train_config(config, num_devices: int, num_processes: int = 1,
 
 def _check_runtime(config):
   rt = config.runtime
-  for key in ("block_steps", "checkpoint_keep", "cache_size", "warmup_steps"):
+  for key in ("checkpoint_keep", "cache_size", "warmup_steps"):
     _positive_int(config, f"runtime.{key}")
-  for key in ("estimate_lag", "checkpoint_every"):
-    _int_in(config, f"runtime.{key}", 0, 10**9, "an integer >= 0")
+  _int_in(config, "runtime.checkpoint_every", 0, 10**9, "an integer >= 0")
   _int_in(config, "runtime.fail_worker", -1, config.num_workers - 1,
           f"-1 (none) or a worker id < num_workers={config.num_workers}")
-  _int_in(config, "runtime.fail_block", 0, 10**9, "an integer >= 0")
+  _int_in(config, "runtime.fail_step", 0, 10**9, "an integer >= 0")
+  _one_of(config, "runtime.adpsgd_passive", ADPSGD_PASSIVE)
   _number(config, "runtime.step_time", lambda v: v >= 0, "seconds >= 0 (0: no padding)")
   _number(config, "runtime.heartbeat_s", lambda v: v > 0, "seconds > 0")
   _number(config, "runtime.heartbeat_timeout", lambda v: v > 0, "seconds > 0")
@@ -194,6 +194,8 @@ def _check_schedule(config, n):
     _number(config, "hetero.slowdown", lambda v: v >= 1, "a factor >= 1")
     _number(config, "hetero.random_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
     _number(config, "hetero.jitter", lambda v: v >= 0, "a lognormal sigma >= 0")
+    _number(config, "hetero.rotate_every", lambda v: v >= 0, "seconds >= 0 (0: the slow workers stay)")
+    _number(config, "timeline.request_rtt", lambda v: v >= 0, "seconds >= 0")
     _number(config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)")
     for key in ("alpha", "model_bytes"):
       _number(config, f"timeline.{key}", lambda v: v >= 0, "a number >= 0")

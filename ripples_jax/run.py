@@ -44,6 +44,8 @@ def load(workdir: str, step: int | None = None) -> dict:
 
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
+  if config.executor == "async":
+    return _load_async(config, workdir, step)
   mgr = checkpoint.manager(os.path.abspath(os.path.join(workdir, "ckpt")), create=False)
   steps = [step] if step is not None else checkpoint.restorable_steps(mgr)
   if not steps:
@@ -62,15 +64,41 @@ def load(workdir: str, step: int | None = None) -> dict:
         raise
   mgr.close()
   n = config.num_workers
-  if config.executor == "async":  # each worker's flat vector: unflatten with the model's structure
-    s_ = setup_lib.build(config)
-    params, model_state = init_model(s_.model, jax.random.key(config.seed), s_.data["x_train"][:1])
-    _, unravel = ravel_pytree({"params": params, "model_state": model_state})
-    trees = [unravel(state["flat"][w]) for w in range(n)]
-    state = jax.tree.map(lambda *a: jnp.stack(a), *trees)
   rows = slice(n, n + 1) if config.algorithm == "ps_async" else slice(0, n)
   params = jax.tree.map(lambda a: a[rows], state["params"])
   model_state = jax.tree.map(lambda a: a[rows], state["model_state"])
-  return {"config": config, "step": s, "executor": config.executor, "params": params,
+  return _model(config, s, params, model_state)
+
+
+def _model(config, step, params, model_state) -> dict:
+  return {"config": config, "step": step, "executor": config.executor, "params": params,
           "params_avg": jax.tree.map(lambda a: a.mean(0), params), "model_state": model_state,
           "model_state_avg": jax.tree.map(lambda a: a.mean(0), model_state)}
+
+
+def _load_async(config, workdir: str, step) -> dict:
+  """An async run's model: each worker's final state (snapshots/final-<w>.npy, what its final marker
+  checkpoint holds). Its marker checkpoints are one orbax checkpoint per worker, each writing only its
+  own row of (workers, ...) arrays; orbax reads them back inside a run of as many processes (resume),
+  not in one process, so `step` is refused here."""
+  import os
+
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.flatten_util import ravel_pytree
+
+  from ripples_jax import setup as setup_lib
+  from ripples_jax.models import init_model
+
+  if step is not None:
+    raise ValueError(f"load(step={step}): an executor=async run gives back its final state only (step=None)")
+  s_ = setup_lib.build(config)
+  params, model_state = init_model(s_.model, jax.random.key(config.seed), s_.data["x_train"][:1])
+  _, unravel = ravel_pytree({"params": params, "model_state": model_state})
+  paths = [os.path.join(workdir, "snapshots", f"final-{w}.npy") for w in range(config.num_workers)]
+  missing = [p for p in paths if not os.path.exists(p)]
+  if missing:
+    raise FileNotFoundError(f"{missing[0]}: the run has not finished (no final state)")
+  trees = [unravel(jnp.asarray(np.load(p))) for p in paths]
+  state = jax.tree.map(lambda *a: jnp.stack(a), *trees)
+  return _model(config, None, state["params"], state["model_state"])

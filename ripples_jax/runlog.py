@@ -56,7 +56,7 @@ from ripples_jax.config import ON_CONFIG_CHANGE as ON_MISMATCH, ConfigError
 IDENTITY_FREE = ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "data_dir",
                  "target_accuracy", "runtime.heartbeat_s", "runtime.heartbeat_timeout",
                  "runtime.stall_timeout", "runtime.checkpoint_keep", "runtime.checkpoint_every",
-                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_block", "on_config_change",
+                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_step", "on_config_change",
                  "profile_steps")
 
 # TensorBoard tags of the metrics.jsonl keys (tb_tag); metrics.jsonl keeps its own keys.
@@ -408,8 +408,12 @@ class RunLog:
 
   def __init__(self, workdir: str, config, total_steps: int, is_lead: bool | None = None,
                checkpoint_every: int | None = None, checkpoint_keep: int | None = None,
-               tensorboard: bool = True, progress: bool = True):
+               tensorboard: bool = True, progress: bool = True, per_process=None):
+    """per_process: (process, to_global, to_local): this process checkpoints its own state alone, in
+    ckpt/<process>/ (the runtime's marker checkpoints: no barrier); to_global makes the arrays orbax
+    writes from the local state, to_local takes them back."""
     self.workdir, self.config, self.total_steps = workdir, config, total_steps
+    self.per_process = per_process
     self.is_lead = jax.process_index() == 0 if is_lead is None else is_lead
     self.lock = WorkdirLock(workdir)
     if self.is_lead:
@@ -419,7 +423,10 @@ class RunLog:
     keep = config.checkpoint_keep if checkpoint_keep is None else checkpoint_keep
     self.every = every
     self.ckpt_dir = os.path.abspath(os.path.join(workdir, "ckpt"))
-    self.mgr = checkpoint.manager(self.ckpt_dir, keep) if every else None
+    if per_process is not None:
+      self.ckpt_dir = os.path.join(self.ckpt_dir, str(per_process[0]))
+    self.mgr = (checkpoint.manager(self.ckpt_dir, keep, process=per_process and per_process[0])
+                if every else None)
     self.metrics_path = os.path.join(workdir, "metrics.jsonl")
     self.identity = identity(config)
     self.last_ckpt = None   # the newest checkpoint step this run restored or saved
@@ -435,13 +442,29 @@ class RunLog:
 
   # -- checkpoints --------------------------------------------------------------------------------
 
-  def restore(self, like):
-    """(step, state, cursor) of the newest good checkpoint, or None (a fresh start); writes config.json.
+  def committed(self) -> list[int]:
+    """This run's committed checkpoint steps, newest first."""
+    return checkpoint.restorable_steps(self.mgr) if self.mgr is not None else []
+
+  def restore(self, like, steps=None):
+    """(step, state, cursor) of the newest good checkpoint (among `steps` when given), or None (a
+    fresh start); writes config.json.
 
     Call it before the first record(): it cuts metrics.jsonl back to the checkpoint, or on a fresh
     start moves an earlier run's records aside under numbered names.
     """
-    got = checkpoint.restore_latest(self.mgr, like, check=_verify) if self.mgr else None
+    got = None
+    if self.mgr is not None and self.per_process is not None:
+      _, to_global, to_local = self.per_process
+
+      def check(state, meta):
+        _verify(to_local(state), meta)
+
+      got = checkpoint.restore_latest(self.mgr, to_global(like), check=check, steps=steps)
+      if got is not None:
+        got = (got[0], to_local(got[1]), got[2])
+    elif self.mgr is not None:
+      got = checkpoint.restore_latest(self.mgr, like, check=_verify, steps=steps)
     if self.mgr is not None:
       # Newer steps did not read back: delete them, or orbax would skip this run's saves up to them.
       for bad in checkpoint.restorable_steps(self.mgr):
@@ -499,7 +522,8 @@ class RunLog:
                          "same command again to resume") from None
 
   def checkpoint(self, step: int, state, cursor: dict, force: bool = False) -> None:
-    """Saves (state, cursor) at `step` every `checkpoint_every` steps (or when forced); collective.
+    """Saves (state, cursor) at `step` every `checkpoint_every` steps (or when forced); collective
+    (this process alone with per_process).
 
     A state holding a non-finite value is not saved (a warning says so), so the last checkpoint is
     always one a run can continue from.
@@ -518,6 +542,8 @@ class RunLog:
     # A deep copy now: orbax serialises the metadata in the background, after the loop moved on.
     meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
                                   "sums": sums, "metrics_lines": count_lines(self.metrics_path)}))
+    if self.per_process is not None:
+      state = self.per_process[1](state)
     with self._writing(f"{self.ckpt_dir}/{step}"):
       checkpoint.save(self.mgr, step, state, meta)  # raises a failure of the previous background write
     self._announce(final=True)  # orbax's save waited for the previous write: committed by now

@@ -21,7 +21,8 @@ from typing import Callable
 import numpy as np
 
 from ripples_jax.collectives import ring_allreduce_time
-from ripples_jax.schedule.group_gen import GGView, GroupBuffer
+from ripples_jax.schedule.group_gen import Fixed
+from ripples_jax.schedule.online import GROUP, Service, fixed_entry
 
 START, APPLY, AVG, RING, PULL = range(5)
 EVENT_NAMES = ("start", "apply", "average", "ring", "pull")
@@ -31,7 +32,12 @@ SYNC_ALGORITHMS = ("allreduce", "ps_sync", "dpsgd")
 
 @dataclasses.dataclass(frozen=True)
 class SpeedModel:
-  """Per-worker compute time of one step: base x slowdown (fixed slow workers, or random with p) x jitter."""
+  """Per-worker compute time of one step: base x slowdown x jitter.
+
+  The slowdown hits the fixed slow workers, or, with `rotate_every` > 0, a straggler that moves: at
+  time t the slow worker is (slow_workers[0] + floor(t / rotate_every)) mod n (`slow_at`, the same
+  rule the runtime applies on its wall clock); or every worker with probability `random_p` per step.
+  """
   base_time: float
   num_workers: int
   slow_workers: tuple = ()
@@ -39,27 +45,36 @@ class SpeedModel:
   random_p: float = 0.0
   jitter: float = 0.0      # sigma of a lognormal factor (real steps are never exactly equal)
   seed: int = 0
-  times: tuple = ()        # per-worker step times replacing base_time x slowdown (the runtime's estimates)
+  times: tuple = ()        # per-worker step times replacing base_time x slowdown (measured times)
+  rotate_every: float = 0.0
 
   def streams(self):
-    """One independent stream of step times per worker, so a worker's times never depend on the order
-    of events; drawn in blocks because the clock asks for one number at a time."""
+    """One independent stream of step-time factors per worker, so a worker's times never depend on
+    the order of events; drawn in blocks because the clock asks for one number at a time."""
     return [self._stream(w) for w in range(self.num_workers)]
 
   def _stream(self, w: int):
     rng = np.random.default_rng([2, self.seed, w])
-    base = self.times[w] if self.times else self.base_time * (
-        self.slowdown if w in self.slow_workers else 1.0)
     while True:
-      t = np.full(1024, base)
+      t = np.ones(1024)
       if self.random_p:
         t *= np.where(rng.random(1024) < self.random_p, self.slowdown, 1.0)
       if self.jitter:
         t *= np.exp(self.jitter * rng.standard_normal(1024))
       yield from t.tolist()
 
-  def draw(self, streams, worker: int) -> float:
-    return next(streams[worker])
+  def draw(self, streams, worker: int, now: float = 0.0) -> float:
+    base = self.times[worker] if self.times else self.base_time
+    if worker in slow_at(self.slow_workers, self.num_workers, self.rotate_every, now):
+      base *= self.slowdown
+    return base * next(streams[worker])
+
+
+def slow_at(slow_workers, num_workers: int, rotate_every: float, t: float) -> tuple:
+  """The fixed slow workers at time t (seconds: virtual in the simulator, wall clock in the runtime)."""
+  if not slow_workers or not rotate_every:
+    return tuple(slow_workers)
+  return ((slow_workers[0] + int(t // rotate_every)) % num_workers,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +109,7 @@ class Trace:
   conflicts: np.ndarray = None
   end_time: float = 0.0
   buffer: object = None   # the Group Buffer of a Ripples run (its groups, in global order)
+  requests: int = 0       # requests sent to the Group Generator
   pairs: list = None      # AD-PSGD's (active, passive) averaging pairs
 
   def __post_init__(self):
@@ -109,8 +125,10 @@ class Trace:
 
 
 def simulate(algorithm: str, speed: SpeedModel, net: Network, total_steps: int,
-             time_budget: float = 0.0, gg: Callable | None = None, seed: int = 0) -> Trace:
-  """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out."""
+             time_budget: float = 0.0, gg: Callable | None = None, seed: int = 0, rtt: float = 0.0) -> Trace:
+  """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out.
+
+  `rtt`: seconds a request to the Group Generator takes to be answered (the online protocol)."""
   budget = time_budget or float("inf")
   if algorithm in SYNC_ALGORITHMS:
     return _simulate_sync(algorithm, speed, net, total_steps, budget)
@@ -120,7 +138,7 @@ def simulate(algorithm: str, speed: SpeedModel, net: Network, total_steps: int,
   elif algorithm == "ps_async":
     _ps_async(clock, net)
   else:
-    _group_buffer(clock, net, gg)
+    _group_buffer(clock, net, gg, rtt)
   return clock.finish()
 
 
@@ -133,7 +151,7 @@ def _simulate_sync(algorithm, speed, net, total_steps, budget) -> Trace:
   t = 0.0
   done = 0
   while done < total_steps:
-    c = np.array([speed.draw(rngs, w) for w in range(n)])
+    c = np.array([speed.draw(rngs, w, t) for w in range(n)])
     for w in range(n):
       tr.events.append((t, START, w, None))
     slowest = t + c.max()
@@ -172,7 +190,7 @@ class _Clock:
     self.started_at = np.zeros(self.n)  # an array: Smart GG reads all of it at every request
     self.duration = [0.0] * self.n   # current compute's duration (known to the clock only)
     self.iterations = [0] * self.n
-    self.observed = [[] for _ in range(self.n)]
+    self.last_time = [0.0] * self.n  # each worker's newest finished step time
 
   def at(self, t: float, fn: Callable, *args) -> None:
     heapq.heappush(self.heap, (t, self.seq, fn, args))
@@ -190,14 +208,14 @@ class _Clock:
     self.trace.events.append((self.now, kind, a, b))
 
   def start_compute(self, w: int, on_finish: Callable) -> None:
-    c = self.speed.draw(self.rngs, w)
+    c = self.speed.draw(self.rngs, w, self.now)
     self.started_at[w], self.duration[w] = self.now, c
     self.emit(START, w)
     self.at(self.now + c, self._finished, w, on_finish)
 
   def _finished(self, w: int, on_finish: Callable) -> None:
     self.trace.intervals.append((w, COMPUTE, self.started_at[w], self.now))
-    self.observed[w].append(self.duration[w])
+    self.last_time[w] = self.duration[w]
     self.iterations[w] += 1
     on_finish(w)
 
@@ -221,63 +239,76 @@ class _Clock:
     return self.trace
 
 
-def _group_buffer(clock: _Clock, net: Network, gg: Callable) -> None:
-  """Ripples: step, then run the worker's groups from the global Group Buffer, then step again."""
+def _group_buffer(clock: _Clock, net: Network, gg, rtt: float) -> None:
+  """Ripples as the online protocol (schedule/online.py): per local step a worker takes the head of
+  its queue; with an empty queue it asks the Group Generator, which answers after `rtt` seconds (the
+  request's round trip; handled at its midpoint). A fixed schedule (group_gen.Fixed) has no
+  generator: the entry after each step is known locally and costs nothing."""
   n = clock.n
-  buf = GroupBuffer(n)
-  limit = [0] * n                    # groups a worker may run at this ready point (created before it)
-  arrived_at = [0.0] * n
-  # Known per-worker times (a runtime plan) are the estimates; otherwise every worker starts at the base.
-  estimates = np.array(clock.speed.times, float) if clock.speed.times else np.full(n, clock.speed.base_time)
-  requests = [0]
-  refresh_every = max(1, n)          # agreed boundary: every n requests, all estimates refresh
+  fixed = isinstance(gg, Fixed)
+  service = None if fixed else Service(n, gg, estimate=clock.speed.base_time)
+  pos = [0] * n                      # next entry of each worker's queue
+  last_gid = [-1] * n
+  groups = {}                        # gid -> [members, arrived set, arrival times]
+  clock.trace.buffer = service.buffer if service else None
 
-  view = GGView(0.0, buf, clock.started_at, estimates, lambda j: clock.iterations[j])
+  def start(w):
+    if service is not None:  # what a worker's start report tells the generator (instant here)
+      service.report(w, clock.now, clock.last_time[w], clock.iterations[w] + 1, last_gid[w])
+    clock.start_compute(w, on_finish)
 
   def on_finish(w):
     clock.applied(w, w)
-    if clock.stopped:
-      return
-    if not buf.queues[w]:
-      requests[0] += 1
-      if requests[0] % refresh_every == 0:  # EMA of observed step times, refreshed for everyone at once
-        for j in range(n):
-          recent = clock.observed[j][-4:]
-          if recent:
-            estimates[j] = 0.5 * estimates[j] + 0.5 * sum(recent) / len(recent)
-          del clock.observed[j][:-4]
-      buf.requests += 1
-      view.now = clock.now
-      gg(w, view)
-    limit[w] = len(buf.groups)
-    advance(w)
+    if not clock.stopped:
+      take(w)
 
-  def advance(w):
-    q = buf.queues[w]
-    if q and q[0].gid < limit[w]:
-      g = q[0]
-      g.arrived.add(w)
-      arrived_at[w] = clock.now
-      if len(g.arrived) == len(g.members):
-        d = net.allreduce(len(g.members))
-        for m in g.members:
-          clock.interval(m, WAIT, arrived_at[m], clock.now)
-          clock.interval(m, COMM, clock.now, clock.now + d)
-        clock.at(clock.now + d, group_end, g)
+  def take(w):
+    if fixed:
+      entry = fixed_entry(gg.layouts, n, w, clock.iterations[w] - 1)
+    elif pos[w] < len(service.entries[w]):
+      entry = service.entries[w][pos[w]]
+      pos[w] += 1
     else:
-      clock.start_compute(w, on_finish)
+      clock.at(clock.now + rtt / 2, handle, w, clock.now)
+      return
+    if entry[0] == GROUP:
+      arrive(w, entry)
+    else:
+      start(w)
 
-  def group_end(g):
-    clock.emit(AVG, g.members)
-    buf.pop(g)
-    for m in g.members:
-      advance(m)
+  def handle(w, asked):  # at the authority: generate on this arrival, answer after the other half
+    service.request(w, pos[w], clock.now)
+    clock.at(asked + rtt, answered, w, asked)
+
+  def answered(w, asked):
+    clock.interval(w, WAIT, asked, clock.now)
+    take(w)
+
+  def arrive(w, entry):
+    _, gid, members = entry
+    g = groups.setdefault(gid, [members, set(), {}])
+    g[1].add(w)
+    g[2][w] = clock.now
+    if len(g[1]) == len(members):
+      d = net.allreduce(len(members))
+      for m in members:
+        clock.interval(m, WAIT, g[2][m], clock.now)
+        clock.interval(m, COMM, clock.now, clock.now + d)
+      clock.at(clock.now + d, group_end, gid)
+
+  def group_end(gid):
+    members = groups.pop(gid)[0]
+    clock.emit(AVG, members)
+    for m in members:
+      last_gid[m] = gid
+      start(m)
 
   for w in range(n):
-    clock.start_compute(w, on_finish)
+    start(w)
   clock.run()
-  clock.trace.conflicts = buf.conflicts
-  clock.trace.buffer = buf
+  if service is not None:
+    clock.trace.conflicts = service.buffer.conflicts
+    clock.trace.requests = service.buffer.requests
 
 
 def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator) -> None:

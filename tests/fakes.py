@@ -3,16 +3,29 @@ worker imports this)."""
 
 
 class FakeKV:
-  """The coordination service's key-value store, in memory."""
+  """The coordination service's key-value store, in memory, thread-safe, with blocking gets."""
 
   def __init__(self):
+    import threading
     self.store = {}
+    self.cond = threading.Condition()
 
   def key_value_set(self, key, value, allow_overwrite=False):
-    self.store[key] = value
+    with self.cond:
+      if key in self.store and not allow_overwrite:
+        raise RuntimeError(f"ALREADY_EXISTS: {key}")
+      self.store[key] = value
+      self.cond.notify_all()
 
   def key_value_dir_get(self, prefix):
-    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+    with self.cond:
+      return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    with self.cond:
+      if not self.cond.wait_for(lambda: key in self.store, timeout_ms / 1000):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+      return self.store[key]
 
 
 def exited(pid: int) -> bool:

@@ -134,3 +134,13 @@ def test_spectral_gap_matches_the_closed_form():
     exact = 1 - (1 / g - (g - 1) / (g * (n - 1)))
     assert abs(table["group division (a partition per round)"][g] - exact) < 0.01
   assert table["hypercube (radix g)"][4] == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+def test_bench_online(tmp_path):
+  from benchmarks import bench_online
+  out = bench_online.run(str(tmp_path / "online"), n=2, steps=8, ar_steps=4, step_time=0.02,
+                         scenarios=("slow2",))
+  assert set(out["ratios"]) == {"worker 1 2x slower/ripples_smart", "worker 1 2x slower/adpsgd"}
+  assert all(r["measured"] > 0 and r["predicted"] > 0 for r in out["ratios"].values())
+  assert (tmp_path / "online" / "table.md").stat().st_size > 0

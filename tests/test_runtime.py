@@ -1,4 +1,4 @@
-"""The asynchronous multi-process runtime: plans, watchdog, trace merge, and real 2- and 4-process runs."""
+"""The asynchronous multi-process runtime: watchdog, trace merge, and real 2- and 4-process runs."""
 import io
 import json
 import os
@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 
 from configs import default as default_config
 from ripples_jax import timeline
-from ripples_jax.runtime import coord, plan as plan_lib, trace as trace_lib
+from ripples_jax.runtime import coord, trace as trace_lib
 from ripples_jax.runtime.launcher import launch
 from ripples_jax.runtime.replay import merged_events, replay
 from tests.fakes import FakeKV, exited
@@ -35,63 +35,7 @@ def make_config(algorithm, n=4, steps=40, model="mlp", **overrides):
   return config
 
 
-# -- plans ----------------------------------------------------------------------------------------
-
-
-def check_plan_invariants(block, n):
-  for w, toks in enumerate(block.tokens):
-    gids = [t for t in toks if t != plan_lib.STEP]
-    assert gids == sorted(gids), f"worker {w} runs its groups out of the global order"
-    for g in gids:
-      assert w in block.groups[g]
-  for g, members in enumerate(block.groups):
-    assert len(members) >= 2 and len(set(members)) == len(members)
-    for m in members:
-      assert g in block.tokens[m]
-
-
-@pytest.mark.parametrize("algorithm", plan_lib.RUNTIME_ALGORITHMS)
-def test_plans_keep_one_global_order_and_cover_the_run(algorithm):
-  n = 4
-  config = make_config(algorithm, n, steps=30, **{"runtime.block_steps": 4})
-  estimates = [0.1, 0.1, 0.1, 0.5]
-  planned, blocks = 0, []
-  while True:
-    block = plan_lib.plan_block(config, len(blocks), planned, estimates, 1e5)
-    if not any(block.tokens):
-      break
-    check_plan_invariants(block, n)
-    planned += int(block.steps().sum())
-    blocks.append(block)
-  assert config.num_steps * n <= planned < config.num_steps * n + n * config.runtime.block_steps * 5
-  again = plan_lib.plan_block(config, 1, int(blocks[0].steps().sum()), estimates, 1e5)
-  assert again == blocks[1]  # a pure function: every process computes the same plan
-
-
-def test_smart_plan_gives_the_slow_worker_steps_in_proportion_to_its_speed():
-  config = make_config("ripples_smart", 4, steps=400, **{"runtime.block_steps": 10})
-  block = plan_lib.plan_block(config, 0, 0, [0.1, 0.1, 0.1, 0.5], 1e5)
-  steps = block.steps()
-  assert steps[3] == 10 and (steps[:3] >= 45).all()  # 5x the slow worker's steps in one horizon
-  # The slow worker syncs with the others, but not every fast step waits for it.
-  slow_groups = sum(3 in g for g in block.groups)
-  assert 1 <= slow_groups <= steps[3] + 1
-
-
-def test_static_plan_follows_the_static_layouts_across_blocks():
-  from ripples_jax.schedule import static_layouts
-  config = make_config("ripples_static", 8, steps=12, **{"runtime.block_steps": 3})
-  layouts = static_layouts(config)
-  syncs = []
-  for b in range(4):
-    block = plan_lib.plan_block(config, b, b * 3 * 8, None, 1e5)
-    assert (block.steps() == 3).all()
-    syncs += [block.groups[t] for t in block.tokens[0] if t != plan_lib.STEP]
-  expected = [g for k in range(12) for g in layouts[k % len(layouts)] if 0 in g and len(g) > 1]
-  assert syncs == [tuple(sorted(g)) for g in expected]
-
-
-# -- watchdog -------------------------------------------------------------------------------------
+# -- watchdog ---------------------------------------------------------------------------------------
 
 
 def test_watchdog_names_the_silent_worker_and_the_last_steps():
@@ -123,8 +67,8 @@ def test_watchdog_reports_a_run_where_nothing_moves():
 
 
 def test_merged_events_respect_each_worker_and_the_group_order():
-  step = lambda b, s: {"k": "step", "b": b, "s": s, "t0": 0, "t1": 1, "c": 0.5, "loss": 0.0}
-  group = lambda b, g, m: {"k": "group", "b": b, "g": g, "m": m, "t0": 1, "t1": 2}
+  step = lambda b, s: {"k": "step", "c": b, "s": s, "t0": 0, "t1": 1, "loss": 0.0}
+  group = lambda b, g, m: {"k": "group", "c": b, "g": g, "m": m, "t0": 1, "t1": 2}
   traces = {0: [step(0, 0), group(0, 0, [0, 1]), step(0, 1), group(0, 1, [0, 2])],
             1: [step(0, 0), step(0, 1), group(0, 0, [0, 1])],
             2: [step(0, 0), group(0, 1, [0, 2]), step(0, 1)]}
@@ -136,13 +80,13 @@ def test_merged_events_respect_each_worker_and_the_group_order():
   assert sum(k == (timeline.APPLY, 0) for k in kinds[:avg02]) == 2
   assert sum(k == (timeline.APPLY, 2) for k in kinds[avg02:]) == 1
   broken = {0: traces[0], 1: traces[1], 2: [step(0, 0), group(0, 0, [0, 2])]}
-  with pytest.raises(ValueError, match="global order"):
+  with pytest.raises(ValueError, match="one global order"):
     merged_events({**broken, 0: [step(0, 0), group(0, 1, [0, 2]), group(0, 0, [0, 1])]}, 3)
 
 
 def test_trace_intervals_split_wait_from_comm():
-  traces = {0: [{"k": "group", "b": 0, "g": 0, "m": [0, 1], "t0": 1.0, "t1": 3.5}],
-            1: [{"k": "group", "b": 0, "g": 0, "m": [0, 1], "t0": 3.0, "t1": 3.5}]}
+  traces = {0: [{"k": "group", "c": 0, "g": 0, "m": [0, 1], "t0": 1.0, "t1": 3.5}],
+            1: [{"k": "group", "c": 0, "g": 0, "m": [0, 1], "t0": 3.0, "t1": 3.5}]}
   got = sorted(trace_lib.intervals(traces))
   assert got == [(0, "comm", 3.0, 3.5), (0, "wait", 1.0, 3.0), (1, "comm", 3.0, 3.5)]
 
@@ -152,8 +96,8 @@ def test_trace_intervals_split_wait_from_comm():
 
 def run_args(workdir, algorithm, n, steps, extra=()):
   return [f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model={MODEL}",
-          f"--workdir={workdir}", f"--config.num_steps={steps}", "--config.runtime.block_steps=4",
-          "--config.runtime.checkpoint_every=2", "--config.runtime.heartbeat_timeout=5",
+          f"--workdir={workdir}", f"--config.num_steps={steps}",
+          "--config.runtime.checkpoint_every=8", "--config.runtime.heartbeat_timeout=5",
           "--config.runtime.stall_timeout=20", "--config.eval_every=8", "--config.log_every=1000",
           f"--config.schedule.group_size={min(3, n)}", *extra]
 
@@ -238,13 +182,30 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["concurrent", "blocking"])
+def test_adpsgd_passive_side_replays_through_the_engine(tmp_path, mode):
+  """AD-PSGD as published: the passive worker's averages land while it computes (between a step's
+  start and its apply), and the engine's AD-PSGD semantics reproduce the parameters from the traces."""
+  workdir = str(tmp_path / "run")
+  code, out = launch_bounded(2, run_args(workdir, "adpsgd", 2, 20, [
+      "--config.runtime.step_time=0.03", f"--config.runtime.adpsgd_passive={mode}"]))
+  assert code == 0, out[-3000:]
+  passive = [e for e in trace_lib.load_traces(workdir)[0] if e["k"] == "group"]
+  during = sum("during" in e for e in passive)
+  assert len(passive) == 20 and (during > 5 if mode == "concurrent" else during == 0), passive
+  err = replay_error(make_config("adpsgd", 2, 20, MODEL), workdir)
+  assert max(err) < 1e-5, err
+
+
+@pytest.mark.slow
 def test_four_processes_killed_worker_then_resume(tmp_path):
   workdir = str(tmp_path / "run")
   n, steps = 4, 120
   args = run_args(workdir, "ripples_division", n, steps, ["--config.runtime.step_time=0.04"])
-  # Worker 2 kills itself (SIGKILL) at the start of block 6, once its checkpoint of block 4 has
-  # committed: the kill lands at the same point of the run every time, and the resume block is 4.
-  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_block=6"]
+  # Worker 2 kills itself (SIGKILL) before its local step 50, once its newest checkpoint has committed.
+  # Markers every 8 steps per worker (32 started steps of the 4): every worker has saved marker 1 by
+  # then, and, with the fixed schedule's lockstep, none has saved marker 7 (56 steps): resume at <= 6.
+  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=50"]
   died = {}
 
   def watch_worker_2(pids):
@@ -259,7 +220,7 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
   assert code != 0 and "at" in died, out[-3000:]
   elapsed = time.monotonic() - died["at"]
   assert elapsed < 60, f"the other workers took {elapsed:.0f} s to exit"
-  assert "worker 2 kills itself at block 6" in out, out[-3000:]
+  assert "worker 2 kills itself at local step 50" in out, out[-3000:]
   # The launcher names worker 2 at once and stops the others (SIGTERM, process 0 last); each says why,
   # with every worker's last completed step. (Without the launcher their watchdogs name worker 2 and
   # exit 75: tests/test_launcher.py.)
@@ -271,8 +232,9 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
 
   code, out = launch_bounded(n, args)
   assert code == 0, out[-3000:]
-  resumed = [l.split("resuming at block")[1].split()[0] for l in out.splitlines() if "resuming at block" in l]
-  assert resumed == ["4"] * n, out[-3000:]
+  resumed = [int(l.split("resuming at checkpoint marker")[1].split()[0]) for l in out.splitlines()
+             if "resuming at checkpoint marker" in l]
+  assert len(resumed) == n and len(set(resumed)) == 1 and 1 <= resumed[0] <= 6, out[-3000:]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= n * steps
   # The resumed run continued exactly where the checkpoint left off: replaying the recorded order from

@@ -104,7 +104,10 @@ BAD_SIM += [
      "of processes (1) with executor=async (one process per worker: experiments.launch --num_processes, "
      "or --jax_distributed on a cluster)"),
     (ASYNC, "runtime.step_time", -1.0, "config.runtime.step_time: -1.0 is not allowed: seconds >= 0 (0: no padding)"),
-    (ASYNC, "runtime.block_steps", 0, "config.runtime.block_steps: 0 is not allowed: a positive integer"),
+    (ASYNC, "runtime.warmup_steps", 0, "config.runtime.warmup_steps: 0 is not allowed: a positive integer"),
+    (ASYNC, "runtime.adpsgd_passive", "lazy",
+     "config.runtime.adpsgd_passive: 'lazy' is not allowed: one of concurrent, blocking"),
+    (SIM, "hetero.rotate_every", -1.0, "config.hetero.rotate_every: -1.0 is not allowed: seconds >= 0 (0: the slow workers stay)"),
     (ASYNC, "runtime.heartbeat_timeout", 1.0,
      "config.runtime.heartbeat_timeout: 1.0 is not allowed: seconds > 2 x runtime.heartbeat_s=1.0"),
     (ASYNC, "runtime.stall_timeout", 10.0,

@@ -1,9 +1,11 @@
 """executor=async: the asynchronous multi-process Ripples runtime on jax.distributed.
 
-  plan       the global group order, block by block (the simulator's Group Buffer and generators)
+  authority  the online Group Generator: one authority thread, per-worker queues in the coordination
+             service (schedule/online.py is the protocol, shared with the simulator)
   preduce    P-Reduce between processes over a group's sub-mesh, one cached program per member set
-  coord      estimates, heartbeats and the watchdog, through the coordination service
-  worker     one process's worker loop, checkpoints, snapshots for evaluation
+  coord      heartbeats and the watchdog, through the coordination service
+  worker     one process's worker loop, marker checkpoints (per worker, no barrier), eval snapshots
+  adpsgd     AD-PSGD: active workers average with a random passive one, served concurrently
   summary    throughput, time split and accuracy over wall-clock time, from the run's files
   trace      per-worker event traces and their Gantt chart
   replay     the recorded event order through the single-process engine (what the runtime computed)

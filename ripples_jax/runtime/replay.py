@@ -15,39 +15,70 @@ from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.runtime import trace as trace_lib
 
 
+def worker_sequence(events: list) -> list:
+  """One worker's order as ("start", s) / ("apply", s) / ("group", key) tokens, in record order.
+  AD-PSGD's passive side serves from another thread and says where each average landed: "during"
+  step s (between its start and apply) or "after" k applied steps (before step k starts)."""
+  during, after = {}, {}
+  for e in events:
+    if e["k"] == "group" and "during" in e:
+      during.setdefault(e["during"], []).append(e["g"])
+    elif e["k"] == "group" and "after" in e:
+      after.setdefault(e["after"], []).append(e["g"])
+  seq = [("group", g) for g in after.get(0, [])]
+  for e in events:
+    if e["k"] == "step":
+      s = e["s"]
+      seq += [("start", s)] + [("group", g) for g in during.get(s, [])] + [("apply", s)]
+      seq += [("group", g) for g in after.get(s + 1, [])]
+    elif e["k"] == "group" and "during" not in e and "after" not in e:
+      seq.append(("group", e["g"]))
+  return seq
+
+
 def merged_events(traces: dict, num_workers: int) -> list:
-  """Timeline events (START/APPLY per step, AVG per group) in one order consistent with every trace."""
-  tokens = {w: [e for e in traces.get(w, []) if e["k"] in ("step", "group")] for w in range(num_workers)}
-  for w, toks in tokens.items():
-    steps = [e["s"] for e in toks if e["k"] == "step"]
+  """Timeline events (START/APPLY per step, AVG per group) in one order consistent with every trace.
+
+  A topological merge: a group is emitted once it is next for all its members. The run executed some
+  such order, so one exists; if none does, the traces contradict each other (an error)."""
+  seqs, members = {}, {}
+  for w in range(num_workers):
+    events = traces.get(w, [])
+    steps = [e["s"] for e in events if e["k"] == "step"]
     if steps != list(range(len(steps))):
       raise ValueError(f"worker {w}: steps recorded out of order: {steps[:10]}...")
-  groups = {}
-  for toks in tokens.values():
-    for e in toks:
+    for e in events:
       if e["k"] == "group":
-        groups[(e["b"], e["g"])] = tuple(e["m"])
-  pos = {w: 0 for w in tokens}
-  events = []
+        members[e["g"]] = tuple(e["m"])
+    seqs[w] = worker_sequence(events)
+  pos = {w: 0 for w in seqs}
+  out = []
+  waiting = {}  # group key -> members at it
 
-  def steps_until(w, key):
-    toks = tokens[w]
-    while pos[w] < len(toks) and toks[pos[w]]["k"] == "step":
-      events.extend([(0.0, timeline.START, w, None), (0.0, timeline.APPLY, w, w)])
+  def advance(w):
+    seq = seqs[w]
+    while pos[w] < len(seq) and seq[pos[w]][0] != "group":
+      kind, _ = seq[pos[w]]
+      out.append((0.0, timeline.START, w, None) if kind == "start" else (0.0, timeline.APPLY, w, w))
       pos[w] += 1
-    if key is not None:
-      e = toks[pos[w]] if pos[w] < len(toks) else None
-      if e is None or (e["b"], e["g"]) != key:
-        raise ValueError(f"worker {w} did not run group {key} next: the global order was broken")
-      pos[w] += 1
+    if pos[w] < len(seq):
+      key = seq[pos[w]][1]
+      waiting.setdefault(key, set()).add(w)
+      if waiting[key] == set(members[key]):
+        del waiting[key]
+        out.append((0.0, timeline.AVG, members[key], None))
+        for m in members[key]:
+          pos[m] += 1
+        return list(members[key])
+    return []
 
-  for key in sorted(groups):  # (block, index) is the global order
-    for m in groups[key]:
-      steps_until(m, key)
-    events.append((0.0, timeline.AVG, groups[key], None))
-  for w in tokens:
-    steps_until(w, None)
-  return events
+  ready = list(seqs)
+  while ready:
+    ready = [m for w in ready for m in advance(w)]
+  if waiting:
+    raise ValueError(f"the traces contradict one global order: groups {sorted(waiting, key=str)[:5]} "
+                     "never had all their members")
+  return out
 
 
 def replay(config, workdir: str) -> dict:

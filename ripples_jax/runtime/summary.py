@@ -1,8 +1,9 @@
 """After an asynchronous run: wall-clock throughput, time split and accuracy over time, from the files.
 
-Evaluation happens here, after the run, so it never perturbs the timing: at every evaluated block
-boundary each worker saved its flat state (snapshots/<block>-<worker>.npy); the model evaluated is the
-workers' average at that boundary, timed at the last worker's arrival there.
+Evaluation happens here, after the run, so it never perturbs the timing: at every evaluation marker
+each worker saved its flat state (snapshots/eval<id>-<worker>.npy; a marker is a consistent cut of
+the global order); the model evaluated is the workers' average there, timed at the last worker's
+arrival.
 """
 import os
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ripples_jax import engine
-from ripples_jax.runtime import trace as trace_lib
+from ripples_jax.runtime import authority as authority_lib, trace as trace_lib
 
 
 def _stacked(unravel, flats):
@@ -19,40 +20,50 @@ def _stacked(unravel, flats):
   return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
+def eval_points(traces: dict, n: int) -> list:
+  """[(id, time, worker steps by then, mean train loss since the previous point)] of the evaluation
+  markers every worker reached: the time is the last worker's arrival there."""
+  marks, losses = {}, {}
+  for w, events in traces.items():
+    since = []
+    for e in events:
+      if e["k"] == "step":
+        since.append(e["loss"])
+      elif e["k"] == "mark" and e["kind"] == "eval":
+        t, s, seen, l = marks.get(e["id"], (0.0, 0, 0, []))
+        marks[e["id"]] = (max(t, e["t"]), s + e["s"], seen + 1, l + since)
+        since = []
+  return [(i, t, s, float(np.mean(l)) if l else None)
+          for i, (t, s, seen, l) in sorted(marks.items()) if seen == n]
+
+
+def window_throughput(traces: dict) -> tuple[float, float]:
+  """(worker steps per second, window end): steps finished by the time the first worker finished its
+  last step, over that time; the tail where some workers have stopped is left out."""
+  ends = [max((e["t1"] for e in events if e["k"] == "step"), default=0.0) for events in traces.values()]
+  t_end = min(ends) if ends else 0.0
+  done = sum(1 for events in traces.values() for e in events if e["k"] == "step" and e["t1"] <= t_end)
+  return (done / t_end if t_end > 0 else 0.0), t_end
+
+
 def summarize(config, workdir: str, setup, unravel, log) -> dict:
-  """Evaluates the block snapshots, records them through the RunLog, writes summary.json and the Gantt."""
+  """Evaluates the marker snapshots, records them through the RunLog, writes summary.json and the Gantt."""
   model, data = setup.model, setup.data
   n = config.num_workers
   traces = trace_lib.load_traces(workdir)
   steps = np.array([sum(e["k"] == "step" for e in traces.get(w, [])) for w in range(n)])
-  block_times = {}  # block -> (latest arrival, local steps completed by then, all workers)
-  for w, events in traces.items():
-    for e in events:
-      if e["k"] == "block":
-        t, s = block_times.get(e["b"], (0.0, 0))
-        block_times[e["b"]] = (max(t, e["t"]), s + e["s"])
   end = max(e["t"] for events in traces.values() for e in events if e["k"] == "end")
-  losses = {}
-  for events in traces.values():
-    for e in events:
-      if e["k"] == "step":
-        losses.setdefault(e["b"], []).append(e["loss"])
-
   eval_fn = engine.make_eval_fn(model)
   x_test, y_test = jax.device_put((data["x_test"], data["y_test"]))
   records, time_to_target = [], None
   snap = os.path.join(workdir, "snapshots")
-  points = sorted(b for b in block_times if all(
-      os.path.exists(os.path.join(snap, f"{b:06d}-{w}.npy")) for w in range(n)))
-  points = [(b, f"{b:06d}", *block_times[b]) for b in points]
-  points.append((max(block_times) if block_times else 0, "final", end, int(steps.sum())))
-  for b, name, t, total in points:
+  points = [(f"eval{i}", t, total, loss) for i, t, total, loss in eval_points(traces, n)
+            if all(os.path.exists(os.path.join(snap, f"eval{i}-{w}.npy")) for w in range(n))]
+  points.append(("final", end, int(steps.sum()), None))
+  for name, t, total, loss in points:
     flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in range(n)]
-    stacked = _stacked(unravel, flats)
-    ev = {k: float(v) for k, v in eval_fn(stacked, x_test, y_test).items()}
-    recent = losses.get(max(losses) if name == "final" and losses else b - 1)  # the block before it
-    record = {"step": total // n, "time": t, "worker_steps": total, "block": b,
-              "train_loss": float(np.mean(recent)) if recent else None, **ev}
+    ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
+    record = {"step": total // n, "time": t, "worker_steps": total, "train_loss": loss, **ev}
     records.append(record)
     if (time_to_target is None and config.target_accuracy
         and ev["test_accuracy"] >= config.target_accuracy):
@@ -62,11 +73,17 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
     log.record(**{k: v for k, v in r.items() if v is not None})
 
   split = trace_lib.time_split(traces)
-  compiles = [next((e["compiles"] for e in traces.get(w, []) if e["k"] == "end"), None) for w in range(n)]
+  ends = {w: next((e for e in traces.get(w, []) if e["k"] == "end"), {}) for w in range(n)}
+  rtts = [x for e in ends.values() for x in (e.get("rtt") or [])]
+  handled = [x for e in ends.values() for x in (e.get("handled") or [])]
+  throughput, window = window_throughput(traces)
   summary = log.finish(
       time=end, worker_steps=steps, compute_time=split["compute"], wait_time=split["wait"],
-      comm_time=split["comm"], preduce_programs=compiles, time_to_target=time_to_target,
-      target_accuracy=config.target_accuracy, step_time=config.runtime.step_time,
-      slow_workers=list(config.hetero.slow_workers), slowdown=config.hetero.slowdown)
+      comm_time=split["comm"], preduce_programs=[ends[w].get("compiles") for w in range(n)],
+      time_to_target=time_to_target, target_accuracy=config.target_accuracy,
+      step_time=config.runtime.step_time, slow_workers=list(config.hetero.slow_workers),
+      slowdown=config.hetero.slowdown, window_throughput=throughput, window_end=window,
+      requests=[ends[w].get("requests") for w in range(n)], request_rtt=authority_lib.percentiles(rtts),
+      authority_handling=authority_lib.percentiles(handled))
   trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
   return summary

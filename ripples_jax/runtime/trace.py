@@ -1,11 +1,14 @@
 """Per-worker event traces (DIR/trace-<worker>.jsonl) and their merge into the simulator's Gantt chart.
 
-One JSON object per line, times in seconds since the run's common start (the start barrier):
-  {"k": "step",  "b": block, "s": local step, "t0", "t1", "c": end of real compute, "loss"}
-  {"k": "group", "b": block, "g": index in the block, "m": members, "t0": call, "t1": return}
-  {"k": "block", "b": block, "t": start, "s": local steps completed}
-A step is compute up to "c", then the padding and any injected slowdown (shown as compute). A group's
-wait is from this member's call to the last member's call; the rest is communication.
+One JSON object per line, times in seconds since the run's common start (the start barrier); "c" is
+the number of checkpoint markers the worker had passed (a resume keeps the events before its marker):
+  {"k": "step",  "c", "s": local step, "t0", "t1", "c_end": end of real compute, "loss"}
+  {"k": "group", "c", "g": global sequence number (AD-PSGD: "<active>.<request>"), "m": members,
+                 "t0": call, "t1": return, "during": the local step it landed in (AD-PSGD's passive side)}
+  {"k": "mark",  "c", "kind": "eval" | "ckpt", "id", "t", "s": local steps completed}
+  {"k": "end",   "c", "t", "s", "compiles", "rtt": request round trips (s), "handled": authority times}
+A step is compute up to "c_end", then the padding and any injected slowdown (shown as compute). A
+group's wait is from this member's call to the last member's call; the rest is communication.
 """
 import glob
 import json
@@ -21,14 +24,15 @@ def trace_path(workdir: str, worker: int) -> str:
 class TraceWriter:
   """Buffers events and appends them at block boundaries (and at exit)."""
 
-  def __init__(self, workdir: str, worker: int, keep_before_block: int | None = None):
+  def __init__(self, workdir: str, worker: int, keep_before_epoch: int | None = None):
     self.path = trace_path(workdir, worker)
-    if keep_before_block is not None and os.path.exists(self.path):
-      # A resumed run replays from block `keep_before_block`: drop what the lost run did after it.
-      kept = [e for e in read_trace(self.path) if e["b"] < keep_before_block]
+    if keep_before_epoch is not None and os.path.exists(self.path):
+      # A resumed run continues from checkpoint marker `keep_before_epoch`: drop what the lost run did
+      # after it (its events carry a later epoch).
+      kept = [e for e in read_trace(self.path) if e["c"] < keep_before_epoch]
       with open(self.path, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in kept)
-    elif keep_before_block is None and os.path.exists(self.path):
+    elif keep_before_epoch is None and os.path.exists(self.path):
       os.remove(self.path)
     self.events = []
 
@@ -61,15 +65,14 @@ def intervals(traces: dict) -> list:
   for w, events in traces.items():
     for e in events:
       if e["k"] == "group":
-        key = (e["b"], e["g"])
-        arrivals[key] = max(arrivals.get(key, e["t0"]), e["t0"])
+        arrivals[e["g"]] = max(arrivals.get(e["g"], e["t0"]), e["t0"])
   out = []
   for w, events in traces.items():
     for e in events:
       if e["k"] == "step":
         out.append((w, "compute", e["t0"], e["t1"]))
       elif e["k"] == "group":
-        last = min(max(arrivals[(e["b"], e["g"])], e["t0"]), e["t1"])
+        last = min(max(arrivals[e["g"]], e["t0"]), e["t1"])
         if last > e["t0"]:
           out.append((w, "wait", e["t0"], last))
         out.append((w, "comm", last, e["t1"]))

@@ -1,13 +1,16 @@
 """executor=async: one controller process per worker, each running the Ripples worker loop for real.
 
-  loop: local step on this worker's devices (padded to runtime.step_time, slowed if this worker is
-        slow) -> its next group from the global plan -> P-Reduce over the group's sub-mesh -> repeat
+  loop: local step on this worker's devices (padded to runtime.step_time, slowed while this worker is
+        a straggler) -> the head of its queue: markers (eval snapshot, checkpoint), then one group or
+        none -> P-Reduce over the group's sub-mesh -> repeat
 
-No global barrier inside the run: a worker blocks only in the collectives of its own groups. The groups
-come from runtime.plan (the Group Buffer the simulator uses), in one global order, so no cyclic wait
-can occur. Step-time estimates (EMA of this worker's measured steps) are exchanged at block boundaries
-through the coordination service; block b is planned with the estimates published at block
-b - runtime.estimate_lag, so a fast worker rarely waits for them.
+The queue comes from the online Group Generator (runtime/authority.py: one authority thread in process
+0, requests through the coordination service) or, for All-Reduce and Static GG, from the fixed
+schedule computed locally. Every queue is a subsequence of one global order, so no cyclic wait can
+occur, and a worker blocks only in its own groups' collectives and, with an empty queue, on the
+authority's answer. No barrier inside the run: a checkpoint is a marker in the global order that each
+worker saves at (its own orbax manager), and the saved states form a consistent cut. AD-PSGD has no
+authority and no global order (runtime/adpsgd.py).
 """
 import dataclasses
 import functools
@@ -29,61 +32,72 @@ from ripples_jax import engine
 from ripples_jax import setup as setup_lib
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
-from ripples_jax.runtime import coord, plan as plan_lib, summary as summary_lib
+from ripples_jax.runtime import authority as authority_lib
+from ripples_jax.runtime import coord, summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import LOCAL, WORKER, GroupAverager, to_global, to_local
+from ripples_jax.schedule import make_group_generator, static_layouts
+from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, Cadence, Service
+from ripples_jax.timeline import slow_at
 
-EMA = 0.3  # weight of the newest step in this worker's step-time estimate
-
-
-def snapshot_path(workdir: str, block, worker: int) -> str:
-  name = f"{block:06d}" if isinstance(block, int) else block
+def snapshot_path(workdir: str, name, worker: int) -> str:
   return os.path.join(workdir, "snapshots", f"{name}-{worker}.npy")
 
 
-def fail_now(manager, saved, block: int) -> None:
-  """Fault injection (runtime.fail_worker/fail_block): SIGKILL this process at a fixed point of the run.
+def fail_now(manager, saved, step: int) -> None:
+  """Fault injection (runtime.fail_worker/fail_step): SIGKILL this process at a fixed point of the run.
 
-  Waits until this worker's newest checkpoint has committed first, so the block a resumed run starts
+  Waits until this worker's newest checkpoint has committed first, so the marker a resumed run starts
   from is fixed by the config, not by how far the background write got (tests need both fixed).
   """
-  manager.wait_until_finished()
-  deadline = time.monotonic() + 60
-  while saved is not None and saved not in ckpt_lib.restorable_steps(manager) and time.monotonic() < deadline:
-    time.sleep(0.05)  # process 0 renames the checkpoint into place once every process has written
-  logging.warning("runtime.fail_worker: worker %d kills itself at block %d", jax.process_index(), block)
+  if manager is not None:
+    manager.wait_until_finished()
+    deadline = time.monotonic() + 60
+    while saved is not None and saved not in ckpt_lib.restorable_steps(manager) and time.monotonic() < deadline:
+      time.sleep(0.05)
+  logging.warning("runtime.fail_worker: worker %d kills itself at local step %d", jax.process_index(),
+                  step)
   os.kill(os.getpid(), signal.SIGKILL)
 
 
-def make_step_fn(model, optimizer, unravel, local_mesh: Mesh):
-  """The local step on the flat state: gradient, optimizer update, re-flatten (one jitted program)."""
+def make_step_fns(model, optimizer, unravel, local_mesh: Mesh):
+  """The local step in two jitted halves on the flat state, so a gradient can be computed on one
+  version of the parameters and applied to another (AD-PSGD's passive side; DESIGN 3.3):
+    grad(flat_D, x, y) -> (grads, model_state, loss);  apply(flat_D, opt_state, grads, model_state)."""
   rep = NamedSharding(local_mesh, P())
   batch = NamedSharding(local_mesh, P(LOCAL))  # several local devices: data parallel inside the worker
 
-  def step(state, x_BxI, y_B):
-    tree = unravel(state["flat"])
+  def grad(flat, x_BxI, y_B):
+    tree = unravel(flat)
     grad_fn = jax.value_and_grad(functools.partial(engine.cross_entropy_loss, model), has_aux=True)
     (loss, model_state), grads = grad_fn(tree["params"], tree["model_state"], x_BxI, y_B)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], tree["params"])
+    return grads, model_state, loss
+
+  def apply(flat, opt_state, grads, model_state):
+    tree = unravel(flat)
+    updates, opt_state = optimizer.update(grads, opt_state, tree["params"])
     params = optax.apply_updates(tree["params"], updates)
     flat, _ = ravel_pytree({"params": params, "model_state": model_state})
-    return {"flat": flat, "opt_state": opt_state}, loss
+    return flat, opt_state
 
-  return jax.jit(step, in_shardings=(rep, batch, batch), out_shardings=(rep, rep), donate_argnums=0), rep, batch
+  grad_fn = jax.jit(grad, in_shardings=(rep, batch, batch), out_shardings=rep)
+  apply_fn = jax.jit(apply, in_shardings=(rep, rep, rep, rep), out_shardings=(rep, rep), donate_argnums=(0, 1))
+  return grad_fn, apply_fn, rep, batch
 
 
 @dataclasses.dataclass
 class Loop:
-  """This worker's loop state. `block` and `planned` are the same on every worker (the checkpoint's
-  cursor); the rest is this worker's own and travels in its row of the checkpointed arrays."""
+  """This worker's loop state (its checkpoint's cursor and arrays)."""
   state: dict                 # {"flat": D, "opt_state"} on this worker's devices
-  block: int = 0              # the block about to run
-  planned: int = 0            # worker steps planned before `block`, all workers
   steps_done: int = 0         # this worker's local steps
-  estimate: float = 0.0       # EMA of this worker's step time
-  est_history: dict = dataclasses.field(default_factory=dict)  # block -> the estimate published there
+  last_gid: int = -1          # the newest group it executed (global sequence number)
+  epoch: int = 0              # checkpoint markers passed (trace events carry it: resume cuts there)
+  evals: int = 0              # evaluation markers passed (their snapshots are kept on resume)
+  syncs: int = 0              # group-or-none entries taken (a fixed schedule's position)
+  last_step_time: float = 0.0  # its newest step's measured time (what its reports carry)
   time: float = 0.0           # seconds of the run before this process started (resume)
-  resumed_at: int | None = None
+  resumed_at: int | None = None  # the checkpoint marker this process resumed from
+  authority: dict | None = None  # process 0: the authority's state at that marker
 
 
 class Worker:
@@ -98,14 +112,15 @@ class Worker:
     self.global_mesh = Mesh(np.array([self.devices_of[w] for w in range(n)]), (WORKER, LOCAL))
     params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
     flat0, self.unravel = ravel_pytree({"params": params, "model_state": model_state})
-    self.step_fn, self.rep, self.batch_sharding = make_step_fn(s.model, s.optimizer, self.unravel,
-                                                               self.local_mesh)
+    self.grad_fn, self.apply_fn, self.rep, self.batch_sharding = make_step_fns(
+        s.model, s.optimizer, self.unravel, self.local_mesh)
     self.averager = GroupAverager(self.local_mesh, self.devices_of, self.rt.cache_size)
-    self.model_bytes = config.timeline.model_bytes or 4 * flat0.size
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
-    hetero = config.hetero
-    self.slow = self.me in tuple(hetero.slow_workers)
+    self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
+
+  def now(self) -> float:
+    return time.perf_counter() - self.t_start
 
   def fresh(self) -> dict:
     return jax.device_put({"flat": self._flat0, "opt_state": self._opt0}, self.rep)
@@ -116,85 +131,117 @@ class Worker:
     return (jax.device_put(s.data["x_train"][idx], self.batch_sharding),
             jax.device_put(s.data["y_train"][idx], self.batch_sharding))
 
-  def slowdown(self, step: int) -> float:
-    """Injected heterogeneity (DESIGN 3.5): this step takes `slowdown` x its real time."""
-    hetero = self.config.hetero
-    if self.slow:
-      return float(hetero.slowdown)
-    if hetero.random_p and np.random.default_rng([5, self.config.seed, self.me, step]).random() < hetero.random_p:
-      return float(hetero.slowdown)
+  def slowdown(self, step: int, t: float) -> float:
+    """Injected heterogeneity (DESIGN 3.5, 3.7): a step starting at run time t takes `slowdown` x."""
+    h, n = self.config.hetero, self.config.num_workers
+    if self.me in slow_at(tuple(h.slow_workers), n, float(h.rotate_every), t):
+      return float(h.slowdown)
+    if h.random_p and np.random.default_rng([5, self.config.seed, self.me, step]).random() < h.random_p:
+      return float(h.slowdown)
     return 1.0
 
-  def timed_step(self, state, step: int):
-    """(state, loss, t0, end of compute, t1): the step, padded to runtime.step_time and slowed."""
-    x, y = self.batch(step)
-    t0 = time.perf_counter()
-    state, loss = self.step_fn(state, x, y)
-    loss = float(loss)  # blocks: the step's real time is what the padding and the estimates need
-    t_compute = time.perf_counter()
+  def pad(self, t0: float, t_compute: float, step: int) -> float:
+    """Sleeps out the padding (runtime.step_time) and the slowdown; returns the end of the step."""
     padded = max(t_compute - t0, self.rt.step_time)
-    target = t0 + padded * self.slowdown(step)
+    target = t0 + padded * self.slowdown(step, t0 - self.t_start)
     while (left := target - time.perf_counter()) > 0:
       time.sleep(left)
-    return state, loss, t0, t_compute, time.perf_counter()
+    return time.perf_counter()
 
   def warm_up(self) -> float:
     """Compiles the step on a throw-away state; the median of the timed steps after it is this
-    worker's first estimate, the one every process plans the first blocks with."""
+    worker's first step-time estimate."""
     scratch = self.fresh()
-    scratch, *_ = self.timed_step(scratch, 0)
-    warm = []
-    for k in range(self.rt.warmup_steps):
-      scratch, _, t0, _, t1 = self.timed_step(scratch, k)
-      warm.append(t1 - t0)
-    return float(np.median(warm))
+    times = []
+    for k in range(self.rt.warmup_steps + 1):
+      x, y = self.batch(k)
+      t0 = time.perf_counter()
+      grads, ms, loss = self.grad_fn(scratch["flat"], x, y)
+      scratch["flat"], scratch["opt_state"] = self.apply_fn(scratch["flat"], scratch["opt_state"], grads, ms)
+      float(loss)
+      times.append(max(time.perf_counter() - t0, self.rt.step_time))
+    return float(np.median(times[1:])) if len(times) > 1 else times[0]
 
-  # Checkpoints are global: at an agreed block every worker contributes its row of one array per leaf,
-  # stacked on a worker axis (orbax writes each process's shards; it refuses per-process host-local
-  # arrays in a multi-process job).
-  def pack(self, loop: Loop, t: float):
-    lag = self.rt.estimate_lag
-    blocks = sorted(loop.est_history)[-(lag + 1):]
-    est = np.full(lag + 1, np.nan)
-    est[:len(blocks)] = [loop.est_history[b] for b in blocks]
-    ids = np.full(lag + 1, -1, np.int32)
-    ids[:len(blocks)] = blocks
+  # Checkpoints: this worker alone (RunLog per_process), as its row of (workers, ...) arrays.
+  def pack(self, loop: Loop):
     exact = lambda a: np.asarray(a, np.float64).reshape(-1).view(np.int32)  # float64, bit for bit
-    local = {**loop.state, "steps_done": np.int32(loop.steps_done), "est": exact(est), "est_blocks": ids,
-             "estimate": exact(loop.estimate), "time": exact(t)}
-    return jax.tree.map(lambda a: to_global(jax.device_put(a, self.rep), self.global_mesh), local)
+    local = {**loop.state, "steps_done": np.int32(loop.steps_done), "last_gid": np.int32(loop.last_gid),
+             "last_step_time": exact(loop.last_step_time)}
+    return jax.tree.map(lambda a: jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self.rep), local)
 
-  def unpack(self, global_tree, cursor: dict) -> Loop:
-    local = jax.tree.map(lambda a: to_local(a, self.rep), global_tree)
-    f64 = lambda a: np.asarray(a).view(np.float64)
-    est = {int(b): float(v) for b, v in zip(np.asarray(local["est_blocks"]), f64(local["est"])) if b >= 0}
-    return Loop({"flat": local["flat"], "opt_state": local["opt_state"]}, cursor["block"], cursor["planned"],
-                int(local["steps_done"]), float(f64(local["estimate"])[0]), est, float(f64(local["time"])[0]),
-                resumed_at=cursor["block"])
+  def to_global(self, local):
+    return jax.tree.map(lambda a: to_global(a, self.global_mesh), local)
+
+  def to_local(self, global_tree):
+    return jax.tree.map(lambda a: to_local(a, self.rep), global_tree)
+
+  def unpack(self, local, cursor: dict) -> Loop:
+    f64 = lambda a: float(np.asarray(a).view(np.float64)[0])
+    return Loop({"flat": local["flat"], "opt_state": local["opt_state"]}, int(local["steps_done"]),
+                int(local["last_gid"]), cursor["mark"], cursor["evals"],
+                cursor["syncs"], f64(local["last_step_time"]), cursor["time"], resumed_at=cursor["mark"],
+                authority=cursor.get("authority"))
 
 
-def resume(worker: Worker, log: RunLog, kv, workdir: str, estimate: float) -> Loop:
-  """The loop state from the newest checkpoint that reads back, or a fresh one; what the lost run did
-  after that point (snapshots, trace events) is dropped so this run redoes it."""
-  me = worker.me
-  got = log.restore(worker.pack(Loop(worker.fresh(), est_history={0: 0.0}), 0.0))
+def agree_on_marker(kv, me: int, n: int, mine: list[int], timeout_s: float) -> int | None:
+  """The newest checkpoint marker every worker has committed (None: none), through the service."""
+  kv.key_value_set(f"{coord.PREFIX}/ckpts/{me}", " ".join(map(str, mine)) or "-", allow_overwrite=True)
+  common = None
+  for w in range(n):
+    value = kv.blocking_key_value_get(f"{coord.PREFIX}/ckpts/{w}", int(timeout_s * 1000))
+    theirs = {int(v) for v in value.split() if v != "-"}
+    common = theirs if common is None else common & theirs
+  return max(common) if common else None
+
+
+def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
+  """The loop state from the newest marker every worker saved, or a fresh one; what the lost run did
+  after that marker (snapshots, trace events) is dropped so this run redoes it."""
+  me, n, rt = worker.me, worker.config.num_workers, worker.rt
+  mark = agree_on_marker(kv, me, n, log.committed(), rt.stall_timeout)
+  like = worker.pack(Loop(worker.fresh()))
+  got = log.restore(like, steps=[mark] if mark is not None else [])
   if got is None:
-    loop = Loop(worker.fresh(), estimate=estimate)
+    loop = Loop(worker.fresh())
   else:
     loop = worker.unpack(got[1], got[2])
-    for b, v in loop.est_history.items():
-      coord.publish_estimate(kv, b, me, v)
-    logging.info("worker %d: resuming at block %d after %d local steps", me, loop.block, loop.steps_done)
+    logging.info("worker %d: resuming at checkpoint marker %d after %d local steps", me, loop.epoch,
+                 loop.steps_done)
   for path in glob.glob(os.path.join(workdir, "snapshots", f"*-{me}.npy")):
-    name = os.path.basename(path).split("-")[0]
-    if not name.isdigit() or int(name) >= loop.block:
+    name = os.path.basename(path).rsplit("-", 1)[0]  # eval<id>: kept if the resumed run passed it
+    if not name.startswith("eval") or int(name[4:]) > loop.evals:
       os.remove(path)
   os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
   return loop
 
 
+def make_feed(worker: Worker, loop: Loop, kv):
+  """The queue this worker reads: the authority's (dynamic generators) or the fixed schedule's."""
+  c, me = worker.config, worker.me
+  if c.algorithm in DYNAMIC:
+    return authority_lib.Feed(kv, me)
+  layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
+  point = loop.syncs if loop.resumed_at is not None else 0
+  return authority_lib.LocalFeed(layouts, c.num_workers, me, c.num_steps, c.eval_every,
+                                 worker.rt.checkpoint_every, point)
+
+
+def make_authority(worker: Worker, loop: Loop, kv, estimate: float):
+  """Process 0 of a dynamic-generator run: the Group Generator service, from the resumed state."""
+  c, n = worker.config, worker.config.num_workers
+  cadence = Cadence(c.num_steps * n, c.eval_every * n, worker.rt.checkpoint_every * n)
+  gg = make_group_generator(c, np.random.default_rng([4, c.seed]))
+  service = Service(n, gg, cadence, estimate)
+  if loop.authority is not None:
+    service.load(loop.authority)
+  return authority_lib.Authority(kv, service, worker.now)
+
+
 def run(config, workdir: str) -> dict:
-  """This process's worker: runs its part of the plan, then (process 0) writes the run's summary."""
+  """This process's worker: runs the loop, then (process 0) writes the run's summary."""
+  if config.algorithm == "adpsgd":
+    from ripples_jax.runtime import adpsgd
+    return adpsgd.run(config, workdir)
   rt, n = config.runtime, config.num_workers
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this worker: one line, coord.EXIT_TERM
   s = setup_lib.build(config)
@@ -203,25 +250,30 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   estimate = worker.warm_up()
+  per_process = (me, worker.to_global, worker.to_local)
   with RunLog(workdir, config, config.num_steps, checkpoint_every=rt.checkpoint_every,
-              checkpoint_keep=rt.checkpoint_keep) as log:
-    loop = resume(worker, log, kv, workdir, estimate)
-    trace = trace_lib.TraceWriter(workdir, me, keep_before_block=loop.block if loop.resumed_at is not None else None)
+              checkpoint_keep=rt.checkpoint_keep, per_process=per_process) as log:
+    loop = resume(worker, log, kv, workdir)
+    loop.last_step_time = loop.last_step_time or estimate
+    trace = trace_lib.TraceWriter(workdir, me, keep_before_epoch=loop.epoch if loop.resumed_at is not None else None)
     progress = {"steps": loop.steps_done, "events": 0, "done": False}
     watchdog = coord.Watchdog(kv, me, n, lambda: (progress["steps"], progress["events"], progress["done"]),
                               rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout)
     sigterm.watchdog = watchdog
-    kv.wait_at_barrier(f"{coord.PREFIX}/start/{loop.block}", int(rt.stall_timeout * 1000))
-    t_start = time.perf_counter() - loop.time
+    kv.wait_at_barrier(f"{coord.PREFIX}/start/{loop.epoch}", int(rt.stall_timeout * 1000))
+    worker.t_start = time.perf_counter() - loop.time
+    authority = make_authority(worker, loop, kv, estimate).start() if me == 0 and config.algorithm in DYNAMIC else None
+    feed = make_feed(worker, loop, kv)
     watchdog.start()
     try:
-      run_blocks(worker, loop, log, kv, trace, progress, t_start, workdir)
-      if rt.checkpoint_every:  # the final state, loadable (run.load); every worker is at this block
-        log.checkpoint(loop.block, worker.pack(loop, time.perf_counter() - t_start),
-                       {"block": loop.block, "planned": loop.planned}, force=True)
+      run_loop(worker, loop, log, feed, authority, trace, progress, workdir)
+      if rt.checkpoint_every:  # the final state, loadable (run.load); the same marker id everywhere
+        final = authority.service.state() if authority is not None else None
+        log.checkpoint(loop.epoch + 1, worker.pack(loop), cursor(worker, loop, loop.epoch + 1, final), force=True)
       np.save(snapshot_path(workdir, "final", me), np.asarray(loop.state["flat"]))
-      trace.add(k="end", b=loop.block, t=time.perf_counter() - t_start, s=loop.steps_done,
-                compiles=worker.averager.compiles)
+      trace.add(k="end", c=loop.epoch, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles,
+                rtt=feed.rtts, requests=feed.requests,
+                handled=authority.handled if authority is not None else None)
       trace.flush()
       log.wait()
       progress["done"] = True
@@ -234,6 +286,9 @@ def run(config, workdir: str) -> dict:
       raise
     finally:
       trace.flush()
+      feed.close()
+      if authority is not None:
+        authority.stop()
     watchdog.stop()
     logging.info("worker %d: %d local steps, %d P-Reduce programs compiled", me, loop.steps_done,
                  worker.averager.compiles)
@@ -243,56 +298,80 @@ def run(config, workdir: str) -> dict:
     return summary_lib.summarize(config, workdir, s, worker.unravel, log)
 
 
-def run_blocks(worker: Worker, loop: Loop, log: RunLog, kv, trace, progress, t_start, workdir) -> None:
-  """Block after block until the plan is empty: estimates, plan, snapshot, checkpoint, then the
-  block's tokens (local steps and groups, in the plan's order)."""
-  config, rt, me, n = worker.config, worker.rt, worker.me, worker.config.num_workers
-  now = lambda: time.perf_counter() - t_start
-  eval_blocks = max(1, config.eval_every // rt.block_steps)
-  fetched, saved = {}, loop.resumed_at
+def cursor(worker: Worker, loop: Loop, mark: int | None = None, authority: dict | None = None) -> dict:
+  out = {"mark": loop.epoch if mark is None else mark, "evals": loop.evals, "syncs": loop.syncs,
+         "time": worker.now()}
+  if authority is not None:
+    out["authority"] = authority
+  return out
+
+
+def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, authority, trace, progress, workdir) -> None:
+  """Step, then the head of the queue (markers, then one group or none), until STOP.
+
+  A resumed worker starts by taking its next entry: it saved its state right after a marker, at the
+  point where it takes the entry that follows."""
+  rt, me = worker.rt, worker.me
+  saved = loop.resumed_at
+  step_first = loop.resumed_at is None
+  if step_first:  # the initial model is evaluation point 0
+    mark(worker, loop, log, authority, trace, (MARK, "eval", 0), workdir)
   while True:
-    block = loop.block
-    if me == rt.fail_worker and block == rt.fail_block:
-      fail_now(log.mgr, saved, block)
-    if block not in loop.est_history:
-      coord.publish_estimate(kv, block, me, loop.estimate)
-      loop.est_history[block] = loop.estimate
-    est_block = max(0, block - rt.estimate_lag)
-    if config.algorithm in plan_lib.PLANNED and est_block not in fetched:
-      fetched[est_block] = coord.fetch_estimates(kv, est_block, n, 10 * rt.stall_timeout)
-    b_plan = plan_lib.plan_block(config, block, loop.planned, fetched.get(est_block, [1.0] * n),
-                                 worker.model_bytes)
-    trace.add(k="block", b=block, t=now(), s=loop.steps_done)
-    if block % eval_blocks == 0:
-      np.save(snapshot_path(workdir, block, me), np.asarray(loop.state["flat"]))
-    if rt.checkpoint_every and block and block % rt.checkpoint_every == 0 and loop.resumed_at != block:
-      # Collective: every worker saves at this block (the plan is the same everywhere).
-      log.checkpoint(block, worker.pack(loop, now()), {"block": block, "planned": loop.planned}, force=True)
-      saved = block
-    trace.flush()
-    if not any(b_plan.tokens):
+    if step_first:
+      if me == rt.fail_worker and loop.steps_done == rt.fail_step:
+        fail_now(log.mgr, saved, loop.steps_done)
+      run_step(worker, loop, log, feed, trace)
+      progress["steps"] = loop.steps_done
+    step_first = True
+    entry = feed.next(rt.stall_timeout)
+    while entry[0] == MARK:
+      saved = mark(worker, loop, log, authority, trace, entry, workdir) or saved
+      entry = feed.next(rt.stall_timeout)
+    if entry[0] == STOP:
       return
-    for tok in b_plan.tokens[me]:
-      if tok == plan_lib.STEP:
-        run_step(worker, loop, log, trace, t_start)
-        progress["steps"] = loop.steps_done
-      else:
-        members = b_plan.groups[tok]
-        t0 = now()
-        loop.state["flat"] = worker.averager.average(members, loop.state["flat"])
-        loop.state["flat"].block_until_ready()
-        trace.add(k="group", b=block, g=tok, m=list(members), t0=t0, t1=now())
-      progress["events"] += 1
-    loop.planned += int(b_plan.steps().sum())
-    loop.block += 1
+    loop.syncs += 1
+    if entry[0] == GROUP:
+      _, gid, members = entry
+      t0 = worker.now()
+      loop.state["flat"] = worker.averager.average(members, loop.state["flat"])
+      loop.state["flat"].block_until_ready()
+      loop.last_gid = gid
+      trace.add(k="group", c=loop.epoch, g=gid, m=list(members), t0=t0, t1=worker.now())
+    progress["events"] += 1
 
 
-def run_step(worker: Worker, loop: Loop, log: RunLog, trace, t_start: float) -> None:
-  """One local step: trace it, update the estimate, stop the worker on a non-finite loss."""
-  loop.state, loss, t0, tc, t1 = worker.timed_step(loop.state, loop.steps_done)
-  loop.estimate = (1 - EMA) * loop.estimate + EMA * (t1 - t0)
-  trace.add(k="step", b=loop.block, s=loop.steps_done, t0=t0 - t_start, t1=t1 - t_start, c=tc - t_start,
-            loss=loss)
+def mark(worker: Worker, loop: Loop, log: RunLog, authority, trace, entry, workdir) -> int | None:
+  """A marker reached the head of this worker's queue: every group before it in the global order has
+  run here and none after it, on every worker, so what each worker saves here is one consistent cut."""
+  _, kind, ident = entry
+  trace.add(k="mark", kind=kind, id=ident, c=loop.epoch, t=worker.now(), s=loop.steps_done)
+  if kind == "eval":
+    loop.evals = ident
+    np.save(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
+    return None
+  loop.epoch = ident
+  snap = authority.snapshots.get(ident) if authority is not None else None
+  log.checkpoint(ident, worker.pack(loop), cursor(worker, loop, ident, snap), force=True)
+  trace.flush()
+  return ident
+
+
+def run_step(worker: Worker, loop: Loop, log: RunLog, feed, trace) -> None:
+  """One local step: report its start, compute, pad, trace; stop the worker on a non-finite loss."""
+  x, y = worker.batch(loop.steps_done)
+  t0 = time.perf_counter()
+  feed.report(loop.steps_done + 1, t0 - worker.t_start, loop.last_step_time, loop.last_gid)
+  grads, ms, loss = worker.grad_fn(loop.state["flat"], x, y)
+  loss = float(loss)  # blocks: the step's real time is what the padding and the reports need
+  tc = time.perf_counter()
+  worker.pad(t0, tc, loop.steps_done)  # the padded step computes until here; then its gradient lands
+  loop.state["flat"], loop.state["opt_state"] = worker.apply_fn(loop.state["flat"], loop.state["opt_state"],
+                                                                grads, ms)
+  loop.state["flat"].block_until_ready()
+  t1 = time.perf_counter()
+  loop.last_step_time = t1 - t0
+  trace.add(k="step", c=loop.epoch, s=loop.steps_done, t0=t0 - worker.t_start, t1=t1 - worker.t_start,
+            c_end=tc - worker.t_start, loss=loss)
   loop.steps_done += 1
   # Stops this worker; its peers' watchdogs then stop theirs.
   check_finite(loop.steps_done, log.describe_last(), train_loss=loss)

@@ -52,7 +52,7 @@ def make_group_generator(config, rng: np.random.Generator):
   """The Group Generator of a ripples_* algorithm (None for the baselines); used by sim and runtime."""
   n, s = config.num_workers, config.schedule
   if config.algorithm == "ripples_static":
-    return group_gen.static_gg(static_layouts(config))
+    return group_gen.Fixed(static_layouts(config))
   if config.algorithm == "ripples_random":
     return group_gen.random_gg(n, s.group_size, rng)
   if config.algorithm == "ripples_division":

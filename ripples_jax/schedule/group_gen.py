@@ -1,12 +1,13 @@
-"""Dynamic Group Generators and the Group Buffer (DESIGN 3.2). Host-side, deterministic under a seed.
+"""Dynamic Group Generators and the Group Buffer (DESIGN 3.2, 3.7). Host-side, deterministic under a seed.
 
 The Group Buffer is one global, ordered list of groups. Every worker executes the groups that contain
-it in that global order, and a group runs when all its members have reached it, so no cyclic wait (and
-no deadlock of a real collective backend) can occur. A Group Generator appends groups to the buffer
-when a worker that is ready has nothing left to execute.
+it in that global order, one per local step, and a group runs when all its members have reached it, so
+no cyclic wait (and no deadlock of a real collective backend) can occur. A Group Generator appends
+groups to the buffer when a worker that is ready has nothing left to execute (schedule/online.py is the
+protocol around it). A generator is `request(worker, view)`; one with hidden state also has
+`state()`/`load(state)` (JSON), so a resumed authority continues it.
 """
 import dataclasses
-import random
 from typing import Callable, Sequence
 
 import numpy as np
@@ -47,12 +48,12 @@ class GroupBuffer:
       self.npending[m] += 1
     return g
 
-  def pop(self, g: Group) -> None:
-    """The group ran: remove it from the head of every member's queue."""
-    for m in g.members:
-      assert self.queues[m][0] is g  # global order: a member's head is always the group that ran
-      self.queues[m].pop(0)
-      self.npending[m] -= 1
+  def done(self, worker: int, gid: int) -> None:
+    """The worker has executed its groups up to buffer position `gid`: they are no longer pending."""
+    q = self.queues[worker]
+    while q and q[0].gid <= gid:
+      q.pop(0)
+      self.npending[worker] -= 1
 
   def pending(self, worker: int) -> bool:
     return bool(self.queues[worker])
@@ -68,47 +69,62 @@ class GGView:
   iteration: Callable[[int], int]         # iterations the worker has completed
 
 
-def static_gg(layouts: Sequence[Layout]):
-  """Static GG in the asynchronous clock: a worker's k-th sync is its group in layouts[k % period].
+class Fixed:
+  """A fixed schedule (All-Reduce, Static GG): no authority; online.fixed_entry says each worker's
+  group after its k-th step."""
 
-  Layout k is appended whole (all its groups) the first time any worker reaches iteration k, so the
-  buffer order is the layout order and groups of one layout never conflict.
-  """
-  made = [0]
-
-  def request(worker: int, view: GGView) -> None:
-    k = view.iteration(worker) - 1  # the sync after the worker's k-th step (0-based)
-    while made[0] <= k:
-      for g in layouts[made[0] % len(layouts)]:
-        view.buffer.append(g, view.now)
-      made[0] += 1
-
-  return request
+  def __init__(self, layouts: Sequence[Layout]):
+    self.layouts = tuple(layouts)
 
 
-def random_gg(num_workers: int, group_size: int, rng: np.random.Generator):
+class _Generator:
+  """A generator with a numpy Generator as its hidden state (saved and loaded as JSON)."""
+
+  def __init__(self, rng: np.random.Generator):
+    self.rng = rng
+
+  def state(self):
+    return self.rng.bit_generator.state
+
+  def load(self, state) -> None:
+    self.rng.bit_generator.state = state
+
+
+class random_gg(_Generator):
   """Random GG: the ready worker plus group_size-1 others drawn uniformly; conflicts serialise."""
-  py_rng = random.Random(int(rng.integers(2**63)))  # one draw per request: python's sampler is cheaper
 
-  def request(worker: int, view: GGView) -> None:
-    picked = py_rng.sample(range(num_workers - 1), min(group_size - 1, num_workers - 1))
-    view.buffer.append([worker] + [j + (j >= worker) for j in picked], view.now)
+  def __init__(self, num_workers: int, group_size: int, rng: np.random.Generator):
+    super().__init__(np.random.default_rng(int(rng.integers(2**63))))
+    self.n, self.k = num_workers, min(group_size - 1, num_workers - 1)
 
-  return request
-
-
-def division_gg(num_workers: int, group_size: int, rng: np.random.Generator):
-  """Group Division: a random partition of all workers into groups; one division never conflicts."""
-
-  def request(worker: int, view: GGView) -> None:
-    perm = rng.permutation(num_workers)
-    for s in range(0, num_workers, group_size):
-      view.buffer.append(perm[s:s + group_size].tolist(), view.now)
-
-  return request
+  def __call__(self, worker: int, view: GGView) -> None:
+    picked = self.rng.choice(self.n - 1, self.k, replace=False)
+    view.buffer.append([worker] + [int(j) + (j >= worker) for j in picked], view.now)
 
 
-def smart_gg(num_workers: int, group_size: int, tolerance: float = 0.5, max_gap: int = 4):
+def division_sizes(num_workers: int, group_size: int) -> list[int]:
+  """ceil(n / k) groups whose sizes differ by at most one (8 into 3s: 3,3,2; 16: 3,3,3,3,2,2): no singleton."""
+  count = -(-num_workers // group_size)
+  base, extra = divmod(num_workers, count)
+  return [base + 1] * extra + [base] * (count - extra)
+
+
+class division_gg(_Generator):
+  """Group Division: a random partition of all workers into groups of balanced sizes; one division
+  never conflicts with itself and covers every worker."""
+
+  def __init__(self, num_workers: int, group_size: int, rng: np.random.Generator):
+    super().__init__(rng)
+    self.n, self.sizes = num_workers, division_sizes(num_workers, group_size)
+
+  def __call__(self, worker: int, view: GGView) -> None:
+    perm, s = self.rng.permutation(self.n), 0
+    for size in self.sizes:
+      view.buffer.append(perm[s:s + size].tolist(), view.now)
+      s += size
+
+
+class smart_gg:
   """Smart GG (heterogeneity-aware, our design since the paper's detail is not public).
 
   When worker i is ready with nothing to run, it is grouped with the group_size-1 workers that have no
@@ -119,25 +135,31 @@ def smart_gg(num_workers: int, group_size: int, tolerance: float = 0.5, max_gap:
   `max_gap` times in a row: then it takes the soonest workers whatever their distance, which bounds
   how far any worker drifts from the rest.
   """
-  skipped = np.zeros(num_workers, np.int64)
 
-  k = group_size - 1
+  def __init__(self, num_workers: int, group_size: int, tolerance: float = 0.5, max_gap: int = 4):
+    self.n, self.k, self.tolerance, self.max_gap = num_workers, group_size - 1, tolerance, max_gap
+    self.skipped = np.zeros(num_workers, np.int64)
 
-  def request(worker: int, view: GGView) -> None:
+  def state(self):
+    return self.skipped.tolist()
+
+  def load(self, state) -> None:
+    self.skipped[:] = state
+
+  def __call__(self, worker: int, view: GGView) -> None:
     # Vectorised over workers: this runs once per step of every worker, with n up to hundreds.
+    k = self.k
     ready = view.started_at + view.estimates  # when each worker is expected to be ready
     ready[view.buffer.npending > 0] = np.inf  # never pick a worker with a pending group
     ready[worker] = np.inf
-    soonest = np.argpartition(ready, k)[:k] if k < num_workers else np.arange(num_workers)
+    soonest = np.argpartition(ready, k)[:k] if k < self.n else np.arange(self.n)
     soonest = soonest[np.argsort(ready[soonest], kind="stable")]
     soonest = soonest[np.isfinite(ready[soonest])]
-    near = soonest[ready[soonest] <= view.now + tolerance * view.estimates[worker]]
-    if not len(near) and skipped[worker] < max_gap:
-      skipped[worker] += 1
+    near = soonest[ready[soonest] <= view.now + self.tolerance * view.estimates[worker]]
+    if not len(near) and self.skipped[worker] < self.max_gap:
+      self.skipped[worker] += 1
       return
     if not len(near):
       near = soonest
-    skipped[worker] = 0
+    self.skipped[worker] = 0
     view.buffer.append([worker, *near.tolist()], view.now)
-
-  return request

@@ -1,0 +1,211 @@
+"""The online Group Generator in the runtime: one authority thread, queues in the coordination service.
+
+Transport (the jax.distributed key-value store; no server of ours):
+  ripples/q/<w>/<j>      entry j of worker w's queue (online.encode), written once by the authority
+  ripples/req/<w>/<r>    worker w's r-th request: the queue index it waits for
+  ripples/start/<w>      "<steps started> <started at> <last step time> <last gid>", overwritten by w
+The authority (a thread of process 0, as the paper's GG is one service) wakes on requests (one
+listener thread per worker, blocked in a get of that worker's next request key) and otherwise polls
+the start reports every `poll_s` for markers and the end of the run. Times are seconds since the
+run's common start (the start barrier), so no host clocks are compared.
+
+A worker's `Feed` keeps a get of its next queue key outstanding in a thread, so an entry appended
+while the worker computes is already local when the step ends: only an empty queue costs a round trip.
+"""
+import queue
+import threading
+import time
+
+import numpy as np
+
+from ripples_jax.runtime.coord import PREFIX
+from ripples_jax.schedule.online import MARK, STOP, decode, encode
+
+_GET_MS = 1000  # blocking gets wake this often to see whether the run is over
+
+
+def _is_timeout(e: Exception) -> bool:
+  text = str(e)
+  return "DEADLINE_EXCEEDED" in text or "NOT_FOUND" in text or "timed out" in text.lower()
+
+
+class Authority:
+  """Serves a `schedule.online.Service` to every worker; `snapshots[c]` is the service's state when
+  checkpoint marker c was inserted (process 0's worker saves it with its own state)."""
+
+  def __init__(self, kv, service, now, poll_s: float = 0.05):
+    self.kv, self.service, self.now, self.poll_s = kv, service, now, poll_s
+    self.n = service.n
+    self.posted = [0] * self.n
+    self.inbox = queue.Queue()
+    self.snapshots = {}
+    self.handled = []            # seconds spent handling each request (generation + posting)
+    self._seen = {}
+    self._stop = threading.Event()
+    self._threads = [threading.Thread(target=self._listen, args=(w,), name=f"ripples-gg-listen-{w}",
+                                      daemon=True) for w in range(self.n)]
+    self._threads.append(threading.Thread(target=self._serve, name="ripples-gg", daemon=True))
+    self.error = None
+
+  def start(self):
+    for t in self._threads:
+      t.start()
+    return self
+
+  def stop(self):
+    self._stop.set()
+
+  def _listen(self, w: int) -> None:
+    r = 0
+    while not self._stop.is_set():
+      try:
+        value = self.kv.blocking_key_value_get(f"{PREFIX}/req/{w}/{r}", _GET_MS)
+      except Exception as e:  # noqa: BLE001
+        if _is_timeout(e):
+          continue
+        return
+      self.inbox.put((w, int(value)))
+      r += 1
+
+  def _reports(self) -> None:
+    for key, value in self.kv.key_value_dir_get(f"{PREFIX}/start/"):
+      if self._seen.get(key) == value:
+        continue
+      self._seen[key] = value
+      steps, started, step_time, last_gid = value.split()
+      self.service.report(int(key.rsplit("/", 1)[1]), float(started), float(step_time), int(steps),
+                          int(last_gid))
+
+  def _serve(self) -> None:
+    try:
+      while not self._stop.is_set():
+        try:
+          w, want = self.inbox.get(timeout=self.poll_s)
+        except queue.Empty:
+          w = None
+        t0 = time.perf_counter()
+        self._reports()  # the freshest starts and step times before generating (Smart GG reads them)
+        if w is not None:
+          self.service.request(w, want, self.now())
+        for kind, ident in self.service.tick():
+          if kind == "ckpt":
+            self.snapshots[ident] = self.service.state()
+        self._post()
+        if w is not None:
+          self.handled.append(time.perf_counter() - t0)
+        if self.service.stopped and all(p == len(e) for p, e in zip(self.posted, self.service.entries)):
+          return
+    except Exception as e:  # noqa: BLE001  the service is gone (process 0 exiting): the watchdog tells
+      self.error = e
+
+  def _post(self) -> None:
+    for w, entries in enumerate(self.service.entries):
+      for j in range(self.posted[w], len(entries)):
+        self.kv.key_value_set(f"{PREFIX}/q/{w}/{j}", encode(entries[j]))
+      self.posted[w] = len(entries)
+
+
+class Feed:
+  """A worker's side of the protocol: its queue, prefetched; requests when it is empty."""
+
+  def __init__(self, kv, worker: int):
+    self.kv, self.me = kv, worker
+    self.local = queue.Queue()
+    self.taken = 0          # entries this worker has consumed
+    self.requests = 0
+    self.rtts = []          # seconds from a request to its answer
+    self._stop = threading.Event()
+    self._reports = queue.Queue()
+    threading.Thread(target=self._fetch, name="ripples-feed", daemon=True).start()
+    threading.Thread(target=self._send, name="ripples-report", daemon=True).start()
+
+  def _fetch(self) -> None:
+    j = 0
+    while not self._stop.is_set():
+      try:
+        value = self.kv.blocking_key_value_get(f"{PREFIX}/q/{self.me}/{j}", _GET_MS)
+      except Exception as e:  # noqa: BLE001
+        if _is_timeout(e):
+          continue
+        self.local.put(e)
+        return
+      entry = decode(value)
+      self.local.put(entry)
+      j += 1
+      if entry[0] == STOP:
+        return
+
+  def _send(self) -> None:
+    while True:
+      value = self._reports.get()
+      if value is None:
+        return
+      try:
+        self.kv.key_value_set(f"{PREFIX}/start/{self.me}", value, allow_overwrite=True)
+      except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+        return
+
+  def report(self, steps: int, started_at: float, step_time: float, last_gid: int) -> None:
+    """A step starts (sent by a thread, overlapped with the step)."""
+    self._reports.put(f"{steps} {started_at!r} {step_time!r} {last_gid}")
+
+  def next(self, timeout_s: float) -> tuple:
+    """The head entry of this worker's queue; with an empty queue, a request and its answer."""
+    try:
+      entry = self.local.get_nowait()
+    except queue.Empty:
+      t0 = time.perf_counter()
+      self.kv.key_value_set(f"{PREFIX}/req/{self.me}/{self.requests}", str(self.taken))
+      self.requests += 1
+      entry = self.local.get(timeout=timeout_s)
+      self.rtts.append(time.perf_counter() - t0)
+    if isinstance(entry, Exception):
+      raise entry
+    self.taken += 1
+    return entry
+
+  def close(self) -> None:
+    self._stop.set()
+    self._reports.put(None)
+
+
+class LocalFeed:
+  """A fixed schedule's queue (All-Reduce, Static GG): known locally, no authority, no round trip.
+
+  After the worker's step k+1 (k = 0 ..): the markers of point k (k syncs done; eval then ckpt),
+  then its group of layout k, or STOP after the last step. Markers: every `eval_every` and
+  `checkpoint_every` syncs, numbered from 1, the same points on every worker."""
+
+  def __init__(self, layouts, num_workers: int, worker: int, num_steps: int, eval_every: int,
+               checkpoint_every: int, resume_point: int = 0):
+    from ripples_jax.schedule.online import fixed_entry
+    self._fixed = lambda k: fixed_entry(layouts, num_workers, worker, k)
+    self.num_steps, self.every = num_steps, (("eval", eval_every), ("ckpt", checkpoint_every))
+    self._gen = self._entries(resume_point)
+    self.rtts, self.requests, self.taken = [], 0, 0
+
+  def _entries(self, start: int):
+    for k in range(start, self.num_steps):
+      if k > start or start == 0:  # a resumed run starts right after its point's markers
+        for kind, every in self.every:
+          if k and every and k % every == 0:
+            yield (MARK, kind, k // every)
+      yield (STOP,) if k == self.num_steps - 1 else self._fixed(k)
+
+  def report(self, *args) -> None:
+    pass
+
+  def next(self, timeout_s: float) -> tuple:
+    self.taken += 1
+    return next(self._gen)
+
+  def close(self) -> None:
+    pass
+
+
+def percentiles(seconds) -> dict:
+  """Median and p99 in milliseconds (None when empty)."""
+  if not len(seconds):
+    return {"median_ms": None, "p99_ms": None, "count": 0}
+  a = np.asarray(seconds) * 1e3
+  return {"median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "count": int(len(a))}
