@@ -38,6 +38,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("ar_steps", 40, "All-Reduce's steps when a straggler sets its pace.")
   flags.DEFINE_float("step_time", 0.1, "Seconds every step is padded to.")
   flags.DEFINE_float("rotate_every", 3.0, "The moving straggler's period (s).")
+  flags.DEFINE_integer("ckpt_repeats", 3, "Off/on pairs of the checkpoint scenario.")
   flags.DEFINE_list("scenarios", ["homogeneous", "slow2", "slow5", "moving", "random", "passive", "ckpt"],
                     "Scenarios to run.")
 
@@ -63,12 +64,14 @@ def run_one(out_dir, name, n, algorithm, steps, step_time, extra=()) -> dict:
   return r
 
 
-def predict(n, algorithm, slowdown, slow, step_time, jitter, rtt, rotate=0.0, random_p=0.0) -> float:
-  """The simulator's throughput (worker steps / s) for the runtime's measured step and round trip."""
+def predict(n, algorithm, slowdown, slow, step_time, jitter, rtt, alpha, rotate=0.0, random_p=0.0) -> float:
+  """The simulator's throughput (worker steps / s) for the runtime's measured step time and jitter,
+  request round trip and group time (as the per-message latency `alpha` of a ring all-reduce)."""
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
   config.hetero.slow_workers, config.hetero.slowdown = slow, slowdown
   config.hetero.jitter, config.hetero.random_p, config.hetero.rotate_every = jitter, random_p, rotate
   config.schedule.workers_per_node = max(1, n // 2)
+  config.timeline.alpha = alpha
   speed, net = sim.build_clock(config, model_bytes=0.0, base_time=step_time)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
   trace = timeline.simulate(algorithm, speed, net, 4000 * n, time_budget=60.0, gg=gg, rtt=rtt)
@@ -79,6 +82,34 @@ def measured_step(results) -> tuple[float, float]:
   """(median unslowed step time, lognormal sigma of the steps) from the homogeneous All-Reduce run."""
   t = np.array([e["t1"] - e["t0"] for ev in results.values() for e in ev if e["k"] == "step"])
   return float(np.median(t)), float(np.std(np.log(t)))
+
+
+def fit_alpha(runs) -> float:
+  """The ring all-reduce latency that explains the measured group times: each group's communication
+  (its last member's arrival to its end) over 2 (k - 1) messages, the median over groups."""
+  per_message = []
+  for r in runs:
+    arrivals, groups = {}, {}
+    for events in r["traces"].values():
+      for e in events:
+        if e["k"] == "group":
+          arrivals[e["g"]] = max(arrivals.get(e["g"], e["t0"]), e["t0"])
+          groups.setdefault(e["g"], []).append(e)
+    for g, evs in groups.items():
+      k = len(evs[0]["m"])
+      per_message.append(max(max(e["t1"] for e in evs) - arrivals[g], 0.0) / (2 * (k - 1)))
+  return float(np.median(per_message)) if per_message else 0.0
+
+
+def group_wait(r) -> float:
+  """Mean seconds from a group's first member's arrival to its last one's."""
+  first, last = {}, {}
+  for events in r["traces"].values():
+    for e in events:
+      if e["k"] == "group":
+        first[e["g"]] = min(first.get(e["g"], e["t0"]), e["t0"])
+        last[e["g"]] = max(last.get(e["g"], e["t0"]), e["t0"])
+  return float(np.mean([last[g] - first[g] for g in first]))
 
 
 def wait_fraction(r, workers) -> float:
@@ -97,7 +128,8 @@ def rate_over_time(r, width=0.5):
 
 
 def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, rotate_every=3.0,
-        scenarios=("homogeneous", "slow2", "slow5", "moving", "random", "passive", "ckpt")) -> dict:
+        scenarios=("homogeneous", "slow2", "slow5", "moving", "random", "passive", "ckpt"),
+        ckpt_repeats=3) -> dict:
   os.makedirs(out_dir, exist_ok=True)
   res, rows, out = {}, [], {}
   slow = (n - 1,)
@@ -116,6 +148,8 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
     for a in ("ripples_static", "ripples_random", "ripples_division", "ripples_smart"):
       r = go("homogeneous", a)
       rows.append(["homogeneous", a, r["window_throughput"] / ar["window_throughput"], 1.0, None, r])
+      if a == "ripples_random":  # DESIGN 3.7: a random group of 3 waits ~2/3 of a step for its partners
+        out["random_wait_per_group_steps"] = group_wait(r) / base
   else:
     base, jitter = step_time, 0.0
   rtts = []
@@ -146,7 +180,7 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
       r = go("random", a, [*rp, *extra])
       rows.append(["random p=0.2, s=5", a + (" (blocking)" if extra else ""),
                    r["window_throughput"] / ar["window_throughput"], None,
-                   (5, (), 0.0, 0.2) if a == "ripples_smart" else None, r])
+                   None if extra else (5, (), 0.0, 0.2), r])
   if "passive" in scenarios:
     out["passive_5x"] = {}
     for mode in ("concurrent", "blocking"):
@@ -155,25 +189,37 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
       out["passive_5x"][mode] = {"fast_wait_fraction": wait_fraction(r, fast),
                                  "throughput": r["window_throughput"]}
   if "ckpt" in scenarios:
+    # Off and on alternate, `ckpt_repeats` times each: run-to-run noise here is a few percent.
     every = max(1, int(round(3.0 / step_time)))  # a marker about every 3 s
-    off = go("ckpt", "ripples_smart")
-    on = go("ckpt", "ripples_smart", [f"--config.runtime.checkpoint_every={every}"])
-    out["checkpoint"] = {"every_steps": every, "off": off["window_throughput"], "on": on["window_throughput"],
-                         "cost": 1 - on["window_throughput"] / off["window_throughput"],
+    offs, ons = [], []
+    for i in range(ckpt_repeats):
+      offs.append(go(f"ckpt{i}", "ripples_smart")["window_throughput"])
+      on = go(f"ckpt{i}", "ripples_smart", [f"--config.runtime.checkpoint_every={every}",
+                                            "--config.runtime.checkpoint_keep=100"])
+      ons.append(on["window_throughput"])
+    costs = [1 - b / a for a, b in zip(offs, ons)]
+    out["checkpoint"] = {"every_steps": every, "off": offs, "on": ons, "cost_per_pair": costs,
+                         "cost_median": float(np.median(costs)),
+                         "cost_of_medians": 1 - float(np.median(ons)) / float(np.median(offs)),
                          "markers_saved": len(os.listdir(os.path.join(on["workdir"], "ckpt", "0")))}
   for r in [x for x in res.values() if x["request_rtt"]["count"]]:
     rtts.append(r["request_rtt"]["median_ms"] / 1e3)
   rtt = float(np.median(rtts)) if rtts else 0.0
   out["request_rtt_median_s"] = rtt
+  homogeneous = [v for k, v in res.items() if k[0] == "homogeneous" and k[1] in ("allreduce", "ripples_smart")]
+  alpha = fit_alpha(homogeneous or list(res.values()))
+  out["fitted_alpha_s"] = alpha
   out["request_rtt"] = {f"{k[0]}/{k[1]}": v["request_rtt"] for k, v in res.items() if v["request_rtt"]["count"]}
   table_rows = []
   for name, a, ratio, limit, sim_args, r in rows:
     pred = None
     if sim_args is not None:
       s, sl, rot, p = sim_args
-      pred = predict(n, a, s, sl, base, jitter, rtt, rot, p) / predict(n, "allreduce", s, sl, base, jitter, rtt, rot, p)
+      pred = (predict(n, a, s, sl, base, jitter, rtt, alpha, rot, p)
+              / predict(n, "allreduce", s, sl, base, jitter, rtt, alpha, rot, p))
     elif name == "homogeneous":
-      pred = predict(n, a, 1.0, (), base, jitter, rtt) / predict(n, "allreduce", 1.0, (), base, jitter, rtt)
+      pred = (predict(n, a, 1.0, (), base, jitter, rtt, alpha)
+              / predict(n, "allreduce", 1.0, (), base, jitter, rtt, alpha))
     err = None if pred is None else (pred - ratio) / ratio
     out.setdefault("ratios", {})[f"{name}/{a}"] = {"measured": ratio, "limit": limit, "predicted": pred,
                                                   "error": err, "requests": r["requests"],
@@ -193,7 +239,7 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
 def main(argv):
   del argv
   out = run(FLAGS.out, FLAGS.num_processes, FLAGS.steps, FLAGS.ar_steps, FLAGS.step_time, FLAGS.rotate_every,
-            FLAGS.scenarios)
+            FLAGS.scenarios, FLAGS.ckpt_repeats)
   if FLAGS.json_out:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
     with open(FLAGS.json_out, "w") as f:

@@ -45,6 +45,7 @@ def get_config(arg=None):
   c.schedule.group_size = 3        # Random GG, Group Division, Smart GG
   c.schedule.smart_tolerance = 0.5  # Smart GG: sync with workers ready within this x own step time
   c.schedule.smart_max_gap = 4      # Smart GG: at most this many skipped syncs in a row
+  c.schedule.request_ahead = True   # online GG: request the next group when a step starts (overlap)
   c.preduce_impl = "auto"          # auto | collective (one worker per device) | segment
 
   # executor=sim and async: heterogeneity and the clock (DESIGN 3.5, 3.1; async plans with the clock).

@@ -179,6 +179,9 @@ def _check_schedule(config, n):
         _fail("num_workers", n, f"a power of schedule.hypercube_group_size={g} for the hypercube layout")
   if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
     _int_in(config, "schedule.group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
+  if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart") and not isinstance(
+      s.request_ahead, bool):
+    _fail("schedule.request_ahead", s.request_ahead, "True or False")
   if config.algorithm == "ripples_smart":
     _number(config, "schedule.smart_tolerance", lambda v: v > 0, "a number > 0 (a fraction of a step time)")
     _int_in(config, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0")

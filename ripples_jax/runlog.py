@@ -37,9 +37,11 @@ import glob
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import socket
+import threading
 import time
 
 import jax
@@ -414,6 +416,7 @@ class RunLog:
     writes from the local state, to_local takes them back."""
     self.workdir, self.config, self.total_steps = workdir, config, total_steps
     self.per_process = per_process
+    self._saver, self._save_q, self._save_error = None, queue.Queue(), None
     self.is_lead = jax.process_index() == 0 if is_lead is None else is_lead
     self.lock = WorkdirLock(workdir)
     if self.is_lead:
@@ -530,6 +533,8 @@ class RunLog:
     """
     if self.mgr is None or step == self.last_ckpt or not (force or step % self.every == 0):
       return
+    if self.per_process is not None:
+      return self._checkpoint_in_background(step, state, cursor)
     sums, finite = checkpoint.fingerprint(state)
     if not finite:
       logging.warning("step %d: the state holds a non-finite value; not checkpointed (the last good "
@@ -549,6 +554,54 @@ class RunLog:
     self._announce(final=True)  # orbax's save waited for the previous write: committed by now
     self.last_ckpt = self._saving = step
 
+  def _checkpoint_in_background(self, step: int, state, cursor: dict) -> None:
+    """per_process: the state is copied to the host now (the loop goes on and donates its buffers)
+    and written by this run's saver thread, one checkpoint at a time, so a marker costs the loop a
+    device-to-host copy only. A failed write is raised at the next checkpoint() or wait()."""
+    self._raise_saver_error()
+    if self._file:
+      self._file.flush()
+    meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
+                                  "metrics_lines": count_lines(self.metrics_path)}))
+    if self._saver is None:
+      self._saver = threading.Thread(target=self._save_loop, name="ripples-saver", daemon=True)
+      self._saver.start()
+    self._save_q.put((step, jax.device_get(state), meta))
+    self.last_ckpt = step
+
+  def _save_loop(self) -> None:
+    while (item := self._save_q.get()) is not None:
+      step, host, meta = item
+      try:
+        sums, finite = checkpoint.fingerprint(jax.device_put(host))
+        if not finite:
+          logging.warning("step %d: the state holds a non-finite value; not checkpointed", step)
+        else:
+          with self._writing(f"{self.ckpt_dir}/{step}"):
+            checkpoint.save(self.mgr, step, self.per_process[1](host), {**meta, "sums": sums})
+          self._saving = step
+          self._announce(final=True)
+      except BaseException as e:  # noqa: BLE001  raised in the loop's thread at its next call
+        self._save_error = e
+      finally:
+        self._save_q.task_done()
+    self._save_q.task_done()
+
+  def _raise_saver_error(self) -> None:
+    if self._save_error is not None:
+      e, self._save_error = self._save_error, None
+      raise e
+
+  def _drain_saver(self, stop: bool = False) -> None:
+    if self._saver is not None:
+      if stop:
+        self._save_q.put(None)
+      self._save_q.join()
+      if stop:
+        self._saver.join()
+        self._saver = None
+    self._raise_saver_error()
+
   def _announce(self, final: bool = False) -> None:
     """One console line for the pending checkpoint once it is committed (orbax renames its folder to
     the step then); `final`: the write is over, so a checkpoint that is not there is dropped unsaid."""
@@ -563,6 +616,7 @@ class RunLog:
 
   def wait(self) -> None:
     """Blocks until every checkpoint write has committed."""
+    self._drain_saver()
     if self.mgr is not None:
       with self._writing(self.ckpt_dir):
         self.mgr.wait_until_finished()
@@ -662,6 +716,7 @@ class RunLog:
     try:
       if self.mgr is not None:
         try:
+          self._drain_saver(stop=True)
           with self._writing(self.ckpt_dir):
             self.mgr.wait_until_finished()
           self._announce(final=True)

@@ -103,7 +103,8 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
   gg = make_group_generator(config, np.random.default_rng([4, config.seed]))
   t_clock = time.time()
   trace = timeline.simulate(config.algorithm, speed, net, config.num_steps * config.num_workers,
-                            config.time_budget, gg, config.seed, config.timeline.request_rtt)
+                            config.time_budget, gg, config.seed, config.timeline.request_rtt,
+                            config.schedule.request_ahead)
   logging.info("%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, "
                "%.0f model bytes", config.algorithm, len(trace.events), trace.end_time,
                time.time() - t_clock, config.num_workers, base_time, model_bytes)

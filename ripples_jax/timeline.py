@@ -125,10 +125,12 @@ class Trace:
 
 
 def simulate(algorithm: str, speed: SpeedModel, net: Network, total_steps: int,
-             time_budget: float = 0.0, gg: Callable | None = None, seed: int = 0, rtt: float = 0.0) -> Trace:
+             time_budget: float = 0.0, gg: Callable | None = None, seed: int = 0, rtt: float = 0.0,
+             ahead: bool = True) -> Trace:
   """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out.
 
-  `rtt`: seconds a request to the Group Generator takes to be answered (the online protocol)."""
+  `rtt`: seconds a request to the Group Generator takes to be answered (the online protocol); `ahead`:
+  a worker requests its next group when its step starts (schedule.request_ahead)."""
   budget = time_budget or float("inf")
   if algorithm in SYNC_ALGORITHMS:
     return _simulate_sync(algorithm, speed, net, total_steps, budget)
@@ -138,7 +140,7 @@ def simulate(algorithm: str, speed: SpeedModel, net: Network, total_steps: int,
   elif algorithm == "ps_async":
     _ps_async(clock, net)
   else:
-    _group_buffer(clock, net, gg, rtt)
+    _group_buffer(clock, net, gg, rtt, ahead and getattr(gg, "ask_ahead", False))
   return clock.finish()
 
 
@@ -239,16 +241,20 @@ class _Clock:
     return self.trace
 
 
-def _group_buffer(clock: _Clock, net: Network, gg, rtt: float) -> None:
+def _group_buffer(clock: _Clock, net: Network, gg, rtt: float, ahead: bool = True) -> None:
   """Ripples as the online protocol (schedule/online.py): per local step a worker takes the head of
-  its queue; with an empty queue it asks the Group Generator, which answers after `rtt` seconds (the
-  request's round trip; handled at its midpoint). A fixed schedule (group_gen.Fixed) has no
-  generator: the entry after each step is known locally and costs nothing."""
+  its queue; with an empty queue it asks the Group Generator, whose answer arrives `rtt` seconds after
+  the request (handled at its midpoint). With `ahead` (generators whose groups do not depend on when
+  they are made: online.asks_ahead) a worker whose queue is empty when a step starts sends the request
+  for the entry after that step right away, so the round trip overlaps the step. A fixed schedule (group_gen.Fixed) has no generator: the entry
+  after each step is known locally and costs nothing."""
   n = clock.n
   fixed = isinstance(gg, Fixed)
   service = None if fixed else Service(n, gg, estimate=clock.speed.base_time)
   pos = [0] * n                      # next entry of each worker's queue
   last_gid = [-1] * n
+  asked = [None] * n                 # the queue index of a worker's request in flight
+  blocked = [None] * n               # since when a worker waits for its answer
   groups = {}                        # gid -> [members, arrived set, arrival times]
   clock.trace.buffer = service.buffer if service else None
 
@@ -256,6 +262,13 @@ def _group_buffer(clock: _Clock, net: Network, gg, rtt: float) -> None:
     if service is not None:  # what a worker's start report tells the generator (instant here)
       service.report(w, clock.now, clock.last_time[w], clock.iterations[w] + 1, last_gid[w])
     clock.start_compute(w, on_finish)
+    if service is not None and ahead and pos[w] >= len(service.entries[w]) and asked[w] is None:
+      estimate = clock.last_time[w] or clock.speed.base_time
+      ask(w, clock.now + estimate)
+
+  def ask(w, ready_at):
+    asked[w] = pos[w]
+    clock.at(clock.now + rtt / 2, handle, w, pos[w], ready_at)
 
   def on_finish(w):
     clock.applied(w, w)
@@ -267,22 +280,28 @@ def _group_buffer(clock: _Clock, net: Network, gg, rtt: float) -> None:
       entry = fixed_entry(gg.layouts, n, w, clock.iterations[w] - 1)
     elif pos[w] < len(service.entries[w]):
       entry = service.entries[w][pos[w]]
+      if asked[w] == pos[w]:
+        asked[w] = None
       pos[w] += 1
     else:
-      clock.at(clock.now + rtt / 2, handle, w, clock.now)
+      blocked[w] = clock.now
+      if asked[w] is None:
+        ask(w, clock.now)
       return
     if entry[0] == GROUP:
       arrive(w, entry)
     else:
       start(w)
 
-  def handle(w, asked):  # at the authority: generate on this arrival, answer after the other half
-    service.request(w, pos[w], clock.now)
-    clock.at(asked + rtt, answered, w, asked)
+  def handle(w, want, ready_at):  # at the authority: generate on this arrival, answer after rtt / 2
+    service.request(w, want, ready_at)
+    clock.at(clock.now + rtt / 2, answered, w)
 
-  def answered(w, asked):
-    clock.interval(w, WAIT, asked, clock.now)
-    take(w)
+  def answered(w):
+    if blocked[w] is not None:
+      clock.interval(w, WAIT, blocked[w], clock.now)
+      blocked[w] = None
+      take(w)
 
   def arrive(w, entry):
     _, gid, members = entry

@@ -38,7 +38,8 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
 
   def worker(w):
     try:
-      feed, last_gid, my_rng = Feed(kv, w), -1, random.Random(seed * 100 + w)
+      feed = Feed(kv, w, lambda: time.perf_counter() - t0, ahead=seed % 2 == 0)
+      last_gid, my_rng = -1, random.Random(seed * 100 + w)
       while True:
         feed.report(done_steps[w] + 1, time.perf_counter() - t0, speed[w], last_gid)
         time.sleep(speed[w] * my_rng.uniform(0.2, 3.0))

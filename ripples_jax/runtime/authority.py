@@ -2,21 +2,23 @@
 
 Transport (the jax.distributed key-value store; no server of ours):
   ripples/q/<w>/<j>      entry j of worker w's queue (online.encode), written once by the authority
-  ripples/req/<w>/<r>    worker w's r-th request: the queue index it waits for
-  ripples/start/<w>      "<steps started> <started at> <last step time> <last gid>", overwritten by w
+  ripples/req/<w>/<r>    worker w's r-th request: "<queue index it asks for> <when it is ready>"
+  ripples/started/<w>    "<steps started> <started at> <last step time> <last gid>", overwritten by w
 The authority (a thread of process 0, as the paper's GG is one service) wakes on requests (one
 listener thread per worker, blocked in a get of that worker's next request key) and otherwise polls
 the start reports every `poll_s` for markers and the end of the run. Times are seconds since the
 run's common start (the start barrier), so no host clocks are compared.
 
 A worker's `Feed` keeps a get of its next queue key outstanding in a thread, so an entry appended
-while the worker computes is already local when the step ends: only an empty queue costs a round trip.
+while the worker computes is already local when the step ends; with request-ahead it also sends its
+request when a step starts, so that only a round trip longer than the step is waited for.
 """
 import queue
 import threading
 import time
 
 import numpy as np
+from absl import logging
 
 from ripples_jax.runtime.coord import PREFIX
 from ripples_jax.schedule.online import MARK, STOP, decode, encode
@@ -64,11 +66,12 @@ class Authority:
         if _is_timeout(e):
           continue
         return
-      self.inbox.put((w, int(value)))
+      want, ready_at = value.split()
+      self.inbox.put((w, int(want), float(ready_at)))
       r += 1
 
   def _reports(self) -> None:
-    for key, value in self.kv.key_value_dir_get(f"{PREFIX}/start/"):
+    for key, value in self.kv.key_value_dir_get(f"{PREFIX}/started/"):
       if self._seen.get(key) == value:
         continue
       self._seen[key] = value
@@ -80,13 +83,13 @@ class Authority:
     try:
       while not self._stop.is_set():
         try:
-          w, want = self.inbox.get(timeout=self.poll_s)
+          w, want, ready_at = self.inbox.get(timeout=self.poll_s)
         except queue.Empty:
           w = None
         t0 = time.perf_counter()
         self._reports()  # the freshest starts and step times before generating (Smart GG reads them)
         if w is not None:
-          self.service.request(w, want, self.now())
+          self.service.request(w, want, ready_at)
         for kind, ident in self.service.tick():
           if kind == "ckpt":
             self.snapshots[ident] = self.service.state()
@@ -97,6 +100,7 @@ class Authority:
           return
     except Exception as e:  # noqa: BLE001  the service is gone (process 0 exiting): the watchdog tells
       self.error = e
+      logging.warning("the Group Generator's authority stopped: %s: %s", type(e).__name__, e)
 
   def _post(self) -> None:
     for w, entries in enumerate(self.service.entries):
@@ -108,12 +112,14 @@ class Authority:
 class Feed:
   """A worker's side of the protocol: its queue, prefetched; requests when it is empty."""
 
-  def __init__(self, kv, worker: int):
-    self.kv, self.me = kv, worker
+  def __init__(self, kv, worker: int, now, ahead: bool = True):
+    self.kv, self.me, self.now, self.ahead = kv, worker, now, ahead
     self.local = queue.Queue()
     self.taken = 0          # entries this worker has consumed
     self.requests = 0
-    self.rtts = []          # seconds from a request to its answer
+    self.asked = None       # (queue index, when sent) of the request in flight
+    self.rtts = []          # seconds from a request to its answer's arrival here
+    self.blocked = []       # seconds the worker waited for an answer after its step
     self._stop = threading.Event()
     self._reports = queue.Queue()
     threading.Thread(target=self._fetch, name="ripples-feed", daemon=True).start()
@@ -127,10 +133,10 @@ class Feed:
       except Exception as e:  # noqa: BLE001
         if _is_timeout(e):
           continue
-        self.local.put(e)
+        self.local.put((e, None))
         return
       entry = decode(value)
-      self.local.put(entry)
+      self.local.put((entry, time.perf_counter()))
       j += 1
       if entry[0] == STOP:
         return
@@ -141,26 +147,37 @@ class Feed:
       if value is None:
         return
       try:
-        self.kv.key_value_set(f"{PREFIX}/start/{self.me}", value, allow_overwrite=True)
+        self.kv.key_value_set(f"{PREFIX}/started/{self.me}", value, allow_overwrite=True)
       except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
         return
 
+  def _request(self, ready_at: float) -> None:
+    self.kv.key_value_set(f"{PREFIX}/req/{self.me}/{self.requests}", f"{self.taken} {ready_at!r}")
+    self.requests += 1
+    self.asked = (self.taken, time.perf_counter())
+
   def report(self, steps: int, started_at: float, step_time: float, last_gid: int) -> None:
-    """A step starts (sent by a thread, overlapped with the step)."""
+    """A step starts: tell the authority (from a thread, overlapped with the step); with request-ahead
+    and nothing queued, ask for the entry after this step now."""
     self._reports.put(f"{steps} {started_at!r} {step_time!r} {last_gid}")
+    if self.ahead and self.asked is None and self.local.empty():
+      self._request(started_at + step_time)
 
   def next(self, timeout_s: float) -> tuple:
     """The head entry of this worker's queue; with an empty queue, a request and its answer."""
     try:
-      entry = self.local.get_nowait()
+      entry, arrived = self.local.get_nowait()
     except queue.Empty:
       t0 = time.perf_counter()
-      self.kv.key_value_set(f"{PREFIX}/req/{self.me}/{self.requests}", str(self.taken))
-      self.requests += 1
-      entry = self.local.get(timeout=timeout_s)
-      self.rtts.append(time.perf_counter() - t0)
+      if self.asked is None:
+        self._request(self.now())
+      entry, arrived = self.local.get(timeout=timeout_s)
+      self.blocked.append(time.perf_counter() - t0)
     if isinstance(entry, Exception):
       raise entry
+    if self.asked is not None and self.asked[0] == self.taken:  # the answer (or what came first)
+      self.rtts.append(max(0.0, arrived - self.asked[1]))
+      self.asked = None
     self.taken += 1
     return entry
 
@@ -182,7 +199,7 @@ class LocalFeed:
     self._fixed = lambda k: fixed_entry(layouts, num_workers, worker, k)
     self.num_steps, self.every = num_steps, (("eval", eval_every), ("ckpt", checkpoint_every))
     self._gen = self._entries(resume_point)
-    self.rtts, self.requests, self.taken = [], 0, 0
+    self.rtts, self.blocked, self.requests, self.taken = [], [], 0, 0
 
   def _entries(self, start: int):
     for k in range(start, self.num_steps):

@@ -76,6 +76,7 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
   ends = {w: next((e for e in traces.get(w, []) if e["k"] == "end"), {}) for w in range(n)}
   rtts = [x for e in ends.values() for x in (e.get("rtt") or [])]
   handled = [x for e in ends.values() for x in (e.get("handled") or [])]
+  blocked = [x for e in ends.values() for x in (e.get("blocked") or [])]
   throughput, window = window_throughput(traces)
   summary = log.finish(
       time=end, worker_steps=steps, compute_time=split["compute"], wait_time=split["wait"],
@@ -84,6 +85,8 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
       step_time=config.runtime.step_time, slow_workers=list(config.hetero.slow_workers),
       slowdown=config.hetero.slowdown, window_throughput=throughput, window_end=window,
       requests=[ends[w].get("requests") for w in range(n)], request_rtt=authority_lib.percentiles(rtts),
-      authority_handling=authority_lib.percentiles(handled))
+      authority_handling=authority_lib.percentiles(handled),
+      request_blocked=authority_lib.percentiles(blocked),
+      request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)])
   trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
   return summary

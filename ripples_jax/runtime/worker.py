@@ -37,7 +37,7 @@ from ripples_jax.runtime import coord, summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import LOCAL, WORKER, GroupAverager, to_global, to_local
 from ripples_jax.schedule import make_group_generator, static_layouts
-from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, Cadence, Service
+from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, Cadence, Service, asks_ahead
 from ripples_jax.timeline import slow_at
 
 def snapshot_path(workdir: str, name, worker: int) -> str:
@@ -170,7 +170,8 @@ class Worker:
     return jax.tree.map(lambda a: jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self.rep), local)
 
   def to_global(self, local):
-    return jax.tree.map(lambda a: to_global(a, self.global_mesh), local)
+    """This worker's state (on its devices or on the host) as its rows of (workers, ...) arrays."""
+    return jax.tree.map(lambda a: to_global(jax.device_put(a, self.rep), self.global_mesh), local)
 
   def to_local(self, global_tree):
     return jax.tree.map(lambda a: to_local(a, self.rep), global_tree)
@@ -201,6 +202,9 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
   mark = agree_on_marker(kv, me, n, log.committed(), rt.stall_timeout)
   like = worker.pack(Loop(worker.fresh()))
   got = log.restore(like, steps=[mark] if mark is not None else [])
+  if got is None and mark is not None:
+    raise RuntimeError(f"{log.ckpt_dir}/{mark}: this worker's checkpoint of the newest marker every worker "
+                       "saved does not read back; the workers cannot resume from one consistent cut")
   if got is None:
     loop = Loop(worker.fresh())
   else:
@@ -219,7 +223,7 @@ def make_feed(worker: Worker, loop: Loop, kv):
   """The queue this worker reads: the authority's (dynamic generators) or the fixed schedule's."""
   c, me = worker.config, worker.me
   if c.algorithm in DYNAMIC:
-    return authority_lib.Feed(kv, me)
+    return authority_lib.Feed(kv, me, worker.now, asks_ahead(c))
   layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
   point = loop.syncs if loop.resumed_at is not None else 0
   return authority_lib.LocalFeed(layouts, c.num_workers, me, c.num_steps, c.eval_every,
@@ -255,6 +259,8 @@ def run(config, workdir: str) -> dict:
               checkpoint_keep=rt.checkpoint_keep, per_process=per_process) as log:
     loop = resume(worker, log, kv, workdir)
     loop.last_step_time = loop.last_step_time or estimate
+    if rt.checkpoint_every:  # compiles the checkpoint fingerprint now, not at the first marker
+      ckpt_lib.fingerprint(jax.device_put(jax.device_get(worker.pack(loop))))
     trace = trace_lib.TraceWriter(workdir, me, keep_before_epoch=loop.epoch if loop.resumed_at is not None else None)
     progress = {"steps": loop.steps_done, "events": 0, "done": False}
     watchdog = coord.Watchdog(kv, me, n, lambda: (progress["steps"], progress["events"], progress["done"]),
@@ -272,7 +278,7 @@ def run(config, workdir: str) -> dict:
         log.checkpoint(loop.epoch + 1, worker.pack(loop), cursor(worker, loop, loop.epoch + 1, final), force=True)
       np.save(snapshot_path(workdir, "final", me), np.asarray(loop.state["flat"]))
       trace.add(k="end", c=loop.epoch, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles,
-                rtt=feed.rtts, requests=feed.requests,
+                rtt=feed.rtts, blocked=feed.blocked, requests=feed.requests,
                 handled=authority.handled if authority is not None else None)
       trace.flush()
       log.wait()

@@ -78,7 +78,9 @@ class Fixed:
 
 
 class _Generator:
-  """A generator with a numpy Generator as its hidden state (saved and loaded as JSON)."""
+  """A generator with a numpy Generator as its hidden state (saved and loaded as JSON). Its groups do
+  not depend on when a request is handled, so a worker may send its request ahead (`ask_ahead`)."""
+  ask_ahead = True
 
   def __init__(self, rng: np.random.Generator):
     self.rng = rng
@@ -125,6 +127,8 @@ class division_gg(_Generator):
 
 
 class smart_gg:
+  ask_ahead = False  # its groups are about who is ready together: asked when the worker is ready
+
   """Smart GG (heterogeneity-aware, our design since the paper's detail is not public).
 
   When worker i is ready with nothing to run, it is grouped with the group_size-1 workers that have no

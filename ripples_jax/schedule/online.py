@@ -7,7 +7,12 @@ queue of entries that only the authority appends to:
   ("M", kind, id)       a point of the global order (a checkpoint or an evaluation): act, then go on
   ("S",)                the run is over
 Per local step a worker takes the head of its queue, markers first; with an empty queue it sends a
-request carrying its measured step time and waits for its next entry. The authority generates groups
+request carrying its measured step time and waits for its next entry. With request-ahead
+(schedule.request_ahead, the default; `asks_ahead`) a worker whose queue is empty when a step
+*starts* sends the request for the entry after that step at once, so the round trip overlaps the
+step. Only for generators whose groups do not depend on when they are made (Random GG, Group
+Division): Smart GG groups the workers that are ready together, so its requests are sent when ready
+(sent ahead, a request would be decided on the speeds before a straggler's first slow step). The authority generates groups
 on these actual arrivals and appends each group to all its members' queues under one global sequence
 number (gid); markers and STOP go to every queue at once.
 
@@ -63,6 +68,13 @@ class Cadence:
   checkpoint_every: int = 0        # an ("M", "ckpt", k) marker every this many steps (0: none)
 
 
+def asks_ahead(config) -> bool:
+  """Whether workers send their requests when a step starts (see the module docstring)."""
+  from ripples_jax.schedule import make_group_generator
+  gg = make_group_generator(config, np.random.default_rng(0))
+  return bool(config.schedule.request_ahead and getattr(gg, "ask_ahead", False))
+
+
 class Service:
   """The authority's state: the Group Buffer, the generator, what it knows of every worker."""
 
@@ -92,7 +104,8 @@ class Service:
     self.buffer.done(worker, last_gid - self.gid0)
 
   def request(self, worker: int, want: int, now: float) -> bool:
-    """Worker waits for entry `want` of its queue (its queue is empty). Returns whether it got one."""
+    """Worker asks for entry `want` of its queue (which is empty), being ready at `now` (a request
+    sent ahead: when it expects to be). Returns whether anything was generated for it."""
     if want < len(self.entries[worker]):
       return False  # something was appended while the request travelled: the worker takes that
     self.buffer.requests += 1
