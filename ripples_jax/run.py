@@ -10,18 +10,32 @@ import jax
 from ripples_jax.config import validate_train_config
 
 
-def train_and_evaluate(config, workdir: str | None = None) -> dict:
-  """Runs the config; returns its summary (summary.json's dict) on process 0."""
+def train_and_evaluate(config, workdir: str | None = None, return_state: bool = False):
+  """Runs the config; returns its summary (summary.json's dict) on process 0.
+
+  With `return_state`, returns (summary, model): the final state as `load(workdir)` gives it (per-worker
+  and averaged params and model state, the config), read back from the run's final checkpoint (an
+  async run: its final state files), so what is returned is exactly what a later `load` returns.
+  """
   # Before anything loads or compiles: a bad value stops the run with one line.
   validate_train_config(config, jax.device_count(), jax.process_count(), jax.local_device_count())
+  if return_state and config.executor != "async" and not config.checkpoint_every:
+    from ripples_jax.config import ConfigError
+    raise ConfigError(f"config.checkpoint_every: {config.checkpoint_every} is not allowed with "
+                      "return_state=True: a positive number of steps (the state comes back from the final "
+                      "checkpoint)")
   if config.executor == "async":
     from ripples_jax.runtime import worker
-    return worker.run(config, workdir)
-  if config.executor == "sim":
+    summary = worker.run(config, workdir)
+  elif config.executor == "sim":
     from ripples_jax import sim
-    return sim.simulate_and_train(config, workdir)[0]
-  from ripples_jax import spmd
-  return spmd.train(config, workdir)
+    summary = sim.simulate_and_train(config, workdir)[0]
+  else:
+    from ripples_jax import spmd
+    summary = spmd.train(config, workdir)
+  if not return_state:
+    return summary
+  return summary, load(summary["workdir"]) if jax.process_index() == 0 else None
 
 
 def load(workdir: str, step: int | None = None) -> dict:

@@ -1,5 +1,6 @@
 """The public API: every name in ripples_jax.__all__ resolves, and P-Reduce / mixing matrices agree."""
 import numpy as np
+import pytest
 
 import ripples_jax
 
@@ -20,3 +21,12 @@ def test_p_reduce_equals_the_mixing_matrix():
   # Fixed disjoint groups never mix across groups (gap 0); one group of everyone mixes in a round (gap 1).
   assert abs(ripples_jax.spectral_gap([ripples_jax.mixing_matrix(groups, 8)])) < 1e-9
   assert abs(ripples_jax.spectral_gap([ripples_jax.mixing_matrix([tuple(range(8))], 8)]) - 1) < 1e-9
+
+
+def test_return_state_needs_the_final_checkpoint():
+  from configs import default
+  from ripples_jax.config import ConfigError
+  config = default.get_config("executor=sim,num_workers=8,dataset=synthetic,model=mlp,steps=2")
+  config.checkpoint_every = 0
+  with pytest.raises(ConfigError, match=r"^config.checkpoint_every: 0 is not allowed with return_state=True"):
+    ripples_jax.train_and_evaluate(config, None, return_state=True)

@@ -127,8 +127,6 @@ class division_gg(_Generator):
 
 
 class smart_gg:
-  ask_ahead = False  # its groups are about who is ready together: asked when the worker is ready
-
   """Smart GG (heterogeneity-aware, our design since the paper's detail is not public).
 
   When worker i is ready with nothing to run, it is grouped with the group_size-1 workers that have no
@@ -139,6 +137,7 @@ class smart_gg:
   `max_gap` times in a row: then it takes the soonest workers whatever their distance, which bounds
   how far any worker drifts from the rest.
   """
+  ask_ahead = False  # its groups are about who is ready together: asked when the worker is ready
 
   def __init__(self, num_workers: int, group_size: int, tolerance: float = 0.5, max_gap: int = 4):
     self.n, self.k, self.tolerance, self.max_gap = num_workers, group_size - 1, tolerance, max_gap
