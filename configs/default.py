@@ -62,6 +62,9 @@ def get_config(arg=None):
   c.timeline.ps_bandwidth = 1.25e9  # the parameter server's link
   c.timeline.model_bytes = 0.0     # 0: the model's real float32 bytes
   c.timeline.request_rtt = 0.0     # seconds a request to the Group Generator takes to be answered
+  c.timeline.adpsgd_serial = True  # AD-PSGD's cost parts (timeline.AdpsgdCost): a passive worker serves
+  c.timeline.adpsgd_fixed_cost = 0.0  # one average at a time; seconds added to every average; the
+  c.timeline.adpsgd_passive_blocks = False  # passive worker's compute pauses while it serves
   c.time_budget = 0.0              # virtual seconds; 0: run num_steps x num_workers worker steps
   c.target_accuracy = 0.0          # summary.json reports time_to_target when set
 

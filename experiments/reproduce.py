@@ -58,6 +58,10 @@ STEPS = {
                   ["--cases=cnn1d/mnist1d", "--stages=2", "--reps=3", "--out={work}/table.md"]),
     "checkpoint": ("benchmarks.bench_checkpoint", ["--reps=2", "--out={work}/table.md"],
                    ["--reps=1", "--steps=200", "--out={work}/table.md"]),
+    # The claims ledger (throughput on the clock; --all adds the time-to-accuracy training runs).
+    "ledger": ("experiments.ledger", ["--out={work}", "--tta"], ["--out={work}", "--seeds=1", "--steps=100"]),
+    # The online Group Generator in the runtime, every scenario: --all only (~17 minutes).
+    "online": ("benchmarks.bench_online", ["--out={work}"], None),
 }
 
 

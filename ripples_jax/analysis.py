@@ -11,14 +11,18 @@ import numpy as np  # noqa: E402
 COLORS = {"compute": "#4C72B0", "wait": "#DD8452", "comm": "#55A868"}
 
 
-def accuracy_vs_time(panels: dict, path: str, title: str, xlabel: str = "virtual time (s)") -> None:
-  """panels: {panel title: {label: [(virtual seconds, test accuracy), ...]}}; one subplot per panel."""
+def accuracy_vs_time(panels: dict, path: str, title: str, xlabel: str = "virtual time (s)",
+                     target: float | None = None) -> None:
+  """panels: {panel title: {label: [(virtual seconds, test accuracy), ...]}}; one subplot per panel;
+  `target` (a fraction) is drawn as a dashed line."""
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
   for ax, (name, curves) in zip(axes[0], panels.items()):
     for label, points in curves.items():
       if points:
         t, acc = zip(*points)
         ax.plot(t, [100 * a for a in acc], marker=".", label=label)
+    if target is not None:
+      ax.axhline(100 * target, color="gray", linestyle="--", linewidth=1, label=f"target {100 * target:.0f}%")
     ax.set_title(name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy of the averaged model (%)")

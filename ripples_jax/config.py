@@ -199,6 +199,10 @@ def _check_schedule(config, n):
     _number(config, "hetero.jitter", lambda v: v >= 0, "a lognormal sigma >= 0")
     _number(config, "hetero.rotate_every", lambda v: v >= 0, "seconds >= 0 (0: the slow workers stay)")
     _number(config, "timeline.request_rtt", lambda v: v >= 0, "seconds >= 0")
+    _number(config, "timeline.adpsgd_fixed_cost", lambda v: v >= 0, "seconds >= 0")
+    for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
+      if not isinstance(config.timeline[key], bool):
+        _fail(f"timeline.{key}", config.timeline[key], "True or False")
     _number(config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)")
     for key in ("alpha", "model_bytes"):
       _number(config, f"timeline.{key}", lambda v: v >= 0, "a number >= 0")

@@ -97,6 +97,11 @@ def simulate_and_train(config, workdir: str | None = None):
   return summary, trace
 
 
+def adpsgd_cost(config) -> timeline.AdpsgdCost:
+  tl = config.timeline
+  return timeline.AdpsgdCost(bool(tl.adpsgd_serial), float(tl.adpsgd_fixed_cost), bool(tl.adpsgd_passive_blocks))
+
+
 def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
   """The whole run's events: the clock alone, with the speeds, the network and the Group Generator."""
   speed, net = build_clock(config, model_bytes, base_time)
@@ -104,7 +109,7 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
   t_clock = time.time()
   trace = timeline.simulate(config.algorithm, speed, net, config.num_steps * config.num_workers,
                             config.time_budget, gg, config.seed, config.timeline.request_rtt,
-                            config.schedule.request_ahead)
+                            config.schedule.request_ahead, adpsgd_cost(config))
   logging.info("%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, "
                "%.0f model bytes", config.algorithm, len(trace.events), trace.end_time,
                time.time() - t_clock, config.num_workers, base_time, model_bytes)

@@ -126,17 +126,18 @@ class Trace:
 
 def simulate(algorithm: str, speed: SpeedModel, net: Network, total_steps: int,
              time_budget: float = 0.0, gg: Callable | None = None, seed: int = 0, rtt: float = 0.0,
-             ahead: bool = True) -> Trace:
+             ahead: bool = True, adpsgd_cost: "AdpsgdCost | None" = None) -> Trace:
   """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out.
 
   `rtt`: seconds a request to the Group Generator takes to be answered (the online protocol); `ahead`:
-  a worker requests its next group when its step starts (schedule.request_ahead)."""
+  a worker requests its next group when its step starts (schedule.request_ahead); `adpsgd_cost`: the
+  AD-PSGD cost model's parts (AdpsgdCost; default: as published)."""
   budget = time_budget or float("inf")
   if algorithm in SYNC_ALGORITHMS:
     return _simulate_sync(algorithm, speed, net, total_steps, budget)
   clock = _Clock(speed, total_steps, budget)
   if algorithm == "adpsgd":
-    _adpsgd(clock, net, np.random.default_rng([3, seed]))
+    _adpsgd(clock, net, np.random.default_rng([3, seed]), adpsgd_cost or AdpsgdCost())
   elif algorithm == "ps_async":
     _ps_async(clock, net)
   else:
@@ -330,19 +331,39 @@ def _group_buffer(clock: _Clock, net: Network, gg, rtt: float, ahead: bool = Tru
     clock.trace.requests = service.buffer.requests
 
 
-def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator) -> None:
+@dataclasses.dataclass(frozen=True)
+class AdpsgdCost:
+  """What an AD-PSGD pair average costs beyond moving the bytes, each part switchable (the paper's
+  AD-PSGD baseline is slow for reasons it does not itemise; these are the candidates):
+    serial          a passive worker serves one atomic average at a time (requests queue, FIFO)
+    fixed           seconds added to every average (locking, a gossip thread's hand-off, an RPC)
+    passive_blocks  the passive worker's computation stops while it serves an average
+  The default is Lian et al.'s AD-PSGD as published: serial atomic averages, nothing else."""
+  serial: bool = True
+  fixed: float = 0.0
+  passive_blocks: bool = False
+
+
+def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdCost = AdpsgdCost()) -> None:
   """AD-PSGD: active (odd) workers average with a random passive (even) one after every step.
 
   The passive side never waits: its averaging lands through its communication channel while it
-  computes (requests to one passive worker serialise, first come first served). Only active workers
+  computes (with cost.serial, requests to one passive worker serialise, first come first served; with
+  cost.passive_blocks its computation pauses for each average it serves). Only active workers
   initiate, so the waits-for graph is bipartite and acyclic: no deadlock.
   """
   n = clock.n
   passive = np.arange(0, n, 2)
   channel_free = np.zeros(n)
+  paused = np.zeros(n)  # seconds a passive worker's current step has been paused by averages
   clock.trace.pairs = []
 
   def on_finish(w):
+    if paused[w] > 0:  # the step is not done: it lost this long to the averages it served
+      d, paused[w] = paused[w], 0.0
+      clock.interval(w, COMM, clock.now, clock.now + d)
+      clock.at(clock.now + d, on_finish, w)
+      return
     clock.applied(w, w)
     if clock.stopped:
       return
@@ -350,9 +371,11 @@ def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator) -> None:
       clock.start_compute(w, on_finish)
       return
     j = int(rng.choice(passive))
-    begin = max(clock.now, channel_free[j])
-    d = net.allreduce(2)
-    channel_free[j] = begin + d
+    begin = max(clock.now, channel_free[j]) if cost.serial else clock.now
+    d = net.allreduce(2) + cost.fixed
+    channel_free[j] = max(channel_free[j], begin + d)
+    if cost.passive_blocks:
+      paused[j] += d
     clock.interval(w, WAIT, clock.now, begin)
     clock.interval(w, COMM, begin, begin + d)
     clock.trace.pairs.append((w, j))

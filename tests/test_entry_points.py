@@ -144,3 +144,15 @@ def test_bench_online(tmp_path):
   assert set(out["ratios"]) == {"worker 1 2x slower/ripples_smart", "worker 1 2x slower/adpsgd"}
   assert all(r["measured"] > 0 and r["predicted"] > 0 for r in out["ratios"].values())
   assert (tmp_path / "online" / "table.md").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_ledger(tmp_path):
+  from experiments import ledger
+  out = ledger.run(str(tmp_path), seeds=1, steps=20)
+  assert len(out["claims"]) == len(ledger.CLAIMS) and len(out["adpsgd_cost"]) == 6
+  assert all(c["throughput_light"][0] > 0 for c in out["claims"])
+  got = ledger.tta(str(tmp_path), seeds=1, steps=4, target=0.0, scenarios=("homogeneous",),
+                   algorithms=("allreduce", "ripples_smart"))
+  assert got["homogeneous"]["ripples_smart"]["steps"] == [1]  # target 0: reached at the first step
+  assert (tmp_path / "tta.md").stat().st_size > 0 and (tmp_path / "tta_homogeneous.png").exists()

@@ -195,3 +195,27 @@ def test_a_time_budget_run_ends_with_an_evaluation(tmp_path):
   assert trace.end_time <= 0.035 and sum(summary["worker_steps"]) < 6 * 8
   assert "test_accuracy" in records[-1] and records[-1]["time"] == trace.end_time
   assert summary["final_test_accuracy"] == records[-1]["test_accuracy"]
+
+
+def test_adpsgd_cost_parts_each_slow_it_down_and_pause_the_passive_side():
+  from experiments import ledger
+  base, tr = ledger.throughput("adpsgd", "heavy", steps=40)
+  assert tr.time_split()["comm"][::2].sum() == 0  # as published: the passive side never pauses
+  blocks, tb = ledger.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(passive_blocks=True))
+  assert tb.time_split()["comm"][::2].sum() > 0 and blocks < base
+  fixed, _ = ledger.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(fixed=0.3))
+  assert fixed < base
+  # Averages queue at a passive worker only when serialised: switched off, nobody waits for one.
+  _, free = ledger.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(serial=False))
+  assert free.time_split()["wait"].sum() == 0 < tr.time_split()["wait"].sum()
+
+
+@pytest.mark.parametrize("setting", ["light", "heavy"])
+def test_ledger_outcomes_who_is_faster(setting):
+  """The ledger's qualitative outcomes, small and deterministic (no timing: virtual time)."""
+  from experiments import ledger
+  t = {a: ledger.throughput(a, setting, 5.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "adpsgd")}
+  assert t["ripples_smart"] > 3 * t["allreduce"]  # a 5x straggler: Smart GG far ahead of All-Reduce
+  assert t["adpsgd"] > t["ripples_smart"]  # and AD-PSGD as published ahead of Smart GG, unlike the paper
+  h = {a: ledger.throughput(a, setting, 1.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")}
+  assert h["ripples_smart"] > h["allreduce"] and h["ripples_smart"] > h["ps_sync"]

@@ -1,0 +1,223 @@
+r"""The claims ledger of the Ripples paper, on the throughput metric (the clock alone), 3 seeds.
+
+  python -m experiments.ledger --out=results/ledger            # ~1 minute on 2 cores
+
+For every claim of the Ripples seed: the paper's figure and metric, our worker-steps-per-second ratio
+in the same comparison (mean and spread over seeds), in a communication-light setting (MNIST-1D CNN
+sizes: 0.2 MB, 10 Gb/s, 10 ms steps) and a communication-heavy one (the paper's VGG-16 setting: 528 MB,
+56 Gb/s, 0.3 s steps), 16 workers, 5% step jitter. Then AD-PSGD's cost model, one part at a time
+(timeline.AdpsgdCost), in the VGG-16 setting: which assumption, if any, gives the paper's "Ripples
+4.3x AD-PSGD" homogeneous. And Smart GG against All-Reduce at 16, 64 and 256 workers (5x straggler).
+
+With --tta (training runs through the simulator executor, ~15 minutes): the paper's own metric, time to
+a target test accuracy of the averaged model, end to end in virtual time (communication included, the
+evaluations outside the clock), and iterations to it, evaluated after every step (resolution: one step
+of the run), per algorithm and scenario (homogeneous, one worker 5x slower, random slowdowns, a moving
+straggler, label-skewed shards; light, and the VGG-16 clock for the first two), 3 seeds: tta.md, one
+figure per scenario.
+"""
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+from benchmarks.timing import Table
+from configs import default as default_config
+from ripples_jax import analysis, schedule as schedule_lib, sim, timeline
+
+FLAGS = flags.FLAGS
+
+SETTINGS = {  # name: (model bytes, bandwidth B/s, step s)
+    "light": (2e5, 1.25e9, 0.01),
+    "heavy": (528e6, 56e9 / 8, 0.3),
+}
+# (claim, paper figure, paper metric, scenario (slowdown, slow workers), ours: (algorithm, baseline))
+CLAIMS = [
+    ("homogeneous vs All-Reduce", "1.1x (arXiv) / 1.2x (ASPLOS)", "training time", 1.0,
+     ("ripples_smart", "allreduce")),
+    ("homogeneous vs All-Reduce (Group Division)", "1.1x / 1.2x", "training time", 1.0,
+     ("ripples_division", "allreduce")),
+    ("homogeneous vs Parameter Server (sync)", "5.1x / 5.3x", "training time", 1.0, ("ripples_smart", "ps_sync")),
+    ("homogeneous vs Parameter Server (async)", "5.1x / 5.3x", "training time", 1.0, ("ripples_smart", "ps_async")),
+    ("homogeneous vs AD-PSGD", "4.3x / 3.7x", "training time", 1.0, ("ripples_smart", "adpsgd")),
+    ("one worker 2x slower vs All-Reduce", "2x / 4.4x (setting unknown)", "training time", 2.0,
+     ("ripples_smart", "allreduce")),
+    ("one worker 2x slower vs Parameter Server", "3x", "training time", 2.0, ("ripples_smart", "ps_sync")),
+    ("one worker 5x slower vs All-Reduce", "5.01x", "training time", 5.0, ("ripples_smart", "allreduce")),
+    ("one worker 5x slower vs AD-PSGD", "4.23x", "training time", 5.0, ("ripples_smart", "adpsgd")),
+]
+
+
+def define_flags():
+  flags.DEFINE_string("out", "results/ledger", "Output folder.")
+  flags.DEFINE_bool("tta", False, "Also the time-to-accuracy runs (training, ~15 minutes).")
+  flags.DEFINE_float("target", 0.55, "Target test accuracy for time to accuracy.")
+  flags.DEFINE_integer("tta_steps", 300, "Steps per worker of each training run.")
+  flags.DEFINE_integer("seeds", 3, "Seeds per cell.")
+  flags.DEFINE_integer("steps", 300, "Steps per worker in each clock run.")
+
+
+def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=None, group_size=3):
+  """Worker steps per (virtual) second and the trace of one clock run."""
+  nbytes, bandwidth, step = SETTINGS[setting]
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
+  config.hetero.slow_workers = (n - 1,) if slowdown > 1 else ()
+  config.hetero.slowdown, config.hetero.jitter, config.seed = slowdown, 0.05, seed
+  config.schedule.group_size = group_size
+  config.timeline.bandwidth = config.timeline.ps_bandwidth = bandwidth
+  speed, net = sim.build_clock(config, model_bytes=nbytes, base_time=step)
+  gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, seed]))
+  trace = timeline.simulate(algorithm, speed, net, steps * n, gg=gg, seed=seed, adpsgd_cost=cost)
+  return trace.worker_steps.sum() / trace.end_time, trace
+
+
+def ratio(a, b, setting, slowdown, seeds, steps, **kw):
+  r = [throughput(a, setting, slowdown, seed=s, steps=steps, **kw)[0] /
+       throughput(b, setting, slowdown, seed=s, steps=steps, **kw)[0] for s in range(seeds)]
+  return float(np.mean(r)), float(np.std(r))
+
+
+def fmt(m, sd):
+  return f"{m:.2f}x ± {sd:.2f}"
+
+
+def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
+  os.makedirs(out_dir, exist_ok=True)
+  out = {"claims": [], "adpsgd_cost": [], "scale": [], "conflicts": {}}
+  rows = []
+  for claim, paper, metric, s, (a, b) in CLAIMS:
+    cells = {k: ratio(a, b, k, s, seeds, steps) for k in SETTINGS}
+    out["claims"].append({"claim": claim, "paper": paper, "paper_metric": metric,
+                          **{f"throughput_{k}": v for k, v in cells.items()}})
+    rows.append([claim, paper, metric, fmt(*cells["light"]), fmt(*cells["heavy"]),
+                 f"{analysis.limit(16, s):.2f}x" if b == "allreduce" else "-"])
+  claims = Table(["claim", "paper", "paper's metric", "ours: throughput, light", "ours: throughput, heavy (VGG-16)",
+                  "throughput limit vs All-Reduce"], rows)
+
+  # Random GG vs Group Division: conflicts per 1000 worker steps, homogeneous, light.
+  for a in ("ripples_random", "ripples_division", "ripples_smart"):
+    c = [throughput(a, "light", seed=s, steps=steps)[1] for s in range(seeds)]
+    out["conflicts"][a] = float(np.mean([1000 * t.conflicts.sum() / t.worker_steps.sum() for t in c]))
+
+  variants = [("as published (serial averages)", timeline.AdpsgdCost()),
+              ("averages not serialised", timeline.AdpsgdCost(serial=False)),
+              ("+ 0.1 s per average", timeline.AdpsgdCost(fixed=0.1)),
+              ("+ 0.3 s per average", timeline.AdpsgdCost(fixed=0.3)),
+              ("passive compute blocks", timeline.AdpsgdCost(passive_blocks=True)),
+              ("passive blocks + 0.3 s per average", timeline.AdpsgdCost(fixed=0.3, passive_blocks=True))]
+  rows = []
+  for name, cost in variants:
+    r = [throughput("ripples_smart", "heavy", seed=s, steps=steps)[0] /
+         throughput("adpsgd", "heavy", seed=s, steps=steps, cost=cost)[0] for s in range(seeds)]
+    out["adpsgd_cost"].append({"variant": name, "smart_vs_adpsgd": [float(np.mean(r)), float(np.std(r))]})
+    rows.append([name, fmt(np.mean(r), np.std(r)), "4.3x (arXiv) / 3.7x (ASPLOS)"])
+  adpsgd = Table(["AD-PSGD cost model (VGG-16 setting, homogeneous, 16 workers)", "Smart GG vs AD-PSGD",
+                  "paper"], rows)
+
+  rows = []
+  for n in (16, 64, 256):
+    k = max(40, steps // (n // 16))
+    r = [throughput("ripples_smart", "light", 5.0, n=n, seed=s, steps=k)[0] /
+         throughput("allreduce", "light", 5.0, n=n, seed=s, steps=k)[0] for s in range(seeds)]
+    out["scale"].append({"n": n, "smart_vs_allreduce": [float(np.mean(r)), float(np.std(r))],
+                         "limit": analysis.limit(n, 5.0)})
+    rows.append([n, fmt(np.mean(r), np.std(r)), f"{analysis.limit(n, 5.0):.2f}x"])
+  scale = Table(["workers", "Smart GG vs All-Reduce, one worker 5x slower (light)", "limit"], rows)
+
+  text = "\n\n".join(str(t) for t in (claims, adpsgd, scale))
+  text += "\n\nconflicts per 1000 worker steps (homogeneous, light): " + ", ".join(
+      f"{k} {v:.1f}" for k, v in out["conflicts"].items())
+  with open(os.path.join(out_dir, "ledger.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(out_dir, "ledger.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  print(text)
+  return out
+
+
+TTA_SCENARIOS = {  # name: (setting, config overrides)
+    "homogeneous": ("light", {}),
+    "5x straggler": ("light", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+    "random p=0.2, s=5": ("light", {"hetero.random_p": 0.2, "hetero.slowdown": 5.0}),
+    "moving 5x straggler": ("light", {"hetero.slow_workers": (0,), "hetero.slowdown": 5.0,
+                                      "hetero.rotate_every": 0.5}),
+    "label-skewed shards": ("light", {"data_sharding": "noniid"}),
+    "homogeneous, VGG-16 clock": ("heavy", {}),
+    "5x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+}
+TTA_ALGORITHMS = ("allreduce", "ripples_smart", "ripples_division", "adpsgd")
+
+
+def train_run(algorithm, setting, overrides, seed, steps, workdir):
+  """One simulated training run, evaluated after every step: its (time, step, accuracy) records."""
+  import tempfile
+  nbytes, bandwidth, step = SETTINGS[setting]
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers=16,model=mlp,steps={steps}")
+  config.seed, config.hetero.jitter = seed, 0.05
+  config.timeline.compute_time, config.timeline.bandwidth = step, bandwidth
+  config.timeline.model_bytes = nbytes if setting == "heavy" else 0.0
+  config.log_every = config.eval_every = 1
+  config.checkpoint_every = 0
+  config.update_from_flattened_dict(overrides)
+  with tempfile.TemporaryDirectory(dir=workdir) as d:
+    summary, _ = sim.simulate_and_train(config, d)
+    with open(os.path.join(d, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f]
+  evals = [(r["time"], r["step"], r["test_accuracy"]) for r in records if "test_accuracy" in r]
+  return evals, sum(summary["worker_steps"]) / summary["time"]
+
+
+def crossing(evals, target):
+  """(time, step) of the first evaluation at or above target, or None."""
+  return next(((t, s) for t, s, a in evals if a >= target), None)
+
+
+def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithms=TTA_ALGORITHMS) -> dict:
+  out, rows, panels = {}, [], {}
+  for name in scenarios:
+    setting, overrides = TTA_SCENARIOS[name]
+    per = {}
+    for a in algorithms:
+      runs = [train_run(a, setting, overrides, s, steps, out_dir) for s in range(seeds)]
+      hits = [crossing(ev, target) for ev, _ in runs]
+      per[a] = {"time": [h[0] if h else None for h in hits], "steps": [h[1] if h else None for h in hits],
+                "final": [ev[-1][2] for ev, _ in runs], "throughput": [tp for _, tp in runs]}
+      panels.setdefault(name, {})[a] = [(t, acc) for t, _, acc in runs[0][0]]
+    out[name] = per
+    ar = per["allreduce"]
+    for a in algorithms:
+      p = per[a]
+      ok = [i for i in range(seeds) if p["time"][i] and ar["time"][i]]
+      speed = [ar["time"][i] / p["time"][i] for i in ok]
+      rows.append([name, a, f"{sum(t is not None for t in p['time'])}/{seeds}",
+                   f"{np.mean([t for t in p['time'] if t]):.3g}" if ok else "-",
+                   f"{np.mean([s for s in p['steps'] if s]):.0f}" if ok else "-",
+                   fmt(np.mean(speed), np.std(speed)) if speed else "-",
+                   f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x",
+                   f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final']):.1f}"])
+  table = Table(["scenario", "algorithm", "reached", f"time to {100 * target:.0f}% (virtual s)",
+                 "iterations to it", "time-to-accuracy speedup vs All-Reduce", "throughput vs All-Reduce",
+                 "final accuracy %"], rows)
+  for name, curves in panels.items():
+    slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "")
+    analysis.accuracy_vs_time({name: curves}, os.path.join(out_dir, f"tta_{slug}.png"),
+                              f"16 workers, MNIST-1D MLP, seed 0", target=target)
+  with open(os.path.join(out_dir, "tta.md"), "w") as f:
+    f.write(str(table) + "\n")
+  with open(os.path.join(out_dir, "tta.json"), "w") as f:
+    json.dump({"target": target, "scenarios": out}, f, indent=1)
+  print(table)
+  return out
+
+
+def main(argv):
+  del argv
+  run(FLAGS.out, FLAGS.seeds, FLAGS.steps)
+  if FLAGS.tta:
+    tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
