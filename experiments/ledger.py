@@ -150,7 +150,8 @@ TTA_ALGORITHMS = ("allreduce", "ripples_smart", "ripples_division", "adpsgd")
 
 
 def train_run(algorithm, setting, overrides, seed, steps, workdir):
-  """One simulated training run, evaluated after every step: its (time, step, accuracy) records."""
+  """One simulated training run (in a temporary folder under `workdir`, None: the system's), evaluated
+  after every step: its (time, step, accuracy) records and its throughput."""
   import tempfile
   nbytes, bandwidth, step = SETTINGS[setting]
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers=16,model=mlp,steps={steps}")
@@ -179,7 +180,7 @@ def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithm
     setting, overrides = TTA_SCENARIOS[name]
     per = {}
     for a in algorithms:
-      runs = [train_run(a, setting, overrides, s, steps, out_dir) for s in range(seeds)]
+      runs = [train_run(a, setting, overrides, s, steps, None) for s in range(seeds)]
       hits = [crossing(ev, target) for ev, _ in runs]
       per[a] = {"time": [h[0] if h else None for h in hits], "steps": [h[1] if h else None for h in hits],
                 "final": [ev[-1][2] for ev, _ in runs], "throughput": [tp for _, tp in runs]}
