@@ -547,8 +547,6 @@ class RunLog:
     # A deep copy now: orbax serialises the metadata in the background, after the loop moved on.
     meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
                                   "sums": sums, "metrics_lines": count_lines(self.metrics_path)}))
-    if self.per_process is not None:
-      state = self.per_process[1](state)
     with self._writing(f"{self.ckpt_dir}/{step}"):
       checkpoint.save(self.mgr, step, state, meta)  # raises a failure of the previous background write
     self._announce(final=True)  # orbax's save waited for the previous write: committed by now
