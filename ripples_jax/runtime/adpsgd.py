@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 
-import jax
 import numpy as np
 from absl import logging
 

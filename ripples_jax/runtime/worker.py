@@ -47,8 +47,8 @@ def snapshot_path(workdir: str, name, worker: int) -> str:
 def fail_now(manager, saved, step: int) -> None:
   """Fault injection (runtime.fail_worker/fail_step): SIGKILL this process at a fixed point of the run.
 
-  Waits until this worker's newest checkpoint has committed first, so the marker a resumed run starts
-  from is fixed by the config, not by how far the background write got (tests need both fixed).
+  Waits until this worker's newest checkpoint has committed first (the saver thread writes it), so the
+  kill always lands after a checkpoint this worker has really saved, whatever the write's speed.
   """
   if manager is not None:
     manager.wait_until_finished()
