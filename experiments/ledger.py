@@ -54,6 +54,7 @@ def define_flags():
   flags.DEFINE_bool("tta", False, "Also the time-to-accuracy runs (training, ~15 minutes).")
   flags.DEFINE_float("target", 0.55, "Target test accuracy for time to accuracy.")
   flags.DEFINE_integer("tta_steps", 300, "Steps per worker of each training run.")
+  flags.DEFINE_bool("verdicts_only", False, "Only the verdict table, from the JSON files in --out.")
   flags.DEFINE_integer("seeds", 3, "Seeds per cell.")
   flags.DEFINE_integer("steps", 300, "Steps per worker in each clock run.")
 
@@ -212,11 +213,67 @@ def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithm
   return out
 
 
+# Claims whose comparison the time-to-accuracy runs make (the paper's metric): claim -> (scenario, algorithm)
+TTA_OF_CLAIM = {  # in the paper's setting: the VGG-16 clock
+    "homogeneous vs All-Reduce": ("homogeneous, VGG-16 clock", ("ripples_smart", "allreduce")),
+    "homogeneous vs All-Reduce (Group Division)": ("homogeneous, VGG-16 clock", ("ripples_division", "allreduce")),
+    "one worker 5x slower vs All-Reduce": ("5x straggler, VGG-16 clock", ("ripples_smart", "allreduce")),
+    "homogeneous vs AD-PSGD": ("homogeneous, VGG-16 clock", ("ripples_smart", "adpsgd")),
+    "one worker 5x slower vs AD-PSGD": ("5x straggler, VGG-16 clock", ("ripples_smart", "adpsgd")),
+}
+
+
+def verdict(paper: float, ours: float | None, tolerance: float = 0.2) -> str:
+  """The rule, stated once: `reproduced` within `tolerance` of the paper's figure (its arXiv number),
+  else `not reproduced` and which way."""
+  if ours is None:
+    return "not measured"
+  if abs(ours / paper - 1) <= tolerance:
+    return "reproduced"
+  return "not reproduced (" + ("smaller" if ours < paper else "larger") + ")"
+
+
+def tta_ratio(tta_out: dict, scenario: str, num: str, den: str) -> float | None:
+  """den's time to accuracy over num's, the mean over the seeds where both reached the target."""
+  t = tta_out["scenarios"].get(scenario)
+  if t is None:
+    return None
+  pairs = [(x, y) for x, y in zip(t[den]["time"], t[num]["time"]) if x and y]
+  return float(np.mean([x / y for x, y in pairs])) if pairs else None
+
+
+def verdict_table(ledger_out: dict, tta_out: dict | None, target: float) -> Table:
+  """One row per claim in the paper's setting (the VGG-16 clock): ours on the paper's metric (time to
+  accuracy) where the runs make that comparison, else on throughput; the verdict by `verdict`."""
+  rows = []
+  for c, (claim, paper, _, s, (a, b)) in zip(ledger_out["claims"], CLAIMS):
+    figure = float(paper.split("x")[0])
+    ours = tta_ratio(tta_out, TTA_OF_CLAIM[claim][0], *TTA_OF_CLAIM[claim][1]) if (
+        tta_out and claim in TTA_OF_CLAIM) else None
+    used = ours if ours is not None else c["throughput_heavy"][0]
+    rows.append([claim, paper, f"{ours:.2f}x" if ours is not None else "-", fmt(*c["throughput_heavy"]),
+                 fmt(*c["throughput_light"]),
+                 verdict(figure, used) + ("" if ours is not None else " (on throughput)")])
+  return Table(["claim", "paper (arXiv / ASPLOS)", f"ours: time to {100 * target:.0f}%, VGG-16 clock",
+                "ours: throughput, VGG-16", "ours: throughput, light",
+                "verdict (within 20% of the arXiv figure)"], rows)
+
+
 def main(argv):
   del argv
-  run(FLAGS.out, FLAGS.seeds, FLAGS.steps)
-  if FLAGS.tta:
-    tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target)
+  if FLAGS.verdicts_only:  # the verdict table again, from the JSON files a run left
+    with open(os.path.join(FLAGS.out, "ledger.json")) as f:
+      ledger_out = json.load(f)
+    tta_path = os.path.join(FLAGS.out, "tta.json")
+    tta_out = json.load(open(tta_path)) if os.path.exists(tta_path) else None
+  else:
+    ledger_out = run(FLAGS.out, FLAGS.seeds, FLAGS.steps)
+    tta_out = ({"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target)}
+               if FLAGS.tta else None)
+  table = verdict_table(ledger_out, tta_out, FLAGS.target)
+  with open(os.path.join(FLAGS.out, "verdicts.md"), "w") as f:
+    f.write(str(table) + "\n")
+  print(table)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,5 @@ def test_ledger(tmp_path):
                    algorithms=("allreduce", "ripples_smart"))
   assert got["homogeneous"]["ripples_smart"]["steps"] == [1]  # target 0: reached at the first step
   assert (tmp_path / "tta.md").stat().st_size > 0 and (tmp_path / "tta_homogeneous.png").exists()
+  table = ledger.verdict_table(out, {"scenarios": got}, 0.0)
+  assert len(table.rows) == len(ledger.CLAIMS) and all(r[-1] for r in table.rows)

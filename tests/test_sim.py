@@ -219,3 +219,14 @@ def test_ledger_outcomes_who_is_faster(setting):
   assert t["adpsgd"] > t["ripples_smart"]  # and AD-PSGD as published ahead of Smart GG, unlike the paper
   h = {a: ledger.throughput(a, setting, 1.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")}
   assert h["ripples_smart"] > h["allreduce"] and h["ripples_smart"] > h["ps_sync"]
+
+
+def test_ledger_verdict_rule():
+  from experiments import ledger
+  assert ledger.verdict(1.1, 1.07) == "reproduced"
+  assert ledger.verdict(5.01, 3.49) == "not reproduced (smaller)"
+  assert ledger.verdict(3.0, 7.0) == "not reproduced (larger)"
+  assert ledger.verdict(4.3, None) == "not measured"
+  # den's time over num's, over the seeds where both reached the target
+  tta = {"scenarios": {"s": {"allreduce": {"time": [4.0, 6.0, None]}, "ripples_smart": {"time": [1.0, 2.0, 1.0]}}}}
+  assert ledger.tta_ratio(tta, "s", "ripples_smart", "allreduce") == pytest.approx(3.5)
