@@ -29,10 +29,10 @@ from absl import logging
 
 from ripples_jax import setup as setup_lib
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
-from ripples_jax.runtime import coord, summary as summary_lib
+from ripples_jax.runtime import coord
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.runtime.authority import _GET_MS, _is_timeout
-from ripples_jax.runtime.worker import Loop, Worker, cursor, snapshot_path
+from ripples_jax.runtime.authority import values_in_order
+from ripples_jax.runtime.worker import Loop, Worker, end_of_run, result, snapshot_path, watched
 
 DONE = "done"
 
@@ -58,19 +58,13 @@ class Passive:
       self.thread.start()
 
   def _listen(self, a: int) -> None:
-    r, me = 0, self.worker.me
-    while True:
-      try:
-        value = self.kv.blocking_key_value_get(f"{coord.PREFIX}/ad/{me}/{a}/{r}", _GET_MS)
-      except Exception as e:  # noqa: BLE001
-        if _is_timeout(e):
-          continue
-        self.inbox.put(e)
-        return
-      self.inbox.put((a, value))
-      if value == DONE:
-        return
-      r += 1
+    try:
+      for value in values_in_order(self.kv, f"{coord.PREFIX}/ad/{self.worker.me}/{a}"):
+        self.inbox.put((a, value))
+        if value == DONE:
+          return
+    except Exception as e:  # noqa: BLE001  raised by the server, which the watchdog then explains
+      self.inbox.put(e)
 
   def serve_one(self, block: bool) -> bool:
     """Serves one request (waiting for one when `block`); False when there was none."""
@@ -173,7 +167,7 @@ def run(config, workdir: str) -> dict:
     rng = np.random.default_rng([3, config.seed, me])
     sent = {p: 0 for p in range(0, n, 2)}  # requests this active worker posted to each passive one
     watchdog.start()
-    try:
+    with watched(watchdog, trace, rt):
       while loop.steps_done < config.num_steps:
         step(worker, loop, log, trace, passive)
         progress["steps"] = loop.steps_done
@@ -192,25 +186,9 @@ def run(config, workdir: str) -> dict:
           kv.key_value_set(f"{coord.PREFIX}/ad/{p}/{me}/{r}", DONE)
       else:
         passive.finish()
-      if rt.checkpoint_every:
-        log.checkpoint(1, worker.pack(loop), cursor(worker, loop, 1), force=True)
-      np.save(snapshot_path(workdir, "final", me), np.asarray(loop.state["flat"]))
-      trace.add(k="end", c=0, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles)
-      trace.flush()
-      log.wait()
-      progress["done"] = True
-      kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
-    except Exception:
-      trace.flush()
-      watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
-      raise
-    finally:
-      trace.flush()
+      end_of_run(worker, loop, log, kv, trace, progress, workdir)
     watchdog.stop()
-    if me != 0:
-      return {"algorithm": config.algorithm, "executor": "async", "worker": me,
-              "worker_steps": loop.steps_done, "workdir": workdir}
-    return summary_lib.summarize(config, workdir, s, worker.unravel, log)
+    return result(worker, loop, log, workdir)
 
 
 def average_with_passive(worker: Worker, loop: Loop, kv, trace, rng, sent: dict) -> None:

@@ -31,6 +31,21 @@ def _is_timeout(e: Exception) -> bool:
   return "DEADLINE_EXCEEDED" in text or "NOT_FOUND" in text or "timed out" in text.lower()
 
 
+def values_in_order(kv, prefix: str, stop: threading.Event | None = None):
+  """The values of <prefix>/0, <prefix>/1, ... as each is set, until `stop` is set: blocking gets that
+  wake every _GET_MS to look at it. Any other error of the service (it is gone) is raised."""
+  j = 0
+  while stop is None or not stop.is_set():
+    try:
+      value = kv.blocking_key_value_get(f"{prefix}/{j}", _GET_MS)
+    except Exception as e:  # noqa: BLE001
+      if _is_timeout(e):
+        continue
+      raise
+    yield value
+    j += 1
+
+
 class Authority:
   """Serves a `schedule.online.Service` to every worker; `snapshots[c]` is the service's state when
   checkpoint marker c was inserted (process 0's worker saves it with its own state)."""
@@ -58,17 +73,12 @@ class Authority:
     self._stop.set()
 
   def _listen(self, w: int) -> None:
-    r = 0
-    while not self._stop.is_set():
-      try:
-        value = self.kv.blocking_key_value_get(f"{PREFIX}/req/{w}/{r}", _GET_MS)
-      except Exception as e:  # noqa: BLE001
-        if _is_timeout(e):
-          continue
-        return
-      want, ready_at = value.split()
-      self.inbox.put((w, int(want), float(ready_at)))
-      r += 1
+    try:
+      for value in values_in_order(self.kv, f"{PREFIX}/req/{w}", self._stop):
+        want, ready_at = value.split()
+        self.inbox.put((w, int(want), float(ready_at)))
+    except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+      return
 
   def _reports(self) -> None:
     for key, value in self.kv.key_value_dir_get(f"{PREFIX}/started/"):
@@ -126,20 +136,14 @@ class Feed:
     threading.Thread(target=self._send, name="ripples-report", daemon=True).start()
 
   def _fetch(self) -> None:
-    j = 0
-    while not self._stop.is_set():
-      try:
-        value = self.kv.blocking_key_value_get(f"{PREFIX}/q/{self.me}/{j}", _GET_MS)
-      except Exception as e:  # noqa: BLE001
-        if _is_timeout(e):
-          continue
-        self.local.put((e, None))
-        return
-      entry = decode(value)
-      self.local.put((entry, time.perf_counter()))
-      j += 1
-      if entry[0] == STOP:
-        return
+    try:
+      for value in values_in_order(self.kv, f"{PREFIX}/q/{self.me}", self._stop):
+        entry = decode(value)
+        self.local.put((entry, time.perf_counter()))
+        if entry[0] == STOP:
+          return
+    except Exception as e:  # noqa: BLE001  raised in the worker's loop, at its next entry
+      self.local.put((e, None))
 
   def _send(self) -> None:
     while True:

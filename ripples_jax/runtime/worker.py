@@ -12,6 +12,7 @@ authority's answer. No barrier inside the run: a checkpoint is a marker in the g
 worker saves at (its own orbax manager), and the saved states form a consistent cut. AD-PSGD has no
 authority and no global order (runtime/adpsgd.py).
 """
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -272,36 +273,60 @@ def run(config, workdir: str) -> dict:
     feed = make_feed(worker, loop, kv)
     watchdog.start()
     try:
-      run_loop(worker, loop, log, feed, authority, trace, progress, workdir)
-      if rt.checkpoint_every:  # the final state, loadable (run.load); the same marker id everywhere
-        final = authority.service.state() if authority is not None else None
-        log.checkpoint(loop.epoch + 1, worker.pack(loop), cursor(worker, loop, loop.epoch + 1, final), force=True)
-      np.save(snapshot_path(workdir, "final", me), np.asarray(loop.state["flat"]))
-      trace.add(k="end", c=loop.epoch, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles,
-                rtt=feed.rtts, blocked=feed.blocked, requests=feed.requests,
-                handled=authority.handled if authority is not None else None)
-      trace.flush()
-      log.wait()
-      progress["done"] = True
-      kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
-    except Exception:
-      # A collective or the key-value store may fail (rather than hang) when a peer dies: give the
-      # watchdog the time to name the lost worker before the error surfaces.
-      trace.flush()
-      watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
-      raise
+      with watched(watchdog, trace, rt):
+        run_loop(worker, loop, log, feed, authority, trace, progress, workdir)
+        end_of_run(worker, loop, log, kv, trace, progress, workdir,
+                   authority.service.state() if authority is not None else None,
+                   rtt=feed.rtts, blocked=feed.blocked, requests=feed.requests,
+                   handled=authority.handled if authority is not None else None)
     finally:
-      trace.flush()
       feed.close()
       if authority is not None:
         authority.stop()
     watchdog.stop()
     logging.info("worker %d: %d local steps, %d P-Reduce programs compiled", me, loop.steps_done,
                  worker.averager.compiles)
-    if me != 0:
-      return {"algorithm": config.algorithm, "executor": "async", "worker": me,
-              "worker_steps": loop.steps_done, "workdir": workdir}
-    return summary_lib.summarize(config, workdir, s, worker.unravel, log)
+    return result(worker, loop, log, workdir)
+
+
+@contextlib.contextmanager
+def watched(watchdog, trace, rt):
+  """The run's body: its trace is flushed however it ends. A collective or the key-value store may fail
+  (rather than hang) when a peer dies: the watchdog gets the time to name the lost worker (it exits the
+  process) before the error surfaces."""
+  try:
+    yield
+  except Exception:
+    trace.flush()
+    watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
+    raise
+  finally:
+    trace.flush()
+
+
+def end_of_run(worker: Worker, loop: Loop, log: RunLog, kv, trace, progress, workdir: str,
+               authority_state: dict | None = None, **end) -> None:
+  """Every worker, after its last step: the final checkpoint (marker epoch + 1, the same id on every
+  worker; loadable), the final state file, the trace's end event, then the end barrier."""
+  rt = worker.rt
+  if rt.checkpoint_every:
+    final = loop.epoch + 1
+    log.checkpoint(final, worker.pack(loop), cursor(worker, loop, final, authority_state), force=True)
+  np.save(snapshot_path(workdir, "final", worker.me), np.asarray(loop.state["flat"]))
+  trace.add(k="end", c=loop.epoch, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles, **end)
+  trace.flush()
+  log.wait()
+  progress["done"] = True
+  kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+
+
+def result(worker: Worker, loop: Loop, log: RunLog, workdir: str) -> dict:
+  """Process 0: the run's summary (evaluations, summary.json, Gantt); the others: their own counts."""
+  config = worker.config
+  if worker.me != 0:
+    return {"algorithm": config.algorithm, "executor": "async", "worker": worker.me,
+            "worker_steps": loop.steps_done, "workdir": workdir}
+  return summary_lib.summarize(config, workdir, worker.s, worker.unravel, log)
 
 
 def cursor(worker: Worker, loop: Loop, mark: int | None = None, authority: dict | None = None) -> dict:
