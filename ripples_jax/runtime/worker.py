@@ -45,17 +45,18 @@ def snapshot_path(workdir: str, name, worker: int) -> str:
   return os.path.join(workdir, "snapshots", f"{name}-{worker}.npy")
 
 
-def fail_now(manager, saved, step: int) -> None:
+def fail_now(log: RunLog, saved, step: int) -> None:
   """Fault injection (runtime.fail_worker/fail_step): SIGKILL this process at a fixed point of the run.
 
-  Waits until this worker's newest checkpoint has committed first (the saver thread writes it), so the
-  kill always lands after a checkpoint this worker has really saved, whatever the write's speed.
+  Drains the saver thread first, so the kill always lands after a checkpoint this worker has really
+  saved, whatever the write's speed. Only then is the manager read here: the saver thread's orbax
+  manager deletes old steps (max_to_keep) while it saves, and a concurrent listing from this thread
+  could read a step folder that is being deleted.
   """
-  if manager is not None:
-    manager.wait_until_finished()
-    deadline = time.monotonic() + 60
-    while saved is not None and saved not in ckpt_lib.restorable_steps(manager) and time.monotonic() < deadline:
-      time.sleep(0.05)
+  if log.mgr is not None:
+    log.wait()
+    if saved is not None and saved not in ckpt_lib.restorable_steps(log.mgr):
+      raise RuntimeError(f"runtime.fail_worker: checkpoint {saved} was not committed before the kill")
   logging.warning("runtime.fail_worker: worker %d kills itself at local step %d", jax.process_index(),
                   step)
   os.kill(os.getpid(), signal.SIGKILL)
@@ -350,7 +351,7 @@ def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, authority, trace, pr
   while True:
     if step_first:
       if me == rt.fail_worker and loop.steps_done == rt.fail_step:
-        fail_now(log.mgr, saved, loop.steps_done)
+        fail_now(log, saved, loop.steps_done)
       run_step(worker, loop, log, feed, trace)
       progress["steps"] = loop.steps_done
     step_first = True
