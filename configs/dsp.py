@@ -19,10 +19,13 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.method = arg.method            # bp | gpipe | ddg | fr | dni | dsp
   c.num_stages = arg.num_stages    # K
-  c.mode = arg.mode                # recompute (DSP) | stash (the version the forward used)
+  c.mode = arg.mode                # recompute (DSP) | stash (the version the forward used); per_process
+                                   # also: fused (one forward call over the new and the replayed batch),
+                                   # residuals (the forward's vjp residuals kept: no recompute; stash's numerics)
   c.delay = arg.delay              # d_k of every link (DSP); 0 makes DSP equal BP
   c.microbatches = arg.microbatches  # GPipe's M
-  c.placement = "one_device"       # one_device | per_stage (one stage per device)
+  c.placement = "one_device"       # one_device | per_stage (one stage per device) | per_process
+                                   # (stage k in process k: experiments.launch --module=experiments.train_dsp)
   c.seed = 0
 
   c.dataset = arg.dataset
@@ -44,6 +47,15 @@ def get_config(arg=None):
   c.straggler_stage = -1
   c.slowdown = 1.0
   c.straggler_p = 0.0
+
+  # placement=per_process: the watchdog (a dead stage is named), core pinning, fault injection.
+  c.runtime = ml_collections.ConfigDict()
+  c.runtime.pin_cores = True       # stage k on core k mod the cores this process may use
+  c.runtime.heartbeat_s = 1.0
+  c.runtime.heartbeat_timeout = 15.0
+  c.runtime.stall_timeout = 60.0
+  c.runtime.fail_stage = -1        # fault injection: this stage SIGKILLs itself before tick fail_tick,
+  c.runtime.fail_tick = 0          #   once its newest checkpoint has committed (-1: never)
 
   c.num_epochs = arg.epochs
   c.log_every = 50                 # batches

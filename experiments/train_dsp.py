@@ -3,9 +3,12 @@ r"""Model-parallel pipeline training: DSP and its baselines (bp, gpipe, ddg, fr,
   python -m experiments.train_dsp --config=configs/dsp.py --workdir=runs/dsp
   python -m experiments.train_dsp --config=configs/dsp.py:method=gpipe,num_stages=4
 
-A rerun with the same --workdir resumes from its newest checkpoint. --jax_distributed initializes the
-multi-process runtime like every entry point, but a pipeline runs inside one process (its stages on that
-process's devices), so more than one process is refused with a message.
+  # one process per stage (pipeline/runtime.py): the launcher starts K of this entry point
+  python -m experiments.launch --num_processes=2 --module=experiments.train_dsp -- \
+      --config=configs/dsp.py:method=dsp,num_stages=2 --config.placement=per_process --workdir=runs/dsp_mp
+
+A rerun with the same --workdir resumes from its newest checkpoint. With --jax_distributed and more
+than one process, placement=per_process is the only placement allowed (one process per stage).
 """
 import os
 
@@ -21,6 +24,14 @@ def main(argv):
   del argv
   common_flags.set_up_host()
   s = common_flags.run_or_exit(train.train_and_evaluate, _CONFIG.value, common_flags.WORKDIR.value)
+  if "stage" in s:  # a pipeline stage process other than the last (the run's lead) prints its own line
+    print(f"method={s['method']} stage={s['stage']} done time={s['time']:.1f}s")
+    return
+  if s.get("placement") == "per_process":
+    print(f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
+          f"iteration={1e3 * s['iteration_s']:.1f}ms time={s['time']:.1f}s")
+    print(f"run files: {os.path.abspath(s['workdir'])}")
+    return
   print(f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
         f"modeled_speedup_vs_bp={s['modeled_speedup_vs_bp']:.2f} time={s['time']:.1f}s")
   print(f"run files: {os.path.abspath(s['workdir'])}")

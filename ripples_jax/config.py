@@ -238,10 +238,32 @@ def _int_in(config, key, lo, hi, allowed):
 
 def validate_dsp_config(config, num_devices: int | None = None, num_processes: int = 1) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
-  if num_processes > 1:
-    raise ConfigError(f"--jax_distributed: {num_processes} processes are not allowed: a pipeline runs "
-                      "inside one process (its stages on that process's devices)")
   from ripples_jax.pipeline.split import max_stages
+  from ripples_jax.pipeline.tick import PROCESS_MODES
+  _one_of(config, "placement", PLACEMENTS)
+  if config.placement == "per_process":
+    if num_processes != config.num_stages:
+      _fail("placement", "per_process", f"one process per stage: num_stages={config.num_stages} processes "
+            f"(python -m experiments.launch --num_processes={config.num_stages} "
+            f"--module=experiments.train_dsp -- ...), this job has {num_processes}")
+    if config.method == "dni":
+      _fail("method", "dni", "one of bp, gpipe, ddg, fr, dsp with placement=per_process")
+    if config.mode in PROCESS_MODES and config.method != "dsp":
+      _fail("mode", config.mode, f"recompute or stash for method={config.method} (the runtime picks its "
+            "mode: bp and ddg keep residuals, fr recomputes)")
+    if config.mode == "fused" and config.delay < 1:
+      _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
+    for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
+      _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
+    _int_in(config, "runtime.fail_stage", -1, config.num_stages - 1,
+            f"a stage in [0, num_stages={config.num_stages}) or -1 for none")
+  elif num_processes > 1:
+    raise ConfigError(f"--jax_distributed: {num_processes} processes are not allowed with "
+                      f"placement={config.placement}: a pipeline runs inside one process (its stages on "
+                      "that process's devices); placement=per_process runs one process per stage")
+  elif config.mode in PROCESS_MODES:
+    _fail("mode", config.mode, "recompute or stash unless placement=per_process (the fused call and the "
+          "residual ring exist in the multi-process runtime)")
   _one_of(config, "method", DSP_METHODS)
   _one_of(config, "mode", MODES)
   _one_of(config, "dataset", DATASETS)

@@ -58,7 +58,8 @@ from ripples_jax.config import ON_CONFIG_CHANGE as ON_MISMATCH, ConfigError
 IDENTITY_FREE = ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "data_dir",
                  "target_accuracy", "runtime.heartbeat_s", "runtime.heartbeat_timeout",
                  "runtime.stall_timeout", "runtime.checkpoint_keep", "runtime.checkpoint_every",
-                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_step", "on_config_change",
+                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_step", "runtime.fail_stage",
+                 "runtime.fail_tick", "runtime.pin_cores", "on_config_change",
                  "profile_steps")
 
 # TensorBoard tags of the metrics.jsonl keys (tb_tag); metrics.jsonl keeps its own keys.

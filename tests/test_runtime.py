@@ -102,7 +102,7 @@ def run_args(workdir, algorithm, n, steps, extra=()):
           f"--config.schedule.group_size={min(3, n)}", *extra]
 
 
-def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10):
+def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="experiments.train"):
   """launch() in a thread; on timeout every child is SIGKILLed by PID and the test fails."""
   out, pids, result = io.StringIO(), [], {}
 
@@ -112,7 +112,7 @@ def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10):
       on_pids(p)
 
   t = threading.Thread(target=lambda: result.setdefault("code", launch(
-      n, args, out=out, on_start=started, cwd=ROOT, grace_s=grace_s)), daemon=True)
+      n, args, module=module, out=out, on_start=started, cwd=ROOT, grace_s=grace_s)), daemon=True)
   t.start()
   t.join(timeout_s)
   if t.is_alive():

@@ -38,7 +38,9 @@ BAD = [
     ("method", "pipedream", "config.method: 'pipedream' is not allowed: one of bp, gpipe, ddg, fr, dni, dsp"),
     ("num_stages", 5, "config.num_stages: 5 is not allowed: cnn1d splits into at most 4 stages"),
     ("microbatches", 5, "config.microbatches: 5 is not allowed: a divisor of batch_size=64"),
-    ("mode", "replay", "config.mode: 'replay' is not allowed: one of recompute, stash"),
+    ("mode", "replay", "config.mode: 'replay' is not allowed: one of recompute, stash, fused, residuals"),
+    ("mode", "fused", "config.mode: 'fused' is not allowed: recompute or stash unless placement=per_process "
+     "(the fused call and the residual ring exist in the multi-process runtime)"),
     ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
     ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
     ("checkpoint_every", 130, "config.checkpoint_every: 130 is not allowed: a multiple of log_every=50 "
@@ -59,9 +61,32 @@ def test_dsp_validation(key, value, message):
 
 
 def test_dsp_refuses_several_processes():
-  with pytest.raises(ConfigError, match="--jax_distributed: 2 processes are not allowed: a pipeline runs "
-                     "inside one process"):
+  with pytest.raises(ConfigError, match="--jax_distributed: 2 processes are not allowed with "
+                     "placement=one_device: a pipeline runs inside one process"):
     validate_dsp_config(dsp_config.get_config(), num_devices=8, num_processes=2)
+
+
+PER_PROCESS_BAD = [
+    ({"num_stages": 4}, "config.placement: 'per_process' is not allowed: one process per stage: num_stages=4 "
+     "processes (python -m experiments.launch --num_processes=4 --module=experiments.train_dsp -- ...), this "
+     "job has 2"),
+    ({"method": "dni"}, "config.method: 'dni' is not allowed: one of bp, gpipe, ddg, fr, dsp with "
+     "placement=per_process"),
+    ({"method": "fr", "mode": "residuals"}, "config.mode: 'residuals' is not allowed: recompute or stash for "
+     "method=fr (the runtime picks its mode: bp and ddg keep residuals, fr recomputes)"),
+    ({"mode": "fused", "delay": 0}, "config.mode: 'fused' is not allowed: recompute, stash or residuals with "
+     "delay=0 (fusing needs a stored batch)"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", PER_PROCESS_BAD)
+def test_per_process_validation(overrides, message):
+  config = dsp_config.get_config()
+  config.placement = "per_process"
+  config.update(overrides)
+  with pytest.raises(ConfigError) as e:
+    validate_dsp_config(config, num_processes=2)
+  assert str(e.value) == message
 
 
 @pytest.mark.slow

@@ -30,8 +30,15 @@ import optax
 
 from ripples_jax.models import apply_model, init_model
 
-MODES = ("recompute", "stash")
-PLACEMENTS = ("one_device", "per_stage")  # every stage on one device, or stage k on device k
+# recompute / stash: the ring buffers above. fused: recompute, with the new batch's forward and the
+# replayed input's recompute as one forward call over both (per_process only). residuals: the forward's
+# vjp residuals kept in the ring, so the backward recomputes nothing (per_process only); its gradients
+# are stash mode's (the version the forward used, on the input it saw).
+MODES = ("recompute", "stash", "fused", "residuals")
+PROCESS_MODES = ("fused", "residuals")
+# one_device: every stage on one device; per_stage: stage k on device k of this process;
+# per_process: stage k in process k (pipeline/runtime.py, under the launcher).
+PLACEMENTS = ("one_device", "per_stage", "per_process")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +107,7 @@ def init_pipeline(stages, optimizer, schedule: Schedule, rng, sample_x) -> list[
   return state
 
 
-def _push(fifo, item):
+def push(fifo, item):
   """FIFO of fixed length: drop the oldest (index 0), append the newest."""
   return jnp.concatenate([fifo[1:], item[None]], axis=0)
 
@@ -150,13 +157,57 @@ def stage_backward(stage, optimizer, schedule: Schedule, k: int, st: dict, cotan
     (_, new_ms), pullback = jax.vjp(fwd, params, x_old)
     g_p, g_x = pullback((cotangent, jax.tree.map(jnp.zeros_like, new_ms)))
     loss = acc = jnp.nan
-  batch = t - schedule.offsets[k] - s
+  st = apply_update(optimizer, schedule, k, st, g_p, new_ms, t, num_batches)
+  return st, g_x, (loss, acc)
+
+
+def apply_update(optimizer, schedule: Schedule, k: int, st: dict, g_p, new_ms, t, num_batches):
+  """Stage k's optax update from the gradient of its backward at tick t; a no-op during warm-up and
+  drain (the backward's batch index is out of range)."""
+  batch = t - schedule.offsets[k] - schedule.staleness[k]
   valid = (batch >= 0) & (batch < num_batches)
   updates, opt_state = optimizer.update(g_p, st["opt_state"], st["params"])
   keep = lambda new, cur: jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, cur)
-  st = dict(st, params=keep(optax.apply_updates(st["params"], updates), st["params"]),
-            opt_state=keep(opt_state, st["opt_state"]), model_state=keep(new_ms, st["model_state"]))
-  return st, g_x, (loss, acc)
+  return dict(st, params=keep(optax.apply_updates(st["params"], updates), st["params"]),
+              opt_state=keep(opt_state, st["opt_state"]), model_state=keep(new_ms, st["model_state"]))
+
+
+def stage_fused(stage, optimizer, schedule: Schedule, k: int, st: dict, x_in, cotangent, t, num_batches):
+  """A middle stage's whole tick in recompute mode with ONE forward call: the new batch and the input
+  stored S_k ticks ago go through the stage together (both with the current parameters, which is what
+  lets them share the call), the backward takes the stored half's error gradient (zeros for the new
+  half). Returns (state, output of the new batch, dL/d(stored input)). Numerically recompute mode's
+  forward + backward; on BatchNorm the batch statistics would mix the two batches, so models with a
+  model state are refused (config). Needs S_k >= 1: the new input goes to another slot than the old."""
+  s = schedule.staleness[k]
+  x_old = st["in_ring"][(t - s) % (s + 1)]
+  n = x_in.shape[0]
+
+  def both(p, xo):
+    y, _ = apply_model(stage, p, st["model_state"], jnp.concatenate([x_in, xo]), train=True)
+    return y
+
+  y_2b, pullback = jax.vjp(both, st["params"], x_old)
+  g_p, g_x = pullback(jnp.concatenate([jnp.zeros_like(y_2b[:n]), cotangent]))
+  st = dict(st, in_ring=st["in_ring"].at[t % (s + 1)].set(x_in))
+  st = apply_update(optimizer, schedule, k, st, g_p, st["model_state"], t, num_batches)
+  return st, y_2b[:n], g_x
+
+
+def stage_forward_residuals(stage, params, model_state, x_in):
+  """residuals mode: the forward of a middle stage, and its vjp (a pytree of the residuals the
+  backward needs: the parameters and activations it used) to keep in the ring buffer."""
+  y, pullback, new_ms = jax.vjp(lambda p, x: apply_model(stage, p, model_state, x, train=True),
+                                params, x_in, has_aux=True)
+  return y, pullback, new_ms
+
+
+def stage_backward_residuals(optimizer, schedule: Schedule, k: int, st: dict, pullback, new_ms, cotangent,
+                             t, num_batches):
+  """residuals mode: the backward of the batch whose forward left `pullback` S_k ticks ago (no
+  recompute), then the update of the current parameters. Returns (state, dL/d(input))."""
+  g_p, g_x = pullback(cotangent)
+  return apply_update(optimizer, schedule, k, st, g_p, new_ms, t, num_batches), g_x
 
 
 def make_tick(stages, optimizer, schedule: Schedule, num_batches: int, devices=None):
@@ -198,9 +249,9 @@ def make_tick(stages, optimizer, schedule: Schedule, num_batches: int, devices=N
           metrics = m
       for k in range(K - 1):  # the links advance
         if f[k]:
-          state[k + 1]["fwd_fifo"] = _push(state[k + 1]["fwd_fifo"], put(outs[k], k + 1))
+          state[k + 1]["fwd_fifo"] = push(state[k + 1]["fwd_fifo"], put(outs[k], k + 1))
         if b[k]:
-          state[k]["bwd_fifo"] = _push(state[k]["bwd_fifo"], put(grads_in[k + 1], k))
+          state[k]["bwd_fifo"] = push(state[k]["bwd_fifo"], put(grads_in[k + 1], k))
       return state, metrics
     return tick
 

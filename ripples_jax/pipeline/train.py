@@ -109,8 +109,8 @@ def _loop(log, config, run, state, cursor: Cursor):
   return state, time.time() - t0
 
 
-def _setup(config):
-  """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile."""
+def _data(config):
+  """Data, stages, the batch feed and the optimizer: what every placement shares."""
   data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
   stages = split.split_model(config.model, data["num_classes"], config.num_stages,
                              sample_shape=data["input_shape"])
@@ -118,6 +118,12 @@ def _setup(config):
   num_batches = config.num_epochs * batches_per_epoch
   feed = _Feed(data, config, num_batches)
   optimizer = make_optimizer(config.optimizer, num_batches)
+  return stages, optimizer, feed, data, num_batches, batches_per_epoch
+
+
+def _setup(config):
+  """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile."""
+  stages, optimizer, feed, data, num_batches, batches_per_epoch = _data(config)
   init_fn, step_fn = baselines.METHODS[config.method]
   state = init_fn(stages, optimizer, config, jax.random.key(config.seed), feed.sample, data["num_classes"])
   run = {"num_batches": num_batches, "batches_per_epoch": batches_per_epoch, "feed": feed,
@@ -129,6 +135,9 @@ def _setup(config):
 
 def train_and_evaluate(config, workdir: str | None = None) -> dict:
   validate_dsp_config(config, num_processes=jax.process_count())  # before anything loads or compiles
+  if config.placement == "per_process":  # stage k in process k: pipeline/runtime.py
+    from ripples_jax.pipeline import runtime
+    return runtime.run(config, workdir, _data(config))
   workdir = make_workdir(workdir, config)
   stages, state, run = _setup(config)
   run["times"] = times = _model_times(config, stages, state, run["feed"].sample)

@@ -65,8 +65,9 @@ class Watchdog:
   """
 
   def __init__(self, kv, worker: int, num_workers: int, progress, interval_s: float,
-               timeout_s: float, stall_timeout_s: float, log=None, exit_fn=os._exit):
+               timeout_s: float, stall_timeout_s: float, log=None, exit_fn=os._exit, role: str = "worker"):
     self.kv, self.worker, self.n = kv, worker, num_workers
+    self.role = role                    # what the exit line calls a process: worker, or stage (pipeline)
     self.progress = progress            # () -> (completed steps, completed events, done)
     self.interval, self.timeout, self.stall_timeout = interval_s, timeout_s, stall_timeout_s
     self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -130,12 +131,12 @@ class Watchdog:
       return
     silent = [w for w in range(self.n) if w != self.worker and now - self.seen[w][1] > self.timeout]
     if silent:
-      return self._lost(f"worker(s) {silent} lost: no heartbeat for {self.timeout:.0f} s", silent)
+      return self._lost(f"{self.role}(s) {silent} lost: no heartbeat for {self.timeout:.0f} s", silent)
     running = [w for w in range(self.n) if not self.done[w]]
     if running and all(now - self.moved[w][1] > self.stall_timeout for w in running):
       stalled = min(running, key=lambda w: self.moved[w][1])
-      self._lost(f"no progress for {self.stall_timeout:.0f} s; worker {stalled} stalled first "
-                 f"(workers {running} are blocked)", [])
+      self._lost(f"no progress for {self.stall_timeout:.0f} s; {self.role} {stalled} stalled first "
+                 f"({self.role}s {running} are blocked)", [])
 
   def _lost(self, why: str, lost: list) -> None:
     self._finish(why, lost, EXIT_LOST)
@@ -168,7 +169,7 @@ class Watchdog:
         return
       self.fired = True
     last = " ".join(f"w{w}:{self.steps[w]}" for w in range(self.n))
-    _say(self.log, f"worker {self.worker}: {why}; last completed step per worker: {last}; exiting")
+    _say(self.log, f"{self.role} {self.worker}: {why}; last completed step per {self.role}: {last}; exiting")
     if self.worker == 0:
       self._outlive_peers(set(lost))
     self.exit_fn(code)

@@ -1,0 +1,76 @@
+"""Point-to-point transfers between neighbouring pipeline stages, each stage in its own process.
+
+Link j joins stage j (below) and stage j + 1 (above). A transfer is a jitted `shard_map` `ppermute`
+over the two-device mesh [device of stage j, device of stage j + 1] (jax 0.10.2 has no supported
+device-to-device send between processes other than a collective; gloo on CPU, NCCL on GPU). Both
+processes call the same transfer with the same shape: the sender's piece is its payload, the
+receiver's piece is ignored (zeros of the shape), and the receiver gets the payload back.
+
+  up(x)    activations from j to j + 1     (stage j passes its output, stage j + 1 gets it)
+  down(x)  error gradients from j + 1 to j
+  swap(x)  both at once, for links whose forward and backward delays are both >= 1 (DSP): the
+           activation of a block's output and the gradient of the same tensor have one shape
+
+Ordering, the only thing that keeps the chain free of deadlock (a collective blocks until both ends
+arrive; gloo has no timeout once connected): on every link both ends issue the same sequence of
+transfers, and within a tick every stage handles its lower link before its upper one, so the chain
+resolves from stage 0 upwards (DESIGN 4.5). The watchdog (runtime/coord.py) names a stage that died.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXIS = "link"
+_PERMS = {"up": [(0, 1)], "down": [(1, 0)], "swap": [(0, 1), (1, 0)]}
+
+
+def stage_device(k: int):
+  """The first device of process k: stage k's device (one stage per process)."""
+  return [d for d in jax.devices() if d.process_index == k][0]
+
+
+class Link:
+  """Transfers over link j; call them from stage j and from stage j + 1 in one order."""
+
+  def __init__(self, j: int, me: int, shape, dtype):
+    if me not in (j, j + 1):
+      raise ValueError(f"stage {me} is not on link {j}")
+    self.j, self.side = j, me - j                  # side 0: the stage below, 1: the stage above
+    self.shape, self.dtype = tuple(shape), jnp.dtype(dtype)
+    self.mesh = Mesh(np.array([stage_device(j), stage_device(j + 1)]), (AXIS,))
+    self.sharding = NamedSharding(self.mesh, P(AXIS))
+    self.device = stage_device(me)
+    self.zeros = jax.device_put(jnp.zeros(self.shape, self.dtype), self.device)
+    self.bytes_moved = 0
+    self._fns = {}
+
+  def _fn(self, kind: str):
+    if kind not in self._fns:
+      perm = _PERMS[kind]
+      # One program per kind; the receiver of a one-way transfer gets the payload, the sender zeros.
+      self._fns[kind] = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, AXIS, perm), mesh=self.mesh,
+                                              in_specs=P(AXIS), out_specs=P(AXIS)))
+    return self._fns[kind]
+
+  def _run(self, kind: str, mine):
+    x = self.zeros if mine is None else mine
+    if x.shape != self.shape:
+      raise ValueError(f"link {self.j}: payload shape {x.shape}, the link carries {self.shape}")
+    piece = jax.device_put(x, self.device)[None]
+    global_2x = jax.make_array_from_single_device_arrays((2,) + self.shape, self.sharding, [piece])
+    out = self._fn(kind)(global_2x)
+    self.bytes_moved += x.size * x.dtype.itemsize
+    return out.addressable_shards[0].data[0]
+
+  def up(self, x=None):
+    """Stage j sends x; stage j + 1 (x=None) gets it back."""
+    return self._run("up", x if self.side == 0 else None)
+
+  def down(self, x=None):
+    """Stage j + 1 sends x; stage j (x=None) gets it back."""
+    return self._run("down", x if self.side == 1 else None)
+
+  def swap(self, x):
+    """Each end sends x and gets the other end's."""
+    return self._run("swap", x)

@@ -1,0 +1,460 @@
+r"""The pipeline runtime: stage k of a K-stage pipeline runs in process k (placement=per_process).
+
+  python -m experiments.launch --num_processes=2 --module=experiments.train_dsp -- \
+      --config=configs/dsp.py:method=dsp,num_stages=2 --config.placement=per_process --workdir=runs/dsp_mp
+
+Every method runs here on equal terms: dsp (any mode), fr, ddg (its stored graph: the forward's vjp
+residuals), model-parallel bp (zero link delays and residuals: one forward and one backward per stage,
+no pipelining) and gpipe (M micro-batches, rematerialised, one update after the flush).
+
+Invariants:
+- A process holds its own stage only: parameters, optimizer state, the staleness ring buffer and the
+  FIFOs of the links that deliver to it. Activations go up and error gradients down as point-to-point
+  transfers (pipeline/link.py); both ends of a link issue the same sequence of transfers, and within a
+  tick a stage handles its lower link before its upper one, so no cycle of waits can form.
+- A tick does what `tick.make_tick` does for this stage, in the same order, so the parameters after any
+  tick equal the single-process tick's (tests/test_pipeline_runtime.py); fused and residuals are
+  numerically recompute and stash.
+- A stage whose links all have delay >= 1 (DSP) depends on its neighbours' previous tick only: stages
+  run in parallel, and a slow stage holds its neighbours back through the links, not by a flush.
+- Checkpoints: after tick t every stage saves its own state (RunLog per_process, no barrier); whatever
+  was in flight on a link at the end of tick t is in the receiver's FIFO, so the saved states are a
+  consistent cut. A resumed run restarts every stage from the newest tick all stages saved.
+- The last stage holds the loss: it is the run's lead (metrics.jsonl, config.json, summary.json).
+  Evaluation passes the test set up the stages after the same tick everywhere; its seconds are kept out
+  of the training clock.
+"""
+import collections
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from ripples_jax.config import ConfigError
+from ripples_jax.models import apply_model
+from ripples_jax.pipeline import tick as tick_lib
+from ripples_jax.pipeline.link import Link, stage_device
+from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runtime import coord
+from ripples_jax.runtime.preduce import LOCAL, WORKER, to_global, to_local
+from ripples_jax.runtime.worker import agree_on_marker, fail_now
+
+
+def process_schedule(config) -> tick_lib.Schedule | None:
+  """The link schedule a method runs with in this runtime (None: gpipe, its own loop)."""
+  K = config.num_stages
+  if config.method == "gpipe":
+    return None
+  if config.method == "bp":  # model parallel, no pipelining: zero delays, no recompute
+    return tick_lib.Schedule((0,) * (K - 1), (0,) * (K - 1), "residuals")
+  if config.method == "ddg":  # the stored graph
+    return tick_lib.method_schedule("ddg", K, mode="residuals")
+  if config.method == "fr":  # inputs only, recomputed
+    return tick_lib.method_schedule("fr", K, mode="recompute")
+  return tick_lib.method_schedule("dsp", K, config.delay, config.mode)
+
+
+@dataclasses.dataclass
+class Loop:
+  """Where this stage stands; (tick, time) is the checkpoint's cursor."""
+  tick: int = 0          # the next tick (gpipe: the next batch)
+  time: float = 0.0      # training seconds before it, evaluation excluded (carried over a resume)
+  eval_s: float = 0.0    # seconds spent evaluating (not training time)
+
+
+class Clock:
+  """Seconds of this stage's calls by kind (each call blocked on, so compute and link waits separate),
+  and the training clock at the end of every tick: the measured iteration."""
+
+  def __init__(self):
+    self.calls = collections.defaultdict(list)
+    self.tick_ends = []
+
+  def run(self, kind: str, fn, *args):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    self.calls[kind].append(time.perf_counter() - t0)
+    return out
+
+  def medians(self, skip: int = 2) -> dict:
+    """Median seconds per call of each kind (the first `skip` calls, compiles, left out)."""
+    return {k: float(np.median(v[skip:] if len(v) > skip else v)) for k, v in self.calls.items()}
+
+  def totals(self) -> dict:
+    return {k: float(np.sum(v)) for k, v in self.calls.items()}
+
+
+def _drop(fn, index: int):
+  """fn with output `index` replaced by None: stage 0's dL/d(input) is not needed, and XLA then never
+  computes it (single-process BP does not either)."""
+  def wrapped(*args):
+    out = list(fn(*args))
+    out[index] = None
+    return tuple(out)
+  return wrapped
+
+
+class Stage:
+  """This process's stage: its state, its jitted programs, its links, its clock."""
+
+  def __init__(self, config, stages, optimizer, num_batches: int, sample_x, test_x):
+    self.k, self.K = jax.process_index(), config.num_stages
+    self.config, self.n, self.last = config, num_batches, jax.process_index() == config.num_stages - 1
+    self.schedule = process_schedule(config)
+    self.device = stage_device(self.k)
+    self.clock = Clock()
+    k, stage, sch = self.k, stages[self.k], self.schedule
+    full = tick_lib.init_pipeline(stages, optimizer, sch or tick_lib.method_schedule("bp", self.K),
+                                  jax.random.key(config.seed), sample_x)
+    st = full[k]
+    if sch is not None and sch.mode == "residuals" and not self.last:
+      st = {key: v for key, v in st.items() if key != "in_ring"}  # the residuals hold the input
+    if st["model_state"] and sch is not None and sch.mode == "fused":
+      raise ConfigError(f"mode: fused is not allowed with {config.model}: it has a model state "
+                        "(BatchNorm), whose batch statistics would mix the two batches of the fused call")
+    self.state = jax.device_put(st, self.device)
+    # The shape of every boundary: stage j's input, for the training batch and for the test set.
+    ins = [np.zeros(s["in_ring"].shape[1:], s["in_ring"].dtype) for s in full]
+    test_in = [jax.ShapeDtypeStruct(test_x.shape, test_x.dtype)]
+    for j in range(self.K - 1):
+      test_in.append(jax.eval_shape(lambda p, m, x, j=j: apply_model(stages[j], p, m, x, train=False)[0],
+                                    full[j]["params"], full[j]["model_state"], test_in[-1]))
+    link = lambda j, shape, dtype: Link(j, k, shape, dtype) if 0 <= j < self.K - 1 else None
+    self.lower, self.upper = link(k - 1, ins[k].shape, ins[k].dtype), link(k, ins[k + 1].shape if not
+                                                                           self.last else (), jnp.float32)
+    self.eval_lower = link(k - 1, test_in[k].shape, test_in[k].dtype)
+    self.eval_upper = link(k, test_in[k + 1].shape, test_in[k + 1].dtype) if not self.last else None
+    M = config.microbatches
+    micro = lambda shape: (shape[0] // M,) + tuple(shape[1:])
+    self.lower_mb = link(k - 1, micro(ins[k].shape), ins[k].dtype)
+    self.upper_mb = link(k, micro(ins[k + 1].shape), ins[k + 1].dtype) if not self.last else None
+    self._compile_programs(stage, optimizer)
+    self.ring = collections.deque()
+    if sch is not None and sch.mode == "residuals" and not self.last:
+      # S_k placeholders (the warm-up's backwards are masked); the forward's vjp fixes the ring's shape.
+      _, pb, ms = self.res_fwd(self.state["params"], self.state["model_state"],
+                               jax.device_put(jnp.asarray(ins[k]), self.device))
+      self.ring.extend([(pb, ms)] * sch.staleness[k])
+
+  def _compile_programs(self, stage, optimizer):
+    """The jitted programs this stage calls (jit is lazy: each compiles on its first call)."""
+    k, sch, n = self.k, self.schedule, self.n
+    first = k == 0
+    if sch is not None:
+      bwd = lambda st, cot, labels, t: tick_lib.stage_backward(stage, optimizer, sch, k, st, cot, labels, t, n)
+      fused = lambda st, x, cot, t: tick_lib.stage_fused(stage, optimizer, sch, k, st, x, cot, t, n)
+      res_bwd = lambda st, pb, ms, cot, t: tick_lib.stage_backward_residuals(optimizer, sch, k, st, pb, ms,
+                                                                              cot, t, n)
+      self.fwd = jax.jit(functools.partial(tick_lib.stage_forward, stage, sch, k))
+      self.bwd = jax.jit(_drop(bwd, 1) if first else bwd)
+      self.fused = jax.jit(_drop(fused, 2) if first else fused)
+      self.res_fwd = jax.jit(lambda p, ms, x: tick_lib.stage_forward_residuals(stage, p, ms, x))
+      self.res_bwd = jax.jit(_drop(res_bwd, 1) if first else res_bwd)
+      self.push = jax.jit(tick_lib.push)
+    M = self.config.microbatches
+
+    def gp_bwd(p, ms, x, cot):  # rematerialised: the forward again, then its vjp
+      return jax.vjp(lambda p, x: apply_model(stage, p, ms, x, train=True)[0], p, x)[1](cot)
+
+    def gp_last(p, ms, x, y):
+      def loss_fn(p, x):
+        logits, new_ms = apply_model(stage, p, ms, x, train=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, (jnp.mean(jnp.argmax(logits, -1) == y), new_ms)
+      (loss, (acc, new_ms)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(p, x)
+      return (loss, acc, new_ms), g_p, g_x
+
+    def gp_update(st, grads_sum, ms):
+      grads = jax.tree.map(lambda g: g / M, grads_sum)
+      updates, opt_state = optimizer.update(grads, st["opt_state"], st["params"])
+      return dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state, model_state=ms)
+
+    self.gp_fwd = jax.jit(lambda p, ms, x: apply_model(stage, p, ms, x, train=True))
+    self.gp_bwd = jax.jit(_drop(gp_bwd, 1) if first else gp_bwd)
+    self.gp_last = jax.jit(_drop(gp_last, 2) if first else gp_last)
+    self.gp_add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+    self.gp_update = jax.jit(gp_update)
+    self.ev_fwd = jax.jit(lambda p, ms, x: apply_model(stage, p, ms, x, train=False)[0])
+
+  # -- one tick (dsp, fr, ddg, bp) --------------------------------------------------------------------
+
+  def link(self, fn, *args):
+    return self.clock.run("link", fn, *args)
+
+  def tick(self, st, x_t, y_t, t):
+    """This stage's part of tick t (tick.make_tick's order); returns (state, (loss, acc) or None)."""
+    sch, k, c, last = self.schedule, self.k, self.clock, self.last
+    f, b = sch.fwd_delays, sch.bwd_delays
+    if k == 0:
+      x_in = x_t
+    elif f[k - 1] == 0:
+      x_in = self.link(self.lower.up)    # locked forward: this tick's output of the stage below
+    else:
+      x_in = st["fwd_fifo"][0]
+    metrics = y = g_x = None
+    if sch.mode == "fused" and not last:  # DSP: the error gradient is already in the FIFO
+      st, y, g_x = c.run("fused", self.fused, st, x_in, st["bwd_fifo"][0], t)
+    else:
+      residuals = sch.mode == "residuals" and not last
+      if residuals:
+        y, pb, ms = c.run("forward", self.res_fwd, st["params"], st["model_state"], x_in)
+        self.ring.append((pb, ms))
+      else:
+        st, y = c.run("forward", self.fwd, st, x_in, t)
+      if not last and f[k] == 0:
+        self.link(self.upper.up, y)
+      cot = None if last else (self.link(self.upper.down) if b[k] == 0 else st["bwd_fifo"][0])
+      if residuals:
+        pb, ms = self.ring.popleft()     # the forward of tick t - S_k
+        st, g_x = c.run("backward", self.res_bwd, st, pb, ms, cot, t)
+      else:
+        st, g_x, metrics = c.run("backward", self.bwd, st, cot, y_t, t)
+      if k > 0 and b[k - 1] == 0:
+        self.link(self.lower.down, g_x)
+    return self._advance_links(st, y, g_x), metrics
+
+  def _advance_links(self, st, y, g_x):
+    """The delayed links move one tick: the lower link first, then the upper one (no wait cycle)."""
+    sch, k = self.schedule, self.k
+    f, b = sch.fwd_delays, sch.bwd_delays
+    if k > 0 and f[k - 1] > 0:
+      got = self.link(self.lower.swap, g_x) if b[k - 1] > 0 else self.link(self.lower.up)
+      st = dict(st, fwd_fifo=self.push(st["fwd_fifo"], got))
+    elif k > 0 and b[k - 1] > 0:
+      self.link(self.lower.down, g_x)
+    if not self.last and (f[k] > 0 or b[k] > 0):
+      if f[k] > 0 and b[k] > 0:
+        got = self.link(self.upper.swap, y)
+      elif f[k] > 0:
+        got = self.link(self.upper.up, y)
+      else:
+        got = self.link(self.upper.down)
+      if b[k] > 0:
+        st = dict(st, bwd_fifo=self.push(st["bwd_fifo"], got))
+    return st
+
+  # -- one gpipe batch ----------------------------------------------------------------------------------
+
+  def gpipe(self, st, x_t, y_t):
+    """M micro-batches up (only the stage inputs are kept), then down in reverse order with the
+    forward rematerialised, the gradients summed, one update after the flush."""
+    k, c, last, M = self.k, self.clock, self.last, self.config.microbatches
+    p, ms = st["params"], st["model_state"]
+    split = lambda a: np.split(np.asarray(a), M) if a is not None else [None] * M
+    xs, ys = split(x_t), split(y_t)
+    ins, new_ms = [], ms
+    for m in range(M):
+      x = xs[m] if k == 0 else self.link(self.lower_mb.up)
+      ins.append(x)
+      if not last:
+        y, new_ms = c.run("forward", self.gp_fwd, p, ms, x)
+        self.link(self.upper_mb.up, y)
+    grads, losses = None, []
+    for m in reversed(range(M)):
+      if last:
+        (loss, acc, new_ms), g_p, g_x = c.run("backward", self.gp_last, p, ms, ins[m], ys[m])
+        losses.append((loss, acc))
+      else:
+        g_p, g_x = c.run("backward", self.gp_bwd, p, ms, ins[m], self.link(self.upper_mb.down))
+      grads = g_p if grads is None else self.gp_add(grads, g_p)
+      if k > 0:
+        self.link(self.lower_mb.down, g_x)
+    st = c.run("update", self.gp_update, st, grads, new_ms)
+    metrics = tuple(jnp.mean(jnp.stack(v)) for v in zip(*losses)) if last else None
+    return st, metrics
+
+  # -- evaluation ------------------------------------------------------------------------------------
+
+  def evaluate(self, st, x_test, y_test):
+    """The test set up the stages; the last stage returns (accuracy, loss), the others None."""
+    h = jax.device_put(x_test, self.device) if self.k == 0 else self.eval_lower.up()
+    h = self.ev_fwd(st["params"], st["model_state"], h)
+    if not self.last:
+      self.eval_upper.up(h)
+      return None
+    y = jax.device_put(y_test, self.device)
+    return (float(jnp.mean(jnp.argmax(h, -1) == y)),
+            float(optax.softmax_cross_entropy_with_integer_labels(h, y).mean()))
+
+  # -- what a checkpoint holds ----------------------------------------------------------------------------
+
+  def pack(self, st) -> dict:
+    """The stage's state and the residual ring (as leaves: the vjp's structure is rebuilt, not saved)."""
+    return {"stage": st, "ring": jax.tree.leaves(list(self.ring))}
+
+  def unpack(self, packed) -> dict:
+    treedef = jax.tree.structure(list(self.ring))
+    self.ring = collections.deque(jax.tree.unflatten(treedef, packed["ring"]))
+    return packed["stage"]
+
+  def stored_bytes(self, st) -> dict:
+    """Bytes this stage keeps, read from its live state: tick.stored_bytes' kinds plus the residuals."""
+    out = tick_lib.stored_bytes([{"in_ring": [], **st}])[0]
+    out["residuals"] = int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(list(self.ring))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run: every stage process runs this.
+
+
+def _pin(config, k: int) -> None:
+  """One core per stage process (runtime.pin_cores): XLA's intra-op threads gain little here and two
+  processes sharing both cores contend (DESIGN 4.5)."""
+  cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+  if config.runtime.pin_cores and cores:
+    os.sched_setaffinity(0, {cores[k % len(cores)]})
+
+
+def _per_process(K: int, device):
+  """RunLog's per_process triple: this stage's state as its row of (stages, ...) arrays and back."""
+  mesh = Mesh(np.array([[stage_device(j)] for j in range(K)]), (WORKER, LOCAL))
+  local = SingleDeviceSharding(device)
+  # The saver thread hands host copies: back on the stage's device first.
+  return (jax.process_index(), lambda tree: jax.tree.map(lambda a: to_global(jax.device_put(a, local), mesh), tree),
+          lambda tree: jax.tree.map(lambda a: to_local(a, local), tree))
+
+
+def _resume(sp: Stage, log: RunLog, kv) -> Loop:
+  """The newest tick every stage saved (a consistent cut), or a fresh start."""
+  mark = agree_on_marker(kv, sp.k, sp.K, log.committed(), sp.config.runtime.stall_timeout)
+  got = log.restore(sp.pack(sp.state), steps=[mark] if mark is not None else [])
+  if got is None and mark is not None:
+    raise RuntimeError(f"{log.ckpt_dir}/{mark}: this stage's checkpoint of the newest tick every stage "
+                       "saved does not read back")
+  if got is None:
+    return Loop()
+  sp.state = sp.unpack(got[1])
+  loop = Loop(**got[2])
+  logging.info("stage %d: resuming at tick %d", sp.k, loop.tick)
+  return loop
+
+
+def _record(sp: Stage, log: RunLog, run: dict, loop: Loop, done: int, losses: list) -> None:
+  """At a logged batch: the evaluation (every stage, at eval points), the lead's record."""
+  config, n = sp.config, run["num_batches"]
+  scalars = {"epoch": done / run["batches_per_epoch"]}
+  if done % config.eval_every == 0 or done == n:
+    t0 = time.perf_counter()
+    got = sp.evaluate(sp.state, *run["test"])
+    loop.eval_s += time.perf_counter() - t0
+    if got is not None:
+      scalars.update(test_accuracy=got[0], test_loss=got[1])
+  if sp.last:
+    scalars["train_loss"] = float(np.mean([float(l) for l in losses])) if losses else float("nan")
+  log.record(done, run["clock"](), **scalars)
+
+
+def _loop(sp: Stage, log: RunLog, run: dict, loop: Loop, progress: dict) -> None:
+  """Ticks (gpipe: batches) from loop.tick to the end of the drain."""
+  config, n, feed = sp.config, run["num_batches"], run["feed"]
+  sch = sp.schedule
+  drain = sch.drain_ticks() if sch else 0
+  offset = sch.offsets[-1] if sch else 0  # the last stage works on batch t - offset
+  rt, losses = config.runtime, []
+  t_start, eval_before = time.perf_counter() - loop.time, loop.eval_s  # loop.time is net of evaluation
+  run["clock"] = lambda: time.perf_counter() - t_start - (loop.eval_s - eval_before)
+  saved = None
+  for t in range(loop.tick, n + drain):
+    if sp.k == rt.fail_stage and t == rt.fail_tick:
+      fail_now(log, saved, t)
+    x_t = feed.x(t) if sp.k == 0 else None
+    y_t = feed.labels(t - offset) if sp.last else None
+    if sch is None:
+      sp.state, metrics = sp.gpipe(sp.state, x_t, y_t)
+    else:
+      sp.state, metrics = sp.tick(sp.state, x_t, y_t, t)
+    _pad_straggler(sp, t)
+    sp.clock.tick_ends.append(run["clock"]())
+    progress["ticks"] = t + 1
+    if metrics is not None and 0 <= t - offset < n:
+      losses.append(metrics[0])
+    done = t + 1 - drain  # batches whose updates every stage has applied
+    if done > 0 and (done % config.log_every == 0 or done == n):
+      _record(sp, log, run, loop, done, losses)
+      losses = []
+      loop.tick, loop.time = t + 1, run["clock"]()
+      log.checkpoint(done, sp.pack(sp.state), dataclasses.asdict(loop), force=done == n)
+      saved = done if config.checkpoint_every and done % config.checkpoint_every == 0 else saved
+    elif done > 0:
+      log.progress(done)
+  loop.tick, loop.time = n + drain, run["clock"]()
+
+
+def _pad_straggler(sp: Stage, t: int) -> None:
+  """slowdown s on straggler_stage (or on every stage with probability straggler_p per tick): this
+  tick's compute is padded to s times its measured length, by sleeping the difference."""
+  c = sp.config
+  if c.slowdown <= 1:
+    return
+  hit = (sp.k == c.straggler_stage if c.straggler_p == 0
+         else np.random.default_rng([c.seed, t, sp.k]).random() < c.straggler_p)
+  if hit:
+    spent = sum(v[-1] for kind, v in sp.clock.calls.items() if kind != "link" and v)
+    time.sleep((c.slowdown - 1) * spent)
+
+
+def _timing(sp: Stage, warm: int) -> dict:
+  """This stage's measured costs: median call times, totals, the steady tick spacing."""
+  ends = np.asarray(sp.clock.tick_ends)
+  start = min(max(warm, len(ends) // 4), len(ends) - 2) if len(ends) > 2 else 0
+  spacing = float((ends[-1] - ends[start]) / (len(ends) - 1 - start)) if len(ends) > 1 else float("nan")
+  return {"stage": sp.k, "median_s": sp.clock.medians(), "total_s": sp.clock.totals(),
+          "ticks": len(ends), "iteration_s": spacing, "stored_bytes": sp.stored_bytes(sp.state)}
+
+
+def run(config, workdir: str, setup) -> dict:
+  """This process's stage, from `setup` = (stages, optimizer, feed, data, num_batches, batches_per_epoch)."""
+  stages, optimizer, feed, data, num_batches, per_epoch = setup
+  k, K = jax.process_index(), config.num_stages
+  sigterm = coord.SigtermStop().install()  # SIGTERM ends this stage: one line, coord.EXIT_TERM
+  _pin(config, k)
+  workdir = make_workdir(workdir, config)
+  kv = coord.client()
+  sp = Stage(config, stages, optimizer, num_batches, feed.sample, data["x_test"])
+  rt = config.runtime
+  run_ = {"num_batches": num_batches, "batches_per_epoch": per_epoch, "feed": feed,
+          "test": (data["x_test"], data["y_test"])}
+  with RunLog(workdir, config, num_batches, is_lead=sp.last, checkpoint_every=config.checkpoint_every,
+              checkpoint_keep=config.checkpoint_keep, per_process=_per_process(K, sp.device)) as log:
+    loop = _resume(sp, log, kv)
+    progress = {"ticks": loop.tick, "done": False}
+    watchdog = coord.Watchdog(kv, k, K, lambda: (progress["ticks"], progress["ticks"], progress["done"]),
+                              rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout, role="stage")
+    sigterm.watchdog = watchdog
+    kv.wait_at_barrier(f"{coord.PREFIX}/pipe/start/{loop.tick}", int(rt.stall_timeout * 1000))
+    watchdog.start()
+    try:
+      _loop(sp, log, run_, loop, progress)
+    except Exception:
+      # A transfer may fail (rather than hang) when the neighbour died: let the watchdog name it first.
+      watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
+      raise
+    log.wait()
+    mine = _timing(sp, warm=(sp.schedule.drain_ticks() if sp.schedule else 0) + 3)
+    kv.key_value_set(f"{coord.PREFIX}/pipe/timing/{k}", json.dumps(mine), allow_overwrite=True)
+    flat, _ = ravel_pytree(sp.state["params"])
+    os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
+    np.save(os.path.join(workdir, "snapshots", f"final-{k}.npy"), np.asarray(flat))
+    progress["done"] = True
+    timings = [json.loads(kv.blocking_key_value_get(f"{coord.PREFIX}/pipe/timing/{j}",
+                                                    int(rt.stall_timeout * 1000))) for j in range(K)]
+    kv.wait_at_barrier(f"{coord.PREFIX}/pipe/end", int(10 * rt.stall_timeout * 1000))
+    watchdog.stop()
+    if not sp.last:
+      return {"method": config.method, "stage": k, "workdir": workdir, "time": loop.time}
+    return log.finish(
+        time=loop.time, worker_steps=[num_batches], method=config.method, num_stages=K,
+        mode=sp.schedule.mode if sp.schedule else "remat", placement="per_process", delay=config.delay,
+        epochs=config.num_epochs, num_batches=num_batches, eval_s=loop.eval_s,
+        iteration_s=max(s["iteration_s"] for s in timings), stages=timings,
+        staleness=list(sp.schedule.staleness) if sp.schedule else None)

@@ -1,0 +1,164 @@
+"""The pipeline's alignment (each stage's gradient is the scheduled batch's) and the multi-process
+runtime (pipeline/runtime.py) against the single-process tick: numerics, a killed stage, resume."""
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from configs import dsp as dsp_config
+from ripples_jax.pipeline import tick as tick_lib
+from ripples_jax.pipeline import train as pipeline_train
+from ripples_jax.pipeline.baselines import compose, schedule_of
+from tests.test_pipeline_dsp import B, mlp_stages
+from tests.test_runtime import launch_bounded
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recorder():
+  """An optax 'optimizer' that applies nothing and keeps the last gradient it was given: with the
+  parameters fixed, every stage's gradient at any tick must be BP's gradient of one batch."""
+  return optax.GradientTransformation(
+      init=lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
+      update=lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), {"g": g}))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "stash"])
+@pytest.mark.parametrize("delay", [1, 2])
+def test_each_stage_gets_the_bp_gradient_of_its_scheduled_batch(mode, delay):
+  K, n = 3, 12
+  stages = mlp_stages(K)
+  rng = np.random.default_rng(0)
+  xs = rng.normal(size=(n, B, 8)).astype(np.float32)
+  ys = rng.integers(0, 4, size=(n, B)).astype(np.int32)
+  schedule = tick_lib.method_schedule("dsp", K, delay, mode)
+  state = tick_lib.init_pipeline(stages, recorder(), schedule, jax.random.key(0), xs[0])
+  params_K = jax.tree.map(np.array, [st["params"] for st in state])  # the tick donates its state
+  ms_K = jax.tree.map(np.array, [st["model_state"] for st in state])
+
+  def bp_grads(i):
+    def loss(params):
+      logits, _ = compose(stages, params, ms_K, xs[i], train=True)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, ys[i]).mean()
+    return jax.grad(loss)(params_K)
+
+  step = tick_lib.make_tick(stages, recorder(), schedule, n)
+  offset = schedule.offsets[-1]
+  checked = 0
+  for t in range(n + schedule.drain_ticks()):
+    x_t = xs[t] if t < n else np.zeros_like(xs[0])
+    state, _ = step(state, x_t, ys[max(t - offset, 0) % n], t)
+    for k, (_, bwd) in enumerate(schedule.batches(t)):
+      if 0 <= bwd < n:  # this tick's backward at stage k was of batch `bwd`: BP's gradient of it
+        want = bp_grads(bwd)[k]
+        got = state[k]["opt_state"]["g"]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+          np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        checked += 1
+  assert checked == K * n
+
+
+# ---------------------------------------------------------------------------------------------------
+# The multi-process runtime: 2 processes, one stage each.
+
+
+def pipeline_config(method, mode="recompute", delay=1, epochs=1, extra=()):
+  return [f"--config=configs/dsp.py:method={method},num_stages=2,mode={mode},delay={delay},epochs={epochs}",
+          "--config.placement=per_process", "--config.runtime.heartbeat_timeout=5",
+          "--config.runtime.stall_timeout=30", "--config.log_every=31", "--config.eval_every=62",
+          "--config.checkpoint_every=0", *extra]
+
+
+def single_process_params(method, mode, delay, epochs=1):
+  """Every stage's flat parameters after the run of the same config in one process (the tick)."""
+  config = dsp_config.get_config(f"method={method},num_stages=2,mode={mode},delay={delay},epochs={epochs}")
+  stages, state, run = pipeline_train._setup(config)
+  sch = schedule_of(config)
+  drain, offset = (sch.drain_ticks(), sch.offsets[-1]) if sch else (0, 0)
+  feed, n = run["feed"], run["num_batches"]
+  for t in range(n + drain):
+    state, _ = run["step"](state, feed.x(t), feed.labels(t - offset), t)
+  return [np.asarray(ravel_pytree(st["params"])[0]) for st in state]
+
+
+def launch_pipeline(args, timeout_s=300):
+  return launch_bounded(2, args, timeout_s=timeout_s, module="experiments.train_dsp")
+
+
+def final_params(workdir):
+  return [np.load(os.path.join(workdir, "snapshots", f"final-{k}.npy")) for k in range(2)]
+
+
+# (method, runtime mode, delay, the single-process run it must equal: method, mode)
+CASES = [
+    pytest.param("dsp", "recompute", 2, ("dsp", "recompute"), id="dsp-recompute-d2"),
+    pytest.param("dsp", "fused", 1, ("dsp", "recompute"), id="dsp-fused", marks=pytest.mark.slow),
+    pytest.param("dsp", "residuals", 1, ("dsp", "stash"), id="dsp-residuals", marks=pytest.mark.slow),
+    pytest.param("fr", "recompute", 1, ("fr", "recompute"), id="fr", marks=pytest.mark.slow),
+    pytest.param("ddg", "recompute", 1, ("ddg", "recompute"), id="ddg", marks=pytest.mark.slow),
+    pytest.param("bp", "recompute", 1, ("bp", "recompute"), id="bp", marks=pytest.mark.slow),
+    pytest.param("gpipe", "recompute", 1, ("gpipe", "recompute"), id="gpipe", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("method,mode,delay,reference", CASES)
+def test_two_process_pipeline_equals_the_single_process_tick(tmp_path, method, mode, delay, reference):
+  workdir = str(tmp_path / "run")
+  code, out = launch_pipeline(pipeline_config(method, mode, delay) + [f"--workdir={workdir}"])
+  assert code == 0, out[-3000:]
+  want = single_process_params(reference[0], reference[1], delay)
+  for k, (got, ref) in enumerate(zip(final_params(workdir), want)):
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"stage {k}")
+
+
+def start_stages_directly(args):
+  """Both stage processes without the launcher (as on a cluster), so that nothing but the survivor's
+  own watchdog can stop it; returns the Popen objects, stderr merged into stdout."""
+  from ripples_jax.runtime.launcher import child_env, free_port
+  address = f"127.0.0.1:{free_port()}"
+  procs = []
+  for k in range(2):
+    env = child_env(1, "cpu", k)
+    env.pop("RIPPLES_LAUNCHER_PID", None)
+    cmd = [sys.executable, "-m", "experiments.train_dsp", *args, "--jax_distributed",
+           f"--coordinator_address={address}", "--num_processes=2", f"--process_id={k}", "--cpu_devices=1"]
+    procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True))
+  return procs
+
+
+@pytest.mark.slow
+def test_killed_stage_is_named_and_the_rerun_resumes_the_same_numerics(tmp_path):
+  workdir = str(tmp_path / "run")
+  args = pipeline_config("dsp", "recompute", 1, epochs=2, extra=["--config.checkpoint_every=31"]) + [
+      f"--workdir={workdir}"]
+  # Stage 1 SIGKILLs itself before tick 70, once its checkpoint of batch 62 has committed.
+  procs = start_stages_directly(args + ["--config.runtime.fail_stage=1", "--config.runtime.fail_tick=70"])
+  try:
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert procs[1].returncode == -signal.SIGKILL, outs[1][-3000:]
+  assert "kills itself at local step 70" in outs[1], outs[1][-3000:]
+  named = [l for l in outs[0].splitlines() if "stage(s) [1] lost" in l]
+  assert procs[0].returncode == 75 and len(named) == 1, outs[0][-3000:]
+  assert not os.path.exists(os.path.join(workdir, "snapshots", "final-0.npy"))
+  # The same command again: every stage resumes after batch 62 (tick 64: drain 2), and ends bit for bit
+  # where an uninterrupted run of the same processes does.
+  code, out = launch_pipeline(args)
+  assert code == 0, out[-3000:]
+  assert "resuming at tick 64" in out, out[-3000:]
+  whole = str(tmp_path / "whole")
+  code, out = launch_pipeline([a for a in args if not a.startswith("--workdir")] + [f"--workdir={whole}"])
+  assert code == 0, out[-3000:]
+  for k, (got, ref) in enumerate(zip(final_params(workdir), final_params(whole))):
+    np.testing.assert_array_equal(got, ref, err_msg=f"stage {k}")
