@@ -32,6 +32,12 @@ def get_config(arg=None):
   c.data_dir = ""
   c.model = arg.model
   c.batch_size = 64
+  # dataset=synthetic (benchmarks): Gaussian classes of this shape, e.g. CIFAR-shaped (32, 32, 3).
+  c.synthetic = ml_collections.ConfigDict()
+  c.synthetic.input_shape = (16,)
+  c.synthetic.num_classes = 4
+  c.synthetic.num_train = 512
+  c.synthetic.num_test = 128
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "momentum"

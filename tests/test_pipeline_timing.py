@@ -149,3 +149,26 @@ def test_bad_arguments_raise():
     T.iteration_time("bp", [1.0, 1.0], [2.0])
   with pytest.raises(ValueError, match="straggler_stage"):
     T.simulate("dsp", [1.0], [2.0], 5, straggler_stage=3, slowdown=2.0)
+
+
+def _stage(forward=0.0, backward=0.0, fused=0.0, update=0.0, lower=None, upper=None):
+  calls = {k: v for k, v in dict(forward=forward, backward=backward, fused=fused, update=update).items() if v}
+  links = {k: v for k, v in dict(lower=lower, upper=upper).items() if v is not None}
+  return {"median_s": calls, "transfer_s": links}
+
+
+def test_runtime_model_charges_the_calls_each_method_makes():
+  x = 0.01  # one transfer on the link
+  two = [_stage(forward=1.0, backward=2.0, upper=x), _stage(forward=0.5, backward=3.0, lower=x)]
+  assert T.runtime_iteration("bp", two) == pytest.approx(1.0 + 2.0 + 0.5 + 3.0 + 2 * x)
+  assert T.runtime_iteration("fr", two) == pytest.approx(1.0 + 0.5 + x + 3.0 + x)
+  # DSP: every stage busy every tick, one swap per link it has; the slower stage sets the pace.
+  assert T.runtime_iteration("dsp", two) == pytest.approx(max(1.0 + 2.0, 0.5 + 3.0) + x)
+  fused = [_stage(fused=4.0, upper=x), _stage(forward=0.5, backward=3.0, lower=x)]
+  assert T.runtime_iteration("dsp", fused) == pytest.approx(4.0 + x)
+  # GPipe, M micro-batch calls: one micro-batch and no transfers is the plain chain plus the update.
+  gp = [_stage(forward=1.0, backward=2.0, update=0.1, upper=0.0),
+        _stage(backward=3.0, update=0.2, lower=0.0)]
+  assert T.runtime_iteration("gpipe", gp, microbatches=1) == pytest.approx(1.0 + 3.0 + 2.0 + 0.2)
+  with pytest.raises(ValueError, match="dni"):
+    T.runtime_iteration("dni", two)

@@ -272,6 +272,25 @@ class Stage:
     metrics = tuple(jnp.mean(jnp.stack(v)) for v in zip(*losses)) if last else None
     return st, metrics
 
+  # -- what a transfer costs --------------------------------------------------------------------------
+
+  def calibrate_links(self, reps: int = 7) -> dict:
+    """Median seconds of one transfer of the training boundary on each of this stage's links, with
+    both ends ready (the run's link waits also hold the time spent waiting for the neighbour). Every
+    stage runs this at the same point, lower link first, so the pairs meet."""
+    out = {}
+    for name, link in (("lower", self.lower), ("upper", self.upper)):
+      if link is None:
+        continue
+      x = link.zeros
+      times = []
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(link.swap(x))
+        times.append(time.perf_counter() - t0)
+      out[name] = float(np.median(times[2:]))
+    return out
+
   # -- evaluation ------------------------------------------------------------------------------------
 
   def evaluate(self, st, x_test, y_test):
@@ -432,6 +451,7 @@ def run(config, workdir: str, setup) -> dict:
                               rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout, role="stage")
     sigterm.watchdog = watchdog
     kv.wait_at_barrier(f"{coord.PREFIX}/pipe/start/{loop.tick}", int(rt.stall_timeout * 1000))
+    transfer_s = sp.calibrate_links()  # before the clock starts: not training time
     watchdog.start()
     try:
       _loop(sp, log, run_, loop, progress)
@@ -440,7 +460,7 @@ def run(config, workdir: str, setup) -> dict:
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
       raise
     log.wait()
-    mine = _timing(sp, warm=(sp.schedule.drain_ticks() if sp.schedule else 0) + 3)
+    mine = dict(_timing(sp, warm=(sp.schedule.drain_ticks() if sp.schedule else 0) + 3), transfer_s=transfer_s)
     kv.key_value_set(f"{coord.PREFIX}/pipe/timing/{k}", json.dumps(mine), allow_overwrite=True)
     flat, _ = ravel_pytree(sp.state["params"])
     os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)

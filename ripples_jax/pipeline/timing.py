@@ -251,3 +251,40 @@ def measure_stage_times(stages, state, sample_x, reps: int = 20):
     bwd_K.append(max(med["fb"] - med["f"], 0.0))
     x = y
   return fwd_K, bwd_K
+
+
+def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) -> float:
+  """The pipeline runtime's iteration (pipeline/runtime.py) as predicted from the costs measured in
+  that run: per stage, `median_s` (median seconds per call of each kind it makes: forward, backward,
+  fused, update) and `transfer_s` (one transfer on its lower/upper link with both ends ready).
+
+  It charges exactly the calls the runtime makes, so a recompute is in `backward` where the method
+  recomputes (fr, dsp recompute, gpipe's remat) and absent where it keeps residuals (bp, ddg, dsp
+  residuals), and the fused call is what it measured, not an assumed F:
+    bp        sum_k (forward_k + backward_k) + an up and a down transfer per link: nothing overlaps
+    ddg, fr   sum_k forward_k + the transfers up (the locked forward), then the backwards in parallel
+              (max_k backward_k), then the delayed gradients down (one transfer)
+    dsp       max_k (stage k's calls + one swap per link it has): every stage busy every tick
+    gpipe     the flushed wavefront of `gpipe_iteration` on the micro-batch calls, each transfer
+              (1/M of the batch's) added to the call it follows, plus the update
+  """
+  _check_method(method)
+  K = len(stages)
+  call = lambda k, kind: float(stages[k]["median_s"].get(kind, 0.0))
+  up = [float(stages[k]["transfer_s"].get("upper", 0.0)) for k in range(K - 1)]  # link k
+  link = lambda k: (up[k - 1] if k > 0 else 0.0) + (up[k] if k < K - 1 else 0.0)  # stage k's links
+  f = np.array([call(k, "forward") for k in range(K)])
+  b = np.array([call(k, "backward") for k in range(K)])
+  if method == "bp":
+    return float(f.sum() + b.sum() + 2 * sum(up))
+  if method in ("ddg", "fr"):
+    return float(f.sum() + sum(up) + b.max() + max(up, default=0.0))
+  if method == "dsp":
+    return float(max(call(k, "fused") + f[k] + b[k] + link(k) for k in range(K)))
+  if method == "gpipe":
+    M = int(microbatches)
+    f_up = f + np.array(up + [0.0]) / M           # a micro-batch forward, then its activation up
+    b_down = b + np.array([0.0] + up) / M         # a micro-batch backward, then its gradient down
+    return float(gpipe_iteration(M * f_up, M * b_down, M, remat=False)
+                 + max(call(k, "update") for k in range(K)))
+  raise ValueError(f"{method!r} does not run in the pipeline runtime")

@@ -111,7 +111,8 @@ def _loop(log, config, run, state, cursor: Cursor):
 
 def _data(config):
   """Data, stages, the batch feed and the optimizer: what every placement shares."""
-  data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
+  kw = dict(config.synthetic) if config.dataset == "synthetic" and "synthetic" in config else {}
+  data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed, **kw)
   stages = split.split_model(config.model, data["num_classes"], config.num_stages,
                              sample_shape=data["input_shape"])
   batches_per_epoch = len(data["y_train"]) // config.batch_size
