@@ -135,6 +135,7 @@ def row(name: str, summary: dict, bp_s: float, modeled_bp_s: float) -> dict:
           "modeled_iteration_s": modeled, "model_error": modeled / measured - 1,
           "measured_speedup_vs_bp": bp_s / measured, "modeled_speedup_vs_bp": modeled_bp_s / modeled,
           "stored_bytes": [s["stored_bytes"] for s in summary["stages"]],
+          "xla_memory": [s.get("xla_memory") for s in summary["stages"]],
           "median_call_s": [s["median_s"] for s in summary["stages"]],
           "transfer_s": [s["transfer_s"] for s in summary["stages"]]}
 

@@ -78,11 +78,14 @@ class Clock:
   def __init__(self):
     self.calls = collections.defaultdict(list)
     self.tick_ends = []
+    self.memory = {}  # kind -> XLA's compiled memory analysis of the program (where the backend has one)
 
   def run(self, kind: str, fn, *args):
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     self.calls[kind].append(time.perf_counter() - t0)
+    if kind not in self.memory and kind != "link":
+      self.memory[kind] = compiled_memory(fn, args)
     return out
 
   def medians(self, skip: int = 2) -> dict:
@@ -91,6 +94,17 @@ class Clock:
 
   def totals(self) -> dict:
     return {k: float(np.sum(v)) for k, v in self.calls.items()}
+
+
+def compiled_memory(fn, args) -> dict | None:
+  """XLA's memory analysis of the jitted fn on args (an ahead-of-time compile of the same program,
+  during the warm-up), or None where the backend reports none."""
+  try:
+    stats = fn.lower(*args).compile().memory_analysis()
+  except Exception:  # noqa: BLE001  not every backend or function has one
+    return None
+  keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+  return None if stats is None else {k: int(getattr(stats, k, 0)) for k in keys}
 
 
 def _drop(fn, index: int):
@@ -112,6 +126,7 @@ class Stage:
     self.schedule = process_schedule(config)
     self.device = stage_device(self.k)
     self.clock = Clock()
+    self.boundary_bytes = 0  # gpipe: the micro-batch boundary inputs it keeps during an iteration
     k, stage, sch = self.k, stages[self.k], self.schedule
     full = tick_lib.init_pipeline(stages, optimizer, sch or tick_lib.method_schedule("bp", self.K),
                                   jax.random.key(config.seed), sample_x)
@@ -251,7 +266,7 @@ class Stage:
     p, ms = st["params"], st["model_state"]
     split = lambda a: np.split(np.asarray(a), M) if a is not None else [None] * M
     xs, ys = split(x_t), split(y_t)
-    ins, new_ms = [], ms
+    ins, new_ms = [], ms  # the micro-batch boundary inputs: all GPipe keeps for its remat backward
     for m in range(M):
       x = xs[m] if k == 0 else self.link(self.lower_mb.up)
       ins.append(x)
@@ -268,6 +283,7 @@ class Stage:
       grads = g_p if grads is None else self.gp_add(grads, g_p)
       if k > 0:
         self.link(self.lower_mb.down, g_x)
+    self.boundary_bytes = int(sum(np.asarray(x).nbytes for x in ins))
     st = c.run("update", self.gp_update, st, grads, new_ms)
     metrics = tuple(jnp.mean(jnp.stack(v)) for v in zip(*losses)) if last else None
     return st, metrics
@@ -319,6 +335,7 @@ class Stage:
     """Bytes this stage keeps, read from its live state: tick.stored_bytes' kinds plus the residuals."""
     out = tick_lib.stored_bytes([{"in_ring": [], **st}])[0]
     out["residuals"] = int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(list(self.ring))))
+    out["micro_boundaries"] = self.boundary_bytes
     return out
 
 
@@ -428,6 +445,7 @@ def _timing(sp: Stage, warm: int) -> dict:
   start = min(max(warm, len(ends) // 4), len(ends) - 2) if len(ends) > 2 else 0
   spacing = float((ends[-1] - ends[start]) / (len(ends) - 1 - start)) if len(ends) > 1 else float("nan")
   return {"stage": sp.k, "median_s": sp.clock.medians(), "total_s": sp.clock.totals(),
+          "xla_memory": sp.clock.memory,
           "ticks": len(ends), "iteration_s": spacing, "stored_bytes": sp.stored_bytes(sp.state)}
 
 
