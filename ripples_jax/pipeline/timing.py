@@ -233,6 +233,25 @@ def time_interleaved(fns: dict, reps: int = 30, warmup: int = 2) -> dict:
   return {k: float(np.median(v)) for k, v in times.items()}
 
 
+def measure_predictor_times(state, reps: int = 20) -> list[float]:
+  """DNI: median seconds of each stage's synthetic-gradient work per iteration (the predictor's own
+  training step on the stored output, and its prediction for the new output), 0 for the top stage."""
+  from ripples_jax.pipeline.baselines import _predict
+  out = []
+  for st in state:
+    if "sg" not in st:
+      out.append(0.0)
+      continue
+
+    def work(sg, h, y, target):
+      grads = jax.grad(lambda sg: 0.5 * jnp.mean(jnp.square(_predict(sg, h, y) - target)))(sg)
+      return jax.tree.map(lambda a, g: a - 0.01 * g, sg, grads), _predict(sg, h, y)
+    fn = jax.jit(work)
+    args = (st["sg"], st["last_out"], st["last_y"], st["last_true"])
+    out.append(time_interleaved({"p": lambda: fn(*args)}, reps=reps)["p"])
+  return out
+
+
 def measure_stage_times(stages, state, sample_x, reps: int = 20):
   """Median forward and backward seconds of each stage's jitted program on one batch."""
   fwd_K, bwd_K = [], []

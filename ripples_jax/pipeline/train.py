@@ -50,7 +50,11 @@ class _Feed:
 def _model_times(config, stages, state, sample):
   """Measured stage times and what the timing model makes of them (logged)."""
   fwd_K, bwd_K = timing.measure_stage_times(stages, state, sample)
-  kw = dict(microbatches=config.microbatches, fused=True)
+  # What this process runs: the recompute is its own forward call (fused exists only per_process), DNI's
+  # predictors cost what they measure.
+  kw = dict(microbatches=config.microbatches, fused=False)
+  if config.method == "dni":
+    kw["predictor_K"] = timing.measure_predictor_times(state)
   out = {"fwd_K": fwd_K, "bwd_K": bwd_K, "kw": kw,
          "iteration": timing.iteration_time(config.method, fwd_K, bwd_K, **kw),
          "speedup": timing.speedup_vs_bp(config.method, fwd_K, bwd_K, **kw)}
