@@ -52,13 +52,14 @@ def define_flags() -> None:
   flags.DEFINE_integer("iterations", 60, "Batches per runtime run.")
   flags.DEFINE_integer("bp_reps", 20, "Timed single-process BP steps per affinity, each time BP is timed.")
   flags.DEFINE_string("model", "cnn2d", "Model (split into K stages).")
+  flags.DEFINE_list("input_shape", ["32", "32", "3"], "The synthetic examples' shape (CIFAR-shaped by default).")
   flags.DEFINE_string("json_out", None, "Where the JSON goes.")
 
 
-def bench_config(K: int, model: str, iterations: int, method="bp", mode="recompute"):
+def bench_config(K: int, model: str, iterations: int, input_shape=(32, 32, 3), method="bp", mode="recompute"):
   c = dsp_config.get_config(f"method={method},num_stages={K},mode={mode},dataset=synthetic,model={model},"
                             "epochs=1")
-  c.synthetic.update(input_shape=(32, 32, 3), num_classes=10, num_train=c.batch_size * iterations,
+  c.synthetic.update(input_shape=tuple(input_shape), num_classes=10, num_train=c.batch_size * iterations,
                      num_test=c.batch_size)
   c.log_every = c.eval_every = iterations  # one record, one evaluation: at the end, outside the clock
   c.checkpoint_every = 0
@@ -143,7 +144,7 @@ def row(name: str, summary: dict, bp_s: float, modeled_bp_s: float) -> dict:
 def main(argv):
   del argv
   K, names = FLAGS.num_stages, FLAGS.variants
-  base = bench_config(K, FLAGS.model, FLAGS.iterations)
+  base = bench_config(K, FLAGS.model, FLAGS.iterations, tuple(int(d) for d in FLAGS.input_shape))
   tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
   bp_before = time_bp(base, FLAGS.bp_reps)
   summaries = {}

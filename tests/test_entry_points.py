@@ -86,6 +86,26 @@ def test_bench_runtime(tmp_path):
     assert (tmp_path / "runtime" / f).stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_bench_pipeline(tmp_path):
+  out_json = tmp_path / "k2.json"
+  out = run("benchmarks.pipeline", "--num_stages=2", "--iterations=8", "--bp_reps=2", "--model=cnn1d", "--input_shape=40,1",
+            "--variants=bp_model_parallel,dsp_residuals,gpipe", "--slowdowns=2", f"--json_out={out_json}",
+            tmp_path=tmp_path)
+  got = json.loads(out_json.read_text())
+  assert set(got) == {"_bp", "_stragglers", "bp_model_parallel", "dsp_residuals", "gpipe"}
+  for name in ("bp_model_parallel", "dsp_residuals", "gpipe"):
+    assert positive([got[name]["measured_speedup_vs_bp"], got[name]["modeled_speedup_vs_bp"]])
+    assert len(got[name]["stored_bytes"]) == 2
+  # residuals: the middle stage keeps its vjp residuals (S_0 = 2 ticks of them) and no input ring
+  assert got["dsp_residuals"]["stored_bytes"][0]["residuals"] > 0
+  assert got["dsp_residuals"]["stored_bytes"][0]["inputs"] == 0
+  assert got["gpipe"]["stored_bytes"][0]["micro_boundaries"] > 0
+  assert set(got["_stragglers"]["2.0"]["iteration_s"]) == {"bp_single_process", "bp_model_parallel", "gpipe",
+                                                         "dsp", "dsp_residuals"}
+  assert "| dsp_residuals | residuals |" in out
+
+
 # -- reproductions, one process each -----------------------------------------------------------------
 
 

@@ -79,14 +79,21 @@ class Clock:
     self.calls = collections.defaultdict(list)
     self.tick_ends = []
     self.memory = {}  # kind -> XLA's compiled memory analysis of the program (where the backend has one)
+    self.compute_since = 0.0  # compute seconds since the last take_compute() (a straggler's padding)
 
   def run(self, kind: str, fn, *args):
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     self.calls[kind].append(time.perf_counter() - t0)
-    if kind not in self.memory and kind != "link":
-      self.memory[kind] = compiled_memory(fn, args)
+    if kind != "link":
+      self.compute_since += self.calls[kind][-1]
+      if kind not in self.memory:
+        self.memory[kind] = compiled_memory(fn, args)
     return out
+
+  def take_compute(self) -> float:
+    spent, self.compute_since = self.compute_since, 0.0
+    return spent
 
   def medians(self, skip: int = 2) -> dict:
     """Median seconds per call of each kind (the first `skip` calls, compiles, left out)."""
@@ -430,12 +437,12 @@ def _pad_straggler(sp: Stage, t: int) -> None:
   """slowdown s on straggler_stage (or on every stage with probability straggler_p per tick): this
   tick's compute is padded to s times its measured length, by sleeping the difference."""
   c = sp.config
+  spent = sp.clock.take_compute()
   if c.slowdown <= 1:
     return
   hit = (sp.k == c.straggler_stage if c.straggler_p == 0
          else np.random.default_rng([c.seed, t, sp.k]).random() < c.straggler_p)
   if hit:
-    spent = sum(v[-1] for kind, v in sp.clock.calls.items() if kind != "link" and v)
     time.sleep((c.slowdown - 1) * spent)
 
 
