@@ -33,6 +33,7 @@ from absl import app, flags
 
 from configs import dsp as dsp_config
 from ripples_jax.pipeline import timing
+from ripples_jax.platform import pin_threads
 from ripples_jax.pipeline import train as pipeline_train
 from ripples_jax.runtime.launcher import launch
 
@@ -79,12 +80,12 @@ def time_bp(config, reps: int) -> dict:
   times = {"pinned": [], "unpinned": []}
   for _ in range(reps):
     for kind, cores in (("pinned", {every[0]}), ("unpinned", set(every))):
-      os.sched_setaffinity(0, cores)
+      pin_threads(cores)
       t0 = time.perf_counter()
       state, (loss, _) = step(state, x, y, 0)
       float(loss)
       times[kind].append(time.perf_counter() - t0)
-  os.sched_setaffinity(0, set(every))
+  pin_threads(set(every))
   return {k: float(np.median(v)) for k, v in times.items()}
 
 

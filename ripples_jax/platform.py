@@ -116,3 +116,15 @@ def quiet_library_logs(verbose: bool = False) -> LibraryFilter:
   f = LibraryFilter(handler, verbose)
   handler.addFilter(f)
   return f
+
+
+def pin_threads(cores: set) -> None:
+  """Every thread of this process on `cores`. os.sched_setaffinity(0, ...) sets the calling thread's
+  mask only, and XLA's intra-op thread pool exists once JAX has started; threads made later inherit
+  the mask of the thread that makes them."""
+  tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+  for tid in tids:
+    try:
+      os.sched_setaffinity(tid, cores)
+    except OSError:  # a thread that ended meanwhile
+      pass

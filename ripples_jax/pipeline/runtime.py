@@ -41,6 +41,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from ripples_jax.config import ConfigError
 from ripples_jax.models import apply_model
+from ripples_jax.platform import pin_threads
 from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline.link import Link, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
@@ -352,10 +353,12 @@ class Stage:
 
 def _pin(config, k: int) -> None:
   """One core per stage process (runtime.pin_cores): XLA's intra-op threads gain little here and two
-  processes sharing both cores contend (DESIGN 4.5)."""
+  processes sharing both cores contend (DESIGN 4.5). sched_setaffinity(0) sets the calling thread's
+  mask only, and XLA's thread pool exists by now: every thread of the process is pinned."""
   cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-  if config.runtime.pin_cores and cores:
-    os.sched_setaffinity(0, {cores[k % len(cores)]})
+  if not (config.runtime.pin_cores and cores):
+    return
+  pin_threads({cores[k % len(cores)]})
 
 
 def _per_process(K: int, device):
