@@ -131,6 +131,18 @@ def test_reproduce_dsp(tmp_path):
 
 
 @pytest.mark.slow
+def test_dsp_accuracy_grid(tmp_path):
+  out_dir = tmp_path / "acc"
+  run("experiments.dsp_accuracy", "--epochs=1", "--lrs=0.02,0.05", "--seeds=0,1", "--methods=bp,dsp",
+      "--stage_counts=2", f"--out_dir={out_dir}", f"--run_dir={tmp_path / 'runs'}", tmp_path=tmp_path)
+  runs = json.loads((out_dir / "runs.json").read_text())
+  assert len(runs) == 2 * 2 * 2  # methods x lrs x seeds
+  table = json.loads((out_dir / "table.json").read_text())
+  assert "| 2 | dsp |" in (out_dir / "table.md").read_text() and table
+  assert (out_dir / "lr_grid.png").stat().st_size > 0
+
+
+@pytest.mark.slow
 def test_reproduce_regenerates_a_step_with_its_provenance(tmp_path):
   results = tmp_path / "results"
   run("experiments.reproduce", "--steps=spectral", f"--results={results}", f"--work={tmp_path / 'work'}",
