@@ -9,12 +9,24 @@ sizes: 0.2 MB, 10 Gb/s, 10 ms steps) and a communication-heavy one (the paper's 
 (timeline.AdpsgdCost), in the VGG-16 setting: which assumption, if any, gives the paper's "Ripples
 4.3x AD-PSGD" homogeneous. And Smart GG against All-Reduce at 16, 64 and 256 workers (5x straggler).
 
-With --tta (training runs through the simulator executor, ~15 minutes): the paper's own metric, time to
+With --tta (training runs through the simulator executor: the first seven scenarios ~25 minutes on 2
+cores; the PS and 2x runs ~7 more; 64 workers ~9 minutes for 3 seeds; 256 workers ~6 minutes per run
+and seed, so its results here are 1 seed): the paper's own metric, time to
 a target test accuracy of the averaged model, end to end in virtual time (communication included, the
 evaluations outside the clock), and iterations to it, evaluated after every step (resolution: one step
 of the run), per algorithm and scenario (homogeneous, one worker 5x slower, random slowdowns, a moving
 straggler, label-skewed shards; light, and the VGG-16 clock for the first two), 3 seeds: tta.md, one
-figure per scenario.
+figure per scenario. On the VGG-16 clock also the parameter servers (homogeneous: sync and async) and a 2x
+straggler (All-Reduce, Smart GG, sync PS), so that the PS and 2x-straggler claims are judged on time to
+accuracy; and Smart GG against All-Reduce at 64 and 256 workers, one worker 5x slower (light).
+
+Some scenarios alone, merged into --out's tta.json (the other scenarios' and algorithms' results kept;
+the throughput runs not repeated, ledger.json read), then the verdict table:
+
+  python -m experiments.ledger --out=results/ledger --tta_scenario="2x straggler, VGG-16 clock"
+  python -m experiments.ledger --out=results/ledger --tta_scenario="homogeneous, VGG-16 clock" \
+      --tta_algorithms=ps_sync,ps_async
+  python -m experiments.ledger --out=results/ledger --tta_scenario="5x straggler, 256 workers" --seeds=1
 """
 import json
 import os
@@ -51,12 +63,15 @@ CLAIMS = [
 
 def define_flags():
   flags.DEFINE_string("out", "results/ledger", "Output folder.")
-  flags.DEFINE_bool("tta", False, "Also the time-to-accuracy runs (training, ~15 minutes).")
+  flags.DEFINE_bool("tta", False, "Also the time-to-accuracy runs (training; about an hour for all scenarios, 3 seeds).")
   flags.DEFINE_float("target", 0.55, "Target test accuracy for time to accuracy.")
   flags.DEFINE_integer("tta_steps", 300, "Steps per worker of each training run.")
   flags.DEFINE_bool("verdicts_only", False, "Only the verdict table, from the JSON files in --out.")
   flags.DEFINE_integer("seeds", 3, "Seeds per cell.")
   flags.DEFINE_integer("steps", 300, "Steps per worker in each clock run.")
+  flags.DEFINE_multi_string("tta_scenario", None, "Only these time-to-accuracy scenarios (repeat the flag; "
+                            "names as in TTA_SCENARIOS), merged into --out's tta.json; no throughput runs.")
+  flags.DEFINE_list("tta_algorithms", None, "With --tta_scenario: only these of each scenario's algorithms.")
 
 
 def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=None, group_size=3):
@@ -137,7 +152,7 @@ def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
   return out
 
 
-TTA_SCENARIOS = {  # name: (setting, config overrides)
+TTA_SCENARIOS = {  # name: (setting, config overrides); 16 workers unless num_workers is overridden
     "homogeneous": ("light", {}),
     "5x straggler": ("light", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
     "random p=0.2, s=5": ("light", {"hetero.random_p": 0.2, "hetero.slowdown": 5.0}),
@@ -146,8 +161,27 @@ TTA_SCENARIOS = {  # name: (setting, config overrides)
     "label-skewed shards": ("light", {"data_sharding": "noniid"}),
     "homogeneous, VGG-16 clock": ("heavy", {}),
     "5x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+    "2x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 2.0}),
+    # Smart GG at scale on the paper's metric. MNIST-1D has 4000 training examples: 62-63 per worker at
+    # 64 workers, 15-16 at 256, where a batch of 32 walks its shard twice (sharding.batch_indices wraps
+    # into the next epoch): each step's gradient is the whole shard's, and the 256 batches together are
+    # about two passes over the training set.
+    "5x straggler, 64 workers": ("light", {"num_workers": 64, "hetero.slow_workers": (63,),
+                                           "hetero.slowdown": 5.0}),
+    "5x straggler, 256 workers": ("light", {"num_workers": 256, "hetero.slow_workers": (255,),
+                                            "hetero.slowdown": 5.0}),
 }
 TTA_ALGORITHMS = ("allreduce", "ripples_smart", "ripples_division", "adpsgd")
+TTA_ALGORITHMS_OF = {  # scenarios whose algorithms are not TTA_ALGORITHMS (All-Reduce first: the baseline)
+    "homogeneous, VGG-16 clock": TTA_ALGORITHMS + ("ps_sync", "ps_async"),
+    "2x straggler, VGG-16 clock": ("allreduce", "ripples_smart", "ps_sync"),
+    "5x straggler, 64 workers": ("allreduce", "ripples_smart"),
+    "5x straggler, 256 workers": ("allreduce", "ripples_smart"),
+}
+
+
+def scenario_workers(name: str) -> int:
+  return int(TTA_SCENARIOS[name][1].get("num_workers", 16))
 
 
 def train_run(algorithm, setting, overrides, seed, steps, workdir):
@@ -155,9 +189,12 @@ def train_run(algorithm, setting, overrides, seed, steps, workdir):
   after every step: its (time, step, accuracy) records and its throughput."""
   import tempfile
   nbytes, bandwidth, step = SETTINGS[setting]
-  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers=16,model=mlp,steps={steps}")
+  n = int(overrides.get("num_workers", 16))
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n},model=mlp,steps={steps}")
   config.seed, config.hetero.jitter = seed, 0.05
+  # The server's link as fast as every other link, as in the throughput runs (`throughput`).
   config.timeline.compute_time, config.timeline.bandwidth = step, bandwidth
+  config.timeline.ps_bandwidth = bandwidth
   config.timeline.model_bytes = nbytes if setting == "heavy" else 0.0
   config.log_every = config.eval_every = 1
   config.checkpoint_every = 0
@@ -175,42 +212,76 @@ def crossing(evals, target):
   return next(((t, s) for t, s, a in evals if a >= target), None)
 
 
-def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithms=TTA_ALGORITHMS) -> dict:
-  out, rows, panels = {}, [], {}
+def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithms=None, merge=False) -> dict:
+  """The training runs of `scenarios`, each with its algorithms (TTA_ALGORITHMS_OF, else TTA_ALGORITHMS;
+  `algorithms`: only those of them). merge: into the scenarios and algorithms --out's tta.json already
+  holds (those run here replaced, the rest kept), else a fresh file. Writes tta.json, tta.md (every
+  scenario held), seed 0's accuracy curves (tta_curves.json, compact) and a figure per scenario run
+  whose every algorithm has its curve stored."""
+  path, curves_path = os.path.join(out_dir, "tta.json"), os.path.join(out_dir, "tta_curves.json")
+  out, curves = {}, {}
+  if merge and os.path.exists(path):
+    with open(path) as f:
+      held = json.load(f)
+    if held["target"] != target:
+      raise ValueError(f"{path} holds target {held['target']}, not {target}: merge refused")
+    out = held["scenarios"]
+    if os.path.exists(curves_path):
+      with open(curves_path) as f:
+        curves = json.load(f)
   for name in scenarios:
     setting, overrides = TTA_SCENARIOS[name]
-    per = {}
-    for a in algorithms:
+    per = out.setdefault(name, {})
+    for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS):
+      if algorithms is not None and a not in algorithms:
+        continue
       runs = [train_run(a, setting, overrides, s, steps, None) for s in range(seeds)]
       hits = [crossing(ev, target) for ev, _ in runs]
       per[a] = {"time": [h[0] if h else None for h in hits], "steps": [h[1] if h else None for h in hits],
                 "final": [ev[-1][2] for ev, _ in runs], "throughput": [tp for _, tp in runs]}
-      panels.setdefault(name, {})[a] = [(t, acc) for t, _, acc in runs[0][0]]
-    out[name] = per
-    ar = per["allreduce"]
-    for a in algorithms:
-      p = per[a]
-      ok = [i for i in range(seeds) if p["time"][i] and ar["time"][i]]
+      curves.setdefault(name, {})[a] = [[t, acc] for t, _, acc in runs[0][0]]  # seed 0's, for the figure
+    # Keep TTA_ALGORITHMS_OF's order in the table, whatever order the merges came in.
+    order = [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if a in per]
+    out[name] = {a: per[a] for a in order + [a for a in per if a not in order]}
+  table = tta_table(out, target)
+  for name in scenarios:
+    missing = [a for a in out[name] if a not in curves.get(name, {})]
+    if missing:
+      print(f"{name}: no figure ({curves_path} holds no curve of {missing})")
+      continue
+    slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "")
+    analysis.accuracy_vs_time({name: {a: curves[name][a] for a in out[name]}},
+                              os.path.join(out_dir, f"tta_{slug}.png"),
+                              f"{scenario_workers(name)} workers, MNIST-1D MLP, seed 0", target=target)
+  with open(os.path.join(out_dir, "tta.md"), "w") as f:
+    f.write(str(table) + "\n")
+  with open(path, "w") as f:
+    json.dump({"target": target, "scenarios": out}, f, indent=1)
+  with open(curves_path, "w") as f:
+    json.dump(curves, f)
+  print(table)
+  return out
+
+
+def tta_table(scenarios: dict, target: float) -> Table:
+  """One row per scenario and algorithm: reached, mean time and iterations to the target (over the seeds
+  that reached it), the speedup over All-Reduce per seed (mean ± std), throughput, final accuracy."""
+  rows = []
+  for name, per in scenarios.items():
+    ar = per.get("allreduce")
+    for a, p in per.items():
+      seeds = len(p["time"])
+      ok = [i for i in range(min(seeds, len(ar["time"]) if ar else 0)) if p["time"][i] and ar["time"][i]]
       speed = [ar["time"][i] / p["time"][i] for i in ok]
       rows.append([name, a, f"{sum(t is not None for t in p['time'])}/{seeds}",
                    f"{np.mean([t for t in p['time'] if t]):.3g}" if ok else "-",
                    f"{np.mean([s for s in p['steps'] if s]):.0f}" if ok else "-",
                    fmt(np.mean(speed), np.std(speed)) if speed else "-",
-                   f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x",
+                   f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x" if ar else "-",
                    f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final']):.1f}"])
-  table = Table(["scenario", "algorithm", "reached", f"time to {100 * target:.0f}% (virtual s)",
-                 "iterations to it", "time-to-accuracy speedup vs All-Reduce", "throughput vs All-Reduce",
-                 "final accuracy %"], rows)
-  for name, curves in panels.items():
-    slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "")
-    analysis.accuracy_vs_time({name: curves}, os.path.join(out_dir, f"tta_{slug}.png"),
-                              f"16 workers, MNIST-1D MLP, seed 0", target=target)
-  with open(os.path.join(out_dir, "tta.md"), "w") as f:
-    f.write(str(table) + "\n")
-  with open(os.path.join(out_dir, "tta.json"), "w") as f:
-    json.dump({"target": target, "scenarios": out}, f, indent=1)
-  print(table)
-  return out
+  return Table(["scenario", "algorithm", "reached", f"time to {100 * target:.0f}% (virtual s)",
+                "iterations to it", "time-to-accuracy speedup vs All-Reduce", "throughput vs All-Reduce",
+                "final accuracy %"], rows)
 
 
 # Claims whose comparison the time-to-accuracy runs make (the paper's metric): claim -> (scenario, algorithm)
@@ -220,6 +291,10 @@ TTA_OF_CLAIM = {  # in the paper's setting: the VGG-16 clock
     "one worker 5x slower vs All-Reduce": ("5x straggler, VGG-16 clock", ("ripples_smart", "allreduce")),
     "homogeneous vs AD-PSGD": ("homogeneous, VGG-16 clock", ("ripples_smart", "adpsgd")),
     "one worker 5x slower vs AD-PSGD": ("5x straggler, VGG-16 clock", ("ripples_smart", "adpsgd")),
+    "homogeneous vs Parameter Server (sync)": ("homogeneous, VGG-16 clock", ("ripples_smart", "ps_sync")),
+    "homogeneous vs Parameter Server (async)": ("homogeneous, VGG-16 clock", ("ripples_smart", "ps_async")),
+    "one worker 2x slower vs All-Reduce": ("2x straggler, VGG-16 clock", ("ripples_smart", "allreduce")),
+    "one worker 2x slower vs Parameter Server": ("2x straggler, VGG-16 clock", ("ripples_smart", "ps_sync")),
 }
 
 
@@ -233,13 +308,18 @@ def verdict(paper: float, ours: float | None, tolerance: float = 0.2) -> str:
   return "not reproduced (" + ("smaller" if ours < paper else "larger") + ")"
 
 
+def tta_ratios(tta_out: dict, scenario: str, num: str, den: str) -> list[float]:
+  """den's time to accuracy over num's, per seed where both reached the target."""
+  t = tta_out["scenarios"].get(scenario)
+  if t is None or num not in t or den not in t:
+    return []
+  return [x / y for x, y in zip(t[den]["time"], t[num]["time"]) if x and y]
+
+
 def tta_ratio(tta_out: dict, scenario: str, num: str, den: str) -> float | None:
   """den's time to accuracy over num's, the mean over the seeds where both reached the target."""
-  t = tta_out["scenarios"].get(scenario)
-  if t is None:
-    return None
-  pairs = [(x, y) for x, y in zip(t[den]["time"], t[num]["time"]) if x and y]
-  return float(np.mean([x / y for x, y in pairs])) if pairs else None
+  r = tta_ratios(tta_out, scenario, num, den)
+  return float(np.mean(r)) if r else None
 
 
 def verdict_table(ledger_out: dict, tta_out: dict | None, target: float) -> Table:
@@ -248,15 +328,39 @@ def verdict_table(ledger_out: dict, tta_out: dict | None, target: float) -> Tabl
   rows = []
   for c, (claim, paper, _, s, (a, b)) in zip(ledger_out["claims"], CLAIMS):
     figure = float(paper.split("x")[0])
-    ours = tta_ratio(tta_out, TTA_OF_CLAIM[claim][0], *TTA_OF_CLAIM[claim][1]) if (
-        tta_out and claim in TTA_OF_CLAIM) else None
+    r = tta_ratios(tta_out, TTA_OF_CLAIM[claim][0], *TTA_OF_CLAIM[claim][1]) if (
+        tta_out and claim in TTA_OF_CLAIM) else []
+    ours = float(np.mean(r)) if r else None
     used = ours if ours is not None else c["throughput_heavy"][0]
-    rows.append([claim, paper, f"{ours:.2f}x" if ours is not None else "-", fmt(*c["throughput_heavy"]),
+    rows.append([claim, paper, fmt(ours, np.std(r)) if r else "-", fmt(*c["throughput_heavy"]),
                  fmt(*c["throughput_light"]),
                  verdict(figure, used) + ("" if ours is not None else " (on throughput)")])
   return Table(["claim", "paper (arXiv / ASPLOS)", f"ours: time to {100 * target:.0f}%, VGG-16 clock",
                 "ours: throughput, VGG-16", "ours: throughput, light",
                 "verdict (within 20% of the arXiv figure)"], rows)
+
+
+SCALE_SCENARIOS = {16: "5x straggler", 64: "5x straggler, 64 workers", 256: "5x straggler, 256 workers"}
+
+
+def scale_table(ledger_out: dict, tta_out: dict | None, target: float) -> Table:
+  """Smart GG against All-Reduce with one worker 5x slower (light) by worker count: throughput (the
+  ledger's clock runs) beside time to accuracy (the training runs), with the seeds each one used."""
+  rows = []
+  for c in ledger_out["scale"]:
+    name = SCALE_SCENARIOS.get(c["n"])
+    t = (tta_out or {}).get("scenarios", {}).get(name, {})
+    r = tta_ratios(tta_out, name, "ripples_smart", "allreduce") if tta_out and name else []
+    if r:
+      cell = f"{fmt(np.mean(r), np.std(r))} ({len(r)} seed{'s' * (len(r) != 1)})"
+    elif "allreduce" in t and "ripples_smart" in t:  # run, but one of them missed the target
+      cell = "not reached: " + ", ".join(f"{label} {sum(x is not None for x in t[a]['time'])}/{len(t[a]['time'])}"
+                                         for a, label in (("ripples_smart", "Smart GG"), ("allreduce", "All-Reduce")))
+    else:
+      cell = "-"
+    rows.append([c["n"], fmt(*c["smart_vs_allreduce"]), cell, f"{c['limit']:.2f}x"])
+  return Table(["workers", "Smart GG vs All-Reduce, 5x straggler (light): throughput",
+                f"time to {100 * target:.0f}%", "throughput limit"], rows)
 
 
 def main(argv):
@@ -266,14 +370,23 @@ def main(argv):
       ledger_out = json.load(f)
     tta_path = os.path.join(FLAGS.out, "tta.json")
     tta_out = json.load(open(tta_path)) if os.path.exists(tta_path) else None
+  elif FLAGS.tta_scenario:  # these scenarios alone, merged into tta.json; the throughput runs read
+    unknown = [s for s in FLAGS.tta_scenario if s not in TTA_SCENARIOS]
+    if unknown:
+      raise app.UsageError(f"unknown --tta_scenario {unknown}; known: {list(TTA_SCENARIOS)}")
+    with open(os.path.join(FLAGS.out, "ledger.json")) as f:
+      ledger_out = json.load(f)
+    tta_out = {"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target, tuple(FLAGS.tta_scenario),
+                                FLAGS.tta_algorithms, merge=True)}
   else:
     ledger_out = run(FLAGS.out, FLAGS.seeds, FLAGS.steps)
     tta_out = ({"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target)}
                if FLAGS.tta else None)
-  table = verdict_table(ledger_out, tta_out, FLAGS.target)
+  text = "\n\n".join(str(t) for t in (verdict_table(ledger_out, tta_out, FLAGS.target),
+                                       scale_table(ledger_out, tta_out, FLAGS.target)))
   with open(os.path.join(FLAGS.out, "verdicts.md"), "w") as f:
-    f.write(str(table) + "\n")
-  print(table)
+    f.write(text + "\n")
+  print(text)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,9 @@ def test_ledger_outcomes_who_is_faster(setting):
   assert t["adpsgd"] > t["ripples_smart"]  # and AD-PSGD as published ahead of Smart GG, unlike the paper
   h = {a: ledger.throughput(a, setting, 1.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")}
   assert h["ripples_smart"] > h["allreduce"] and h["ripples_smart"] > h["ps_sync"]
+  # One worker 2x slower: Smart GG ahead of All-Reduce and of the synchronous PS.
+  two = {a: ledger.throughput(a, setting, 2.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")}
+  assert two["ripples_smart"] > 1.3 * two["allreduce"] and two["ripples_smart"] > two["ps_sync"]
 
 
 def test_ledger_verdict_rule():
@@ -230,3 +233,57 @@ def test_ledger_verdict_rule():
   # den's time over num's, over the seeds where both reached the target
   tta = {"scenarios": {"s": {"allreduce": {"time": [4.0, 6.0, None]}, "ripples_smart": {"time": [1.0, 2.0, 1.0]}}}}
   assert ledger.tta_ratio(tta, "s", "ripples_smart", "allreduce") == pytest.approx(3.5)
+
+
+def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
+  """Every claim the training runs can compare is judged on them: its scenario runs its algorithms, the
+  scenario's slow worker exists, and the verdict table takes the time-to-accuracy ratio, not throughput."""
+  from experiments import ledger
+  for claim, (scenario, pair) in ledger.TTA_OF_CLAIM.items():
+    assert set(pair) <= set(ledger.TTA_ALGORITHMS_OF.get(scenario, ledger.TTA_ALGORITHMS)), claim
+  for claim in ("homogeneous vs Parameter Server (sync)", "homogeneous vs Parameter Server (async)",
+                "one worker 2x slower vs All-Reduce", "one worker 2x slower vs Parameter Server"):
+    assert ledger.TTA_OF_CLAIM[claim][0].endswith("VGG-16 clock"), claim
+  for name, (_, ov) in ledger.TTA_SCENARIOS.items():
+    assert all(0 <= w < ledger.scenario_workers(name) for w in ov.get("hetero.slow_workers", ())), name
+  assert ledger.scenario_workers("5x straggler, 256 workers") == 256
+  # A fake run of every scenario: algorithm a reaches the target at time t[a] in both seeds.
+  t = {"allreduce": 10.0, "ripples_smart": 2.0, "ripples_division": 5.0, "adpsgd": 4.0, "ps_sync": 12.0,
+       "ps_async": 16.0}
+  scen = {name: {a: {"time": [t[a]] * 2} for a in ledger.TTA_ALGORITHMS_OF.get(name, ledger.TTA_ALGORITHMS)}
+          for name in ledger.TTA_SCENARIOS}
+  zero = [1.0, 0.0]
+  led = {"claims": [{"throughput_heavy": zero, "throughput_light": zero} for _ in ledger.CLAIMS],
+         "scale": [{"n": n, "smart_vs_allreduce": zero, "limit": 5.0} for n in (16, 64, 256)]}
+  rows = {r[0]: r for r in ledger.verdict_table(led, {"scenarios": scen}, 0.55).rows}
+  assert rows["homogeneous vs Parameter Server (sync)"][2] == "6.00x ± 0.00"
+  assert rows["homogeneous vs Parameter Server (async)"][2] == "8.00x ± 0.00"
+  assert rows["one worker 2x slower vs All-Reduce"][2] == "5.00x ± 0.00"
+  assert rows["one worker 2x slower vs Parameter Server"][2] == "6.00x ± 0.00"
+  assert not any("on throughput" in r[-1] for r in rows.values())
+  assert [r[2] for r in ledger.scale_table(led, {"scenarios": scen}, 0.55).rows] == ["5.00x ± 0.00 (2 seeds)"] * 3
+  # An algorithm a scenario has not run yet: no ratio, so the claim falls back to throughput.
+  scen["5x straggler, 256 workers"]["ripples_smart"]["time"] = [None, None]
+  assert ledger.scale_table(led, {"scenarios": scen}, 0.55).rows[-1][2] == "not reached: Smart GG 0/2, All-Reduce 2/2"
+  del scen["2x straggler, VGG-16 clock"]["ps_sync"]
+  assert ledger.tta_ratio({"scenarios": scen}, "2x straggler, VGG-16 clock", "ripples_smart", "ps_sync") is None
+
+
+def test_ledger_tta_merges_into_the_stored_results(tmp_path):
+  """Running some scenarios alone keeps what tta.json held for the others and for the algorithms not run."""
+  from experiments import ledger
+  held = {"x": {"allreduce": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}},
+          "homogeneous": {"adpsgd": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}}}
+  (tmp_path / "tta.json").write_text(json.dumps({"target": 0.0, "scenarios": held}))
+  got = ledger.tta(str(tmp_path), seeds=1, steps=2, target=0.0, scenarios=("homogeneous",),
+                   algorithms=("allreduce",), merge=True)
+  stored = json.loads((tmp_path / "tta.json").read_text())["scenarios"]
+  assert stored == got and stored["x"] == held["x"]
+  assert list(stored["homogeneous"]) == ["allreduce", "adpsgd"]  # the table's order, the baseline first
+  assert stored["homogeneous"]["adpsgd"] == held["homogeneous"]["adpsgd"]
+  assert stored["homogeneous"]["allreduce"]["steps"] == [1]
+  curves = json.loads((tmp_path / "tta_curves.json").read_text())
+  assert list(curves) == ["homogeneous"] and len(curves["homogeneous"]["allreduce"]) == 2
+  assert "| x | allreduce | 1/1 |" in (tmp_path / "tta.md").read_text()
+  with pytest.raises(ValueError, match="merge refused"):  # another target: not mixed in
+    ledger.tta(str(tmp_path), seeds=1, steps=2, target=0.5, scenarios=("homogeneous",), algorithms=(), merge=True)
