@@ -54,6 +54,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("bp_reps", 20, "Timed single-process BP steps per affinity, each time BP is timed.")
   flags.DEFINE_string("model", "cnn2d", "Model (split into K stages).")
   flags.DEFINE_list("input_shape", ["32", "32", "3"], "The synthetic examples' shape (CIFAR-shaped by default).")
+  flags.DEFINE_bool("pin_cores", True, "Pin stage k to core k mod the cores (runtime.pin_cores).")
   flags.DEFINE_string("json_out", None, "Where the JSON goes.")
 
 
@@ -106,7 +107,7 @@ def time_bp_padded(config, reps: int, pad_s: float) -> float:
   return float(np.median(times))
 
 
-PASSED = ("placement", "log_every", "eval_every", "checkpoint_every", "optimizer.lr", "straggler_stage",
+PASSED = ("placement", "runtime.pin_cores", "log_every", "eval_every", "checkpoint_every", "optimizer.lr", "straggler_stage",
           "slowdown", "synthetic.num_classes", "synthetic.num_train", "synthetic.num_test")
 
 
@@ -146,6 +147,7 @@ def main(argv):
   del argv
   K, names = FLAGS.num_stages, FLAGS.variants
   base = bench_config(K, FLAGS.model, FLAGS.iterations, tuple(int(d) for d in FLAGS.input_shape))
+  base.runtime.pin_cores = FLAGS.pin_cores
   tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
   bp_before = time_bp(base, FLAGS.bp_reps)
   summaries = {}
@@ -199,6 +201,24 @@ def stragglers(base, summaries: dict, slowdowns: list, tmp: str) -> dict:
   return rows
 
 
+def memory_rows(out: dict) -> list[str]:
+  """Markdown rows: per method and stage, the KiB it keeps by kind (read from its live state) and
+  XLA's compiled memory analysis (temporaries, arguments) of its largest program."""
+  rows = ["| method | stage | params | inputs | param versions | residuals | FIFOs | micro-batch boundaries | "
+          "optimizer | XLA temp (largest program) | XLA arguments |", "|" + " --- |" * 11]
+  mb = lambda b: f"{b / 2**10:.0f}"
+  for name, r in out.items():
+    if name.startswith("_"):
+      continue
+    for k, (b, xla) in enumerate(zip(r["stored_bytes"], r["xla_memory"])):
+      progs = [m for m in (xla or {}).values() if m]
+      big = max(progs, key=lambda m: m["temp_size_in_bytes"]) if progs else None
+      rows.append(f"| {name} | {k} | {mb(b['params'])} | {mb(b['inputs'])} | {mb(b['param_versions'])} | "
+                  f"{mb(b['residuals'])} | {mb(b['fifos'])} | {mb(b['micro_boundaries'])} | {mb(b['optimizer'])} | "
+                  + (f"{mb(big['temp_size_in_bytes'])} | {mb(big['argument_size_in_bytes'])} |" if big else "- | - |"))
+  return rows
+
+
 def print_table(out: dict) -> None:
   bp = out["_bp"]
   print(f"single-process BP: pinned {1e3 * bp['before']['pinned']:.1f}/{1e3 * bp['after']['pinned']:.1f} ms, "
@@ -212,6 +232,8 @@ def print_table(out: dict) -> None:
       continue
     print(f"| {name} | {r['mode']} | {1e3 * r['measured_iteration_s']:.1f} | {1e3 * r['modeled_iteration_s']:.1f} "
           f"| {100 * r['model_error']:+.1f}% | {r['measured_speedup_vs_bp']:.2f} | {r['modeled_speedup_vs_bp']:.2f} |")
+  print("KiB per stage:")
+  print("\n".join(memory_rows(out)))
 
 
 if __name__ == "__main__":
