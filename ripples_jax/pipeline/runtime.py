@@ -139,8 +139,9 @@ class Stage:
     full = tick_lib.init_pipeline(stages, optimizer, sch or tick_lib.method_schedule("bp", self.K),
                                   jax.random.key(config.seed), sample_x)
     st = full[k]
-    if sch is not None and sch.mode == "residuals" and not self.last:
-      st = {key: v for key, v in st.items() if key != "in_ring"}  # the residuals hold the input
+    if sch is None or (sch.mode == "residuals" and not self.last):
+      # gpipe keeps its micro-batch inputs during an iteration only; residuals hold their input
+      st = {key: v for key, v in st.items() if key != "in_ring"}
     if st["model_state"] and sch is not None and sch.mode == "fused":
       raise ConfigError(f"mode: fused is not allowed with {config.model}: it has a model state "
                         "(BatchNorm), whose batch statistics would mix the two batches of the fused call")
