@@ -32,6 +32,7 @@ import numpy as np
 from absl import app, flags
 
 from configs import dsp as dsp_config
+from ripples_jax.optim import make_optimizer
 from ripples_jax.pipeline import timing
 from ripples_jax.platform import pin_threads
 from ripples_jax.pipeline import train as pipeline_train
@@ -88,6 +89,42 @@ def time_bp(config, reps: int) -> dict:
       times[kind].append(time.perf_counter() - t0)
   pin_threads(set(every))
   return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def time_bp_accumulated(config, reps: int) -> float:
+  """Median seconds of single-process BP over the batch as M micro-batches (gradients accumulated, one
+  update: GPipe's numerics without the pipeline), on every core: what micro-batching alone is worth."""
+  import jax.numpy as jnp
+  import optax
+  from ripples_jax.pipeline import baselines
+  stages, state, run = pipeline_train._setup(config)
+  M, opt = config.microbatches, make_optimizer(config.optimizer, run["num_batches"])
+
+  def loss_fn(params_K, ms_K, x, y):
+    logits, _ = baselines.compose(stages, params_K, ms_K, x, train=True)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  grad = jax.jit(jax.grad(loss_fn))
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+  update = jax.jit(lambda state, g: baselines.update_stages(
+      opt, state, jax.tree.map(lambda a: a / M, g), [st["model_state"] for st in state]))
+  x, y = run["feed"].x(0), run["feed"].labels(0)
+  xs, ys = np.split(np.asarray(x), M), np.split(np.asarray(y), M)
+
+  def step(state):
+    p, ms = [st["params"] for st in state], [st["model_state"] for st in state]
+    g = None
+    for xm, ym in zip(xs, ys):
+      gm = grad(p, ms, xm, ym)
+      g = gm if g is None else add(g, gm)
+    return jax.block_until_ready(update(state, g))
+  for _ in range(3):
+    state = step(state)
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    state = step(state)
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
 
 
 def time_bp_padded(config, reps: int, pad_s: float) -> float:
@@ -165,7 +202,9 @@ def main(argv):
   mp = summaries.get("bp_model_parallel")
   modeled_bp_s = (sum(s["median_s"]["forward"] + s["median_s"]["backward"] for s in mp["stages"])
                   if mp else float("nan"))
+  accumulated = time_bp_accumulated(base, FLAGS.bp_reps)
   out = {"_bp": {"before": bp_before, "after": bp_after, "reference_s": float(bp_s),
+                 "accumulated_s": accumulated, "microbatches": base.microbatches,
                  "modeled_s": modeled_bp_s, "num_stages": K, "model": FLAGS.model,
                  "cores": len(os.sched_getaffinity(0)), "iterations": FLAGS.iterations}}
   for name in names:
@@ -223,7 +262,8 @@ def print_table(out: dict) -> None:
   bp = out["_bp"]
   print(f"single-process BP: pinned {1e3 * bp['before']['pinned']:.1f}/{1e3 * bp['after']['pinned']:.1f} ms, "
         f"unpinned {1e3 * bp['before']['unpinned']:.1f}/{1e3 * bp['after']['unpinned']:.1f} ms "
-        f"(before/after); reference {1e3 * bp['reference_s']:.1f} ms; K={bp['num_stages']}")
+        f"(before/after); reference {1e3 * bp['reference_s']:.1f} ms; K={bp['num_stages']}; "
+        f"BP over {bp['microbatches']} accumulated micro-batches {1e3 * bp['accumulated_s']:.1f} ms")
   print("| method | mode | measured ms | modeled ms | model error | measured speedup vs BP | "
         "modeled speedup vs BP |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
