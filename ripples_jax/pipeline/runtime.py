@@ -152,15 +152,13 @@ class Stage:
     for j in range(self.K - 1):
       test_in.append(jax.eval_shape(lambda p, m, x, j=j: apply_model(stages[j], p, m, x, train=False)[0],
                                     full[j]["params"], full[j]["model_state"], test_in[-1]))
-    link = lambda j, shape, dtype: Link(j, k, shape, dtype) if 0 <= j < self.K - 1 else None
-    self.lower, self.upper = link(k - 1, ins[k].shape, ins[k].dtype), link(k, ins[k + 1].shape if not
-                                                                           self.last else (), jnp.float32)
-    self.eval_lower = link(k - 1, test_in[k].shape, test_in[k].dtype)
-    self.eval_upper = link(k, test_in[k + 1].shape, test_in[k + 1].dtype) if not self.last else None
+    # Link j carries stage j + 1's input: the whole batch, GPipe's micro-batch, the test set.
     M = config.microbatches
-    micro = lambda shape: (shape[0] // M,) + tuple(shape[1:])
-    self.lower_mb = link(k - 1, micro(ins[k].shape), ins[k].dtype)
-    self.upper_mb = link(k, micro(ins[k + 1].shape), ins[k + 1].dtype) if not self.last else None
+    micro = lambda a: np.zeros((a.shape[0] // M,) + a.shape[1:], a.dtype)
+    link = lambda j, like: Link(j, k, like[j + 1].shape, like[j + 1].dtype) if 0 <= j < self.K - 1 else None
+    self.lower, self.upper = link(k - 1, ins), link(k, ins)
+    self.lower_mb, self.upper_mb = link(k - 1, [micro(a) for a in ins]), link(k, [micro(a) for a in ins])
+    self.eval_lower, self.eval_upper = link(k - 1, test_in), link(k, test_in)
     self._compile_programs(stage, optimizer)
     self.ring = collections.deque()
     if sch is not None and sch.mode == "residuals" and not self.last:
