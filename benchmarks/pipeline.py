@@ -40,10 +40,12 @@ from ripples_jax.runtime.launcher import launch
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# name: (method, mode)
-VARIANTS = {"bp_model_parallel": ("bp", "recompute"), "gpipe": ("gpipe", "recompute"),
-            "ddg": ("ddg", "recompute"), "fr": ("fr", "recompute"), "dsp": ("dsp", "recompute"),
-            "dsp_fused": ("dsp", "fused"), "dsp_residuals": ("dsp", "residuals")}
+# name: (method, mode, chunks). chunks: the residual calls over that many chunks of the batch (the
+# micro-batch effect GPipe gets, given to DSP; BP gets it in `time_bp_accumulated`).
+VARIANTS = {"bp_model_parallel": ("bp", "recompute", 1), "gpipe": ("gpipe", "recompute", 1),
+            "ddg": ("ddg", "recompute", 1), "fr": ("fr", "recompute", 1), "dsp": ("dsp", "recompute", 1),
+            "dsp_fused": ("dsp", "fused", 1), "dsp_residuals": ("dsp", "residuals", 1),
+            "dsp_residuals_chunks4": ("dsp", "residuals", 4)}
 STRAGGLER_VARIANTS = ("bp_model_parallel", "gpipe", "dsp", "dsp_residuals")
 
 
@@ -144,7 +146,7 @@ def time_bp_padded(config, reps: int, pad_s: float) -> float:
   return float(np.median(times))
 
 
-PASSED = ("placement", "runtime.pin_cores", "log_every", "eval_every", "checkpoint_every", "optimizer.lr", "straggler_stage",
+PASSED = ("placement", "chunks", "runtime.pin_cores", "log_every", "eval_every", "checkpoint_every", "optimizer.lr", "straggler_stage",
           "slowdown", "synthetic.num_classes", "synthetic.num_train", "synthetic.num_test")
 
 
@@ -189,9 +191,9 @@ def main(argv):
   bp_before = time_bp(base, FLAGS.bp_reps)
   summaries = {}
   for name in names:
-    method, mode = VARIANTS[name]
+    method, mode, chunks = VARIANTS[name]
     c = copy.deepcopy(base)
-    c.method, c.mode, c.placement = method, mode, "per_process"
+    c.method, c.mode, c.placement, c.chunks = method, mode, "per_process", chunks
     summaries[name] = run_variant(c, os.path.join(tmp, name))
     print(f"{name}: measured iteration {1e3 * summaries[name]['iteration_s']:.1f} ms", flush=True)
   bp_after = time_bp(base, FLAGS.bp_reps)
@@ -230,9 +232,9 @@ def stragglers(base, summaries: dict, slowdowns: list, tmp: str) -> dict:
     bp_padded = time_bp_padded(base, FLAGS.bp_reps, (s - 1) * share)
     r = {"bp_single_process": bp_padded}
     for name in STRAGGLER_VARIANTS:
-      method, mode = VARIANTS[name]
+      method, mode, chunks = VARIANTS[name]
       c = copy.deepcopy(base)
-      c.method, c.mode, c.placement = method, mode, "per_process"
+      c.method, c.mode, c.placement, c.chunks = method, mode, "per_process", chunks
       c.straggler_stage, c.slowdown = K - 1, s
       r[name] = run_variant(c, os.path.join(tmp, f"{name}_s{s}"))["iteration_s"]
     rows[str(s)] = {"iteration_s": r, "speedup_vs_bp": {k: bp_padded / v for k, v in r.items()}}

@@ -253,10 +253,18 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
             "mode: bp and ddg keep residuals, fr recomputes)")
     if config.mode == "fused" and config.delay < 1:
       _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
+    _positive_int(config, "chunks")
+    if config.batch_size % config.chunks:
+      _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
+    if config.chunks > 1 and not (config.method in ("bp", "ddg") or config.mode == "residuals"):
+      _fail("chunks", config.chunks, "1 unless the stage calls keep residuals (method bp or ddg, or dsp with "
+            "mode=residuals)")
     for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
       _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
     _int_in(config, "runtime.fail_stage", -1, config.num_stages - 1,
             f"a stage in [0, num_stages={config.num_stages}) or -1 for none")
+  elif config.chunks != 1:
+    _fail("chunks", config.chunks, "1 unless placement=per_process")
   elif num_processes > 1:
     raise ConfigError(f"--jax_distributed: {num_processes} processes are not allowed with "
                       f"placement={config.placement}: a pipeline runs inside one process (its stages on "
@@ -269,7 +277,7 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "placement", PLACEMENTS)
-  for key in ("num_stages", "batch_size", "microbatches", "num_epochs", "log_every", "eval_every",
+  for key in ("num_stages", "batch_size", "microbatches", "chunks", "num_epochs", "log_every", "eval_every",
               "checkpoint_keep"):
     _positive_int(config, key)
   _int_in(config, "checkpoint_every", 0, 10**9, "an integer number of batches >= 0 (0: no checkpoints)")

@@ -162,3 +162,15 @@ def test_killed_stage_is_named_and_the_rerun_resumes_the_same_numerics(tmp_path)
   assert code == 0, out[-3000:]
   for k, (got, ref) in enumerate(zip(final_params(workdir), final_params(whole))):
     np.testing.assert_array_equal(got, ref, err_msg=f"stage {k}")
+
+
+@pytest.mark.slow
+def test_chunked_residual_calls_keep_the_numerics(tmp_path):
+  """chunks=4: every residual call over four chunks of the batch; the parameters still equal the
+  single-process stash tick's (the same gradients, summed in another order)."""
+  workdir = str(tmp_path / "run")
+  code, out = launch_pipeline(pipeline_config("dsp", "residuals", 1, extra=["--config.chunks=4"])
+                              + [f"--workdir={workdir}"])
+  assert code == 0, out[-3000:]
+  for k, (got, ref) in enumerate(zip(final_params(workdir), single_process_params("dsp", "stash", 1))):
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"stage {k}")

@@ -42,6 +42,7 @@ BAD = [
     ("mode", "fused", "config.mode: 'fused' is not allowed: recompute or stash unless placement=per_process "
      "(the fused call and the residual ring exist in the multi-process runtime)"),
     ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
+    ("chunks", 2, "config.chunks: 2 is not allowed: 1 unless placement=per_process"),
     ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
     ("checkpoint_every", 130, "config.checkpoint_every: 130 is not allowed: a multiple of log_every=50 "
      "(checkpoints are taken at logged batches)"),
@@ -74,6 +75,9 @@ PER_PROCESS_BAD = [
      "placement=per_process"),
     ({"method": "fr", "mode": "residuals"}, "config.mode: 'residuals' is not allowed: recompute or stash for "
      "method=fr (the runtime picks its mode: bp and ddg keep residuals, fr recomputes)"),
+    ({"chunks": 4}, "config.chunks: 4 is not allowed: 1 unless the stage calls keep residuals (method bp or "
+     "ddg, or dsp with mode=residuals)"),
+    ({"mode": "residuals", "chunks": 3}, "config.chunks: 3 is not allowed: a divisor of batch_size=64"),
     ({"mode": "fused", "delay": 0}, "config.mode: 'fused' is not allowed: recompute, stash or residuals with "
      "delay=0 (fusing needs a stored batch)"),
 ]

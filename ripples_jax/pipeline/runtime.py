@@ -145,6 +145,9 @@ class Stage:
     if st["model_state"] and sch is not None and sch.mode == "fused":
       raise ConfigError(f"mode: fused is not allowed with {config.model}: it has a model state "
                         "(BatchNorm), whose batch statistics would mix the two batches of the fused call")
+    if st["model_state"] and config.chunks > 1:
+      raise ConfigError(f"chunks: {config.chunks} is not allowed with {config.model}: it has a model state "
+                        "(BatchNorm), whose batch statistics would be per chunk")
     self.state = jax.device_put(st, self.device)
     # The shape of every boundary: stage j's input, for the training batch and for the test set.
     ins = [np.zeros(s["in_ring"].shape[1:], s["in_ring"].dtype) for s in full]
@@ -172,14 +175,16 @@ class Stage:
     k, sch, n = self.k, self.schedule, self.n
     first = k == 0
     if sch is not None:
-      bwd = lambda st, cot, labels, t: tick_lib.stage_backward(stage, optimizer, sch, k, st, cot, labels, t, n)
+      chunks = self.config.chunks if sch.mode == "residuals" else 1
+      bwd = lambda st, cot, labels, t: tick_lib.stage_backward(stage, optimizer, sch, k, st, cot, labels, t, n,
+                                                               chunks)
       fused = lambda st, x, cot, t: tick_lib.stage_fused(stage, optimizer, sch, k, st, x, cot, t, n)
       res_bwd = lambda st, pb, ms, cot, t: tick_lib.stage_backward_residuals(optimizer, sch, k, st, pb, ms,
                                                                               cot, t, n)
       self.fwd = jax.jit(functools.partial(tick_lib.stage_forward, stage, sch, k))
       self.bwd = jax.jit(_drop(bwd, 1) if first else bwd)
       self.fused = jax.jit(_drop(fused, 2) if first else fused)
-      self.res_fwd = jax.jit(lambda p, ms, x: tick_lib.stage_forward_residuals(stage, p, ms, x))
+      self.res_fwd = jax.jit(lambda p, ms, x: tick_lib.stage_forward_residuals(stage, p, ms, x, chunks))
       self.res_bwd = jax.jit(_drop(res_bwd, 1) if first else res_bwd)
       self.push = jax.jit(tick_lib.push)
     M = self.config.microbatches

@@ -131,7 +131,7 @@ def stage_forward(stage, schedule: Schedule, k: int, st: dict, x_in, t):
 
 
 def stage_backward(stage, optimizer, schedule: Schedule, k: int, st: dict, cotangent, labels, t,
-                   num_batches):
+                   num_batches, chunks: int = 1):
   """Stage k's backward at tick t on the batch stored S_k ticks ago, then its update at once.
 
   `cotangent` is dL/d(output) from stage k+1 (None for the last stage, which uses `labels`). Returns
@@ -151,8 +151,21 @@ def stage_backward(stage, optimizer, schedule: Schedule, k: int, st: dict, cotan
       logits, ms = fwd(p, x)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
       return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == labels))
-    (loss, (new_ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        params, x_old)
+    if chunks == 1:
+      (loss, (new_ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+          params, x_old)
+    else:  # the batch's mean loss as the mean of equal chunks' means (stage_forward_residuals)
+      parts = []
+      for xc, yc in zip(jnp.split(x_old, chunks), jnp.split(labels, chunks)):
+        def chunk_loss(p, x, yc=yc):
+          logits, ms = fwd(p, x)
+          loss = optax.softmax_cross_entropy_with_integer_labels(logits, yc).mean() / chunks
+          return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == yc) / chunks)
+        parts.append(jax.value_and_grad(chunk_loss, argnums=(0, 1), has_aux=True)(params, xc))
+      loss, acc = sum(l for (l, _), _ in parts), sum(a for (_, (_, a)), _ in parts)
+      new_ms = parts[-1][0][1][0]
+      g_p = jax.tree.map(lambda *g: sum(g), *[g for _, (g, _) in parts])
+      g_x = jnp.concatenate([gx for _, (_, gx) in parts])
   else:
     (_, new_ms), pullback = jax.vjp(fwd, params, x_old)
     g_p, g_x = pullback((cotangent, jax.tree.map(jnp.zeros_like, new_ms)))
@@ -194,19 +207,30 @@ def stage_fused(stage, optimizer, schedule: Schedule, k: int, st: dict, x_in, co
   return st, y_2b[:n], g_x
 
 
-def stage_forward_residuals(stage, params, model_state, x_in):
+def stage_forward_residuals(stage, params, model_state, x_in, chunks: int = 1):
   """residuals mode: the forward of a middle stage, and its vjp (a pytree of the residuals the
-  backward needs: the parameters and activations it used) to keep in the ring buffer."""
-  y, pullback, new_ms = jax.vjp(lambda p, x: apply_model(stage, p, model_state, x, train=True),
-                                params, x_in, has_aux=True)
-  return y, pullback, new_ms
+  backward needs: the parameters and activations it used) to keep in the ring buffer.
+
+  chunks > 1: the batch as that many equal chunks, one vjp each (a tuple of them): the numerics of one
+  call up to float order (no model state: BatchNorm statistics would be per chunk), and smaller calls
+  run faster per example on a CPU whose caches a whole batch's activations overflow."""
+  fwd = lambda p, x: apply_model(stage, p, model_state, x, train=True)
+  if chunks == 1:
+    return jax.vjp(fwd, params, x_in, has_aux=True)
+  parts = [jax.vjp(fwd, params, xc, has_aux=True) for xc in jnp.split(x_in, chunks)]
+  return jnp.concatenate([y for y, _, _ in parts]), tuple(pb for _, pb, _ in parts), parts[-1][2]
 
 
 def stage_backward_residuals(optimizer, schedule: Schedule, k: int, st: dict, pullback, new_ms, cotangent,
                              t, num_batches):
   """residuals mode: the backward of the batch whose forward left `pullback` S_k ticks ago (no
   recompute), then the update of the current parameters. Returns (state, dL/d(input))."""
-  g_p, g_x = pullback(cotangent)
+  if isinstance(pullback, tuple):  # chunks: each chunk's share of the batch's error gradient
+    parts = [pb(c) for pb, c in zip(pullback, jnp.split(cotangent, len(pullback)))]
+    g_p = jax.tree.map(lambda *g: sum(g), *[g for g, _ in parts])
+    g_x = jnp.concatenate([gx for _, gx in parts])
+  else:
+    g_p, g_x = pullback(cotangent)
   return apply_update(optimizer, schedule, k, st, g_p, new_ms, t, num_batches), g_x
 
 
