@@ -10,7 +10,6 @@ test accuracy over the seeds, a diverged seed counting as 0; mean, min-max and s
 train and test loss, the difference to BP's best) and lr_grid.png (mean test accuracy against lr, one
 panel per K). Run folders live under --run_dir and are deleted once their numbers are read.
 """
-import copy
 import json
 import math
 import os
@@ -42,24 +41,11 @@ def _run_name(K, name, lr, seed):
 
 def _run(base, run_dir, name, **overrides):
   """One run in run_dir/name (deleted afterwards): its final numbers, a diverged run as a result."""
-  config = copy.deepcopy(base)
-  config.unlock()
-  for k, v in overrides.items():
-    node = config
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  workdir = os.path.join(run_dir, name)
-  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
-  diverged, t0 = None, time.time()
-  try:
-    pipeline_train.train_and_evaluate(config, workdir)
-  except FloatingPointError as e:  # a diverged run is a result, not the end of the grid
-    diverged = str(e)
+  t0 = time.time()
+  summary, records = pipeline_train.run_fresh(base, run_dir, name, **overrides)  # diverged: a result
   wall = time.time() - t0
-  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-  shutil.rmtree(workdir, ignore_errors=True)
+  shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+  diverged = summary.get("diverged")
   evals = [r for r in records if r.get("test_accuracy") is not None]
   losses = [r["train_loss"] for r in records if r.get("train_loss") is not None]
   nan = float("nan")

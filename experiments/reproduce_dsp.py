@@ -5,10 +5,7 @@ r"""DSP and its baselines on MNIST-1D and digits (CIFAR-10 with --cifar_dir), K 
 
 Writes table.md (accuracy, modeled speedup, stored bytes, stragglers, staleness x lr sweep) and PNGs.
 """
-import copy
-import json
 import os
-import shutil
 
 from absl import app, flags
 
@@ -21,26 +18,6 @@ from ripples_jax.pipeline import train as pipeline_train
 METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
 
 
-def _run(base, out_dir, name, **overrides):
-  config = copy.deepcopy(base)
-  config.unlock()
-  for k, v in overrides.items():
-    node = config
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  workdir = os.path.join(out_dir, name)
-  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
-  try:
-    summary = pipeline_train.train_and_evaluate(config, workdir)
-  except FloatingPointError as e:  # a diverged run is a result, not the end of the experiment
-    summary = json.load(open(os.path.join(workdir, "config.json")))
-    summary.update(diverged=str(e), final_test_accuracy=float("nan"), final_train_loss=float("nan"),
-                   modeled_speedup_vs_bp=float("nan"), stage_forward_s=None, stage_backward_s=None,
-                   stored_bytes=None, staleness=None, time=float("nan"))
-  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-  return summary, records
 
 
 def run(base, out_dir: str, datasets=("mnist1d", "digits"), stage_counts=(2, 4), methods=METHODS,
@@ -53,7 +30,7 @@ def run(base, out_dir: str, datasets=("mnist1d", "digits"), stage_counts=(2, 4),
   for ds in datasets:
     for K in stage_counts:
       for m in methods:
-        s, recs = _run(base, out_dir, f"{ds}_K{K}_{m}", dataset=ds, model=models[ds], num_stages=K, method=m)
+        s, recs = pipeline_train.run_fresh(base, out_dir, f"{ds}_K{K}_{m}", dataset=ds, model=models[ds], num_stages=K, method=m)
         results[ds, K, m] = s
         curves[ds, K, m] = [(r["epoch"], r["modeled_time"], r["test_accuracy"]) for r in recs
                             if "test_accuracy" in r]
@@ -90,7 +67,7 @@ def run(base, out_dir: str, datasets=("mnist1d", "digits"), stage_counts=(2, 4),
   sweep, losses = [], {}
   for d in sweep_delays:
     for lr in sweep_lrs:
-      s, recs = _run(base, out_dir, f"sweep_d{d}_lr{lr}", dataset=datasets[0], model=models[datasets[0]],
+      s, recs = pipeline_train.run_fresh(base, out_dir, f"sweep_d{d}_lr{lr}", dataset=datasets[0], model=models[datasets[0]],
                      num_stages=max(stage_counts), method="dsp", delay=d, **{"optimizer.lr": lr},
                      num_epochs=sweep_epochs)
       losses[d, lr] = s["final_train_loss"]

@@ -6,7 +6,11 @@ batch so that every stage applies its update. Batch `done` = t + 1 - drain is re
 batches; a checkpoint is taken right after a record (no loss pending), with the loop's Cursor as its
 metadata. Files are written only through RunLog.
 """
+import copy
 import dataclasses
+import json
+import os
+import shutil
 import time
 
 import jax
@@ -163,3 +167,28 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
         stage_backward_s=times["bwd_K"], staleness=list(schedule.staleness) if schedule else None,
         stored_bytes=tick.stored_bytes(state) if config.method != "dni" else None,
         straggler=_straggler(config, times))
+
+
+def run_fresh(base, out_dir: str, name: str, **overrides):
+  """(summary, metrics records) of a fresh run of `base` with dotted-key overrides in out_dir/name (an
+  earlier run there is deleted); a diverged run (the NaN stop) is a result, its summary marked
+  `diverged`. For experiments that run many configs."""
+  config = copy.deepcopy(base)
+  config.unlock()
+  for k, v in overrides.items():
+    node = config
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  workdir = os.path.join(out_dir, name)
+  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
+  try:
+    summary = train_and_evaluate(config, workdir)
+  except FloatingPointError as e:  # a diverged run is a result, not the end of the experiment
+    summary = json.load(open(os.path.join(workdir, "config.json")))
+    summary.update(diverged=str(e), final_test_accuracy=float("nan"), final_train_loss=float("nan"),
+                   modeled_speedup_vs_bp=float("nan"), stage_forward_s=None, stage_backward_s=None,
+                   stored_bytes=None, staleness=None, time=float("nan"))
+  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  return summary, records
