@@ -50,7 +50,33 @@ def fail(message: str, code: int = EXIT_BAD_INPUT):
   line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
   sys.stderr.write(f"error: {line}\n")
   sys.stderr.flush()
+  if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
+    exit_distributed(code)
   sys.exit(code)
+
+
+def exit_distributed(code: int, shutdown_s: float = 10.0):
+  """Ends a process of a multi-process job: jax.distributed's shutdown (a barrier with the other
+  processes) for at most `shutdown_s`, then os._exit. A plain exit can hang forever: orbax's
+  non-daemon threads may still wait in a key-value get that no other process will answer, and Python
+  joins them before exiting."""
+  import logging as std_logging
+  import threading
+  import jax
+  done = threading.Event()
+
+  def wait():
+    try:
+      jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001  the others may be gone: nothing left to say goodbye to
+      pass
+    done.set()
+  threading.Thread(target=wait, daemon=True).start()
+  done.wait(shutdown_s)
+  std_logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def config_flag(default_file: str):
@@ -85,8 +111,16 @@ def parse_flags(argv: list[str]) -> list[str]:
         config.lock()
       except Exception as e:  # noqa: BLE001
         fail(describe_flag_error(e, argv))
+  check_cpu_devices(CPU_DEVICES.value)
   check_workdir(WORKDIR.value)
   return rest
+
+
+def check_cpu_devices(count: int) -> None:
+  """Exits with one line unless `count` is at least 1 (0 crashes the CPU backend with a traceback; a
+  negative count would fall back to JAX's default silently)."""
+  if count < 1:
+    fail(f"--cpu_devices={count} is not allowed: at least 1 CPU device per process")
 
 
 def shipped_configs(argv: list[str]) -> list[str]:

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry, type_handlers
 
@@ -122,26 +121,6 @@ def restorable_steps(mgr: ocp.CheckpointManager) -> list[int]:
   """Committed checkpoints, newest first."""
   mgr.reload()
   return sorted(mgr.all_steps(), reverse=True)
-
-
-def restore_latest(mgr: ocp.CheckpointManager, like, check=None, steps=None):
-  """(step, state, meta) of the newest checkpoint that reads back (and passes `check(state, meta)`,
-  which raises to refuse it), or None; among `steps` when given.
-
-  A corrupt or partial checkpoint is skipped with a warning naming it, and the previous one is used.
-  """
-  for step in restorable_steps(mgr):
-    if steps is not None and step not in steps:
-      continue
-    try:
-      state, meta = restore(mgr, step, like)
-      if check is not None:
-        check(state, meta)
-      return step, state, meta
-    except Exception as e:  # noqa: BLE001  any read failure means: not usable
-      logging.warning("checkpoint %s/%d does not read back (%s: %s); falling back to the previous one",
-                      mgr.directory, step, type(e).__name__, (str(e).splitlines() or [""])[0][:200])
-  return None
 
 
 def finish(mgr: ocp.CheckpointManager) -> None:

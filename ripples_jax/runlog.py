@@ -40,7 +40,6 @@ import os
 import queue
 import re
 import shutil
-import socket
 import threading
 import time
 
@@ -50,17 +49,9 @@ from absl import logging
 
 from ripples_jax import checkpoint
 from ripples_jax.progress import Progress
-from ripples_jax.config import ON_CONFIG_CHANGE as ON_MISMATCH, ConfigError
-
-# Keys a resumed run may change without becoming another run: logging, evaluation and checkpoint
-# cadence, where data is read from, and the runtime's failure detection. num_steps is not among them:
-# it sets the learning-rate schedule's horizon, so a longer run is a different run.
-IDENTITY_FREE = ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "data_dir",
-                 "target_accuracy", "runtime.heartbeat_s", "runtime.heartbeat_timeout",
-                 "runtime.stall_timeout", "runtime.checkpoint_keep", "runtime.checkpoint_every",
-                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_step", "runtime.fail_stage",
-                 "runtime.fail_tick", "runtime.pin_cores", "on_config_change",
-                 "profile_steps")
+from ripples_jax.config import ConfigError
+from ripples_jax.workdir import (IDENTITY_FREE, StorageError, WorkdirLock, differences, flat_config,  # noqa: F401
+                                 identity, make_workdir, newest_meta)
 
 # TensorBoard tags of the metrics.jsonl keys (tb_tag); metrics.jsonl keeps its own keys.
 TB_TAGS = {"train_loss": "train/loss", "test_accuracy": "eval/accuracy", "test_loss": "eval/loss",
@@ -73,11 +64,12 @@ SUMMARY_KEYS = ("algorithm", "executor", "num_workers", "num_steps", "final_test
                 "worker_steps", "throughput", "workdir")
 
 
-class StorageError(OSError):
-  """The run's files cannot be written (disk full, read-only); str() is the one-line message."""
+class ResumeRefused(ConfigError):
+  """Checkpoints exist and none can be resumed: nothing was deleted; str() is the one-line message."""
 
 
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))  # the reasons that more space fixes
 
 
 def tensorstore_os_error(message: str) -> tuple[str | None, int] | None:
@@ -93,77 +85,6 @@ def _storage_failure(e: Exception) -> str | None:
   """The reason, when `e` means the disk refused a write (orbax reports ENOSPC as a ValueError)."""
   code = e.errno if isinstance(e, OSError) else (tensorstore_os_error(str(e)) or (None, None))[1]
   return os.strerror(code) if code in _STORAGE_ERRNOS else None
-
-
-def make_workdir(workdir: str | None, config=None) -> str:
-  """The run's folder: the given one, or a fresh timestamped folder under runs/ (one process only).
-
-  With `config`, a workdir whose newest checkpoint holds another run (another config identity) is
-  refused with one line, or per config.on_config_change: "new" runs in a fresh subfolder run-<k>,
-  "force" resumes anyway (the earlier config.json is kept as config.<k>.json).
-  """
-  if workdir is None and jax.process_count() > 1:
-    raise ConfigError("--workdir: None is not allowed with several processes: a folder every process sees")
-  if not workdir:
-    workdir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    base, k = workdir, 1
-    while os.path.exists(workdir):
-      workdir, k = f"{base}-{k}", k + 1
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ConfigError(f"--workdir: {workdir!r} is not allowed: it is a file, not a folder")
-  if config is not None:
-    workdir = _check_identity(workdir, config)
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(f"--workdir: {workdir!r} is not allowed: {e.strerror}") from None
-  if not os.access(workdir, os.W_OK):
-    raise ConfigError(f"--workdir: {workdir!r} is not allowed: not writable")
-  return workdir
-
-
-def newest_meta(workdir: str):
-  """(step, metadata dict) of the newest committed checkpoint whose metadata reads, or None."""
-  ckpt = os.path.join(workdir, "ckpt")
-  steps = sorted((int(d) for d in os.listdir(ckpt) if d.isdigit()), reverse=True) if os.path.isdir(ckpt) else []
-  for step in steps:
-    try:
-      with open(os.path.join(ckpt, str(step), "meta", "metadata")) as f:
-        return step, json.load(f)
-    except (OSError, ValueError):
-      continue
-  return None
-
-
-def _check_identity(workdir: str, config) -> str:
-  got = newest_meta(workdir)
-  if got is None:
-    return workdir
-  step, meta = got
-  mode = config.get("on_config_change", "refuse")
-  if mode not in ON_MISMATCH:
-    raise ConfigError(f"config.on_config_change: {mode!r} is not allowed: one of {', '.join(ON_MISMATCH)}")
-  where = os.path.join(workdir, "ckpt", str(step))
-  if "identity" not in meta:
-    raise ConfigError(f"--workdir: {workdir!r} is not allowed: {where} was written by an older version "
-                      "(no run identity); resume it with that version, or use another --workdir")
-  diff = differences(meta["identity"], identity(config))
-  if not diff or mode == "force":
-    if diff:
-      logging.warning("resuming %s with a changed config (on_config_change=force): %s", where, "; ".join(diff))
-    return workdir
-  if mode == "new":
-    if jax.process_count() > 1:
-      raise ConfigError("config.on_config_change: 'new' is not allowed with several processes: give a "
-                        "new --workdir")
-    k = 1
-    while os.path.exists(os.path.join(workdir, f"run-{k}")):
-      k += 1
-    logging.warning("%s holds another run (%s): starting in %s/run-%d", workdir, "; ".join(diff), workdir, k)
-    return _check_identity(os.path.join(workdir, f"run-{k}"), config)
-  raise ConfigError(f"--workdir: {workdir!r} is not allowed: its checkpoint {where} is another run "
-                    f"({'; '.join(diff)}); rerun with that config, another --workdir, or "
-                    "--config.on_config_change=new (a fresh subfolder) or force (resume anyway)")
 
 
 def tb_tag(key: str, simulated: bool = False) -> str:
@@ -257,38 +178,13 @@ def check_finite(step: int, last_checkpoint: str | None = None, **values) -> Non
       raise FloatingPointError(f"{k} is {v} at step {step}; stopping the run{where}")
 
 
-def flat_config(config) -> dict:
-  """The config as {dotted key: value}, sorted by key."""
-  flat = {}
-
-  def walk(prefix, d):
-    for k, v in d.items():
-      if isinstance(v, dict):
-        walk(f"{prefix}{k}.", v)
-      else:
-        flat[prefix + k] = v
-  walk("", config.to_dict())
-  return dict(sorted(flat.items()))
-
-
-def identity(config) -> dict:
-  """The config as flat {dotted key: JSON value}, without the keys a resume may change."""
-  return json.loads(json.dumps({k: v for k, v in flat_config(config).items() if k not in IDENTITY_FREE},
-                               default=str))
-
-
 def _verify(state, meta) -> None:
-  """restore_latest's check: the restored arrays must be the saved ones (flipped bytes are refused)."""
+  """try_restore's check: the restored arrays must be the saved ones (flipped bytes are refused)."""
   if "identity" not in meta:
     raise checkpoint.CheckpointMismatch("written by an older version (no run identity)")
   sums, _ = checkpoint.fingerprint(state)
   if sums != meta["sums"]:
     raise checkpoint.CheckpointMismatch("its arrays differ from what was saved (fingerprint mismatch)")
-
-
-def differences(saved: dict, now: dict) -> list[str]:
-  return [f"{k} {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}"
-          for k in sorted(set(saved) | set(now)) if saved.get(k, "<unset>") != now.get(k, "<unset>")]
 
 
 def archive(workdir: str) -> int | None:
@@ -324,58 +220,6 @@ def numbered(name: str, k: int) -> str:
   return f"{stem}.{k}{ext}"
 
 
-class WorkdirLock:
-  """WORKDIR/.lock, created exclusively, holding "pid host start-time"; removed on release."""
-
-  def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, ".lock")
-    self.held = False
-
-  def acquire(self) -> None:
-    me = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}"
-    for _ in range(2):
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        holder = self._holder()
-        if holder and holder[1] == socket.gethostname() and not _alive(holder[0]):
-          logging.warning("%s: taking over a stale lock of pid %d (no longer running)", self.path, holder[0])
-          os.remove(self.path)
-          continue
-        who = f"pid {holder[0]} on {holder[1]} since {holder[2]}" if holder else "an unreadable lock"
-        raise ConfigError(f"--workdir: {os.path.dirname(self.path)!r} is not allowed: it is in use by {who} "
-                          f"(one run per workdir; if that run is gone, delete {self.path})")
-      with os.fdopen(fd, "w") as f:
-        f.write(me + "\n")
-      self.held = True
-      return
-
-  def _holder(self):
-    try:
-      pid, host, since = open(self.path).read().split()[:3]
-      return int(pid), host, since
-    except (OSError, ValueError):
-      return None
-
-  def release(self) -> None:
-    if self.held:
-      self.held = False
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def count_lines(path: str) -> int:
   if not os.path.exists(path):
     return 0
@@ -384,26 +228,54 @@ def count_lines(path: str) -> int:
 
 
 def last_step(path: str) -> int | None:
-  """The step of the last record in a metrics.jsonl, or None (no file, no record)."""
-  if not os.path.exists(path):
-    return None
-  with open(path, "rb") as f:
-    lines = [l for l in f.read().splitlines() if l.strip()]
-  return int(json.loads(lines[-1])["step"]) if lines else None
+  """The step of the last whole record in a metrics.jsonl, or None (no file, no record)."""
+  records = whole_records(path)
+  return int(json.loads(records[-1])["step"]) if records else None
 
 
-def truncate_lines(path: str, n: int) -> None:
-  """Keeps the first n lines of a file (atomically), dropping what a lost run wrote after them."""
+def whole_records(path: str, limit: int | None = None) -> list[bytes]:
+  """The file's lines (of the first `limit`) up to the first that is not a whole record: a line cut
+  short (no newline; a kill mid-write) or one that is not a JSON object with a step (a torn write)."""
   if not os.path.exists(path):
-    return
+    return []
   with open(path, "rb") as f:
     lines = f.readlines()
-  if len(lines) <= n:
-    return
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.writelines(lines[:n])
-  os.replace(tmp, path)
+  kept = []
+  for line in lines[:limit]:
+    try:
+      ok = line.endswith(b"\n") and "step" in json.loads(line)
+    except (ValueError, TypeError):
+      ok = False
+    if not ok:
+      break
+    kept.append(line)
+  return kept
+
+
+def cut_records(path: str, n: int) -> str | None:
+  """Cuts a metrics.jsonl back to its first n lines, the records a checkpoint counted (atomically):
+  what a lost run wrote after them goes. A torn or short file keeps its whole records before the first
+  bad line; the returned warning names what was dropped or is missing (None: nothing was)."""
+  name = os.path.basename(path)
+  if not os.path.exists(path):
+    return (f"{path} is missing: the checkpoint counted {n} records before it; the run goes on without "
+            "them" if n else None)
+  with open(path, "rb") as f:
+    lines = f.readlines()
+  kept = whole_records(path, n)
+  if len(lines) > len(kept):
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  if len(kept) == n:
+    return None
+  if len(lines) < n and len(kept) == len(lines):
+    lost = f"record {n} is" if len(lines) + 1 == n else f"records {len(lines) + 1}-{n} are"
+    return f"{name} holds {len(lines)} of the {n} records the checkpoint counted: {lost} lost"
+  bad = lines[len(kept)]
+  return (f"{name}: line {len(kept) + 1} is not a whole record ({bad[:60]!r}); kept the {len(kept)} records "
+          f"before it, dropped {min(n, len(lines)) - len(kept)} of the {n} the checkpoint counted")
 
 
 class RunLog:
@@ -450,55 +322,105 @@ class RunLog:
     """This run's committed checkpoint steps, newest first."""
     return checkpoint.restorable_steps(self.mgr) if self.mgr is not None else []
 
-  def restore(self, like, steps=None):
-    """(step, state, cursor) of the newest good checkpoint (among `steps` when given), or None (a
-    fresh start); writes config.json.
+  def restore(self, like):
+    """(step, state, cursor) of the newest good checkpoint, or None (a fresh start); writes config.json.
 
-    Call it before the first record(): it cuts metrics.jsonl back to the checkpoint, or on a fresh
-    start moves an earlier run's records aside under numbered names.
+    Call it before the first record(). The newest checkpoint is tried first; one that does not read
+    back (or fails its fingerprint) is deleted once an older one has restored (orbax would otherwise
+    skip this run's saves up to it). When checkpoints exist and none restores, ResumeRefused is raised
+    and nothing is deleted. Resuming cuts metrics.jsonl back to the checkpoint; a fresh start moves an
+    earlier run's records aside under numbered names.
     """
-    got = None
-    if self.mgr is not None and self.per_process is not None:
-      _, to_global, to_local = self.per_process
+    failed = []
+    for step in self.committed():
+      got = self.try_restore(step, like)
+      if isinstance(got, str):
+        failed.append((step, got))
+        continue
+      return self.resume_from(step, *got, unusable=[s for s, _ in failed])
+    if failed:
+      raise ResumeRefused(self.refusal(failed))
+    self.start_fresh()
+    return None
 
-      def check(state, meta):
-        _verify(to_local(state), meta)
-
-      got = checkpoint.restore_latest(self.mgr, to_global(like), check=check, steps=steps)
-      if got is not None:
-        got = (got[0], to_local(got[1]), got[2])
-    elif self.mgr is not None:
-      got = checkpoint.restore_latest(self.mgr, like, check=_verify, steps=steps)
-    if self.mgr is not None:
-      # Newer steps did not read back: delete them, or orbax would skip this run's saves up to them.
-      for bad in checkpoint.restorable_steps(self.mgr):
-        if got is None or bad > got[0]:
-          logging.warning("deleting checkpoint %s/%d: it does not read back", self.ckpt_dir, bad)
-          self.mgr.delete(bad)
-    if self.is_lead:
-      if got is None:
-        k = archive(self.workdir)  # a fresh start: an earlier run's records are kept, numbered
-        if k is not None:
-          logging.warning("%s: an earlier run's records were moved to *.%d.*", self.workdir, k)
+  def try_restore(self, step: int, like):
+    """(state, meta) of checkpoint `step`, or the reason (a str) it is unusable: it does not read
+    back, its arrays do not fit `like`, or they are not the ones saved (fingerprint)."""
+    try:
+      if self.per_process is not None:
+        _, to_global, to_local = self.per_process
+        state, meta = checkpoint.restore(self.mgr, step, to_global(like))
+        state = to_local(state)
       else:
-        truncate_lines(self.metrics_path, got[2]["metrics_lines"])
-        # TensorBoard keeps what metrics.jsonl keeps: events up to its last record, none after.
-        kept = last_step(self.metrics_path)
-        self._tb_purge = 0 if kept is None else kept + 1
-        changed = bool(differences(got[2]["identity"], self.identity))
-        self._tb_header = self._tb_purge == 0 or changed
-        if changed:  # on_config_change=force
-          config_path = os.path.join(self.workdir, "config.json")
-          if os.path.exists(config_path):
-            k = 1
-            while os.path.exists(os.path.join(self.workdir, numbered("config.json", k))):
-              k += 1
-            os.replace(config_path, os.path.join(self.workdir, numbered("config.json", k)))
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        f.write(self.config.to_json_best_effort(indent=2))
-    if got is None:
-      return None
-    step, state, meta = got
+        state, meta = checkpoint.restore(self.mgr, step, like)
+      _verify(state, meta)
+      return state, meta
+    except Exception as e:  # noqa: BLE001  any failure to read means: not usable
+      reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+      logging.warning("checkpoint %s/%d does not read back (%s)", self.ckpt_dir, step, reason)
+      return reason
+
+  def refusal(self, failed) -> str:
+    """The one line when checkpoints exist and none restores: which, why, and that nothing was deleted."""
+    (step, reason), older = failed[0], len(failed) - 1
+    saved = self.saved_identity(step)
+    changed = differences(saved, self.identity) if saved else []
+    why = (f"the config changed ({'; '.join(changed)}) and its arrays do not fit this config"
+           if changed else "it does not read back")
+    rest = f" (nor do the {older} older ones)" if older else ""
+    return (f"--workdir: {self.workdir!r} is not allowed: its checkpoint {self.ckpt_dir}/{step}{rest} cannot "
+            f"be resumed: {why} ({reason}); nothing was deleted; rerun with the config that wrote it, or "
+            f"move {self.ckpt_dir} aside to start afresh, or use another --workdir")
+
+  def saved_identity(self, step: int) -> dict:
+    """The config identity checkpoint `step` was written under ({} when its metadata does not read)."""
+    try:
+      with open(os.path.join(self.ckpt_dir, str(step), "meta", "metadata")) as f:
+        return json.load(f).get("identity", {})
+    except (OSError, ValueError):
+      return {}
+
+  def set_aside(self, steps) -> None:
+    """Moves checkpoints that are good but newer than the one every process resumed from out of the
+    manager's folder, to WORKDIR/ckpt.superseded/ (never overwritten): nothing is deleted that another
+    process may need, and this run's saves at those steps are not skipped."""
+    for step in steps:
+      src = os.path.join(self.ckpt_dir, str(step))
+      rel = os.path.relpath(src, os.path.join(self.workdir, "ckpt"))
+      dst, k = os.path.join(self.workdir, "ckpt.superseded", rel), 1
+      while os.path.exists(dst):
+        dst, k = os.path.join(self.workdir, "ckpt.superseded", f"{rel}.{k}"), k + 1
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      os.replace(src, dst)
+      logging.warning("checkpoint %s is newer than the one every process resumes from: kept as %s", src, dst)
+
+  def resume_from(self, step: int, state, meta: dict, unusable=()):
+    """Resumes at checkpoint `step` (restored: state, meta): deletes the newer ones in `unusable`
+    (tried and found unusable), sets the other newer ones aside, cuts the records back to it (lead).
+    Returns (step, state, cursor)."""
+    for bad in unusable:
+      if bad > step:
+        logging.warning("deleting checkpoint %s/%d: it does not read back, and %d did", self.ckpt_dir, bad, step)
+        self.mgr.delete(bad)
+    self.set_aside([s for s in self.committed() if s > step])
+    self.mgr.reload()
+    if self.is_lead:
+      warning = cut_records(self.metrics_path, meta["metrics_lines"])
+      if warning:
+        logging.warning("%s", warning)
+      # TensorBoard keeps what metrics.jsonl keeps: events up to its last record, none after.
+      kept = last_step(self.metrics_path)
+      self._tb_purge = 0 if kept is None else kept + 1
+      changed = bool(differences(meta["identity"], self.identity))
+      self._tb_header = self._tb_purge == 0 or changed
+      if changed:  # on_config_change=force
+        config_path = os.path.join(self.workdir, "config.json")
+        if os.path.exists(config_path):
+          k = 1
+          while os.path.exists(os.path.join(self.workdir, numbered("config.json", k))):
+            k += 1
+          os.replace(config_path, os.path.join(self.workdir, numbered("config.json", k)))
+      self._write_config()
     logging.info("resuming from %s/%d", self.ckpt_dir, step)
     self.last_ckpt = step
     self.last = dict(meta.get("last", {}))
@@ -507,6 +429,18 @@ class RunLog:
     if self._progress is not None:  # its last record's step (a checkpoint's own may count blocks)
       self._progress.resume_at(min(int(self.last.get("step", 0)), self.total_steps))
     return step, state, meta["cursor"]
+
+  def start_fresh(self) -> None:
+    """A fresh start: an earlier run's records are kept, numbered (lead); config.json written."""
+    if self.is_lead:
+      k = archive(self.workdir)
+      if k is not None:
+        logging.warning("%s: an earlier run's records were moved to *.%d.*", self.workdir, k)
+      self._write_config()
+
+  def _write_config(self) -> None:
+    with open(os.path.join(self.workdir, "config.json"), "w") as f:
+      f.write(self.config.to_json_best_effort(indent=2))
 
   @contextlib.contextmanager
   def _writing(self, what: str):
@@ -522,8 +456,9 @@ class RunLog:
           shutil.rmtree(tmp, ignore_errors=True)
       good = checkpoint.restorable_steps(self.mgr) if self.mgr is not None else []
       last = f"{self.ckpt_dir}/{good[0]}" if good else "none"
-      raise StorageError(f"{what}: {reason}; the last good checkpoint is {last}; free space and run the "
-                         "same command again to resume") from None
+      fix = "free space" if reason in FULL else "make it writable"
+      raise StorageError(f"{what}: {reason}; the last good checkpoint is {last}; {fix} and run the same "
+                         "command again to resume") from None
 
   def checkpoint(self, step: int, state, cursor: dict, force: bool = False) -> None:
     """Saves (state, cursor) at `step` every `checkpoint_every` steps (or when forced); collective

@@ -40,6 +40,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ripples_jax.config import ConfigError
+from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import apply_model
 from ripples_jax.platform import pin_threads
 from ripples_jax.pipeline import tick as tick_lib
@@ -47,7 +48,7 @@ from ripples_jax.pipeline.link import Link, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import coord
 from ripples_jax.runtime.preduce import LOCAL, WORKER, to_global, to_local
-from ripples_jax.runtime.worker import agree_on_marker, fail_now
+from ripples_jax.runtime.worker import fail_now
 
 
 def process_schedule(config) -> tick_lib.Schedule | None:
@@ -375,12 +376,9 @@ def _per_process(K: int, device):
 
 
 def _resume(sp: Stage, log: RunLog, kv) -> Loop:
-  """The newest tick every stage saved (a consistent cut), or a fresh start."""
-  mark = agree_on_marker(kv, sp.k, sp.K, log.committed(), sp.config.runtime.stall_timeout)
-  got = log.restore(sp.pack(sp.state), steps=[mark] if mark is not None else [])
-  if got is None and mark is not None:
-    raise RuntimeError(f"{log.ckpt_dir}/{mark}: this stage's checkpoint of the newest tick every stage "
-                       "saved does not read back")
+  """The newest tick every stage can restore (a consistent cut; distributed.resume), or a fresh start."""
+  got = resume_lib.restore_common(log, kv, sp.k, sp.K, sp.pack(sp.state), sp.config.runtime.stall_timeout,
+                                  what="stage")
   if got is None:
     return Loop()
   sp.state = sp.unpack(got[1])
@@ -463,6 +461,18 @@ def _timing(sp: Stage, warm: int) -> dict:
           "ticks": len(ends), "iteration_s": spacing, "stored_bytes": sp.stored_bytes(sp.state)}
 
 
+def _complete(sp: Stage, workdir: str, loop: Loop) -> dict:
+  """A rerun of a finished run: every stage resumed from its final tick; nothing is run or rewritten
+  (its summary.json holds the run's measurements; a rerun has none)."""
+  logging.info("stage %d: the run in %s is complete (tick %d): nothing to do; its summary.json is kept",
+               sp.k, workdir, loop.tick)
+  path = os.path.join(workdir, "summary.json")
+  if sp.last and os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  return {"method": sp.config.method, "stage": sp.k, "workdir": workdir, "time": loop.time}
+
+
 def run(config, workdir: str, setup) -> dict:
   """This process's stage, from `setup` = (stages, optimizer, feed, data, num_batches, batches_per_epoch)."""
   stages, optimizer, feed, data, num_batches, per_epoch = setup
@@ -478,6 +488,8 @@ def run(config, workdir: str, setup) -> dict:
   with RunLog(workdir, config, num_batches, is_lead=sp.last, checkpoint_every=config.checkpoint_every,
               checkpoint_keep=config.checkpoint_keep, per_process=_per_process(K, sp.device)) as log:
     loop = _resume(sp, log, kv)
+    if loop.tick >= num_batches + (sp.schedule.drain_ticks() if sp.schedule else 0):
+      return _complete(sp, workdir, loop)
     progress = {"ticks": loop.tick, "done": False}
     watchdog = coord.Watchdog(kv, k, K, lambda: (progress["ticks"], progress["ticks"], progress["done"]),
                               rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout, role="stage")

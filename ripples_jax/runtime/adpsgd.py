@@ -28,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import setup as setup_lib
+from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import coord
 from ripples_jax.runtime import trace as trace_lib
@@ -151,7 +152,9 @@ def run(config, workdir: str) -> dict:
   worker.warm_up()
   with RunLog(workdir, config, config.num_steps, checkpoint_every=rt.checkpoint_every,
               checkpoint_keep=rt.checkpoint_keep, per_process=(me, worker.to_global, worker.to_local)) as log:
-    log.restore(worker.pack(Loop(worker.fresh())), steps=[])  # no mid-run markers: a fresh start
+    # No mid-run markers: a fresh start, refused (nothing deleted) where an earlier run's final
+    # checkpoints are.
+    resume_lib.restore_common(log, kv, me, n, None, rt.stall_timeout, resumable=False, what="worker")
     loop = Loop(worker.fresh())
     trace = trace_lib.TraceWriter(workdir, me)
     progress = {"steps": 0, "events": 0, "done": False}

@@ -31,6 +31,7 @@ from ripples_jax import checkpoint as ckpt_lib
 from ripples_jax import data as data_lib
 from ripples_jax import engine
 from ripples_jax import setup as setup_lib
+from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import authority as authority_lib
@@ -186,27 +187,12 @@ class Worker:
                 authority=cursor.get("authority"))
 
 
-def agree_on_marker(kv, me: int, n: int, mine: list[int], timeout_s: float) -> int | None:
-  """The newest checkpoint marker every worker has committed (None: none), through the service."""
-  kv.key_value_set(f"{coord.PREFIX}/ckpts/{me}", " ".join(map(str, mine)) or "-", allow_overwrite=True)
-  common = None
-  for w in range(n):
-    value = kv.blocking_key_value_get(f"{coord.PREFIX}/ckpts/{w}", int(timeout_s * 1000))
-    theirs = {int(v) for v in value.split() if v != "-"}
-    common = theirs if common is None else common & theirs
-  return max(common) if common else None
-
-
 def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
-  """The loop state from the newest marker every worker saved, or a fresh one; what the lost run did
-  after that marker (snapshots, trace events) is dropped so this run redoes it."""
+  """The loop state from the newest marker every worker can restore (distributed.resume), or a fresh
+  one; what the lost run did after that marker (snapshots, trace events) is dropped so this run redoes it."""
   me, n, rt = worker.me, worker.config.num_workers, worker.rt
-  mark = agree_on_marker(kv, me, n, log.committed(), rt.stall_timeout)
   like = worker.pack(Loop(worker.fresh()))
-  got = log.restore(like, steps=[mark] if mark is not None else [])
-  if got is None and mark is not None:
-    raise RuntimeError(f"{log.ckpt_dir}/{mark}: this worker's checkpoint of the newest marker every worker "
-                       "saved does not read back; the workers cannot resume from one consistent cut")
+  got = resume_lib.restore_common(log, kv, me, n, like, rt.stall_timeout, what="worker")
   if got is None:
     loop = Loop(worker.fresh())
   else:

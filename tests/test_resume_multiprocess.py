@@ -1,0 +1,161 @@
+"""Multi-process resume never destroys a run: the asynchronous runtime and the per-process pipeline
+refuse another config (every checkpoint file kept byte for byte), fall back to an older marker every
+worker restores when one worker's newest is corrupt (deleting nothing else), and end every process
+with exit 74 on a read-only ckpt/ instead of hanging. Real processes: all slow."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_pipeline_runtime import pipeline_config
+from tests.test_runtime import MODEL, assert_replay_matches, launch_bounded, make_config, run_args
+from tests.test_workdir import corrupt, tree_digest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def start_directly(n, module, args):
+  """n processes of `module` without the launcher (as on a cluster): nothing stops a hung one."""
+  from ripples_jax.runtime.launcher import child_env, free_port
+  address = f"127.0.0.1:{free_port()}"
+  procs = []
+  for k in range(n):
+    env = child_env(1, "cpu", k)
+    env.pop("RIPPLES_LAUNCHER_PID", None)
+    cmd = [sys.executable, "-m", module, *args, "--jax_distributed", f"--coordinator_address={address}",
+           f"--num_processes={n}", f"--process_id={k}", "--cpu_devices=1"]
+    procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True))
+  return procs
+
+
+def finish(procs, timeout_s):
+  """(exit codes, outputs, seconds until the last exit); SIGKILLs whatever is left at the timeout."""
+  t0, outs = time.monotonic(), []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))[0])
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, 9)
+        p.wait()
+  return [p.returncode for p in procs], outs, time.monotonic() - t0
+
+
+def kept(workdir):
+  """Every file of the run that a refusal must leave as it was."""
+  return {k: v for k, v in tree_digest(workdir).items() if k != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def killed_async_run(tmp_path_factory):
+  """2 workers, worker 1 SIGKILLs itself at local step 30: markers on disk, no final state."""
+  workdir = str(tmp_path_factory.mktemp("async") / "run")
+  args = run_args(workdir, "ripples_division", 2, 60, ["--config.runtime.step_time=0.02"])
+  code, out = launch_bounded(2, args + ["--config.runtime.fail_worker=1", "--config.runtime.fail_step=30"])
+  assert code != 0 and "kills itself at local step 30" in out, out[-3000:]
+  assert os.listdir(os.path.join(workdir, "ckpt", "0")) and os.listdir(os.path.join(workdir, "ckpt", "1"))
+  return workdir, args
+
+
+@pytest.mark.parametrize("change,says", [
+    (["--config.optimizer.lr=0.05"], r"is another run (optimizer.lr 0.1 -> 0.05)"),
+    (["--config.model=cnn1d"], "is another run (model 'mlp_gelu' -> 'cnn1d')"),
+    (["--config.model=cnn1d", "--config.on_config_change=force"],
+     "the config changed (model 'mlp_gelu' -> 'cnn1d') and its arrays do not fit this config"),
+])
+def test_async_rerun_with_another_config_is_refused_and_keeps_every_file(killed_async_run, change, says):
+  workdir, args = killed_async_run
+  before = kept(workdir)
+  code, out = launch_bounded(2, args + change)
+  assert code == 2, out[-3000:]
+  errors = [l for l in out.splitlines() if "error:" in l]
+  assert errors and says in errors[0] and "Traceback" not in out, out[-3000:]
+  assert kept(workdir) == before
+
+
+def test_a_read_only_ckpt_ends_every_process_with_74_and_keeps_every_file(killed_async_run):
+  workdir, args = killed_async_run
+  ckpt = os.path.join(workdir, "ckpt")
+  before = tree_digest(ckpt)
+  if subprocess.run(["mount", "--bind", ckpt, ckpt], capture_output=True).returncode:
+    pytest.skip("needs root (mount) for a read-only bind mount")
+  try:
+    subprocess.run(["mount", "-o", "remount,bind,ro", ckpt], check=True)
+    codes, outs, seconds = finish(start_directly(2, "experiments.train", args), timeout_s=120)
+  finally:
+    subprocess.run(["umount", "-l", ckpt])
+  assert codes == [74, 74], [o[-2000:] for o in outs]
+  for out in outs:
+    errors = [l for l in out.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "Read-only file system" in errors[0] and "make it writable" in errors[0], out
+  assert seconds < 60, seconds  # start-up (~15 s here) and the resume included; no hang
+  # The resumed run got as far as its first marker; its records after the checkpoint are cut again by
+  # the next resume. The checkpoints are as they were.
+  assert tree_digest(ckpt) == before
+
+
+def newest_marker(workdir, worker):
+  return max(int(d) for d in os.listdir(os.path.join(workdir, "ckpt", str(worker))) if d.isdigit())
+
+
+def test_a_corrupt_newest_marker_in_one_worker_falls_back_and_deletes_nothing_else(tmp_path):
+  workdir = str(tmp_path / "run")
+  n, steps = 3, 120
+  args = run_args(workdir, "ripples_division", n, steps, ["--config.runtime.step_time=0.02"])
+  code, out = launch_bounded(n, args + ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=50"])
+  assert code != 0 and "worker 2 kills itself at local step 50" in out, out[-3000:]
+  bad = newest_marker(workdir, 2)
+  corrupt(workdir, bad, process=2)
+  others = {w: tree_digest(os.path.join(workdir, "ckpt", str(w))) for w in (0, 1)}
+  # First rerun: every worker falls back to the newest marker all of them restore, then worker 1
+  # kills itself, so the second rerun resumes from what the first one saved.
+  code, out = launch_bounded(n, args + ["--config.runtime.fail_worker=1", "--config.runtime.fail_step=90"])
+  assert code != 0 and "worker 1 kills itself at local step 90" in out, out[-3000:]
+  resumed = {int(l.split("resuming at checkpoint marker")[1].split()[0]) for l in out.splitlines()
+             if "resuming at checkpoint marker" in l}
+  assert len(resumed) == 1 and resumed.pop() < bad, out[-3000:]
+  assert f"checkpoint {bad}: worker [2] cannot restore it" in out, out[-3000:]
+  assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
+  # Worker 2 deleted only the marker it tried and found corrupt; the others' newer markers were set
+  # aside byte for byte, never deleted.
+  aside = {w: tree_digest(os.path.join(workdir, "ckpt.superseded", str(w))) for w in (0, 1)}
+  for w in (0, 1):
+    moved = {k: v for k, v in others[w].items() if int(k.split(os.sep)[0]) >= bad}
+    assert moved and {k: aside[w].get(k) for k in moved} == moved, (w, sorted(moved), sorted(aside[w]))
+  code, out = launch_bounded(n, args)
+  assert code == 0, out[-3000:]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert sum(summary["worker_steps"]) >= n * steps
+  # Both resumes continued exactly where their checkpoints left off: the replay of the recorded order
+  # from x_0, across the two kills, lands on the parameters the workers hold.
+  assert_replay_matches(make_config("ripples_division", n, steps, MODEL), workdir, tmp_path)
+
+
+def test_pipeline_rerun_with_other_stages_or_lr_is_refused_and_a_finished_rerun_rewrites_nothing(tmp_path):
+  workdir = str(tmp_path / "run")
+  args = pipeline_config("dsp", "recompute", 1, extra=["--config.checkpoint_every=31"]) + [f"--workdir={workdir}"]
+  code, out = launch_bounded(2, args, module="experiments.train_dsp", timeout_s=300)
+  assert code == 0, out[-3000:]
+  before = kept(workdir)
+  three = [a.replace("num_stages=2", "num_stages=3") for a in args]
+  for n, argv, says in ((3, three, "is another run (num_stages 2 -> 3)"),
+                        (2, args + ["--config.optimizer.lr=0.05"], "is another run (optimizer.lr")):
+    code, out = launch_bounded(n, argv, module="experiments.train_dsp")
+    assert code == 2, out[-3000:]
+    errors = [l for l in out.splitlines() if "error:" in l]
+    assert errors and says in errors[0], out[-3000:]
+    assert kept(workdir) == before
+  code, out = launch_bounded(2, args, module="experiments.train_dsp")
+  assert code == 0 and "is complete" in out and "nan" not in out.lower(), out[-3000:]
+  now = kept(workdir)
+  assert now["summary.json"] == before["summary.json"]
+  assert {k: v for k, v in now.items() if k.startswith("ckpt")} == {k: v for k, v in before.items()
+                                                                    if k.startswith("ckpt")}
