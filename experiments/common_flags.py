@@ -20,7 +20,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from ripples_jax.config import ConfigError
+from ripples_jax.errors import ConfigError
 from ripples_jax.data import DatasetError
 from ripples_jax import runlog
 from ripples_jax.platform import init_distributed, quiet_library_logs, use_cpu_devices

@@ -10,6 +10,7 @@ import math
 
 import ml_collections
 
+from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError  # noqa: F401  (re-exported)
 from ripples_jax.data import DATASET_NAMES as DATASETS, SHARD_MODES as DATA_SHARDINGS
 from ripples_jax.engine import PREDUCE_IMPLS
 from ripples_jax.models import MODEL_NAMES
@@ -20,13 +21,8 @@ from ripples_jax.schedule.online import ADPSGD_PASSIVE, RUNTIME_ALGORITHMS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 
 EXECUTORS = ("spmd", "sim", "async")  # run.train_and_evaluate dispatches on these
-ON_CONFIG_CHANGE = ("refuse", "new", "force")  # runlog.make_workdir: a workdir holding another run
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
 _HETERO_OFF = {"slow_workers": (), "slowdown": 1.0, "random_p": 0.0, "jitter": 0.0, "rotate_every": 0.0}
-
-
-class ConfigError(ValueError):
-  """A config value that is not allowed; str() is the one-line message."""
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:

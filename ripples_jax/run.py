@@ -20,7 +20,7 @@ def train_and_evaluate(config, workdir: str | None = None, return_state: bool = 
   # Before anything loads or compiles: a bad value stops the run with one line.
   validate_train_config(config, jax.device_count(), jax.process_count(), jax.local_device_count())
   if return_state and config.executor != "async" and not config.checkpoint_every:
-    from ripples_jax.config import ConfigError
+    from ripples_jax.errors import ConfigError
     raise ConfigError(f"config.checkpoint_every: {config.checkpoint_every} is not allowed with "
                       "return_state=True: a positive number of steps (the state comes back from the final "
                       "checkpoint)")

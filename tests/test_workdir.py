@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from configs import default as default_config
-from ripples_jax import runlog, workdir as workdir_lib
+from ripples_jax import runlog
+from ripples_jax.runlog import workdir as workdir_lib
 from ripples_jax.config import ConfigError
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.runlog import ResumeRefused, RunLog
@@ -172,7 +173,7 @@ def test_a_record_cut_short_at_the_end_is_dropped_by_the_cut(tmp_path):
 LOCKER = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from ripples_jax.workdir import WorkdirLock
+from ripples_jax.runlog.workdir import WorkdirLock
 for line in sys.stdin:
   path, start = line.split()
   while time.time() < float(start):  # every contender starts at the same instant

@@ -15,7 +15,7 @@ restores everywhere, every process refuses (ResumeRefused) and nothing is delete
 from absl import logging
 
 from ripples_jax.runlog import ResumeRefused, RunLog
-from ripples_jax.workdir import differences
+from ripples_jax.runlog.workdir import differences
 
 KEY = "ripples/resume"
 

@@ -39,7 +39,7 @@ from absl import logging
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from ripples_jax.config import ConfigError
+from ripples_jax.errors import ConfigError
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import apply_model
 from ripples_jax.platform import pin_threads

@@ -8,18 +8,20 @@
   WORKDIR/summary.json     finish(): the keys every executor shares, plus the executor's own
   WORKDIR/ckpt/            orbax checkpoints (checkpoint.py): state + {"cursor", "metrics_lines"}
 
-Invariants: metrics.jsonl is only ever appended to, except by restore(), which cuts it back to the
+Invariants: metrics.jsonl is only ever appended to, except by a resume, which cuts it back to the
 lines that existed when the restored checkpoint was taken (so a resumed run neither loses nor repeats a
-record; its TensorBoard events file starts with a purge at the step after the last kept record, so
-TensorBoard drops what the lost run wrote after it) or, on a fresh start in a used workdir, moves the
-earlier run's files aside under numbered names (metrics.1.jsonl, config.1.json, summary.1.json,
-tensorboard.1/ with its events; never overwritten). A resume continues only the
-same run: every checkpoint stores the config's identity (every key but IDENTITY_FREE), and a rerun
-with another identity is refused with one line naming the differing keys (`on_mismatch="new"` starts
-in a fresh subfolder instead, "force" resumes anyway and records the change). One run per workdir: the
-lead holds WORKDIR/.lock (pid, host) for the run's life; a second run is refused, a stale lock (a dead
-pid on this host) taken over with a warning. Checkpoints are verified (checkpoint.fingerprint) and a
-state with a non-finite value is never saved, so the NaN stop names a checkpoint that is good.
+record; a torn or short file keeps its whole records, with one warning naming what was dropped; its
+TensorBoard events file starts with a purge at the step after the last kept record, so TensorBoard
+drops what the lost run wrote after it) or, on a fresh start in a used workdir, moves the earlier
+run's files aside under numbered names (metrics.1.jsonl, config.1.json, summary.1.json, tensorboard.1/
+with its events; never overwritten). Which run a workdir holds and who holds it now: workdir.py (the
+config identity of both checkpoint layouts; the flock-held WORKDIR/.lock).
+No checkpoint is deleted unless it was tried, found unusable (it does not read back, or its
+fingerprint differs) and an older one restored; when checkpoints exist and none restores, the resume is
+refused (ResumeRefused, one line) and nothing is deleted. Multi-process resume (distributed/resume.py)
+sets a good checkpoint newer than the agreed one aside in WORKDIR/ckpt.superseded/ instead. Checkpoints
+are verified (checkpoint.fingerprint) and a state with a non-finite value is never saved, so the NaN
+stop names a checkpoint that is good.
 Only the lead process (process 0) writes files; every process takes part in checkpoints (orbax's
 multi-process model). Non-finite values are written to metrics.jsonl as null, their keys listed under
 "nonfinite" (strict JSON). The console gets one line per committed checkpoint (`checkpoint <step>
@@ -32,150 +34,32 @@ saved: <dir>`) and the progress line (progress.Progress).
     summary = log.finish(time=t, worker_steps=[...], conflicts=[...])
 """
 import contextlib
-import errno
 import glob
 import json
 import math
 import os
-import queue
-import re
 import shutil
-import threading
-import time
 
 import jax
 import numpy as np
 from absl import logging
 
 from ripples_jax import checkpoint
+from ripples_jax.errors import ResumeRefused, StorageError
 from ripples_jax.progress import Progress
-from ripples_jax.config import ConfigError
-from ripples_jax.workdir import (IDENTITY_FREE, StorageError, WorkdirLock, differences, flat_config,  # noqa: F401
-                                 identity, make_workdir, newest_meta)
+from ripples_jax.runlog.events import TB_METRICS, EventWriter, hparams, tb_tag
+from ripples_jax.runlog.records import (SUMMARY_KEYS, archive, check_finite, count_lines, cut_records,
+                                        event_files, last_step, numbered, summary_table, to_python,
+                                        whole_records, write_json)
+from ripples_jax.runlog.saver import Saver
+from ripples_jax.runlog.storage import FULL, storage_failure, tensorstore_os_error
+from ripples_jax.runlog.workdir import (IDENTITY_FREE, WorkdirLock, differences, flat_config, identity,
+                                        make_workdir, newest_meta)
 
-# TensorBoard tags of the metrics.jsonl keys (tb_tag); metrics.jsonl keeps its own keys.
-TB_TAGS = {"train_loss": "train/loss", "test_accuracy": "eval/accuracy", "test_loss": "eval/loss",
-           "worker_test_accuracy": "eval/worker_accuracy", "consensus_distance": "eval/consensus_distance",
-           "modeled_time": "train/modeled_time_s", "worker_steps": "train/worker_steps"}
-TB_METRICS = ("eval/accuracy", "eval/loss", "train/loss")  # the hparams dashboard's columns
-
-SUMMARY_KEYS = ("algorithm", "executor", "num_workers", "num_steps", "final_test_accuracy",
-                "final_worker_test_accuracy", "final_consensus_distance", "final_train_loss", "time",
-                "worker_steps", "throughput", "workdir")
-
-
-class ResumeRefused(ConfigError):
-  """Checkpoints exist and none can be resumed: nothing was deleted; str() is the one-line message."""
-
-
-_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
-FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))  # the reasons that more space fixes
-
-
-def tensorstore_os_error(message: str) -> tuple[str | None, int] | None:
-  """(path, errno) from a tensorstore/orbax I/O error message (`... [os_error_code='28']`), or None."""
-  code = re.search(r"\[os_error_code='?(\d+)'?\]", message)
-  if code is None:
-    return None
-  paths = re.findall(r'(?:Failed writing|Error writing|local file|file): "([^"]+)"', message)
-  return (paths[-1] if paths else None), int(code.group(1))
-
-
-def _storage_failure(e: Exception) -> str | None:
-  """The reason, when `e` means the disk refused a write (orbax reports ENOSPC as a ValueError)."""
-  code = e.errno if isinstance(e, OSError) else (tensorstore_os_error(str(e)) or (None, None))[1]
-  return os.strerror(code) if code in _STORAGE_ERRNOS else None
-
-
-def tb_tag(key: str, simulated: bool = False) -> str:
-  """The TensorBoard tag of a record's key: train/... for the training curve, eval/... for what an
-  evaluation measures. `time` is train/time_s (seconds) or, in simulation, train/virtual_s."""
-  if key == "time":
-    return "train/virtual_s" if simulated else "train/time_s"
-  if key == "steps_per_s":
-    return "train/steps_per_virtual_s" if simulated else "train/steps_per_s"
-  if key in TB_TAGS:
-    return TB_TAGS[key]
-  if key.startswith("test_"):
-    return "eval/" + key[len("test_"):]
-  if key.startswith("train_"):
-    return "train/" + key[len("train_"):]
-  return "train/" + key
-
-
-class EventWriter:
-  """One TensorBoard events file, every event written into it at once; flush() puts it on disk.
-
-  Not tensorboardX's SummaryWriter: that hands events to a background thread through a queue which its
-  flush() does not drain (up to max_queue events added before a flush are still in memory after it), so
-  a checkpoint could hold steps TensorBoard loses to a kill. Built from tensorboardX's own parts (its
-  EventsWriter, summary protos); `purge_step` starts the file with SessionLog.START at that step, which
-  TensorBoard's reader takes as "drop every earlier event at this step or later" (what SummaryWriter's
-  purge_step writes).
-  """
-
-  def __init__(self, logdir: str, purge_step: int | None = None):
-    from tensorboardX.event_file_writer import EventsWriter
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
-    self._event = Event
-    # A fixed-width nanosecond suffix: two files opened within one second get distinct names, in order.
-    self._writer = EventsWriter(os.path.join(logdir, "events"), f".{time.time_ns()}")
-    if purge_step is not None:
-      self._writer.write_event(Event(wall_time=time.time(), step=int(purge_step),
-                                     session_log=SessionLog(status=SessionLog.START)))
-    self.flush()
-
-  def add(self, summary, step: int = 0) -> None:
-    self._writer.write_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
-
-  def scalar(self, tag: str, value: float, step: int) -> None:
-    from tensorboardX import summary
-    self.add(summary.scalar(tag, float(value)), step)
-
-  def text(self, tag: str, text: str, step: int = 0) -> None:
-    from tensorboardX import summary
-    self.add(summary.text(tag, text), step)
-
-  def hparams(self, hparams: dict, metrics) -> None:
-    """The hparams dashboard's session: `hparams` (str, bool, int, float values) against `metrics` tags."""
-    from tensorboardX import summary
-    experiment, start, _ = summary.hparams(hparams, dict.fromkeys(metrics, 0.0))
-    self.add(experiment)
-    self.add(start)
-
-  def end_session(self) -> None:
-    """The hparams session's end (status: success); a resumed run's file closes the session too."""
-    from tensorboardX import summary
-    self.add(summary.hparams({}, {})[2])
-
-  def flush(self) -> None:
-    self._writer.flush()
-
-  def close(self) -> None:
-    self._writer.close()
-
-
-def to_python(v):
-  """numpy/jax scalars and arrays -> JSON-friendly python values."""
-  if hasattr(v, "tolist"):
-    v = np.asarray(v).tolist()
-  return v
-
-
-def write_json(path: str, obj: dict) -> None:
-  """Atomic write: a reader never sees a half-written file."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump({k: to_python(v) for k, v in obj.items()}, f, indent=2)
-  os.replace(tmp, path)
-
-
-def check_finite(step: int, last_checkpoint: str | None = None, **values) -> None:
-  """Raises FloatingPointError at the first non-finite value, naming the step and the last checkpoint."""
-  for k, v in values.items():
-    if v is not None and not math.isfinite(v):
-      where = f"; the last good checkpoint is {last_checkpoint}" if last_checkpoint else ""
-      raise FloatingPointError(f"{k} is {v} at step {step}; stopping the run{where}")
+__all__ = ["RunLog", "ResumeRefused", "StorageError", "SUMMARY_KEYS", "IDENTITY_FREE", "archive", "check_finite",
+           "count_lines", "cut_records", "differences", "event_files", "flat_config", "hparams", "identity",
+           "last_step", "make_workdir", "newest_meta", "numbered", "summary_table", "tb_tag",
+           "tensorstore_os_error", "to_python", "whole_records", "write_json"]
 
 
 def _verify(state, meta) -> None:
@@ -185,97 +69,6 @@ def _verify(state, meta) -> None:
   sums, _ = checkpoint.fingerprint(state)
   if sums != meta["sums"]:
     raise checkpoint.CheckpointMismatch("its arrays differ from what was saved (fingerprint mismatch)")
-
-
-def archive(workdir: str) -> int | None:
-  """Moves an earlier run's records aside under the first free number; returns it (None: nothing).
-
-  Its TensorBoard events go to the folder tensorboard.<k>/ (TensorBoard shows it as a run of its own).
-  """
-  names = ("metrics.jsonl", "config.json", "summary.json")
-  present = [n for n in names if os.path.exists(os.path.join(workdir, n))]
-  events = event_files(workdir)
-  if not present and not events:
-    return None
-  k = 1
-  while (any(os.path.exists(os.path.join(workdir, numbered(n, k))) for n in names)
-         or os.path.exists(os.path.join(workdir, f"tensorboard.{k}"))):
-    k += 1
-  for n in present:
-    os.replace(os.path.join(workdir, n), os.path.join(workdir, numbered(n, k)))
-  if events:
-    os.makedirs(os.path.join(workdir, f"tensorboard.{k}"))
-    for path in events:
-      os.replace(path, os.path.join(workdir, f"tensorboard.{k}", os.path.basename(path)))
-  return k
-
-
-def event_files(workdir: str) -> list[str]:
-  """The TensorBoard events files directly in `workdir`, oldest first (TensorBoard's reading order)."""
-  return sorted(glob.glob(os.path.join(glob.escape(workdir), "events.out.tfevents.*")))
-
-
-def numbered(name: str, k: int) -> str:
-  stem, ext = os.path.splitext(name)
-  return f"{stem}.{k}{ext}"
-
-
-def count_lines(path: str) -> int:
-  if not os.path.exists(path):
-    return 0
-  with open(path, "rb") as f:
-    return sum(1 for _ in f)
-
-
-def last_step(path: str) -> int | None:
-  """The step of the last whole record in a metrics.jsonl, or None (no file, no record)."""
-  records = whole_records(path)
-  return int(json.loads(records[-1])["step"]) if records else None
-
-
-def whole_records(path: str, limit: int | None = None) -> list[bytes]:
-  """The file's lines (of the first `limit`) up to the first that is not a whole record: a line cut
-  short (no newline; a kill mid-write) or one that is not a JSON object with a step (a torn write)."""
-  if not os.path.exists(path):
-    return []
-  with open(path, "rb") as f:
-    lines = f.readlines()
-  kept = []
-  for line in lines[:limit]:
-    try:
-      ok = line.endswith(b"\n") and "step" in json.loads(line)
-    except (ValueError, TypeError):
-      ok = False
-    if not ok:
-      break
-    kept.append(line)
-  return kept
-
-
-def cut_records(path: str, n: int) -> str | None:
-  """Cuts a metrics.jsonl back to its first n lines, the records a checkpoint counted (atomically):
-  what a lost run wrote after them goes. A torn or short file keeps its whole records before the first
-  bad line; the returned warning names what was dropped or is missing (None: nothing was)."""
-  name = os.path.basename(path)
-  if not os.path.exists(path):
-    return (f"{path} is missing: the checkpoint counted {n} records before it; the run goes on without "
-            "them" if n else None)
-  with open(path, "rb") as f:
-    lines = f.readlines()
-  kept = whole_records(path, n)
-  if len(lines) > len(kept):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
-  if len(kept) == n:
-    return None
-  if len(lines) < n and len(kept) == len(lines):
-    lost = f"record {n} is" if len(lines) + 1 == n else f"records {len(lines) + 1}-{n} are"
-    return f"{name} holds {len(lines)} of the {n} records the checkpoint counted: {lost} lost"
-  bad = lines[len(kept)]
-  return (f"{name}: line {len(kept) + 1} is not a whole record ({bad[:60]!r}); kept the {len(kept)} records "
-          f"before it, dropped {min(n, len(lines)) - len(kept)} of the {n} the checkpoint counted")
 
 
 class RunLog:
@@ -289,7 +82,7 @@ class RunLog:
     writes from the local state, to_local takes them back."""
     self.workdir, self.config, self.total_steps = workdir, config, total_steps
     self.per_process = per_process
-    self._saver, self._save_q, self._save_error = None, queue.Queue(), None
+    self._saver = Saver(self._write_in_background)
     self.is_lead = jax.process_index() == 0 if is_lead is None else is_lead
     self.lock = WorkdirLock(workdir)
     if self.is_lead:
@@ -448,7 +241,7 @@ class RunLog:
     try:
       yield
     except Exception as e:  # noqa: BLE001  re-raised unless the disk refused the write
-      reason = _storage_failure(e)
+      reason = storage_failure(e)
       if reason is None:
         raise
       if self.is_lead:
@@ -490,51 +283,25 @@ class RunLog:
 
   def _checkpoint_in_background(self, step: int, state, cursor: dict) -> None:
     """per_process: the state is copied to the host now (the loop goes on and donates its buffers)
-    and written by this run's saver thread, one checkpoint at a time, so a marker costs the loop a
-    device-to-host copy only. A failed write is raised at the next checkpoint() or wait()."""
-    self._raise_saver_error()
+    and written by this run's saver thread (runlog.saver), one checkpoint at a time, so a marker costs
+    the loop a device-to-host copy only. A failed write is raised at the next checkpoint() or wait()."""
+    self._saver.raise_error()
     if self._file:
       self._file.flush()
     meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
                                   "metrics_lines": count_lines(self.metrics_path)}))
-    if self._saver is None:
-      self._saver = threading.Thread(target=self._save_loop, name="ripples-saver", daemon=True)
-      self._saver.start()
-    self._save_q.put((step, jax.device_get(state), meta))
+    self._saver.put(step, jax.device_get(state), meta)
     self.last_ckpt = step
 
-  def _save_loop(self) -> None:
-    while (item := self._save_q.get()) is not None:
-      step, host, meta = item
-      try:
-        sums, finite = checkpoint.fingerprint(jax.device_put(host))
-        if not finite:
-          logging.warning("step %d: the state holds a non-finite value; not checkpointed", step)
-        else:
-          with self._writing(f"{self.ckpt_dir}/{step}"):
-            checkpoint.save(self.mgr, step, self.per_process[1](host), {**meta, "sums": sums})
-          self._saving = step
-          self._announce(final=True)
-      except BaseException as e:  # noqa: BLE001  raised in the loop's thread at its next call
-        self._save_error = e
-      finally:
-        self._save_q.task_done()
-    self._save_q.task_done()
-
-  def _raise_saver_error(self) -> None:
-    if self._save_error is not None:
-      e, self._save_error = self._save_error, None
-      raise e
-
-  def _drain_saver(self, stop: bool = False) -> None:
-    if self._saver is not None:
-      if stop:
-        self._save_q.put(None)
-      self._save_q.join()
-      if stop:
-        self._saver.join()
-        self._saver = None
-    self._raise_saver_error()
+  def _write_in_background(self, step: int, host, meta: dict) -> None:
+    sums, finite = checkpoint.fingerprint(jax.device_put(host))
+    if not finite:
+      logging.warning("step %d: the state holds a non-finite value; not checkpointed", step)
+      return
+    with self._writing(f"{self.ckpt_dir}/{step}"):
+      checkpoint.save(self.mgr, step, self.per_process[1](host), {**meta, "sums": sums})
+    self._saving = step
+    self._announce(final=True)
 
   def _announce(self, final: bool = False) -> None:
     """One console line for the pending checkpoint once it is committed (orbax renames its folder to
@@ -550,7 +317,7 @@ class RunLog:
 
   def wait(self) -> None:
     """Blocks until every checkpoint write has committed."""
-    self._drain_saver()
+    self._saver.drain()
     if self.mgr is not None:
       with self._writing(self.ckpt_dir):
         self.mgr.wait_until_finished()
@@ -650,7 +417,7 @@ class RunLog:
     try:
       if self.mgr is not None:
         try:
-          self._drain_saver(stop=True)
+          self._saver.drain(stop=True)
           with self._writing(self.ckpt_dir):
             self.mgr.wait_until_finished()
           self._announce(final=True)
@@ -666,24 +433,3 @@ class RunLog:
   def __exit__(self, *exc):
     self.close()
     return False
-
-
-def hparams(config) -> dict:
-  """The config as flat {dotted key: str, bool, int or float} for TensorBoard's hparams dashboard
-  (other values as their text, None left out)."""
-  return {k: v if isinstance(v, (str, bool, int, float)) else str(v)
-          for k, v in flat_config(config).items() if v is not None}
-
-
-def summary_table(rows: list[dict]) -> str:
-  """A short plain-text table: algorithm, workers, steps, test accuracy, and the run's time: time_s in
-  seconds, or virtual_s, the simulator's virtual seconds (executor=sim; a mix of both gets both)."""
-  simulated = [r.get("executor") == "sim" for r in rows]
-  units = [u for u, on in (("time_s", not all(simulated)), ("virtual_s", any(simulated))) if on]
-  head = ("algorithm", "workers", "steps", "test_acc", *units)
-  times = lambda r, sim: [f"{r['time']:.1f}" if (u == "virtual_s") == sim else "-" for u in units]
-  lines = [head] + [(r["algorithm"], str(r["num_workers"]), str(r["num_steps"]),
-                     f"{100 * r['final_test_accuracy']:.2f}%", *times(r, sim)) for r, sim in zip(rows, simulated)]
-  widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-  fmt = lambda l: "  ".join(s.ljust(w) for s, w in zip(l, widths))
-  return "\n".join([fmt(lines[0]), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines[1:]])

@@ -24,7 +24,7 @@ import time
 import jax
 from absl import logging
 
-from ripples_jax.config import ON_CONFIG_CHANGE, ConfigError
+from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError, StorageError
 
 # Keys a resumed run may change without becoming another run: logging, evaluation and checkpoint
 # cadence, where data is read from, and the runtime's failure detection. num_steps is not among them:
@@ -35,10 +35,6 @@ IDENTITY_FREE = ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep
                  "runtime.cache_size", "runtime.fail_worker", "runtime.fail_step", "runtime.fail_stage",
                  "runtime.fail_tick", "runtime.pin_cores", "on_config_change",
                  "profile_steps")
-
-
-class StorageError(OSError):
-  """The run's files cannot be written (disk full, read-only); str() is the one-line message."""
 
 
 def flat_config(config) -> dict:
