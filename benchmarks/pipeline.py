@@ -8,7 +8,7 @@ One run of this script, on one model (CNN2D on CIFAR-shaped synthetic data, batc
 1. BP in one process (the whole model, one jitted step), timed pinned to one core and unpinned,
    interleaved; the faster is the reference (DESIGN 4.5). It is timed again after the methods, and the
    spread of the two is printed: the machine is shared.
-2. Every method in the runtime (pipeline/runtime.py), K processes through experiments.launch, one
+2. Every method in the runtime (pipeline/per_process.py), K processes through experiments.launch, one
    stage per core where there are cores: model-parallel BP, GPipe (M=4, remat), DDG, FR, DSP in its
    three modes (recompute, fused, residuals). Measured iteration = the steady tick spacing of the
    slowest stage (evaluation outside the clock).

@@ -22,7 +22,7 @@ from absl import app, flags
 
 from benchmarks.timing import markdown_table
 from configs import dsp as dsp_config
-from ripples_jax.pipeline import train as pipeline_train
+from ripples_jax import run as run_lib
 from ripples_jax.platform import quiet_library_logs
 
 METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp", "dsp_stash")
@@ -42,7 +42,7 @@ def _run_name(K, name, lr, seed):
 def _run(base, run_dir, name, **overrides):
   """One run in run_dir/name (deleted afterwards): its final numbers, a diverged run as a result."""
   t0 = time.time()
-  summary, records = pipeline_train.run_fresh(base, run_dir, name, **overrides)  # diverged: a result
+  summary, records = run_lib.run_fresh(base, run_dir, name, **overrides)  # diverged: a result
   wall = time.time() - t0
   shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
   diverged = summary.get("diverged")

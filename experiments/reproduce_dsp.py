@@ -13,7 +13,7 @@ from benchmarks.timing import markdown_table
 from configs import dsp as dsp_config
 from ripples_jax import analysis
 from ripples_jax.pipeline import timing
-from ripples_jax.pipeline import train as pipeline_train
+from ripples_jax import run as run_lib
 
 METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
 
@@ -30,7 +30,7 @@ def run(base, out_dir: str, datasets=("mnist1d", "digits"), stage_counts=(2, 4),
   for ds in datasets:
     for K in stage_counts:
       for m in methods:
-        s, recs = pipeline_train.run_fresh(base, out_dir, f"{ds}_K{K}_{m}", dataset=ds, model=models[ds], num_stages=K, method=m)
+        s, recs = run_lib.run_fresh(base, out_dir, f"{ds}_K{K}_{m}", dataset=ds, model=models[ds], num_stages=K, method=m)
         results[ds, K, m] = s
         curves[ds, K, m] = [(r["epoch"], r["modeled_time"], r["test_accuracy"]) for r in recs
                             if "test_accuracy" in r]
@@ -67,7 +67,7 @@ def run(base, out_dir: str, datasets=("mnist1d", "digits"), stage_counts=(2, 4),
   sweep, losses = [], {}
   for d in sweep_delays:
     for lr in sweep_lrs:
-      s, recs = pipeline_train.run_fresh(base, out_dir, f"sweep_d{d}_lr{lr}", dataset=datasets[0], model=models[datasets[0]],
+      s, recs = run_lib.run_fresh(base, out_dir, f"sweep_d{d}_lr{lr}", dataset=datasets[0], model=models[datasets[0]],
                      num_stages=max(stage_counts), method="dsp", delay=d, **{"optimizer.lr": lr},
                      num_epochs=sweep_epochs)
       losses[d, lr] = s["final_train_loss"]

@@ -3,7 +3,7 @@ r"""Model-parallel pipeline training: DSP and its baselines (bp, gpipe, ddg, fr,
   python -m experiments.train_dsp --config=configs/dsp.py --workdir=runs/dsp
   python -m experiments.train_dsp --config=configs/dsp.py:method=gpipe,num_stages=4
 
-  # one process per stage (pipeline/runtime.py): the launcher starts K of this entry point
+  # one process per stage (pipeline/per_process.py): the launcher starts K of this entry point
   python -m experiments.launch --num_processes=2 --module=experiments.train_dsp -- \
       --config=configs/dsp.py:method=dsp,num_stages=2 --config.placement=per_process --workdir=runs/dsp_mp
 
@@ -15,7 +15,7 @@ import os
 from absl import app
 
 from . import common_flags
-from ripples_jax.pipeline import train
+from ripples_jax import run
 
 _CONFIG = common_flags.config_flag("dsp.py")
 
@@ -23,7 +23,7 @@ _CONFIG = common_flags.config_flag("dsp.py")
 def main(argv):
   del argv
   common_flags.set_up_host()
-  s = common_flags.run_or_exit(train.train_and_evaluate, _CONFIG.value, common_flags.WORKDIR.value)
+  s = common_flags.run_or_exit(run.train_and_evaluate, _CONFIG.value, common_flags.WORKDIR.value)
   if "stage" in s:  # a pipeline stage process other than the last (the run's lead) prints its own line
     print(f"method={s['method']} stage={s['stage']} done time={s['time']:.1f}s")
     return

@@ -20,7 +20,7 @@ from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
 from ripples_jax.schedule.online import ADPSGD_PASSIVE, RUNTIME_ALGORITHMS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 
-EXECUTORS = ("spmd", "sim", "async")  # run.train_and_evaluate dispatches on these
+EXECUTORS = ("spmd", "sim", "async")  # a Ripples config's executor (run.EXECUTORS holds them all)
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
 _HETERO_OFF = {"slow_workers": (), "slowdown": 1.0, "random_p": 0.0, "jitter": 0.0, "rotate_every": 0.0}
 

@@ -1,41 +1,103 @@
-"""train_and_evaluate(config, workdir): validates, then hands the run to its executor.
+"""train_and_evaluate(config, workdir): validates, then hands the run to its executor (EXECUTORS).
 
-  spmd   lockstep rounds on the device mesh (ripples_jax/spmd.py)
-  sim    the discrete-event clock, then exact numerics (ripples_jax/sim.py)
-  async  one process per worker on jax.distributed (ripples_jax/runtime/)
-The pipeline executor (DSP) has its own config and entry: ripples_jax/pipeline/train.py.
+  spmd                  lockstep rounds on the device mesh (spmd.py)
+  sim                   the discrete-event clock, then exact numerics (sim.py)
+  async                 one process per worker on jax.distributed: Ripples (runtime/worker.py)
+  async/adpsgd          the same runtime, AD-PSGD's active and passive workers (runtime/adpsgd.py)
+  pipeline              DSP and its baselines in one process (pipeline/train.py)
+  pipeline/per_process  one process per stage (pipeline/per_process.py)
+Executors are peers: none imports another; each writes its files through runlog.RunLog and builds its
+inputs with setup.py. A Ripples config (configs/default.py) names its executor; a pipeline config
+(configs/dsp.py) has a method and a placement.
 """
+import copy
+import importlib
+import json
+import os
+import shutil
+
 import jax
 
-from ripples_jax.config import validate_train_config
+from ripples_jax.errors import ConfigError
+
+# executor -> (module, function(config, workdir) -> summary), imported when a run uses it.
+EXECUTORS = {
+    "spmd": ("ripples_jax.spmd", "train"),
+    "sim": ("ripples_jax.sim", "run"),
+    "async": ("ripples_jax.runtime.worker", "run"),
+    "async/adpsgd": ("ripples_jax.runtime.adpsgd", "run"),
+    "pipeline": ("ripples_jax.pipeline.train", "run"),
+    "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
+}
+
+
+def executor_of(config) -> str:
+  """The EXECUTORS key of a config."""
+  if "method" in config:  # configs/dsp.py
+    return "pipeline/per_process" if config.placement == "per_process" else "pipeline"
+  if config.executor == "async" and config.algorithm == "adpsgd":
+    return "async/adpsgd"
+  return config.executor
+
+
+def validate(config) -> None:
+  """The config's one-line checks (config.py), before anything loads or compiles."""
+  from ripples_jax.config import validate_dsp_config, validate_train_config
+  if "method" in config:
+    validate_dsp_config(config, num_processes=jax.process_count())
+  else:
+    validate_train_config(config, jax.device_count(), jax.process_count(), jax.local_device_count())
 
 
 def train_and_evaluate(config, workdir: str | None = None, return_state: bool = False):
   """Runs the config; returns its summary (summary.json's dict) on process 0.
 
-  With `return_state`, returns (summary, model): the final state as `load(workdir)` gives it (per-worker
-  and averaged params and model state, the config), read back from the run's final checkpoint (an
-  async run: its final state files), so what is returned is exactly what a later `load` returns.
+  With `return_state` (Ripples executors), returns (summary, model): the final state as `load(workdir)`
+  gives it (per-worker and averaged params and model state, the config), read back from the run's final
+  checkpoint (an async run: its final state files), so what is returned is exactly what a later `load`
+  returns.
   """
-  # Before anything loads or compiles: a bad value stops the run with one line.
-  validate_train_config(config, jax.device_count(), jax.process_count(), jax.local_device_count())
-  if return_state and config.executor != "async" and not config.checkpoint_every:
-    from ripples_jax.errors import ConfigError
+  validate(config)
+  name = executor_of(config)
+  if return_state and name.startswith("pipeline"):
+    raise ConfigError("return_state=True is not allowed with a pipeline config: load() reads Ripples runs "
+                      "(spmd, sim, async); the pipeline's final parameters are in WORKDIR/snapshots or ckpt")
+  if return_state and name != "async" and not config.checkpoint_every:
     raise ConfigError(f"config.checkpoint_every: {config.checkpoint_every} is not allowed with "
                       "return_state=True: a positive number of steps (the state comes back from the final "
                       "checkpoint)")
-  if config.executor == "async":
-    from ripples_jax.runtime import worker
-    summary = worker.run(config, workdir)
-  elif config.executor == "sim":
-    from ripples_jax import sim
-    summary = sim.simulate_and_train(config, workdir)[0]
-  else:
-    from ripples_jax import spmd
-    summary = spmd.train(config, workdir)
+  module, fn = EXECUTORS[name]
+  summary = getattr(importlib.import_module(module), fn)(config, workdir)
   if not return_state:
     return summary
   return summary, load(summary["workdir"]) if jax.process_index() == 0 else None
+
+
+def run_fresh(base, out_dir: str, name: str, **overrides):
+  """(summary, metrics records) of a fresh run of `base` with dotted-key overrides in out_dir/name (an
+  earlier run there is deleted); a diverged run (the NaN stop) is a result, its summary marked
+  `diverged` with NaN figures. For experiments that run many configs."""
+  config = copy.deepcopy(base)
+  config.unlock()
+  for k, v in overrides.items():
+    node = config
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  workdir = os.path.join(out_dir, name)
+  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
+  try:
+    summary = train_and_evaluate(config, workdir)
+  except FloatingPointError as e:  # a diverged run is a result, not the end of the experiment
+    summary = json.load(open(os.path.join(workdir, "config.json")))
+    summary.update(diverged=str(e), final_test_accuracy=float("nan"), final_train_loss=float("nan"),
+                   time=float("nan"))
+    if "method" in config:  # the pipeline's own figures
+      summary.update(modeled_speedup_vs_bp=float("nan"), stage_forward_s=None, stage_backward_s=None,
+                     stored_bytes=None, staleness=None)
+  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  return summary, records
 
 
 def load(workdir: str, step: int | None = None) -> dict:

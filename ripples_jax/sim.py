@@ -59,6 +59,11 @@ class Cursor:
   time_to_target: float | None = None
 
 
+def run(config, workdir: str | None = None) -> dict:
+  """executor=sim (run.EXECUTORS): the summary of simulate_and_train."""
+  return simulate_and_train(config, workdir)[0]
+
+
 def simulate_and_train(config, workdir: str | None = None):
   """Runs the clock, then the numerics, writing the same files as the lockstep executor.
 

@@ -1,5 +1,5 @@
 """The pipeline's alignment (each stage's gradient is the scheduled batch's) and the multi-process
-runtime (pipeline/runtime.py) against the single-process tick: numerics, a killed stage, resume."""
+runtime (pipeline/per_process.py) against the single-process tick: numerics, a killed stage, resume."""
 import os
 import signal
 import subprocess

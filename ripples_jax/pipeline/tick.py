@@ -37,7 +37,7 @@ from ripples_jax.models import apply_model, init_model
 MODES = ("recompute", "stash", "fused", "residuals")
 PROCESS_MODES = ("fused", "residuals")
 # one_device: every stage on one device; per_stage: stage k on device k of this process;
-# per_process: stage k in process k (pipeline/runtime.py, under the launcher).
+# per_process: stage k in process k (pipeline/per_process.py, under the launcher).
 PLACEMENTS = ("one_device", "per_stage", "per_process")
 
 

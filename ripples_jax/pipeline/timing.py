@@ -273,7 +273,7 @@ def measure_stage_times(stages, state, sample_x, reps: int = 20):
 
 
 def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) -> float:
-  """The pipeline runtime's iteration (pipeline/runtime.py) as predicted from the costs measured in
+  """The pipeline runtime's iteration (pipeline/per_process.py) as predicted from the costs measured in
   that run: per stage, `median_s` (median seconds per call of each kind it makes: forward, backward,
   fused, update) and `transfer_s` (one transfer on its lower/upper link with both ends ready).
 

@@ -6,11 +6,7 @@ batch so that every stage applies its update. Batch `done` = t + 1 - drain is re
 batches; a checkpoint is taken right after a record (no loss pending), with the loop's Cursor as its
 metadata. Files are written only through RunLog.
 """
-import copy
 import dataclasses
-import json
-import os
-import shutil
 import time
 
 import jax
@@ -18,11 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ripples_jax import data as data_lib
-from ripples_jax.optim import make_optimizer
-from ripples_jax.pipeline import baselines, split, tick, timing
+from ripples_jax import setup as setup_lib
+from ripples_jax.pipeline import baselines, tick, timing
 from ripples_jax.runlog import RunLog, make_workdir
-from ripples_jax.config import validate_dsp_config
 
 
 @dataclasses.dataclass
@@ -30,25 +24,6 @@ class Cursor:
   """Where the loop stands: the checkpoint's metadata (dataclasses.asdict saved, Cursor(**d) restored)."""
   tick: int = 0       # the next tick to run
   time: float = 0.0   # training seconds before this tick (carried over a resume)
-
-
-class _Feed:
-  """Batch t of the one training stream (the pipeline is a single model: one shard of every index)."""
-
-  def __init__(self, data, config, num_batches):
-    self.data, self.config, self.num_batches = data, config, num_batches
-    self.everything = [np.arange(len(data["y_train"]))]
-    self.sample = data["x_train"][:config.batch_size]
-
-  def indices(self, i):  # negative: warm-up, any batch (its update is masked)
-    return data_lib.batch_indices(self.everything, self.config.batch_size, self.config.seed, max(i, 0))[0]
-
-  def x(self, t):
-    """Stage 0's input at tick t: batch t, zeros once every batch is in (the drain)."""
-    return self.data["x_train"][self.indices(t)] if t < self.num_batches else np.zeros_like(self.sample)
-
-  def labels(self, i):
-    return self.data["y_train"][self.indices(i)]
 
 
 def _model_times(config, stages, state, sample):
@@ -117,22 +92,11 @@ def _loop(log, config, run, state, cursor: Cursor):
   return state, time.time() - t0
 
 
-def _data(config):
-  """Data, stages, the batch feed and the optimizer: what every placement shares."""
-  kw = dict(config.synthetic) if config.dataset == "synthetic" and "synthetic" in config else {}
-  data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed, **kw)
-  stages = split.split_model(config.model, data["num_classes"], config.num_stages,
-                             sample_shape=data["input_shape"])
-  batches_per_epoch = len(data["y_train"]) // config.batch_size
-  num_batches = config.num_epochs * batches_per_epoch
-  feed = _Feed(data, config, num_batches)
-  optimizer = make_optimizer(config.optimizer, num_batches)
-  return stages, optimizer, feed, data, num_batches, batches_per_epoch
-
-
 def _setup(config):
   """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile."""
-  stages, optimizer, feed, data, num_batches, batches_per_epoch = _data(config)
+  p = setup_lib.build_pipeline(config)
+  stages, optimizer, feed, data, num_batches, batches_per_epoch = (
+      p.stages, p.optimizer, p.feed, p.data, p.num_batches, p.batches_per_epoch)
   init_fn, step_fn = baselines.METHODS[config.method]
   state = init_fn(stages, optimizer, config, jax.random.key(config.seed), feed.sample, data["num_classes"])
   run = {"num_batches": num_batches, "batches_per_epoch": batches_per_epoch, "feed": feed,
@@ -142,11 +106,9 @@ def _setup(config):
   return stages, state, run
 
 
-def train_and_evaluate(config, workdir: str | None = None) -> dict:
-  validate_dsp_config(config, num_processes=jax.process_count())  # before anything loads or compiles
-  if config.placement == "per_process":  # stage k in process k: pipeline/runtime.py
-    from ripples_jax.pipeline import runtime
-    return runtime.run(config, workdir, _data(config))
+def run(config, workdir: str | None = None) -> dict:
+  """The pipeline in this one process (placement=single, every stage on its own device); the config
+  was validated by run.train_and_evaluate."""
   workdir = make_workdir(workdir, config)
   stages, state, run = _setup(config)
   run["times"] = times = _model_times(config, stages, state, run["feed"].sample)
@@ -167,28 +129,3 @@ def train_and_evaluate(config, workdir: str | None = None) -> dict:
         stage_backward_s=times["bwd_K"], staleness=list(schedule.staleness) if schedule else None,
         stored_bytes=tick.stored_bytes(state) if config.method != "dni" else None,
         straggler=_straggler(config, times))
-
-
-def run_fresh(base, out_dir: str, name: str, **overrides):
-  """(summary, metrics records) of a fresh run of `base` with dotted-key overrides in out_dir/name (an
-  earlier run there is deleted); a diverged run (the NaN stop) is a result, its summary marked
-  `diverged`. For experiments that run many configs."""
-  config = copy.deepcopy(base)
-  config.unlock()
-  for k, v in overrides.items():
-    node = config
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  workdir = os.path.join(out_dir, name)
-  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
-  try:
-    summary = train_and_evaluate(config, workdir)
-  except FloatingPointError as e:  # a diverged run is a result, not the end of the experiment
-    summary = json.load(open(os.path.join(workdir, "config.json")))
-    summary.update(diverged=str(e), final_test_accuracy=float("nan"), final_train_loss=float("nan"),
-                   modeled_speedup_vs_bp=float("nan"), stage_forward_s=None, stage_backward_s=None,
-                   stored_bytes=None, staleness=None, time=float("nan"))
-  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-  return summary, records

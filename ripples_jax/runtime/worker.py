@@ -231,9 +231,6 @@ def make_authority(worker: Worker, loop: Loop, kv, estimate: float):
 
 def run(config, workdir: str) -> dict:
   """This process's worker: runs the loop, then (process 0) writes the run's summary."""
-  if config.algorithm == "adpsgd":
-    from ripples_jax.runtime import adpsgd
-    return adpsgd.run(config, workdir)
   rt, n = config.runtime, config.num_workers
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this worker: one line, coord.EXIT_TERM
   s = setup_lib.build(config)

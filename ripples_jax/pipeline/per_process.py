@@ -41,6 +41,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from ripples_jax.errors import ConfigError
 from ripples_jax.distributed import resume as resume_lib
+from ripples_jax import setup as setup_lib
 from ripples_jax.models import apply_model
 from ripples_jax.platform import pin_threads
 from ripples_jax.pipeline import tick as tick_lib
@@ -473,9 +474,11 @@ def _complete(sp: Stage, workdir: str, loop: Loop) -> dict:
   return {"method": sp.config.method, "stage": sp.k, "workdir": workdir, "time": loop.time}
 
 
-def run(config, workdir: str, setup) -> dict:
-  """This process's stage, from `setup` = (stages, optimizer, feed, data, num_batches, batches_per_epoch)."""
-  stages, optimizer, feed, data, num_batches, per_epoch = setup
+def run(config, workdir: str) -> dict:
+  """This process's stage of the pipeline (placement=per_process, run.EXECUTORS)."""
+  p = setup_lib.build_pipeline(config)
+  stages, optimizer, feed, data, num_batches, per_epoch = (
+      p.stages, p.optimizer, p.feed, p.data, p.num_batches, p.batches_per_epoch)
   k, K = jax.process_index(), config.num_stages
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this stage: one line, coord.EXIT_TERM
   _pin(config, k)
