@@ -77,7 +77,7 @@ def manager(directory: str, keep: int | None = None, create: bool = True,
   ArrayHandler whose primary host is p (it writes the array metadata), and an array-metadata validator
   that accepts one process's metadata. The arrays must be global jax.Arrays (orbax refuses host-local
   ones in a multi-process job): a worker saves its state as its row of a (workers, ...) array whose
-  other rows live in other processes and are not written (runtime.preduce.to_global; no communication).
+  other rows live in other processes and are not written (distributed.arrays.to_global; no communication).
   """
   if process is None:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)

@@ -48,8 +48,8 @@ from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline.link import Link, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import coord
-from ripples_jax.runtime.preduce import LOCAL, WORKER, to_global, to_local
-from ripples_jax.runtime.worker import fail_now
+from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
+from ripples_jax.distributed.markers import fail_now
 
 
 def process_schedule(config) -> tick_lib.Schedule | None:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-WORKER, LOCAL = "worker", "local"
+from ripples_jax.distributed.arrays import LOCAL, WORKER
 
 
 class GroupAverager:
@@ -56,17 +56,3 @@ class GroupAverager:
     # Back to a local array, replicated over this worker's devices only.
     return jax.make_array_from_single_device_arrays(
         (size,), NamedSharding(self.local_mesh, P()), [s.data for s in out_D.addressable_shards])
-
-
-def to_global(local, mesh: Mesh) -> jax.Array:
-  """A worker's local array (replicated on its devices) as its row of a (workers, ...) global array."""
-  pieces = [s.data[None] for s in local.addressable_shards]
-  return jax.make_array_from_single_device_arrays((mesh.shape[WORKER],) + local.shape,
-                                                  NamedSharding(mesh, P(WORKER)), pieces)
-
-
-def to_local(global_array, local_sharding: NamedSharding) -> jax.Array:
-  """This worker's row of a global (workers, ...) array, replicated on its devices."""
-  shards = global_array.addressable_shards
-  return jax.make_array_from_single_device_arrays(global_array.shape[1:], local_sharding,
-                                                  [s.data[0] for s in shards])

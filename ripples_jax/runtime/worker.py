@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import glob
 import os
-import signal
 import time
 
 import jax
@@ -37,30 +36,15 @@ from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import coord, summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.runtime.preduce import LOCAL, WORKER, GroupAverager, to_global, to_local
+from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
+from ripples_jax.distributed.markers import fail_now
+from ripples_jax.runtime.preduce import GroupAverager
 from ripples_jax.schedule import make_group_generator, static_layouts
 from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, Cadence, Service, asks_ahead
 from ripples_jax.timeline import slow_at
 
 def snapshot_path(workdir: str, name, worker: int) -> str:
   return os.path.join(workdir, "snapshots", f"{name}-{worker}.npy")
-
-
-def fail_now(log: RunLog, saved, step: int) -> None:
-  """Fault injection (runtime.fail_worker/fail_step): SIGKILL this process at a fixed point of the run.
-
-  Drains the saver thread first, so the kill always lands after a checkpoint this worker has really
-  saved, whatever the write's speed. Only then is the manager read here: the saver thread's orbax
-  manager deletes old steps (max_to_keep) while it saves, and a concurrent listing from this thread
-  could read a step folder that is being deleted.
-  """
-  if log.mgr is not None:
-    log.wait()
-    if saved is not None and saved not in ckpt_lib.restorable_steps(log.mgr):
-      raise RuntimeError(f"runtime.fail_worker: checkpoint {saved} was not committed before the kill")
-  logging.warning("runtime.fail_worker: worker %d kills itself at local step %d", jax.process_index(),
-                  step)
-  os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_step_fns(model, optimizer, unravel, local_mesh: Mesh):
