@@ -6,12 +6,16 @@ r"""Runs N worker processes of experiments.train on this machine (the asynchrono
 
 Everything after `--` goes to the entry point (--module, default experiments.train), which each child
 runs with --jax_distributed and the coordinator on 127.0.0.1 and a free port (--port to choose one);
-the coordination service listens on loopback only. Logs are prefixed [w<id>]. The first worker to exit
-non-zero is named and the others are stopped (SIGTERM, then SIGKILL after --grace_s); so are all on
-SIGTERM, SIGINT or SIGHUP to the launcher. The exit code is that worker's (128 + k for signal k), or
-128 + k after signal k to the launcher. On a cluster, run experiments.train with --jax_distributed once
-per host/GPU instead (README).
+the coordination service and gloo's listeners (the CPU collectives) are on loopback only. Logs are
+prefixed [w<id>]. The first worker to exit non-zero is named (or the cause its last lines show: a
+stalled worker its watchdog named, an unknown process that registered at the coordinator) and the
+others are stopped (SIGTERM, then SIGKILL after --grace_s); so are all on SIGTERM, SIGINT or SIGHUP to
+the launcher. The exit code is that worker's (128 + k for signal k), or 128 + k after signal k to the
+launcher. Bad input (a flag that does not parse, or a value that cannot run) is one line on stderr and
+exit code 2, before anything starts; more workers than CPU cores is one warning line. On a cluster, run
+experiments.train with --jax_distributed once per host/GPU instead (README).
 """
+import re
 import sys
 
 from absl import app, flags
@@ -27,6 +31,33 @@ _GRACE = flags.DEFINE_float("grace_s", 30.0, "Seconds between SIGTERM and SIGKIL
 _MODULE = flags.DEFINE_string("module", f"{__package__ or 'experiments'}.train",
                               "The entry point each process runs.")
 _PORT = flags.DEFINE_integer("port", 0, "The coordinator's port on 127.0.0.1 (0: a free one).")
+_OWN = (_NUM_PROCESSES, _CPU_DEVICES, _PLATFORM, _GRACE, _MODULE, _PORT)
+_KINDS = {"int": "an integer", "float": "a number"}
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flags_parser: absl's parse, with a flag error as one line and exit code 2 (app.run would
+  print its usage hint and exit 1: other bad input exits 2). --help still prints the help."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.stderr.write(f"error: {describe_flag_error(e)}\n")
+    sys.exit(2)
+
+
+def describe_flag_error(e: flags.Error) -> str:
+  """absl's message, as `--flag=value is not allowed: <kind>` for a value that does not parse, with this
+  launcher's flags listed for an unknown one (the entry point's belong after --)."""
+  message = str(e).splitlines()[0] if str(e) else type(e).__name__
+  bad_value = re.match(r"flag --(\w+)=(.*?): ", message)
+  if bad_value and bad_value.group(1) in flags.FLAGS:
+    kind = _KINDS.get(flags.FLAGS[bad_value.group(1)].flag_type())
+    if kind:
+      return f"--{bad_value.group(1)}={bad_value.group(2)} is not allowed: {kind}"
+  if isinstance(e, flags.UnrecognizedFlagError):
+    own = ", ".join(f"--{f.name}" for f in _OWN)
+    return f"{message} (the launcher's flags: {own}; the entry point's go after --)"
+  return message
 
 
 def main(argv):
@@ -40,8 +71,8 @@ def main(argv):
 
 
 def cli():  # the console script (pyproject [project.scripts])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

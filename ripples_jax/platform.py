@@ -1,6 +1,7 @@
 """Host set-up before the first device use: the console's log filter, forced CPU devices, jax.distributed."""
 import logging as std_logging
 import os
+import socket
 import sysconfig
 
 import jax
@@ -25,7 +26,9 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
                      process_id: int | None = None, local_device_ids=None) -> None:
   """jax.distributed.initialize(); unset arguments are resolved by JAX (SLURM, TPU pods, env vars).
 
-  CPU processes talk through gloo (the default CPU backend has no cross-process collectives).
+  CPU processes talk through gloo (the default CPU backend has no cross-process collectives), whose
+  TCP listeners (unauthenticated tensor traffic) go on loopback when the coordinator address is loopback
+  (place_collectives: the local launcher's case); elsewhere on JAX's default, named once by process 0.
   Process 0's coordination service (an unauthenticated key-value store) binds where the coordinator
   address points (coord.bind_address): loopback for 127.0.0.1/localhost/::1, that interface for another
   IP address, every interface (JAX's default) for a host name; JAX_COORDINATOR_BIND_ADDRESS overrides.
@@ -55,6 +58,59 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
       sys.exit(2)
   jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids=ids,
                              coordinator_bind_address=bind)
+  place_collectives()
+
+
+def place_collectives() -> None:
+  """gloo's listeners on loopback for a loopback coordinator (coord.collectives_host), else where JAX puts
+  them: process 0 says where once (only when the CPU backend, which hosts them, is in use)."""
+  from jax._src import distributed
+  from ripples_jax.runtime import coord
+  state = distributed.global_state
+  host = coord.collectives_host(state.coordinator_address)
+  if host:
+    bind_collectives(host)
+  elif state.process_id == 0 and (not jax.config.jax_platforms or "cpu" in jax.config.jax_platforms):
+    logging.info("gloo (the CPU collectives: unauthenticated tensor traffic) listens on %s, what this host's "
+                 "name %r resolves to (on every host its own): keep the hosts' network trusted (README)",
+                 default_collectives_address(), socket.gethostname())
+
+
+def bind_collectives(host: str) -> None:
+  """The CPU backend with gloo's TCP listeners on `host` (make_gloo_tcp_collectives(hostname=host)).
+
+  jax 0.10.2 has no option for it: its CPU factory (xla_bridge.make_cpu_client) calls
+  make_gloo_tcp_collectives without a hostname or interface, and gloo then binds what this host's name
+  resolves to (a network address on most hosts). So the "cpu" factory is registered again, before the
+  backend starts (the first device use), with collectives made that way.
+  """
+  from jax._src import distributed, xla_bridge
+  from jax._src.lib import _jax
+
+  def make_cpu_client():
+    collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                 hostname=host)
+    return xla_bridge.make_cpu_client(collectives=collectives)
+
+  xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+
+
+def default_collectives_address() -> str:
+  """Where gloo listens without a hostname or interface: the first address this host's name resolves to
+  that can be bound (gloo's lookupAddrForHostname)."""
+  name = socket.gethostname()
+  try:
+    found = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+  except OSError:
+    return f"nothing ({name!r} does not resolve)"
+  for family, kind, proto, _, addr in found:
+    try:
+      with socket.socket(family, kind, proto) as s:
+        s.bind((addr[0], 0))
+      return addr[0]
+    except OSError:
+      continue
+  return f"nothing ({name!r} resolves to no address of this host)"
 
 
 # This project's source folders (also when installed: ripples_jax/ then holds experiments/ and configs/).

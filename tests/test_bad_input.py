@@ -340,6 +340,13 @@ def test_config_and_dataset_errors_exit_2(capsys):
   assert exits(capsys, 2, common_flags.run_or_exit, bad) == "error: config.x: 1 is not allowed: 2"
 
 
+def test_cpu_devices_below_1_exit_2(capsys):
+  for count in (0, -2):
+    assert exits(capsys, 2, common_flags.check_cpu_devices, count) == (
+        f"error: --cpu_devices={count} is not allowed: at least 1 CPU device per process")
+  common_flags.check_cpu_devices(1)  # no exit
+
+
 # -- the entry points, end to end (slow: one subprocess each, failing before any compile) ----------------
 
 def entry(module, args, tmp_path):
@@ -372,6 +379,9 @@ ENTRY = [
      "--config=configs/default.py:k=v,... or --config.key=value"),
     ("weight_decay_nan", [TINY, "--config.optimizer.weight_decay=nan"],
      "config.optimizer.weight_decay: nan is not allowed: a finite number >= 0"),
+    ("cpu_devices_zero", [TINY, "--cpu_devices=0"], "--cpu_devices=0 is not allowed: at least 1 CPU device per process"),
+    ("cpu_devices_negative", [TINY, "--cpu_devices=-2"],
+     "--cpu_devices=-2 is not allowed: at least 1 CPU device per process"),
     ("hetero_spmd", [TINY, "--config.hetero.slowdown=5"], f"config.hetero.slowdown: 5.0 is not allowed: 1.0 (off) "
      f"{SPMD_ONLY}"),
 ]

@@ -1,6 +1,9 @@
 """The local launcher and the workers' stop paths: a failing worker is named and the rest stopped (process
 0 last), signals to the launcher or to a worker, no process left behind (checked by PID), the
-coordinator on loopback, a taken port as one line.
+coordinator on loopback, a taken port as one line; bad launcher flags as one line (exit 2), too many
+workers for the cores as one warning; every worker listener on loopback (gloo's too, also where the host
+name resolves to a network address); the cause named: a stalled worker rather than the peers that gave
+up on it, an unknown process registering at the coordinator rather than worker 0.
 
 `python -m tests.test_launcher --process_id=I --fake=...` is a stand-in worker (no JAX), for the
 launcher's own logic in a few seconds; the other multi-process tests run experiments.train for real.
@@ -97,10 +100,10 @@ def launch_thread(n, args, timeout_s=60, **kwargs):
   return out, pids, finish
 
 
-def cli(n, args, grace_s=5, extra=()):
-  """experiments.launch as a subprocess: (process, pids, coordinator port) once it has reported its
-  workers."""
-  proc = subprocess.Popen([sys.executable, "-m", "experiments.launch", f"--num_processes={n}",
+def cli(n, args, grace_s=5, extra=(), prefix=()):
+  """experiments.launch as a subprocess (run by the command `prefix`, if any): (process, pids, coordinator
+  port) once it has reported its workers."""
+  proc = subprocess.Popen([*prefix, sys.executable, "-m", "experiments.launch", f"--num_processes={n}",
                            f"--grace_s={grace_s}", *extra, "--", *args], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   for line in proc.stdout:
@@ -212,6 +215,127 @@ def test_describe_exit_codes():
   assert describe(1) == "1"
 
 
+BAD_ARGUMENTS = [
+    (dict(cpu_devices=0), "--cpu_devices=0 is not allowed: at least 1 CPU device per process"),
+    (dict(cpu_devices=-2), "--cpu_devices=-2 is not allowed: at least 1 CPU device per process"),
+    (dict(port=70000), "--port=70000 is not allowed: 0 (a free one) or 1..65535"),
+    (dict(port=-1), "--port=-1 is not allowed: 0 (a free one) or 1..65535"),
+    (dict(grace_s=float("nan")), "--grace_s=nan is not allowed: a finite number of seconds >= 0"),
+    (dict(grace_s=float("inf")), "--grace_s=inf is not allowed: a finite number of seconds >= 0"),
+    (dict(grace_s=-1.0), "--grace_s=-1.0 is not allowed: a finite number of seconds >= 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_ARGUMENTS, ids=[m.split(" ")[0] for _, m in BAD_ARGUMENTS])
+def test_launch_refuses_arguments_that_cannot_run(kwargs, message):
+  with pytest.raises(ValueError) as e:
+    launch(2, [], **kwargs)
+  assert str(e.value) == message
+
+
+def test_a_privileged_port_is_refused_with_its_real_cause(monkeypatch):
+  # As root every port binds; a non-root user gets EACCES below 1024, which is not "taken".
+  monkeypatch.setattr(coord, "port_problem", lambda bind: errno.EACCES)
+  with pytest.raises(ValueError) as e:
+    launch(1, [], port=1)
+  assert str(e.value) == ("--port=1 is not allowed: 127.0.0.1:1 cannot be bound: Permission denied (a privileged "
+                          "port: it needs root or CAP_NET_BIND_SERVICE); pick another, or 0 for a free one")
+  monkeypatch.setattr(coord, "port_problem", lambda bind: errno.EADDRNOTAVAIL)
+  with pytest.raises(ValueError, match=r"127\.0\.0\.1:1 cannot be bound: Cannot assign requested address;"):
+    launch(1, [], port=1)
+
+
+def test_gloo_binds_loopback_exactly_when_the_coordinator_is_loopback():
+  assert coord.collectives_host("127.0.0.1:1234") == "127.0.0.1"
+  assert coord.collectives_host("localhost:1234") == "127.0.0.1"
+  assert coord.collectives_host("[::1]:1234") == "::1"
+  assert coord.collectives_host("127.0.1.1:1234") == "127.0.1.1"  # Debian's own-name address: loopback too
+  assert coord.collectives_host("10.0.0.7:1234") is None  # a cluster: JAX's default, reachable by the others
+  assert coord.collectives_host("node-017:1234") is None
+
+
+@pytest.mark.parametrize("address,process_id", [("127.0.0.1:1234", 0), ("10.0.0.7:1234", 0), ("10.0.0.7:1234", 1)])
+def test_place_collectives_binds_loopback_or_names_the_address(monkeypatch, address, process_id):
+  from absl import logging
+  from jax._src import distributed
+  from ripples_jax import platform
+  bound, said = [], []
+  monkeypatch.setattr(distributed.global_state, "coordinator_address", address)
+  monkeypatch.setattr(distributed.global_state, "process_id", process_id)
+  monkeypatch.setattr(platform, "bind_collectives", bound.append)
+  monkeypatch.setattr(logging, "info", lambda msg, *args: said.append(msg % args))
+  platform.place_collectives()
+  if address.startswith("127."):
+    assert bound == ["127.0.0.1"] and said == []
+  else:  # a cluster: unchanged, and process 0 says where gloo listens, once
+    assert bound == []
+    assert len(said) == (process_id == 0)
+    assert all(f"listens on {platform.default_collectives_address()}," in s for s in said), said
+
+
+def beat(dogs, now):
+  for d in dogs:
+    d.check(now)
+
+
+def test_the_watchdogs_lines_name_the_lost_worker():
+  """Real exit lines of coord.Watchdog (the launcher reads them), on a clock of their own."""
+  kv, logs, exits = FakeKV(), [], []
+  dogs = [coord.Watchdog(kv, w, 3, lambda w=w: (w, 1, False), 1.0, 5.0, 1000.0, logs.append, exits.append)
+          for w in range(3)]
+  beat(dogs, 1.0)
+  beat(dogs, 1.5)  # everybody has seen everybody
+  beat([dogs[0]], 6.0)  # worker 1 stopped beating at 1.5
+  beat([dogs[2]], 7.0)
+  assert exits == [coord.EXIT_LOST] and coord.lost_named(logs[0]) == [1], logs
+  kv, logs = FakeKV(), []
+  dogs = [coord.Watchdog(kv, w, 2, lambda: (5, 1, False), 1.0, 1000.0, 30.0, logs.append, exits.append)
+          for w in range(2)]
+  beat(dogs, 1.0)
+  beat([dogs[1]], 40.0)  # heartbeats go on, nobody completes anything
+  assert "stalled first" in logs[0] and coord.lost_named(logs[0]) == [0], logs
+  assert coord.lost_named("worker 1: received SIGTERM (stopped by the launcher); last completed step") == []
+
+
+# What the workers printed when a third process registered at the coordinator as task 1 (jax 0.10.2).
+INTRUDER_LINES = [
+    "E1201 08:27:25.767973    7131 coordination_service.cc:518] [9396492722223678445] 1 unexpectedly tried to "
+    "connect with a different incarnation. It has likely restarted.",
+    "F1201 08:27:25.769545    7220 client.h:80] Terminating process because the JAX distributed service detected "
+    "fatal errors. This most likely indicates that another task died; see the other task logs for more details. "
+    "Disable Python buffering, i.e. `python -u`, to be sure to see all the previous output. absl::Status: ABORTED: "
+    "1 unexpectedly tried to connect with a different incarnation. It has likely restarted.",
+]
+
+
+def test_an_unknown_registration_is_read_from_the_coordination_service_error():
+  assert [coord.intruder_task(line) for line in INTRUDER_LINES] == [1, 1]
+  assert coord.intruder_task("F1201 client.h:80] Terminating process ... absl::Status: DEADLINE_EXCEEDED") is None
+
+
+class _Proc:
+  def __init__(self, code=None):
+    self.returncode = code
+
+  def poll(self):
+    return self.returncode
+
+
+def test_the_failure_line_names_the_cause_the_workers_printed():
+  from ripples_jax.runtime.launcher import _Clues, failure_line
+  procs = [_Proc(coord.EXIT_LOST), _Proc(None), _Proc(coord.EXIT_LOST)]
+  clues = _Clues()
+  clues.read(2, "worker 2: worker(s) [1] lost: no heartbeat for 5 s; last completed step per worker: w0:3")
+  assert failure_line((2, coord.EXIT_LOST), procs, clues, "127.0.0.1:5") == (
+      "worker 1 (still running: stalled) is lost: worker 2's watchdog named it, then worker 2 exited with 75 "
+      "(it lost a peer)")
+  assert failure_line((2, 1), procs, clues, "127.0.0.1:5") == "worker 2 exited with 1"  # a crash: itself
+  for line in INTRUDER_LINES:
+    clues.read(0, line)
+  assert failure_line((0, -6), procs, clues, "127.0.0.1:5").startswith(
+      "an unknown process registered at the coordinator 127.0.0.1:5 as task 1 (not a worker of this launcher")
+
+
 def test_sigterm_stops_a_worker_once_with_one_line():
   logs, exits = [], []
   stop = coord.SigtermStop(1, logs.append, exits.append)
@@ -297,6 +421,54 @@ def test_workers_stop_when_the_launcher_is_killed():
 
 
 @pytest.mark.slow
+def test_more_workers_than_cores_is_one_warning_and_the_job_runs(monkeypatch):
+  from ripples_jax.runtime import launcher
+  args = ["--fake=0:exit:0:0,1:exit:0:0"]
+  monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
+  out = Out()
+  assert launch(2, args, module=FAKE, out=out, cwd=ROOT, grace_s=5) == 0, out.text()
+  assert [l for l in out.lines if "warning" in l] == [
+      "[launch] warning: --num_processes=2 exceeds the 1 CPU core this launcher may use: the workers share them "
+      "(each runs slower); running anyway"], out.text()
+  assert "exit codes: [0, 0]" in out.text()
+  monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
+  out = Out()
+  assert launch(2, args, module=FAKE, out=out, cwd=ROOT, grace_s=5) == 0, out.text()
+  assert not [l for l in out.lines if "warning" in l], out.text()
+
+
+OWN_FLAGS = "--num_processes, --cpu_devices, --platform, --grace_s, --module, --port"
+LAUNCHER_BAD_FLAGS = [
+    ("--num_processes=abc", "--num_processes=abc is not allowed: an integer"),
+    ("--grace_s=x", "--grace_s=x is not allowed: a number"),
+    ("--grace_s=nan", "--grace_s=nan is not allowed: a finite number of seconds >= 0"),
+    ("--grace_s=-1", "--grace_s=-1.0 is not allowed: a finite number of seconds >= 0"),
+    ("--port=70000", "--port=70000 is not allowed: 0 (a free one) or 1..65535"),
+    ("--port=-1", "--port=-1 is not allowed: 0 (a free one) or 1..65535"),
+    ("--cpu_devices=0", "--cpu_devices=0 is not allowed: at least 1 CPU device per process"),
+    ("--cpu_devices=-2", "--cpu_devices=-2 is not allowed: at least 1 CPU device per process"),
+    ("--config=configs/default.py",  # the entry point's flag before --
+     f"Unknown command line flag 'config' (the launcher's flags: {OWN_FLAGS}; the entry point's go after --)"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag,message", LAUNCHER_BAD_FLAGS, ids=[f for f, _ in LAUNCHER_BAD_FLAGS])
+def test_launcher_bad_flags_are_one_line_and_exit_2(flag, message):
+  r = subprocess.run([sys.executable, "-m", "experiments.launch", flag, "--", "--x"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=60)
+  assert r.returncode == 2 and r.stdout == "", r
+  assert r.stderr.splitlines() == [f"error: {message}"]
+
+
+@pytest.mark.slow
+def test_launcher_help_still_prints_the_flags():
+  r = subprocess.run([sys.executable, "-m", "experiments.launch", "--help"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=60)
+  assert "--num_processes: Worker processes to start." in r.stdout and "error:" not in r.stderr, r
+
+
+@pytest.mark.slow
 def test_launcher_rejects_zero_processes_with_one_line():
   r = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=0", "--", "--x"],
                      cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -307,8 +479,8 @@ def test_launcher_rejects_zero_processes_with_one_line():
 # -- real workers -----------------------------------------------------------------------------------
 
 
-def listening(port: int) -> list:
-  """The addresses a socket listens on at `port`, from /proc/net/tcp and tcp6."""
+def listening_sockets() -> list:
+  """(address, port, inode) of every listening TCP socket, from /proc/net/tcp and tcp6."""
   got = []
   for path in ("/proc/net/tcp", "/proc/net/tcp6"):
     try:
@@ -316,13 +488,32 @@ def listening(port: int) -> list:
     except FileNotFoundError:
       continue
     for row in rows:
-      local, state = row.split()[1], row.split()[3]
-      host, p = local.split(":")
-      if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+      fields = row.split()
+      host, p = fields[1].split(":")
+      if fields[3] == "0A":  # 0A: LISTEN
         raw = bytes.fromhex(host)  # 32-bit words in host byte order
         words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
-        got.append(ipaddress.ip_address(b"".join(w[::-1] if sys.byteorder == "little" else w for w in words)))
+        ip = ipaddress.ip_address(b"".join(w[::-1] if sys.byteorder == "little" else w for w in words))
+        got.append((ip, int(p, 16), fields[9]))
   return got
+
+
+def listening(port: int) -> list:
+  """The addresses a socket listens on at `port`."""
+  return [ip for ip, p, _ in listening_sockets() if p == port]
+
+
+def listeners_of(pid: int) -> list:
+  """(address, port) of every listening TCP socket process `pid` holds (its fds' socket inodes)."""
+  inodes = set()
+  for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+      link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:  # closed meanwhile
+      continue
+    if link.startswith("socket:["):
+      inodes.add(link[len("socket:["):-1])
+  return [(ip, p) for ip, p, inode in listening_sockets() if inode in inodes]
 
 
 def is_loopback(ip) -> bool:
@@ -369,6 +560,111 @@ def test_sigterm_to_the_launcher_leaves_no_worker_and_the_coordinator_is_on_loop
   stopped = [l for l in rest.splitlines() if "received SIGTERM (stopped by the launcher" in l]
   assert len(stopped) == 2 and "exit codes: [143, 143]" in rest, rest[-3000:]
   assert all(exited(p) for p in pids), rest[-3000:]
+
+
+def network_address():
+  """An IPv4 address of this host that is not loopback (its default route's source), or None."""
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    try:
+      s.connect(("198.51.100.1", 9))  # TEST-NET-2; nothing is sent: the route picks the source address
+    except OSError:
+      return None
+    ip = s.getsockname()[0]
+  return None if ipaddress.ip_address(ip).is_loopback else ip
+
+
+def renamed_host(name):
+  """A command prefix running its command where this host's name is `name` (a UTS namespace of its own),
+  or None where unshare cannot make one (no root, no user namespaces)."""
+  for unshare in (["unshare", "--uts"], ["unshare", "--user", "--map-root-user", "--uts"]):
+    prefix = [*unshare, "sh", "-c", 'hostname "$0" && exec "$@"', name]
+    try:
+      if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+        return prefix
+    except (OSError, subprocess.SubprocessError):
+      pass
+  return None
+
+
+@pytest.mark.slow
+def test_no_worker_listens_off_loopback_where_the_host_name_resolves_to_a_network_address(tmp_path):
+  """Every listener of the local launcher's workers is on loopback: the coordination service and gloo's
+  (the CPU collectives), which JAX would put on what the host name resolves to, here a network address."""
+  ip = network_address()
+  prefix = renamed_host(ip) if ip else None
+  if prefix is None:
+    pytest.skip("needs a non-loopback address and unshare --uts (root or user namespaces)")
+  where = subprocess.run([*prefix, sys.executable, "-c", "from ripples_jax import platform; "
+                          "print(platform.default_collectives_address())"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+  assert where.stdout.strip() == ip, where  # JAX's default: gloo on the network address
+  proc, pids, port = cli(2, real_args(tmp_path / "run", 2), prefix=prefix)
+  try:
+    read_until(proc, r"\[Gloo\] Rank \d is connected", 90)  # both ranks listen, and have connected
+    held = {pid: listeners_of(pid) for pid in pids}
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    kill_all(pids)
+  assert all(held.values()), held  # gloo's listener in each
+  assert port in [p for _, p in held[pids[0]]], held  # the coordination service
+  assert all(is_loopback(a) for sockets in held.values() for a, _ in sockets), held
+  assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stalled_worker_is_named_not_the_peers_that_gave_up_on_it(tmp_path):
+  """Worker 1 is SIGSTOPped mid-run: its peers' watchdogs name it and exit with EXIT_LOST (75) while it
+  still runs; the launcher's line names worker 1, not the first peer to exit."""
+  out, pids, finish = launch_thread(3, real_args(tmp_path / "run", 3), grace_s=10, timeout_s=180)
+  try:
+    out.wait_for(r"\[Gloo\] Rank \d is connected", 120)
+    time.sleep(3)  # past the start barrier: the watchdogs beat
+    os.kill(pids[1], signal.SIGSTOP)
+    code = finish()
+  finally:
+    for p in pids:
+      try:
+        os.kill(p, signal.SIGCONT)
+      except ProcessLookupError:
+        pass
+    kill_all(pids)
+  text = out.text()
+  line = out.wait_for(r"^\[launch\] .*; stopping the others", 1)
+  assert re.match(r"\[launch\] worker 1 \(still running: stalled\) is lost: worker ([02])'s watchdog named it, "
+                  r"then worker \1 exited with 75 \(it lost a peer\); stopping the others", line), text[-3000:]
+  assert code == coord.EXIT_LOST, text[-3000:]
+  assert all(exited(p) for p in pids)
+
+
+# A process nobody started as a worker registers at the coordinator as task sys.argv[2].
+INTRUDER = ("import sys\nfrom jax._src.lib import _jax\n"
+            "_jax.get_distributed_runtime_client(sys.argv[1], int(sys.argv[2]), init_timeout=20).connect()\n")
+
+
+@pytest.mark.slow
+def test_an_unknown_process_registering_at_the_coordinator_is_named_not_worker_0(tmp_path):
+  """Any local user can connect to the (unauthenticated) coordination service and register as one of the
+  tasks; the service then aborts every worker, worker 0 among the first. The launcher's line says so."""
+  out, pids, finish = launch_thread(2, real_args(tmp_path / "run", 2), grace_s=10, timeout_s=120)
+  address = re.search(r"workers on (127\.0\.0\.1:\d+)", out.wait_for(r"^\[launch\] 2 workers on", 5)).group(1)
+  intruder = None
+  try:
+    out.wait_for(r"\[Gloo\] Rank \d is connected", 90)
+    intruder = subprocess.Popen([sys.executable, "-c", INTRUDER, address, "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    code = finish()
+  finally:
+    if intruder is not None:
+      intruder.kill()
+      intruder.wait()
+    kill_all(pids)
+  line = out.wait_for(r"^\[launch\] .*; stopping the others", 1)
+  assert line.startswith(f"[launch] an unknown process registered at the coordinator {address} as task 1 (not "
+                         f"a worker of this launcher"), out.text()[-3000:]
+  assert code != 0 and all(exited(p) for p in pids)
 
 
 @pytest.mark.slow

@@ -13,12 +13,16 @@ own SIGTERM handler (its preemption service) only logs the signal and keeps runn
 platform.init_distributed turns that service off.
 
 Where the service listens: bind_address and port_problem, used by platform.init_distributed (process 0)
-and the local launcher.
+and the local launcher; collectives_host, where gloo's listeners go.
+
+What a worker's last lines say about a failure, for the local launcher: lost_named (the workers a
+watchdog named) and intruder_task (a task id registered by a process nobody started as a worker).
 """
 import ctypes
 import errno
 import ipaddress
 import os
+import re
 import signal
 import socket
 import sys
@@ -196,6 +200,33 @@ class Watchdog:
         return
 
 
+# The watchdog's exit lines (Watchdog.check, _run) and the worker(s) each one names.
+_LOST_LINES = (
+    re.compile(r"^(?:worker|stage) \d+: (?:worker|stage)\(s\) \[([\d, ]+)\] lost: no heartbeat"),
+    re.compile(r"^(?:worker|stage) \d+: no progress for .*; (?:worker|stage) (\d+) stalled first"),
+    re.compile(r"^(?:worker|stage) \d+: lost contact with the coordination service \(hosted by worker (0)'s"))
+
+
+def lost_named(line: str) -> list[int]:
+  """The worker(s) a watchdog's exit line names as lost or stalled first; [] for any other line."""
+  for pattern in _LOST_LINES:
+    if m := pattern.search(line):
+      return [int(w) for w in m.group(1).split(",")]
+  return []
+
+
+# What the coordination service reports (process 0's log, every client's abort line) when a task id that
+# has already registered registers again: under the local launcher, nobody restarts a worker, so another
+# process connected to the (unauthenticated) coordinator as that task.
+_REREGISTERED = re.compile(r"\b(\d+) unexpectedly tried to connect with a different incarnation")
+
+
+def intruder_task(line: str) -> int | None:
+  """The task id in the coordination service's "registered again" error, or None."""
+  m = _REREGISTERED.search(line)
+  return int(m.group(1)) if m else None
+
+
 class SigtermStop:
   """SIGTERM ends this worker: one line naming why, exit code EXIT_TERM, through the watchdog once it
   exists (`.watchdog = ...`: the line then has every worker's last completed step, and process 0 waits
@@ -282,6 +313,20 @@ def bind_address(coordinator_address: str) -> str | None:
   except ValueError:
     return None
   return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def collectives_host(coordinator_address: str) -> str | None:
+  """The address gloo's TCP listeners (the CPU collectives: unauthenticated tensor traffic) should bind:
+  loopback when the coordinator is a loopback address (every process is on this host: the local
+  launcher's case), else None, JAX's default (what this host's name resolves to; other hosts must reach it).
+  """
+  host, _ = split_address(coordinator_address)
+  if host == "localhost":
+    return "127.0.0.1"
+  try:
+    return host if ipaddress.ip_address(host).is_loopback else None
+  except ValueError:  # a host name
+    return None
 
 
 def port_problem(bind: str) -> int | None:

@@ -1,17 +1,28 @@
 """Starts N local worker processes on 127.0.0.1, streams their logs with a worker prefix, fails fast.
 
 Every child is polled every 0.1 s. The first to exit non-zero fails the job: one line names it and its
-exit code, the others are stopped, and launch() returns that code. Stopping: SIGTERM to workers
+exit code, the others are stopped, and launch() returns that code. That line names the cause when the
+workers' last lines show one: a worker the first one's watchdog named as lost (a stalled worker, e.g.
+SIGSTOPped, outlives the peers that give up on it: they are the first to exit, with coord.EXIT_LOST),
+or a process this launcher did not start that registered at the coordinator as one of the tasks (the
+coordination service is unauthenticated; it then aborts every worker). Stopping: SIGTERM to workers
 1..N-1 first and to process 0 once they are gone (it hosts the coordination service: when it goes
 first, its peers' JAX clients abort before they can say why), bounded by the grace period, then
-SIGKILL to each remaining child's whole process group. A SIGTERM, SIGINT or SIGHUP to the launcher
+SIGKILL to each remaining child's whole process group (a SIGCONT follows each SIGTERM: a stopped worker
+acts on it at once instead of at the end of the grace period). A SIGTERM, SIGINT or SIGHUP to the launcher
 does the same (returning 128 + the signal; a second one skips the grace period), and the workers get
 SIGTERM from the kernel if the launcher itself is killed (coord.SigtermStop). A worker answers SIGTERM
 with one line and exit code coord.EXIT_TERM (143).
 
 The coordinator is 127.0.0.1:<port>, a free port unless one is given; process 0's coordination service
-binds that loopback address only (platform.init_distributed).
+binds that loopback address only, and so do gloo's listeners (the CPU collectives) in every worker
+(platform.init_distributed).
+
+Bad input (launch's arguments) raises ValueError before anything starts; more workers than this process's
+CPU cores is one warning line, and the job runs.
 """
+import errno
+import math
 import os
 import re
 import signal
@@ -82,9 +93,25 @@ def describe(code: int) -> str:
   return f"{code} ({MEANING[code]})" if code in MEANING else str(code)
 
 
-def _stream(i: int, pipe, out) -> None:
+class _Clues:
+  """What the workers' lines say about a failure: the workers each one's watchdog named as lost
+  (coord.lost_named), and a task id registered by a process nobody started (coord.intruder_task)."""
+
+  def __init__(self):
+    self.lost, self.intruder = {}, None
+
+  def read(self, worker: int, line: str) -> None:
+    if named := coord.lost_named(line):
+      self.lost[worker] = named
+    if (task := coord.intruder_task(line)) is not None:
+      self.intruder = task
+
+
+def _stream(i: int, pipe, out, clues: _Clues) -> None:
   for line in iter(pipe.readline, b""):
-    out.write(f"[w{i}] {line.decode(errors='replace')}")
+    text = line.decode(errors="replace")
+    clues.read(i, text)
+    out.write(f"[w{i}] {text}")
     out.flush()
   pipe.close()
 
@@ -92,8 +119,30 @@ def _stream(i: int, pipe, out) -> None:
 def _signal_group(p, sig) -> None:
   try:
     os.killpg(p.pid, sig)
+    if sig == signal.SIGTERM:  # a stopped (SIGSTOP) process only acts on SIGTERM once continued
+      os.killpg(p.pid, signal.SIGCONT)
   except (ProcessLookupError, PermissionError):
     pass
+
+
+def failure_line(first: tuple, procs, clues: _Clues, address: str) -> str:
+  """The launcher's line on the first failure (worker, exit code), naming the cause the workers' output
+  shows: an unknown task registered at the coordinator, a lost worker (when the first to fail exited
+  with coord.EXIT_LOST), else just that worker."""
+  worker, code = first
+  failed = f"worker {worker} exited with {describe(code)}"
+  if clues.intruder is not None:
+    return (f"an unknown process registered at the coordinator {address} as task {clues.intruder} (not a "
+            f"worker of this launcher: the coordination service is unauthenticated, any local user can "
+            f"connect; README) and the service aborted the workers: {failed}")
+  lost = [w for w in clues.lost.get(worker, []) if w < len(procs)] if code == coord.EXIT_LOST else []
+  if not lost:
+    return failed
+  states = ", ".join(f"{w} (still running: stalled)" if procs[w].poll() is None else
+                     f"{w} (exited with {describe(procs[w].returncode)})" for w in lost)
+  many = len(lost) > 1
+  return (f"{'workers' if many else 'worker'} {states} {'are' if many else 'is'} lost: worker {worker}'s "
+          f"watchdog named {'them' if many else 'it'}, then {failed}")
 
 
 def _wait(procs, deadline: float, interrupted) -> None:
@@ -140,23 +189,58 @@ class _Signals:
       signal.signal(s, old if old is not None else signal.SIG_DFL)
 
 
+def usable_cores() -> int:
+  """The CPU cores this process may run on (its affinity), else the machine's."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return os.cpu_count() or 1
+
+
+def check_args(num_processes: int, cpu_devices: int, grace_s: float, port: int) -> None:
+  """ValueError, one line naming the flag and what is allowed, for launch()'s arguments that cannot run."""
+  if num_processes < 1:
+    raise ValueError(f"--num_processes={num_processes} is not allowed: at least 1 process is needed")
+  if cpu_devices < 1:
+    raise ValueError(f"--cpu_devices={cpu_devices} is not allowed: at least 1 CPU device per process")
+  if not (math.isfinite(grace_s) and grace_s >= 0):
+    raise ValueError(f"--grace_s={grace_s} is not allowed: a finite number of seconds >= 0")
+  if not 0 <= port <= 65535:
+    raise ValueError(f"--port={port} is not allowed: 0 (a free one) or 1..65535")
+  if port and (problem := coord.port_problem(f"127.0.0.1:{port}")):
+    raise ValueError(f"--port={port} is not allowed: {port_refusal(port, problem)}; pick another, or 0 for a "
+                     f"free one")
+
+
+def port_refusal(port: int, problem: int) -> str:
+  """Why 127.0.0.1:port cannot be bound, from coord.port_problem's errno."""
+  if problem == errno.EADDRINUSE:
+    return f"127.0.0.1:{port} is taken (a process listens there)"
+  if problem == errno.EACCES:  # Linux: below net.ipv4.ip_unprivileged_port_start (1024)
+    return (f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)} (a privileged port: it needs root "
+            f"or CAP_NET_BIND_SERVICE)")
+  return f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)}"
+
+
 def launch(num_processes: int, args: list[str], module: str = "experiments.train", cpu_devices: int = 1,
            platform: str = "auto", grace_s: float = 30.0, out=None, on_start=None, cwd=None,
            port: int = 0) -> int:
   """Runs `python -m module args --jax_distributed ...` N times; returns the first non-zero exit code
   (a signal's -k as 128 + k), 128 + k after signal k to the launcher, 0 when every worker succeeds.
 
-  Raises ValueError, before starting anything, for num_processes < 1 or a `port` that is taken.
+  Raises ValueError, before starting anything, for arguments that cannot run (check_args): fewer than
+  1 process or CPU device, a negative or non-finite grace period, a port outside 0..65535 or one that
+  cannot be bound.
   """
-  if num_processes < 1:
-    raise ValueError(f"--num_processes={num_processes} is not allowed: at least 1 process is needed")
-  if port and coord.port_problem(f"127.0.0.1:{port}"):
-    raise ValueError(f"--port={port} is not allowed: 127.0.0.1:{port} is taken (a process listens there); "
-                     f"pick another, or 0 for a free one")
+  check_args(num_processes, cpu_devices, grace_s, port)
   out = out or sys.stdout
+  if num_processes > (cores := usable_cores()):
+    out.write(f"[launch] warning: --num_processes={num_processes} exceeds the {cores} CPU core"
+              f"{'s' if cores > 1 else ''} this launcher may use: the workers share them (each runs slower); "
+              f"running anyway\n")
   address = f"127.0.0.1:{port or free_port()}"
   platform = resolve_platform(platform)
-  procs, threads = [], []
+  procs, threads, clues = [], [], _Clues()
   first = None  # (worker, exit code) of the first failure
   with _Signals() as signals:
     try:
@@ -170,7 +254,7 @@ def launch(num_processes: int, args: list[str], module: str = "experiments.train
                              stderr=subprocess.STDOUT,
                              start_new_session=True, cwd=cwd)
         procs.append(p)
-        t = threading.Thread(target=_stream, args=(i, p.stdout, out), daemon=True)
+        t = threading.Thread(target=_stream, args=(i, p.stdout, out, clues), daemon=True)
         t.start()
         threads.append(t)
       out.write(f"[launch] {num_processes} workers on {address} ({platform}), pids {[p.pid for p in procs]}\n")
@@ -182,7 +266,8 @@ def launch(num_processes: int, args: list[str], module: str = "experiments.train
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
           first = failed[0]
-          out.write(f"[launch] worker {first[0]} exited with {describe(first[1])}; stopping the others "
+          threads[first[0]].join(timeout=2)  # its last lines (why it failed) read to the end
+          out.write(f"[launch] {failure_line(first, procs, clues, address)}; stopping the others "
                     f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n")
           break
         if None not in codes:
