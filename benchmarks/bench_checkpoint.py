@@ -17,7 +17,7 @@ from absl import app, flags
 from benchmarks.timing import Table, write_table
 from configs import default as default_config
 from ripples_jax import run as run_lib
-from ripples_jax.platform import use_cpu_devices
+from ripples_jax.distributed.host import use_cpu_devices
 
 FLAGS = flags.FLAGS
 

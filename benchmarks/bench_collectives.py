@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.timing import Table, compile_seconds, time_interleaved, write_table
 from ripples_jax import collectives as C
-from ripples_jax.platform import use_cpu_devices
+from ripples_jax.distributed.host import use_cpu_devices
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
 
 FLAGS = flags.FLAGS

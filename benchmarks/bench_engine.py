@@ -17,7 +17,7 @@ from benchmarks.timing import Table, compile_seconds, time_interleaved, write_ta
 from ripples_jax import engine
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import build_model, num_params
-from ripples_jax.platform import use_cpu_devices
+from ripples_jax.distributed.host import use_cpu_devices
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
 
 FLAGS = flags.FLAGS

@@ -24,7 +24,7 @@ from benchmarks.timing import Table
 from ripples_jax import analysis, sim, timeline
 from ripples_jax import schedule as schedule_lib
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.runtime.launcher import launch
+from ripples_jax.distributed.launcher import launch
 from configs import default as default_config
 
 FLAGS = flags.FLAGS

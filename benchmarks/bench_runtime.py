@@ -19,7 +19,7 @@ from absl import app, flags
 from benchmarks.timing import Table
 from ripples_jax import analysis
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.runtime.launcher import launch
+from ripples_jax.distributed.launcher import launch
 
 FLAGS = flags.FLAGS
 

@@ -34,9 +34,9 @@ from absl import app, flags
 from configs import dsp as dsp_config
 from ripples_jax.optim import make_optimizer
 from ripples_jax.pipeline import timing
-from ripples_jax.platform import pin_threads
+from ripples_jax.distributed.host import pin_threads
 from ripples_jax.pipeline import train as pipeline_train
-from ripples_jax.runtime.launcher import launch
+from ripples_jax.distributed.launcher import launch
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

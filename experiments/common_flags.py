@@ -23,7 +23,7 @@ from ml_collections import config_flags
 from ripples_jax.errors import ConfigError
 from ripples_jax.data import DatasetError
 from ripples_jax import runlog
-from ripples_jax.platform import init_distributed, quiet_library_logs, use_cpu_devices
+from ripples_jax.distributed.host import init_distributed, quiet_library_logs, use_cpu_devices
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -254,7 +254,7 @@ def check_workdir(workdir: str | None) -> None:
 
 
 def set_up_host() -> None:
-  """The console's log filter (platform.quiet_library_logs, off with --verbose_libraries), forced CPU
+  """The console's log filter (host.quiet_library_logs, off with --verbose_libraries), forced CPU
   devices (before the first device use), then jax.distributed when asked."""
   quiet_library_logs(verbose=_VERBOSE_LIBRARIES.value)
   use_cpu_devices(CPU_DEVICES.value)

@@ -23,7 +23,7 @@ from absl import app, flags
 from benchmarks.timing import markdown_table
 from configs import dsp as dsp_config
 from ripples_jax import run as run_lib
-from ripples_jax.platform import quiet_library_logs
+from ripples_jax.distributed.host import quiet_library_logs
 
 METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp", "dsp_stash")
 TRAIN_LOSS_RECORDS = 5  # final train loss: the mean of the last 5 records (each the mean of 50 batches)

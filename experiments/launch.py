@@ -20,7 +20,7 @@ import sys
 
 from absl import app, flags
 
-from ripples_jax.runtime.launcher import launch
+from ripples_jax.distributed.launcher import launch
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 4, "Worker processes to start.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices per process.")

@@ -7,7 +7,7 @@ rate and ETA show as `?`. A step count that did not advance prints nothing: a lo
 or one past its end (clamped to the total) stays quiet, and a step reported twice is shown once.
 
 A log line written while the bar is on the terminal clears the bar first (clear_bar(), called by the
-console filter, platform.quiet_library_logs); the next update draws it again below the line.
+console filter, host.quiet_library_logs); the next update draws it again below the line.
 """
 import collections
 import sys

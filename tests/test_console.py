@@ -9,7 +9,8 @@ import sys
 import pytest
 from absl import logging
 
-from ripples_jax import platform, progress, runlog
+from ripples_jax import progress, runlog
+from ripples_jax.distributed import host as platform
 from ripples_jax.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +63,9 @@ def test_filter_drops_library_info_and_keeps_ours(console):
   assert "orbax warns: something is off" in text()
   assert platform.from_library(orbax) and platform.from_library(xla_bridge)
   assert not platform.from_library(runlog.__file__) and not platform.from_library("<string>")
+  # The project's own folders, wherever it is installed (site-packages included): ripples_jax/ itself.
+  import ripples_jax
+  assert os.path.dirname(os.path.abspath(ripples_jax.__file__)) + os.sep in platform._OWN
 
 
 def test_a_library_warning_shows_without_its_traceback_unless_verbose(console):

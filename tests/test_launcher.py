@@ -24,8 +24,8 @@ import time
 
 import pytest
 
-from ripples_jax.runtime import coord
-from ripples_jax.runtime.launcher import describe, launch
+from ripples_jax.distributed import coord
+from ripples_jax.distributed.launcher import describe, launch
 from tests.fakes import FakeKV, exited
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,7 +258,7 @@ def test_gloo_binds_loopback_exactly_when_the_coordinator_is_loopback():
 def test_place_collectives_binds_loopback_or_names_the_address(monkeypatch, address, process_id):
   from absl import logging
   from jax._src import distributed
-  from ripples_jax import platform
+  from ripples_jax.distributed import host as platform
   bound, said = [], []
   monkeypatch.setattr(distributed.global_state, "coordinator_address", address)
   monkeypatch.setattr(distributed.global_state, "process_id", process_id)
@@ -322,7 +322,7 @@ class _Proc:
 
 
 def test_the_failure_line_names_the_cause_the_workers_printed():
-  from ripples_jax.runtime.launcher import _Clues, failure_line
+  from ripples_jax.distributed.launcher import _Clues, failure_line
   procs = [_Proc(coord.EXIT_LOST), _Proc(None), _Proc(coord.EXIT_LOST)]
   clues = _Clues()
   clues.read(2, "worker 2: worker(s) [1] lost: no heartbeat for 5 s; last completed step per worker: w0:3")
@@ -422,7 +422,7 @@ def test_workers_stop_when_the_launcher_is_killed():
 
 @pytest.mark.slow
 def test_more_workers_than_cores_is_one_warning_and_the_job_runs(monkeypatch):
-  from ripples_jax.runtime import launcher
+  from ripples_jax.distributed import launcher
   args = ["--fake=0:exit:0:0,1:exit:0:0"]
   monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
   out = Out()
@@ -594,7 +594,7 @@ def test_no_worker_listens_off_loopback_where_the_host_name_resolves_to_a_networ
   prefix = renamed_host(ip) if ip else None
   if prefix is None:
     pytest.skip("needs a non-loopback address and unshare --uts (root or user namespaces)")
-  where = subprocess.run([*prefix, sys.executable, "-c", "from ripples_jax import platform; "
+  where = subprocess.run([*prefix, sys.executable, "-c", "from ripples_jax.distributed import host as platform; "
                           "print(platform.default_collectives_address())"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
   assert where.stdout.strip() == ip, where  # JAX's default: gloo on the network address
@@ -689,7 +689,7 @@ def test_sigterm_to_a_worker_is_one_line_and_stops_the_job(tmp_path):
 def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
   """As on a cluster (one process per host, nobody stopping the others): worker 2 dies mid-run; each
   survivor's watchdog names it within runtime.heartbeat_timeout (5 s), process 0 exiting last."""
-  from ripples_jax.runtime.launcher import child_env, free_port
+  from ripples_jax.distributed.launcher import child_env, free_port
   n, port = 3, free_port()
   env = child_env(1, "cpu")
   del env[coord.LAUNCHER_PID_ENV]
@@ -752,7 +752,7 @@ if __name__ == "__main__":
 
 
 def test_the_platform_is_detected_and_each_gpu_worker_gets_its_own_gpu(monkeypatch):
-  from ripples_jax.runtime.launcher import child_env, resolve_platform
+  from ripples_jax.distributed.launcher import child_env, resolve_platform
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the launcher's own choice wins (conftest forces cpu)
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
   assert resolve_platform("auto") == "cpu"

@@ -121,7 +121,7 @@ def test_two_process_pipeline_equals_the_single_process_tick(tmp_path, method, m
 def start_stages_directly(args):
   """Both stage processes without the launcher (as on a cluster), so that nothing but the survivor's
   own watchdog can stop it; returns the Popen objects, stderr merged into stdout."""
-  from ripples_jax.runtime.launcher import child_env, free_port
+  from ripples_jax.distributed.launcher import child_env, free_port
   address = f"127.0.0.1:{free_port()}"
   procs = []
   for k in range(2):

@@ -120,7 +120,7 @@ def test_dsp_pipeline_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_spmd_on_two_processes_equals_one_process(tmp_path):
-  from ripples_jax.runtime.launcher import launch
+  from ripples_jax.distributed.launcher import launch
   import io
   args = ["--config=configs/default.py:model=mlp,steps=60", "--config.log_every=10",
           "--config.eval_every=30", "--config.checkpoint_every=30"]

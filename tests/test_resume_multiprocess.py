@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def start_directly(n, module, args):
   """n processes of `module` without the launcher (as on a cluster): nothing stops a hung one."""
-  from ripples_jax.runtime.launcher import child_env, free_port
+  from ripples_jax.distributed.launcher import child_env, free_port
   address = f"127.0.0.1:{free_port()}"
   procs = []
   for k in range(n):

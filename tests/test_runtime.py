@@ -13,8 +13,9 @@ from jax.flatten_util import ravel_pytree
 
 from configs import default as default_config
 from ripples_jax import timeline
-from ripples_jax.runtime import coord, trace as trace_lib
-from ripples_jax.runtime.launcher import launch
+from ripples_jax.distributed import coord
+from ripples_jax.runtime import trace as trace_lib
+from ripples_jax.distributed.launcher import launch
 from ripples_jax.runtime.replay import merged_events, replay
 from tests.fakes import FakeKV, exited
 

@@ -43,11 +43,11 @@ from ripples_jax.errors import ConfigError
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax import setup as setup_lib
 from ripples_jax.models import apply_model
-from ripples_jax.platform import pin_threads
+from ripples_jax.distributed.host import pin_threads
 from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline.link import Link, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
-from ripples_jax.runtime import coord
+from ripples_jax.distributed import coord
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.distributed.markers import fail_now
 

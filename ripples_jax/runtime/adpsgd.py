@@ -30,7 +30,7 @@ from absl import logging
 from ripples_jax import setup as setup_lib
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
-from ripples_jax.runtime import coord
+from ripples_jax.distributed import coord
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.authority import values_in_order
 from ripples_jax.runtime.worker import Loop, Worker, end_of_run, result, snapshot_path, watched

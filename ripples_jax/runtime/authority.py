@@ -20,7 +20,7 @@ import time
 import numpy as np
 from absl import logging
 
-from ripples_jax.runtime.coord import PREFIX
+from ripples_jax.distributed.coord import PREFIX
 from ripples_jax.schedule.online import MARK, STOP, decode, encode
 
 _GET_MS = 1000  # blocking gets wake this often to see whether the run is over

@@ -34,7 +34,8 @@ from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import authority as authority_lib
-from ripples_jax.runtime import coord, summary as summary_lib
+from ripples_jax.distributed import coord
+from ripples_jax.runtime import summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.distributed.markers import fail_now

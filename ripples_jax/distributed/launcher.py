@@ -16,7 +16,7 @@ with one line and exit code coord.EXIT_TERM (143).
 
 The coordinator is 127.0.0.1:<port>, a free port unless one is given; process 0's coordination service
 binds that loopback address only, and so do gloo's listeners (the CPU collectives) in every worker
-(platform.init_distributed).
+(host.init_distributed).
 
 Bad input (launch's arguments) raises ValueError before anything starts; more workers than this process's
 CPU cores is one warning line, and the job runs.
@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-from ripples_jax.runtime import coord
+from ripples_jax.distributed import coord
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 MEANING = {coord.EXIT_LOST: "it lost a peer", coord.EXIT_TERM: "it was stopped by SIGTERM"}

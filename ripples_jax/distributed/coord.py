@@ -10,9 +10,9 @@ thread may be stuck inside a collective and cannot be unwound).
 SIGTERM (the launcher stopping the job, a scheduler's cancel or preemption) takes the same path
 (SigtermStop): one line naming why and each worker's last completed step, exit code EXIT_TERM. JAX's
 own SIGTERM handler (its preemption service) only logs the signal and keeps running, so
-platform.init_distributed turns that service off.
+host.init_distributed turns that service off.
 
-Where the service listens: bind_address and port_problem, used by platform.init_distributed (process 0)
+Where the service listens: bind_address and port_problem, used by host.init_distributed (process 0)
 and the local launcher; collectives_host, where gloo's listeners go.
 
 What a worker's last lines say about a failure, for the local launcher: lost_named (the workers a

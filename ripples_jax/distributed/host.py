@@ -39,7 +39,7 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
   """
   import errno
   import sys
-  from ripples_jax.runtime import coord
+  from ripples_jax.distributed import coord
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_enable_preemption_service", False)
   ids = [int(i) for i in local_device_ids] if local_device_ids else None
@@ -65,7 +65,7 @@ def place_collectives() -> None:
   """gloo's listeners on loopback for a loopback coordinator (coord.collectives_host), else where JAX puts
   them: process 0 says where once (only when the CPU backend, which hosts them, is in use)."""
   from jax._src import distributed
-  from ripples_jax.runtime import coord
+  from ripples_jax.distributed import coord
   state = distributed.global_state
   host = coord.collectives_host(state.coordinator_address)
   if host:
@@ -114,7 +114,7 @@ def default_collectives_address() -> str:
 
 
 # This project's source folders (also when installed: ripples_jax/ then holds experiments/ and configs/).
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ripples_jax/
 _OWN = tuple(os.path.join(os.path.dirname(_PACKAGE), d) + os.sep
              for d in ("ripples_jax", "experiments", "benchmarks", "configs", "tests"))
 # Where other libraries live: installed packages and the standard library.
