@@ -1,9 +1,8 @@
 """Side-by-side timing on a noisy shared machine: interleave the variants, report medians and ratios."""
-import dataclasses
 import time
-from typing import Callable
 
 from ripples_jax.pipeline.timing import time_interleaved  # noqa: F401  (one definition, shared)
+from ripples_jax.tables import Table, markdown_table, write_table  # noqa: F401  (the benchmarks' tables)
 
 
 def compile_seconds(jitted, *args) -> float:
@@ -11,32 +10,3 @@ def compile_seconds(jitted, *args) -> float:
   t = time.perf_counter()
   jitted.lower(*args).compile()
   return time.perf_counter() - t
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-  fmt = lambda r: "| " + " | ".join(str(c) for c in r) + " |"
-  return "\n".join([fmt(header), fmt(["---"] * len(header))] + [fmt(r) for r in rows])
-
-
-@dataclasses.dataclass
-class Table:
-  """A benchmark's result: the rows it prints, and the markdown (with an optional line above) as str()."""
-  header: list[str]
-  rows: list[list]
-  title: str = ""
-
-  def column(self, name: str) -> list:
-    i = self.header.index(name)
-    return [r[i] for r in self.rows]
-
-  def __str__(self) -> str:
-    return (self.title + "\n\n" if self.title else "") + markdown_table(self.header, self.rows)
-
-
-def write_table(table, path: str | None) -> None:
-  """Prints a benchmark's markdown table and, with a path, saves it."""
-  text = str(table)
-  print(text)
-  if path:
-    with open(path, "w") as f:
-      f.write(text + "\n")

@@ -20,7 +20,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from benchmarks.timing import markdown_table
+from ripples_jax.tables import markdown_table
 from configs import dsp as dsp_config
 from ripples_jax import run as run_lib
 from ripples_jax.distributed.host import quiet_library_logs

@@ -34,7 +34,7 @@ import os
 import numpy as np
 from absl import app, flags
 
-from benchmarks.timing import Table
+from ripples_jax.tables import Table
 from configs import default as default_config
 from ripples_jax import analysis, schedule as schedule_lib, sim, timeline
 

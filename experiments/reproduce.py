@@ -21,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from benchmarks.timing import markdown_table
+from ripples_jax.tables import markdown_table
 
 # name: (entry point, flags of the full run, flags of the quick run). {work} is the step's work folder.
 STEPS = {

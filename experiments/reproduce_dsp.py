@@ -9,7 +9,7 @@ import os
 
 from absl import app, flags
 
-from benchmarks.timing import markdown_table
+from ripples_jax.tables import markdown_table
 from configs import dsp as dsp_config
 from ripples_jax import analysis
 from ripples_jax.pipeline import timing

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 from absl import app, flags
 
-from benchmarks.timing import markdown_table
+from ripples_jax.tables import markdown_table
 from configs import default as default_config
 from ripples_jax import analysis, sim
 from ripples_jax.schedule import ALGORITHMS

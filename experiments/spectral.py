@@ -9,7 +9,7 @@ import os
 
 from absl import app, flags
 
-from benchmarks.timing import markdown_table
+from ripples_jax.tables import markdown_table
 from ripples_jax import analysis
 
 _OUT = flags.DEFINE_string("out", "results/spectral", "Output folder (table.md, spectral_gap.png).")

@@ -234,7 +234,7 @@ def _int_in(config, key, lo, hi, allowed):
 
 def validate_dsp_config(config, num_devices: int | None = None, num_processes: int = 1) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
-  from ripples_jax.pipeline.split import max_stages
+  from ripples_jax.models.split import max_stages
   from ripples_jax.pipeline.tick import PROCESS_MODES
   _one_of(config, "placement", PLACEMENTS)
   if config.placement == "per_process":

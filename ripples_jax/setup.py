@@ -14,7 +14,7 @@ import optax
 from ripples_jax import data as data_lib
 from ripples_jax.models import build_model
 from ripples_jax.optim import make_optimizer
-from ripples_jax.pipeline import split
+from ripples_jax.models import split
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model, num_params
-from ripples_jax.pipeline import split
+from ripples_jax.models import split
 
 B = 2
 INPUTS = {"mlp": (40, 1), "mlp_gelu": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1), "resnet20": (32, 32, 3)}

@@ -73,10 +73,11 @@ def test_order_of_stages_does_not_change_bp_ddg_fr_dsp():
 
 def test_dsp_is_limited_by_its_slowest_stage():
   f, b = [1.0, 1.0, 3.0, 1.0], [2.0, 2.0, 6.0, 2.0]
-  assert T.iteration_time("dsp", f, b) == 9.0
-  assert T.iteration_time("dsp", f, b, fused=False) == 12.0
-  assert T.speedup_vs_bp("dsp", f, b) == pytest.approx(18 / 9)   # far from K = 4
-  assert T.steady_spacing(T.simulate("dsp", f, b, 100)) == pytest.approx(9.0, abs=1e-9)
+  assert T.iteration_time("dsp", f, b, fused=True) == 9.0
+  assert T.iteration_time("dsp", f, b) == 12.0  # unfused, the default: the recompute is its own call
+  assert T.speedup_vs_bp("dsp", f, b, fused=True) == pytest.approx(18 / 9)   # far from K = 4
+  assert T.steady_spacing(T.simulate("dsp", f, b, 100, fused=True)) == pytest.approx(9.0, abs=1e-9)
+  assert T.steady_spacing(T.simulate("dsp", f, b, 100)) == pytest.approx(12.0, abs=1e-9)
 
 
 @pytest.mark.parametrize("method", T.METHODS)
@@ -102,7 +103,7 @@ def test_fixed_straggler_bp_grows_by_the_stage_extra_work():
 def test_fixed_straggler_dsp_runs_at_the_straggler_pace(stage):
   f, b = equal(4)
   s = 3.0
-  times = T.simulate("dsp", f, b, 200, straggler_stage=stage, slowdown=s)
+  times = T.simulate("dsp", f, b, 200, fused=True, straggler_stage=stage, slowdown=s)
   assert T.steady_spacing(times) == pytest.approx(s * (f[0] + b[0]), abs=1e-9)
   times = T.simulate("dsp", f, b, 200, fused=False, straggler_stage=stage, slowdown=s)
   assert T.steady_spacing(times) == pytest.approx(s * (2 * f[0] + b[0]), abs=1e-9)

@@ -54,7 +54,7 @@ def _check_method(method):
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
 
 
-def backward_work(method, f, b, p, fused=True):
+def backward_work(method, f, b, p, fused=False):
   """Per-stage work that runs in parallel across stages: the decoupled backward, or DSP's tick.
 
   DSP's fused tick runs the forward of the new batch and the recompute of the old one as one pass
@@ -100,7 +100,7 @@ def gpipe_iteration(f, b, microbatches=4, remat=True):
   return float(tb[:k_count, -1].max())
 
 
-def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=True, remat=True,
+def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True,
                    predictor_K=None) -> float:
   """Seconds per batch in steady state, equal or unequal stages."""
   _check_method(method)
@@ -138,7 +138,7 @@ def slowdown_factors(num_stages, num_iters, straggler_stage=None, slowdown=1.0, 
   return out
 
 
-def simulate(method, fwd_K, bwd_K, num_iters, microbatches=4, fused=True, remat=True,
+def simulate(method, fwd_K, bwd_K, num_iters, microbatches=4, fused=False, remat=True,
              straggler_stage=None, slowdown=1.0, random_p=0.0, seed=0,
              predictor_K=None) -> np.ndarray:
   """Cumulative completion time of each iteration, from a recurrence over iterations and stages.
