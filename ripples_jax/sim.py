@@ -48,7 +48,7 @@ def build_clock(config, model_bytes: float, base_time: float):
 
 
 @dataclasses.dataclass
-class Cursor:
+class Loop:
   """The loop state between rounds, saved as the checkpoint's cursor (the clock is re-run on resume)."""
   round: int = 0                  # rounds executed
   starts: list = None             # gradients started per worker (each worker's next batch index)
@@ -87,11 +87,11 @@ def simulate_and_train(config, workdir: str | None = None):
   with RunLog(workdir, config, config.num_steps) as log:
     # Resume: the clock is deterministic, so it is simply run again; the rounds the checkpoint had
     # executed are skipped and the engine state and the cursor restored.
-    cur = Cursor(starts=[0] * n, next_log=config.log_every, next_eval=config.eval_every)
+    cur = Loop(starts=[0] * n, next_log=config.log_every, next_eval=config.eval_every)
     got = log.restore(state)
     if got is not None:
       _, state, saved = got
-      cur = Cursor(**saved)
+      cur = Loop(**saved)
     state, cur = execute(config, s, state, cur, trace, mesh, log)
     split = trace.time_split()
     summary = log.finish(
@@ -121,7 +121,7 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
   return trace
 
 
-def execute(config, s: setup_lib.Setup, state, cur: Cursor, trace, mesh, log: RunLog):
+def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunLog):
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   n, has_server = config.num_workers, config.algorithm == "ps_async"
   slots = n + has_server
@@ -178,7 +178,7 @@ def make_evaluate(s: setup_lib.Setup, slots: slice):
                                                          x_test, y_test).items()}
 
 
-def record(config, cur: Cursor, log: RunLog, evaluate, state, step: int, t: float, losses, final: bool):
+def record(config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float, losses, final: bool):
   """One metrics record at `step` (virtual time t), with an evaluation when one is due."""
   n = config.num_workers
   cur.next_log = (step // config.log_every + 1) * config.log_every

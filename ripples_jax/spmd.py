@@ -23,7 +23,7 @@ from ripples_jax.runlog import RunLog, make_workdir
 
 
 @dataclasses.dataclass
-class Cursor:
+class Loop:
   """The loop state, saved as the checkpoint's cursor."""
   step: int = 0              # rounds completed
   worker_steps: list = None  # local steps per worker
@@ -49,11 +49,11 @@ def train(config, workdir: str | None = None) -> dict:
                num_params(jax.tree.map(lambda a: a[0], state["params"])), len(schedule.layouts))
 
   with RunLog(workdir, config, config.num_steps) as log:
-    cur = Cursor(worker_steps=[0] * n)
+    cur = Loop(worker_steps=[0] * n)
     got = log.restore(state)
     if got is not None:
       _, state, saved = got
-      cur = Cursor(**saved)
+      cur = Loop(**saved)
     worker_steps = np.array(cur.worker_steps, np.int64)
     t0 = time.time() - cur.time
     pending = None  # (step, loss_W on device): read one round late
@@ -63,7 +63,7 @@ def train(config, workdir: str | None = None) -> dict:
 
     def save(step, force=False):
       log.checkpoint(step, state, dataclasses.asdict(
-          Cursor(step, worker_steps.tolist(), time.time() - t0)), force=force)
+          Loop(step, worker_steps.tolist(), time.time() - t0)), force=force)
 
     profiler = StepProfiler(config.get("profile_steps", ""), workdir, log.is_lead)
     for i in range(cur.step, config.num_steps):

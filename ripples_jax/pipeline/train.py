@@ -3,7 +3,7 @@
 Every method runs the same loop (baselines.METHODS): tick t feeds batch t to stage 0 and the labels of
 batch t - F_{K-1} to the last stage; a method with link delays runs `drain` more ticks after the last
 batch so that every stage applies its update. Batch `done` = t + 1 - drain is recorded every log_every
-batches; a checkpoint is taken right after a record (no loss pending), with the loop's Cursor as its
+batches; a checkpoint is taken right after a record (no loss pending), with the loop's Loop as its
 metadata. Files are written only through RunLog.
 """
 import dataclasses
@@ -20,8 +20,8 @@ from ripples_jax.runlog import RunLog, make_workdir
 
 
 @dataclasses.dataclass
-class Cursor:
-  """Where the loop stands: the checkpoint's metadata (dataclasses.asdict saved, Cursor(**d) restored)."""
+class Loop:
+  """Where the loop stands: the checkpoint's metadata (dataclasses.asdict saved, Loop(**d) restored)."""
   tick: int = 0       # the next tick to run
   time: float = 0.0   # training seconds before this tick (carried over a resume)
 
@@ -69,7 +69,7 @@ def _record(log, config, run, state, done, elapsed, losses):
   log.record(done, elapsed, **scalars)
 
 
-def _loop(log, config, run, state, cursor: Cursor):
+def _loop(log, config, run, state, cursor: Loop):
   """Ticks from cursor.tick to the end of the drain; returns (state, the training seconds)."""
   n, feed, step = run["num_batches"], run["feed"], run["step"]
   schedule = baselines.schedule_of(config)
@@ -85,7 +85,7 @@ def _loop(log, config, run, state, cursor: Cursor):
       _record(log, config, run, state, done, time.time() - t0, losses)
       losses = []
       # Right after a record, so no loss is pending; the tick carries the pipeline's fill state.
-      cursor = Cursor(tick=t + 1, time=time.time() - t0)
+      cursor = Loop(tick=t + 1, time=time.time() - t0)
       log.checkpoint(done, state, dataclasses.asdict(cursor), force=done == n)
     elif done > 0:
       log.progress(done)
@@ -115,10 +115,10 @@ def run(config, workdir: str | None = None) -> dict:
   n = run["num_batches"]
   with RunLog(workdir, config, total_steps=n) as log:
     got = log.restore(state)
-    cursor = Cursor()
+    cursor = Loop()
     if got is not None:
       _, state, saved = got
-      cursor = Cursor(**saved)
+      cursor = Loop(**saved)
     state, seconds = _loop(log, config, run, state, cursor)
     schedule = baselines.schedule_of(config)
     return log.finish(
