@@ -148,7 +148,7 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
     for a in ("ripples_static", "ripples_random", "ripples_division", "ripples_smart"):
       r = go("homogeneous", a)
       rows.append(["homogeneous", a, r["window_throughput"] / ar["window_throughput"], 1.0, None, r])
-      if a == "ripples_random":  # DESIGN 3.7: a random group of 3 waits ~2/3 of a step for its partners
+      if a == "ripples_random":  # docs/design.md 3.7: a random group of 3 waits ~2/3 of a step for its partners
         out["random_wait_per_group_steps"] = group_wait(r) / base
   else:
     base, jitter = step_time, 0.0

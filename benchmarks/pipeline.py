@@ -6,7 +6,7 @@ r"""Pipeline methods timed for real: single-process BP against every method in t
 
 One run of this script, on one model (CNN2D on CIFAR-shaped synthetic data, batch 64):
 1. BP in one process (the whole model, one jitted step), timed pinned to one core and unpinned,
-   interleaved; the faster is the reference (DESIGN 4.5). It is timed again after the methods, and the
+   interleaved; the faster is the reference (docs/design.md 4.5). It is timed again after the methods, and the
    spread of the two is printed: the machine is shared.
 2. Every method in the runtime (pipeline/per_process.py), K processes through experiments.launch, one
    stage per core where there are cores: model-parallel BP, GPipe (M=4, remat), DDG, FR, DSP in its

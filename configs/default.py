@@ -48,7 +48,7 @@ def get_config(arg=None):
   c.schedule.request_ahead = True   # online GG: request the next group when a step starts (overlap)
   c.preduce_impl = "auto"          # auto | collective (one worker per device) | segment
 
-  # executor=sim and async: heterogeneity and the clock (DESIGN 3.5, 3.1; async plans with the clock).
+  # executor=sim and async: heterogeneity and the clock (docs/design.md 3.5, 3.1; async plans with the clock).
   c.hetero = ml_collections.ConfigDict()
   c.hetero.slow_workers = ()       # worker ids, e.g. --config.hetero.slow_workers='(3,)'
   c.hetero.slowdown = 1.0          # a slow step takes this many times the base step

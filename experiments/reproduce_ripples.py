@@ -6,7 +6,7 @@ r"""Ripples' heterogeneity claims in the simulator: 16 workers, MNIST-1D, every 
       --out_dir=runs/reproduce_ripples_vgg   # the paper's communication: VGG-16 over 56 Gb/s
 
 Runs in the simulator (exact numerics, virtual time). Writes table.md (throughput and time-to-target
-relative to All-Reduce, beside the paper's numbers and the limit (s(n-1)+1)/n; DESIGN 3.5, 3.6),
+relative to All-Reduce, beside the paper's numbers and the limit (s(n-1)+1)/n; docs/design.md 3.5, 3.6),
 accuracy_vs_time.png and gantt.png.
 """
 import copy
@@ -24,7 +24,7 @@ from ripples_jax.schedule import ALGORITHMS
 
 SCENARIOS = {"homogeneous": 1.0, "one worker 2x slower": 2.0, "one worker 5x slower": 5.0}
 SLOW_WORKER = 3
-# DESIGN 3.6 (arXiv Ripples / ASPLOS Prague), for the rows they exist for.
+# docs/design.md 3.6 (arXiv Ripples / ASPLOS Prague), for the rows they exist for.
 PAPER = {
     ("homogeneous", "allreduce"): "1.1x (1.2x)", ("homogeneous", "ps_sync"): "5.1x (5.3x)",
     ("homogeneous", "adpsgd"): "4.3x (3.7x)", ("one worker 2x slower", "allreduce"): "2x (4.4x)",

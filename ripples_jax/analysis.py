@@ -120,7 +120,7 @@ def limit(n: int, s: float) -> float:
   return (s * (n - 1) + 1) / n
 
 
-# -- spectral gap against group size and Group Generator (DESIGN 3.2) --------------------------------
+# -- spectral gap against group size and Group Generator (docs/design.md 3.2) --------------------------------
 
 
 def symmetric_gap(matrices) -> float:

@@ -5,7 +5,7 @@ State is a plain dict whose leaves carry a leading worker axis W, sharded over t
   model_state  other model collections, e.g. batch_stats (averaged with the params: the authors'
                P-Reduce averages every variable)
   opt_state    optax state, local to each worker (never averaged, as in the Ripples worker loop)
-A round (DESIGN 3.3): every worker in `step_mask` computes a gradient on its batch and applies its local
+A round (docs/design.md 3.3): every worker in `step_mask` computes a gradient on its batch and applies its local
 optimizer update; then the round's layout averages parameters within groups. The mask and the layout
 index are inputs (data), so the schedule can change every round without recompiling.
 """
@@ -104,7 +104,7 @@ def make_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, la
     return new_state, jnp.where(step_mask_K, loss_K, jnp.nan)
 
   w = P(WORKER_AXIS)
-  # check_vma=False: shard_map rejects psum's axis_index_groups otherwise (DESIGN 5).
+  # check_vma=False: shard_map rejects psum's axis_index_groups otherwise (docs/design.md 5).
   sharded = jax.shard_map(shard_round, mesh=mesh, in_specs=(w, w, w, w, P(), P()), out_specs=(w, w),
                           check_vma=False)
 

@@ -79,7 +79,7 @@ def slow_at(slow_workers, num_workers: int, rotate_every: float, t: float) -> tu
 
 @dataclasses.dataclass(frozen=True)
 class Network:
-  """alpha-beta costs (seconds, bytes/s) for a model of `model_bytes` (DESIGN 3.1)."""
+  """alpha-beta costs (seconds, bytes/s) for a model of `model_bytes` (docs/design.md 3.1)."""
   model_bytes: float
   alpha: float = 5e-6
   bandwidth: float = 1.25e9      # per link (10 Gb/s)

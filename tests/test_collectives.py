@@ -90,7 +90,7 @@ def test_spectral_gap_extremes_and_random_pairs():
   assert C.spectral_gap([C.mixing_matrix(LAYOUTS["all"], N)]) == pytest.approx(1.0)
   assert C.spectral_gap([np.eye(N)]) == pytest.approx(0.0)
   # Random division of 16 workers into pairs: E[W] = I/2 + (J - I) / (2 (n - 1)), so
-  # lambda_2 = 1/2 - 1/(2 (n - 1)) = 0.4667 exactly (DESIGN's Monte Carlo: 0.49).
+  # lambda_2 = 1/2 - 1/(2 (n - 1)) = 0.4667 exactly (docs/design.md 3.2's Monte Carlo: 0.49).
   n, rng = 16, np.random.default_rng(4)
   ws = [C.mixing_matrix(rng.permutation(n).reshape(-1, 2), n) for _ in range(3000)]
   assert C.mixing_rate(ws) == pytest.approx(0.5 - 1 / (2 * (n - 1)), abs=0.02)

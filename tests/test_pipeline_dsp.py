@@ -1,4 +1,4 @@
-"""The DSP tick against references: SGD, BP, the schedule of DESIGN 4.1, placement, stash, convergence."""
+"""The DSP tick against references: SGD, BP, the schedule of docs/design.md 4.1, placement, stash, convergence."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

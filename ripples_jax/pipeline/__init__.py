@@ -1,4 +1,4 @@
-"""DSP and its baselines: model-parallel pipelines with layer-wise staleness (DESIGN 4).
+"""DSP and its baselines: model-parallel pipelines with layer-wise staleness (docs/design.md 4).
 
   (models/split.py splits a model into K depth-wise stages; setup.build_pipeline builds the inputs)
   tick.py       the tick (bp, dsp, ddg, fr through link delays), the staleness ring buffers

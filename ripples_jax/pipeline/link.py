@@ -14,7 +14,7 @@ receiver's piece is ignored (zeros of the shape), and the receiver gets the payl
 Ordering, the only thing that keeps the chain free of deadlock (a collective blocks until both ends
 arrive; gloo has no timeout once connected): on every link both ends issue the same sequence of
 transfers, and within a tick every stage handles its lower link before its upper one, so the chain
-resolves from stage 0 upwards (DESIGN 4.5). The watchdog (distributed/coord.py) names a stage that died.
+resolves from stage 0 upwards (docs/design.md 4.5). The watchdog (distributed/coord.py) names a stage that died.
 """
 import jax
 import jax.numpy as jnp

@@ -359,7 +359,7 @@ class Stage:
 
 def _pin(config, k: int) -> None:
   """One core per stage process (runtime.pin_cores): XLA's intra-op threads gain little here and two
-  processes sharing both cores contend (DESIGN 4.5). sched_setaffinity(0) sets the calling thread's
+  processes sharing both cores contend (docs/design.md 4.5). sched_setaffinity(0) sets the calling thread's
   mask only, and XLA's thread pool exists by now: every thread of the process is pinned."""
   cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
   if not (config.runtime.pin_cores and cores):

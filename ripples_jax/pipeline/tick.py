@@ -3,7 +3,7 @@
 A network is split depth-wise into K stages (models/split.py). Link k -> k+1 carries activations up
 with a delay of f_k ticks and error gradients down with a delay of b_k ticks (fixed-length FIFOs). With
 F_k = sum_{j<k} f_j and S_k = sum_{j>=k} (f_j + b_j), at tick t stage k runs the forward of batch
-t - F_k and the backward of batch t - F_k - S_k (DESIGN 4.1; DSP has f = b = d, so S_k = 2 sum d_j and
+t - F_k and the backward of batch t - F_k - S_k (docs/design.md 4.1; DSP has f = b = d, so S_k = 2 sum d_j and
 K=3 gives {4, 2, 0}). The last stage computes the loss and its backward at once. Each stage applies its
 own optax update as soon as its backward is done.
 

@@ -1,4 +1,4 @@
-"""AD-PSGD in the runtime (Lian et al., ICML'18; DESIGN 3.4, 3.7): no authority, no global order.
+"""AD-PSGD in the runtime (Lian et al., ICML'18; docs/design.md 3.4, 3.7): no authority, no global order.
 
 Active workers (odd ids) average with one random passive worker (even ids) after every local step;
 passive workers only respond, so the waits-for graph is bipartite and no cycle of waits can form.

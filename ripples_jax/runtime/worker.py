@@ -50,7 +50,7 @@ def snapshot_path(workdir: str, name, worker: int) -> str:
 
 def make_step_fns(model, optimizer, unravel, local_mesh: Mesh):
   """The local step in two jitted halves on the flat state, so a gradient can be computed on one
-  version of the parameters and applied to another (AD-PSGD's passive side; DESIGN 3.3):
+  version of the parameters and applied to another (AD-PSGD's passive side; docs/design.md 3.3):
     grad(flat_D, x, y) -> (grads, model_state, loss);  apply(flat_D, opt_state, grads, model_state)."""
   rep = NamedSharding(local_mesh, P())
   batch = NamedSharding(local_mesh, P(LOCAL))  # several local devices: data parallel inside the worker
@@ -120,7 +120,7 @@ class Worker:
             jax.device_put(s.data["y_train"][idx], self.batch_sharding))
 
   def slowdown(self, step: int, t: float) -> float:
-    """Injected heterogeneity (DESIGN 3.5, 3.7): a step starting at run time t takes `slowdown` x."""
+    """Injected heterogeneity (docs/design.md 3.5, 3.7): a step starting at run time t takes `slowdown` x."""
     h, n = self.config.hetero, self.config.num_workers
     if self.me in slow_at(tuple(h.slow_workers), n, float(h.rotate_every), t):
       return float(h.slowdown)

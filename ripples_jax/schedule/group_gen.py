@@ -1,4 +1,4 @@
-"""Dynamic Group Generators and the Group Buffer (DESIGN 3.2, 3.7). Host-side, deterministic under a seed.
+"""Dynamic Group Generators and the Group Buffer (docs/design.md 3.2, 3.7). Host-side, deterministic under a seed.
 
 The Group Buffer is one global, ordered list of groups. Every worker executes the groups that contain
 it in that global order, one per local step, and a group runs when all its members have reached it, so

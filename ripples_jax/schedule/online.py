@@ -1,4 +1,4 @@
-"""The online Group Generator protocol (DESIGN 3.7): one implementation for the simulator and the runtime.
+"""The online Group Generator protocol (docs/design.md 3.7): one implementation for the simulator and the runtime.
 
 One authority (the `Service`) holds the Group Buffer and the generator's state. Every worker owns a
 queue of entries that only the authority appends to:
