@@ -98,7 +98,7 @@ def final_params(workdir):
 
 # (method, runtime mode, delay, the single-process run it must equal: method, mode)
 CASES = [
-    pytest.param("dsp", "recompute", 2, ("dsp", "recompute"), id="dsp-recompute-d2"),
+    pytest.param("dsp", "recompute", 2, ("dsp", "recompute"), id="dsp-recompute-d2", marks=pytest.mark.slow),
     pytest.param("dsp", "fused", 1, ("dsp", "recompute"), id="dsp-fused", marks=pytest.mark.slow),
     pytest.param("dsp", "residuals", 1, ("dsp", "stash"), id="dsp-residuals", marks=pytest.mark.slow),
     pytest.param("fr", "recompute", 1, ("fr", "recompute"), id="fr", marks=pytest.mark.slow),
