@@ -6,6 +6,7 @@ The same run with and without checkpoints, interleaved. Each variant runs in a f
 resumes another); the runs alternate, off then on, and the ratio of the median wall times is reported.
 Only the training loop is timed (data generation is cached after the first run).
 """
+
 import copy
 import shutil
 import tempfile
@@ -54,10 +55,31 @@ def run(reps: int = 2, steps: int = 0, config=None, train_fn=None) -> Table:
       finally:
         shutil.rmtree(workdir, ignore_errors=True)
   off, on = np.median(times["off"]), np.median(times["on"])
-  rows = [[config.algorithm, config.executor, config.num_steps, config.checkpoint_every, saves,
-           f"{off:.1f}", f"{on:.1f}", f"{100 * (on / off - 1):+.1f}%"]]
-  return Table(["algorithm", "executor", "steps", "checkpoint_every", "checkpoints", "off s (median)",
-                "on s (median)", "overhead"], rows)
+  rows = [
+    [
+      config.algorithm,
+      config.executor,
+      config.num_steps,
+      config.checkpoint_every,
+      saves,
+      f"{off:.1f}",
+      f"{on:.1f}",
+      f"{100 * (on / off - 1):+.1f}%",
+    ]
+  ]
+  return Table(
+    [
+      "algorithm",
+      "executor",
+      "steps",
+      "checkpoint_every",
+      "checkpoints",
+      "off s (median)",
+      "on s (median)",
+      "overhead",
+    ],
+    rows,
+  )
 
 
 def main(argv):

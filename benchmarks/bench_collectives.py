@@ -6,12 +6,14 @@ Prints a markdown table: median seconds per call (interleaved reps in one proces
 full all-reduce, and compile seconds. 'direct' is one compiled program per layout (p_reduce's cache);
 'switched' is the engine's form: one program over all layouts with the layout index as data.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from benchmarks.timing import Table, compile_seconds, time_interleaved, write_table
 from ripples_jax import collectives as C
@@ -55,8 +57,9 @@ def run(sizes=(65536, 1048576), reps: int = 40) -> Table:
   switched = shard_jit(lambda b, i: C.switched_grouped_mean_in_shard(b, distinct, i))
   rows = []
   for d in sizes:
-    buf = jax.device_put(jnp.asarray(np.random.default_rng(0).normal(size=(n, d)), jnp.float32),
-                         NamedSharding(mesh, w))
+    buf = jax.device_put(
+      jnp.asarray(np.random.default_rng(0).normal(size=(n, d)), jnp.float32), NamedSharding(mesh, w)
+    )
     idx0 = jnp.int32(0)
     fns = {"full": lambda: full(buf, idx0)}
     compile_s = {"full": compile_seconds(full, buf, idx0)}
@@ -70,14 +73,33 @@ def run(sizes=(65536, 1048576), reps: int = 40) -> Table:
     med = time_interleaved(fns, reps=reps)
     for name, layout in layouts.items():
       sizes_str = "/".join(sorted({str(len(g)) for g in layout}, key=int))
-      rows.append([f"{d // 1024}K", name, sizes_str, f"{1e3 * med['full']:.3f}",
-                   f"{1e3 * med[name]:.3f}", f"{med[name] / med['full']:.2f}",
-                   f"{1e3 * med[name + '/switched']:.3f}", f"{med[name + '/switched'] / med['full']:.2f}",
-                   f"{compile_s[name]:.3f}"])
-    rows.append([f"{d // 1024}K", "(switch over all layouts)", "", "", "", "", "", "",
-                 f"{compile_s['switched']:.3f}"])
-  header = ["f32/device", "layout", "group sizes", "full all-reduce ms", "P-Reduce ms", "ratio",
-            "switched ms", "switched ratio", "compile s"]
+      rows.append(
+        [
+          f"{d // 1024}K",
+          name,
+          sizes_str,
+          f"{1e3 * med['full']:.3f}",
+          f"{1e3 * med[name]:.3f}",
+          f"{med[name] / med['full']:.2f}",
+          f"{1e3 * med[name + '/switched']:.3f}",
+          f"{med[name + '/switched'] / med['full']:.2f}",
+          f"{compile_s[name]:.3f}",
+        ]
+      )
+    rows.append(
+      [f"{d // 1024}K", "(switch over all layouts)", "", "", "", "", "", "", f"{compile_s['switched']:.3f}"]
+    )
+  header = [
+    "f32/device",
+    "layout",
+    "group sizes",
+    "full all-reduce ms",
+    "P-Reduce ms",
+    "ratio",
+    "switched ms",
+    "switched ratio",
+    "compile s",
+  ]
   return Table(header, rows, f"{n} {jax.default_backend()} devices, median of {reps} interleaved reps")
 
 

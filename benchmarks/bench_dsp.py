@@ -5,6 +5,7 @@ r"""A DSP tick vs a BP step (one device, same model and batch), plus the modeled
 Targets: tick/BP <= 1.4; DSP's modeled speedup at equal stages >= 0.9 K (fused); GPipe's follows its
 bubble (K-1)/(M+K-1).
 """
+
 import jax
 import numpy as np
 import optax
@@ -16,8 +17,11 @@ from ripples_jax.pipeline import baselines, tick, timing
 
 FLAGS = flags.FLAGS
 
-CASES = {"cnn1d/mnist1d": ("cnn1d", (40, 1)), "cnn2d/cifar-shape": ("cnn2d", (32, 32, 3)),
-         "resnet20/cifar-shape": ("resnet20", (32, 32, 3))}
+CASES = {
+  "cnn1d/mnist1d": ("cnn1d", (40, 1)),
+  "cnn2d/cifar-shape": ("cnn2d", (32, 32, 3)),
+  "resnet20/cifar-shape": ("resnet20", (32, 32, 3)),
+}
 
 
 def define_flags() -> None:
@@ -28,8 +32,9 @@ def define_flags() -> None:
   flags.DEFINE_string("out", None, "Optional path for the table (markdown).")
 
 
-def run(cases=tuple(CASES), stage_counts=(2, 4), batch_size: int = 64, reps: int = 30,
-        microbatches: int = 4) -> Table:
+def run(
+  cases=tuple(CASES), stage_counts=(2, 4), batch_size: int = 64, reps: int = 30, microbatches: int = 4
+) -> Table:
   """One row per (case, K): measured BP / DSP / GPipe step times and the timing model's speedups."""
   opt = optax.sgd(0.01, momentum=0.9)
   rows = []
@@ -46,8 +51,10 @@ def run(cases=tuple(CASES), stage_counts=(2, 4), batch_size: int = 64, reps: int
       sched = tick.method_schedule("dsp", K)
       step = tick.make_tick(stages, opt, sched, num_batches=10**9)
       holder = {"bp": fresh(sched), "gpipe": fresh(sched), "dsp": fresh(sched)}
-      compile_s = {"bp": compile_seconds(bp, holder["bp"], x, y),
-                   "dsp": compile_seconds(step, holder["dsp"], x, y, 0)}
+      compile_s = {
+        "bp": compile_seconds(bp, holder["bp"], x, y),
+        "dsp": compile_seconds(step, holder["dsp"], x, y, 0),
+      }
       ticks = [0]
 
       def call_bp():
@@ -62,24 +69,48 @@ def run(cases=tuple(CASES), stage_counts=(2, 4), batch_size: int = 64, reps: int
         ticks[0] += 1
         holder["dsp"], m = step(holder["dsp"], x, y, ticks[0])
         return m
+
       med = time_interleaved({"bp": call_bp, "gpipe": call_gpipe, "dsp": call_dsp}, reps=reps, warmup=3)
       fwd, bwd = timing.measure_stage_times(stages, holder["bp"], x)
       eq_f, eq_b = [1.0] * K, [2.0] * K
-      rows.append([case, K, f"{1e3 * med['bp']:.2f}", f"{1e3 * med['dsp']:.2f}",
-                   f"{med['dsp'] / med['bp']:.2f}", f"{1e3 * med['gpipe']:.2f}",
-                   f"{timing.speedup_vs_bp('dsp', fwd, bwd, fused=True):.2f}",
-                   f"{timing.speedup_vs_bp('gpipe', fwd, bwd, microbatches=microbatches):.2f}",
-                   f"{timing.speedup_vs_bp('dsp', eq_f, eq_b, fused=True):.2f}",
-                   f"{timing.speedup_vs_bp('dsp', eq_f, eq_b, fused=False):.2f}",
-                   f"{timing.speedup_vs_bp('gpipe', eq_f, eq_b, microbatches=microbatches):.2f}",
-                   f"{timing.speedup_vs_bp('gpipe', eq_f, eq_b, microbatches=microbatches, remat=False):.2f}",
-                   f"{compile_s['dsp']:.1f}"])
-  header = ["model", "K", "BP step ms", "DSP tick ms", "tick/BP", "GPipe step ms",
-            "DSP speedup (measured stages)", f"GPipe M={microbatches} (measured)", "DSP equal, fused",
-            "DSP equal, unfused", f"GPipe M={microbatches} equal, remat", "GPipe equal, no remat",
-            "DSP compile s"]
-  return Table(header, rows, f"one {jax.default_backend()} device, batch {batch_size}, median of {reps} "
-               "interleaved reps; speedups from the timing model (B = 2F for 'equal')")
+      rows.append(
+        [
+          case,
+          K,
+          f"{1e3 * med['bp']:.2f}",
+          f"{1e3 * med['dsp']:.2f}",
+          f"{med['dsp'] / med['bp']:.2f}",
+          f"{1e3 * med['gpipe']:.2f}",
+          f"{timing.speedup_vs_bp('dsp', fwd, bwd, fused=True):.2f}",
+          f"{timing.speedup_vs_bp('gpipe', fwd, bwd, microbatches=microbatches):.2f}",
+          f"{timing.speedup_vs_bp('dsp', eq_f, eq_b, fused=True):.2f}",
+          f"{timing.speedup_vs_bp('dsp', eq_f, eq_b, fused=False):.2f}",
+          f"{timing.speedup_vs_bp('gpipe', eq_f, eq_b, microbatches=microbatches):.2f}",
+          f"{timing.speedup_vs_bp('gpipe', eq_f, eq_b, microbatches=microbatches, remat=False):.2f}",
+          f"{compile_s['dsp']:.1f}",
+        ]
+      )
+  header = [
+    "model",
+    "K",
+    "BP step ms",
+    "DSP tick ms",
+    "tick/BP",
+    "GPipe step ms",
+    "DSP speedup (measured stages)",
+    f"GPipe M={microbatches} (measured)",
+    "DSP equal, fused",
+    "DSP equal, unfused",
+    f"GPipe M={microbatches} equal, remat",
+    "GPipe equal, no remat",
+    "DSP compile s",
+  ]
+  return Table(
+    header,
+    rows,
+    f"one {jax.default_backend()} device, batch {batch_size}, median of {reps} "
+    "interleaved reps; speedups from the timing model (B = 2F for 'equal')",
+  )
 
 
 def main(argv):

@@ -6,6 +6,7 @@ A Ripples round (local step + P-Reduce of parameters, layout as data) against a 
 data-parallel step (gradient all-reduce) of the same model, batch and mesh.
 Target: a Ripples static round costs at most 1.15x the data-parallel (gradient all-reduce) step.
 """
+
 import itertools
 
 import jax
@@ -16,15 +17,15 @@ from absl import app, flags
 from benchmarks.timing import Table, compile_seconds, time_interleaved, write_table
 from ripples_jax import engine
 from ripples_jax.collectives import make_worker_mesh
-from ripples_jax.models import build_model, num_params
 from ripples_jax.distributed.host import use_cpu_devices
+from ripples_jax.models import build_model, num_params
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
 
 FLAGS = flags.FLAGS
 
 CASES = {  # name: (model, input shape, classes)
-    "cnn1d/mnist1d": ("cnn1d", (40, 1), 10),
-    "cnn2d/cifar-shape": ("cnn2d", (32, 32, 3), 10),
+  "cnn1d/mnist1d": ("cnn1d", (40, 1), 10),
+  "cnn2d/cifar-shape": ("cnn2d", (32, 32, 3), 10),
 }
 
 
@@ -40,8 +41,10 @@ def run(cases=("cnn1d/mnist1d", "cnn2d/cifar-shape"), batch_size: int = 32, reps
   """One row per (case, step variant): median ms, ratio to the data-parallel step, compile seconds."""
   n = jax.device_count()
   if n < 2:  # P-Reduce between workers needs several; with one device there is nothing to average
-    raise SystemExit(f"error: bench_engine needs at least 2 devices (one worker per device), found {n} "
-                     f"{jax.default_backend()} device; on a host, --cpu_devices")
+    raise SystemExit(
+      f"error: bench_engine needs at least 2 devices (one worker per device), found {n} "
+      f"{jax.default_backend()} device; on a host, --cpu_devices"
+    )
   mesh = make_worker_mesh(n)
   sharding = engine.worker_sharding(mesh)
   opt = optax.sgd(0.01, momentum=0.9)
@@ -66,9 +69,13 @@ def run(cases=("cnn1d/mnist1d", "cnn2d/cifar-shape"), batch_size: int = 32, reps
     def call_dp():
       holder["dp"], loss = dp(holder["dp"], x, y)
       return loss
+
     variants["dp"] = call_dp
-    for label, layouts in [("allreduce", allreduce_layouts(n)), ("ripples_static", static_gg_layouts(n, 4)),
-                           ("ripples_hypercube", hypercube_layouts(n))]:
+    for label, layouts in [
+      ("allreduce", allreduce_layouts(n)),
+      ("ripples_static", static_gg_layouts(n, 4)),
+      ("ripples_hypercube", hypercube_layouts(n)),
+    ]:
       fn = engine.make_round_fn(model, opt, mesh, layouts)
       compile_s[label] = compile_seconds(fn, fresh(), x, y, mask, 0)
       holder[label] = fresh()
@@ -77,15 +84,28 @@ def run(cases=("cnn1d/mnist1d", "cnn2d/cifar-shape"), batch_size: int = 32, reps
       def call(label=label, fn=fn, cycle=cycle):
         holder[label], loss = fn(holder[label], x, y, mask, next(cycle))
         return loss
+
       variants[label] = call
     med = time_interleaved(variants, reps=reps, warmup=3)
     p = num_params(jax.tree.map(lambda a: a[0], holder["dp"]["params"]))
     for label in variants:
-      rows.append([case, f"{p / 1e3:.0f}K", label, f"{1e3 * med[label]:.2f}",
-                   f"{med[label] / med['dp']:.3f}", f"{compile_s[label]:.2f}"])
+      rows.append(
+        [
+          case,
+          f"{p / 1e3:.0f}K",
+          label,
+          f"{1e3 * med[label]:.2f}",
+          f"{med[label] / med['dp']:.3f}",
+          f"{compile_s[label]:.2f}",
+        ]
+      )
   header = ["model", "params", "step", "median ms", "ratio to DP step", "compile s"]
-  return Table(header, rows, f"{n} {jax.default_backend()} devices, one worker per device, batch "
-               f"{batch_size}/worker, median of {reps} interleaved reps")
+  return Table(
+    header,
+    rows,
+    f"{n} {jax.default_backend()} devices, one worker per device, batch "
+    f"{batch_size}/worker, median of {reps} interleaved reps",
+  )
 
 
 def main(argv):

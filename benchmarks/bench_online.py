@@ -13,6 +13,7 @@ Scenarios: homogeneous (every generator); worker 3 2x / 5x slower; a straggler m
 For each Smart / All-Reduce pair the simulator, fed the runtime's measured base step time, jitter and
 request round trip, predicts the ratio; the table gives both and the error.
 """
+
 import json
 import os
 import shutil
@@ -21,11 +22,11 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.timing import Table
+from configs import default as default_config
 from ripples_jax import analysis, sim, timeline
 from ripples_jax import schedule as schedule_lib
-from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.distributed.launcher import launch
-from configs import default as default_config
+from ripples_jax.runtime import trace as trace_lib
 
 FLAGS = flags.FLAGS
 
@@ -39,19 +40,28 @@ def define_flags() -> None:
   flags.DEFINE_float("step_time", 0.1, "Seconds every step is padded to.")
   flags.DEFINE_float("rotate_every", 3.0, "The moving straggler's period (s).")
   flags.DEFINE_integer("ckpt_repeats", 3, "Off/on pairs of the checkpoint scenario.")
-  flags.DEFINE_list("scenarios", ["homogeneous", "slow2", "slow5", "moving", "random", "passive", "ckpt"],
-                    "Scenarios to run.")
+  flags.DEFINE_list(
+    "scenarios", ["homogeneous", "slow2", "slow5", "moving", "random", "passive", "ckpt"], "Scenarios to run."
+  )
 
 
 def run_one(out_dir, name, n, algorithm, steps, step_time, extra=()) -> dict:
-  workdir = os.path.join(out_dir, name, algorithm + ("" if not extra else "-" + str(abs(hash(tuple(extra))) % 10**6)))
+  workdir = os.path.join(
+    out_dir, name, algorithm + ("" if not extra else "-" + str(abs(hash(tuple(extra))) % 10**6))
+  )
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
-  args = [f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model=mlp",
-          f"--workdir={workdir}", f"--config.num_steps={steps}", f"--config.runtime.step_time={step_time}",
-          f"--config.eval_every={max(1, steps // 5)}", "--config.runtime.checkpoint_every=0",
-          f"--config.schedule.workers_per_node={max(1, n // 2)}", f"--config.schedule.group_size={min(3, n)}",
-          *extra]
+  args = [
+    f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model=mlp",
+    f"--workdir={workdir}",
+    f"--config.num_steps={steps}",
+    f"--config.runtime.step_time={step_time}",
+    f"--config.eval_every={max(1, steps // 5)}",
+    "--config.runtime.checkpoint_every=0",
+    f"--config.schedule.workers_per_node={max(1, n // 2)}",
+    f"--config.schedule.group_size={min(3, n)}",
+    *extra,
+  ]
   with open(os.path.join(workdir, "launch.log"), "w") as log:
     code = launch(n, args, out=log, grace_s=10)
   if code:
@@ -59,8 +69,10 @@ def run_one(out_dir, name, n, algorithm, steps, step_time, extra=()) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     r = json.load(f)
   r["traces"] = trace_lib.load_traces(workdir)
-  print(f"{name:>12} {algorithm:>16} {' '.join(extra):>40}: {r['window_throughput']:.2f} worker-steps/s",
-        flush=True)
+  print(
+    f"{name:>12} {algorithm:>16} {' '.join(extra):>40}: {r['window_throughput']:.2f} worker-steps/s",
+    flush=True,
+  )
   return r
 
 
@@ -127,9 +139,16 @@ def rate_over_time(r, width=0.5):
   return dict(zip((edges[:-1] + width / 2).tolist(), (np.histogram(steps, edges)[0] / width).tolist()))
 
 
-def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, rotate_every=3.0,
-        scenarios=("homogeneous", "slow2", "slow5", "moving", "random", "passive", "ckpt"),
-        ckpt_repeats=3) -> dict:
+def run(
+  out_dir="results/online",
+  n=4,
+  steps=150,
+  ar_steps=40,
+  step_time=0.1,
+  rotate_every=3.0,
+  scenarios=("homogeneous", "slow2", "slow5", "moving", "random", "passive", "ckpt"),
+  ckpt_repeats=3,
+) -> dict:
   os.makedirs(out_dir, exist_ok=True)
   res, rows, out = {}, [], {}
   slow = (n - 1,)
@@ -148,7 +167,9 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
     for a in ("ripples_static", "ripples_random", "ripples_division", "ripples_smart"):
       r = go("homogeneous", a)
       rows.append(["homogeneous", a, r["window_throughput"] / ar["window_throughput"], 1.0, None, r])
-      if a == "ripples_random":  # docs/design.md 3.7: a random group of 3 waits ~2/3 of a step for its partners
+      if (
+        a == "ripples_random"
+      ):  # docs/design.md 3.7: a random group of 3 waits ~2/3 of a step for its partners
         out["random_wait_per_group_steps"] = group_wait(r) / base
   else:
     base, jitter = step_time, 0.0
@@ -159,76 +180,144 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
     ar = go(f"slow{s}", "allreduce", hetero(s), ar_steps)
     for a in ("ripples_smart", "adpsgd"):
       r = go(f"slow{s}", a, hetero(s))
-      rows.append([f"worker {slow[0]} {s}x slower", a, r["window_throughput"] / ar["window_throughput"],
-                   analysis.limit(n, s), (s, slow, 0.0, 0.0), r])
+      rows.append(
+        [
+          f"worker {slow[0]} {s}x slower",
+          a,
+          r["window_throughput"] / ar["window_throughput"],
+          analysis.limit(n, s),
+          (s, slow, 0.0, 0.0),
+          r,
+        ]
+      )
   if "moving" in scenarios:
     mv = [*hetero(5, (0,)), f"--config.hetero.rotate_every={rotate_every}"]
     ar = go("moving", "allreduce", mv, ar_steps)
     r = go("moving", "ripples_smart", mv, 2 * steps)
-    rows.append([f"moving, s=5 every {rotate_every:g} s", "ripples_smart",
-                 r["window_throughput"] / ar["window_throughput"], analysis.limit(n, 5),
-                 (5, (0,), rotate_every, 0.0), r])
-    analysis.lines({"ripples_smart": rate_over_time(r), "allreduce": rate_over_time(ar)},
-                   os.path.join(out_dir, "moving_straggler.png"),
-                   f"{n} processes, the 5x straggler moves every {rotate_every:g} s (dotted)",
-                   "wall-clock time (s)", "worker steps / s (0.5 s bins)",
-                   vlines=np.arange(rotate_every, 120, rotate_every))
+    rows.append(
+      [
+        f"moving, s=5 every {rotate_every:g} s",
+        "ripples_smart",
+        r["window_throughput"] / ar["window_throughput"],
+        analysis.limit(n, 5),
+        (5, (0,), rotate_every, 0.0),
+        r,
+      ]
+    )
+    analysis.lines(
+      {"ripples_smart": rate_over_time(r), "allreduce": rate_over_time(ar)},
+      os.path.join(out_dir, "moving_straggler.png"),
+      f"{n} processes, the 5x straggler moves every {rotate_every:g} s (dotted)",
+      "wall-clock time (s)",
+      "worker steps / s (0.5 s bins)",
+      vlines=np.arange(rotate_every, 120, rotate_every),
+    )
   if "random" in scenarios:
     rp = ["--config.hetero.random_p=0.2", "--config.hetero.slowdown=5"]
     ar = go("random", "allreduce", rp, ar_steps)
-    for a, extra in (("ripples_smart", ()), ("adpsgd", ()), ("adpsgd", ("--config.runtime.adpsgd_passive=blocking",))):
+    for a, extra in (
+      ("ripples_smart", ()),
+      ("adpsgd", ()),
+      ("adpsgd", ("--config.runtime.adpsgd_passive=blocking",)),
+    ):
       r = go("random", a, [*rp, *extra])
-      rows.append(["random p=0.2, s=5", a + (" (blocking)" if extra else ""),
-                   r["window_throughput"] / ar["window_throughput"], None,
-                   None if extra else (5, (), 0.0, 0.2), r])
+      rows.append(
+        [
+          "random p=0.2, s=5",
+          a + (" (blocking)" if extra else ""),
+          r["window_throughput"] / ar["window_throughput"],
+          None,
+          None if extra else (5, (), 0.0, 0.2),
+          r,
+        ]
+      )
   if "passive" in scenarios:
     out["passive_5x"] = {}
     for mode in ("concurrent", "blocking"):
       r = go("passive", "adpsgd", [*hetero(5, (0,)), f"--config.runtime.adpsgd_passive={mode}"])
       fast = [w for w in range(n) if w != 0]
-      out["passive_5x"][mode] = {"fast_wait_fraction": wait_fraction(r, fast),
-                                 "throughput": r["window_throughput"]}
+      out["passive_5x"][mode] = {
+        "fast_wait_fraction": wait_fraction(r, fast),
+        "throughput": r["window_throughput"],
+      }
   if "ckpt" in scenarios:
     # Off and on alternate, `ckpt_repeats` times each: run-to-run noise here is a few percent.
     every = max(1, int(round(3.0 / step_time)))  # a marker about every 3 s
     offs, ons = [], []
     for i in range(ckpt_repeats):
       offs.append(go(f"ckpt{i}", "ripples_smart")["window_throughput"])
-      on = go(f"ckpt{i}", "ripples_smart", [f"--config.runtime.checkpoint_every={every}",
-                                            "--config.runtime.checkpoint_keep=100"])
+      on = go(
+        f"ckpt{i}",
+        "ripples_smart",
+        [f"--config.runtime.checkpoint_every={every}", "--config.runtime.checkpoint_keep=100"],
+      )
       ons.append(on["window_throughput"])
     costs = [1 - b / a for a, b in zip(offs, ons)]
-    out["checkpoint"] = {"every_steps": every, "off": offs, "on": ons, "cost_per_pair": costs,
-                         "cost_median": float(np.median(costs)),
-                         "cost_of_medians": 1 - float(np.median(ons)) / float(np.median(offs)),
-                         "markers_saved": len(os.listdir(os.path.join(on["workdir"], "ckpt", "0")))}
+    out["checkpoint"] = {
+      "every_steps": every,
+      "off": offs,
+      "on": ons,
+      "cost_per_pair": costs,
+      "cost_median": float(np.median(costs)),
+      "cost_of_medians": 1 - float(np.median(ons)) / float(np.median(offs)),
+      "markers_saved": len(os.listdir(os.path.join(on["workdir"], "ckpt", "0"))),
+    }
   for r in [x for x in res.values() if x["request_rtt"]["count"]]:
     rtts.append(r["request_rtt"]["median_ms"] / 1e3)
   rtt = float(np.median(rtts)) if rtts else 0.0
   out["request_rtt_median_s"] = rtt
-  homogeneous = [v for k, v in res.items() if k[0] == "homogeneous" and k[1] in ("allreduce", "ripples_smart")]
+  homogeneous = [
+    v for k, v in res.items() if k[0] == "homogeneous" and k[1] in ("allreduce", "ripples_smart")
+  ]
   alpha = fit_alpha(homogeneous or list(res.values()))
   out["fitted_alpha_s"] = alpha
-  out["request_rtt"] = {f"{k[0]}/{k[1]}": v["request_rtt"] for k, v in res.items() if v["request_rtt"]["count"]}
+  out["request_rtt"] = {
+    f"{k[0]}/{k[1]}": v["request_rtt"] for k, v in res.items() if v["request_rtt"]["count"]
+  }
   table_rows = []
   for name, a, ratio, limit, sim_args, r in rows:
     pred = None
     if sim_args is not None:
       s, sl, rot, p = sim_args
-      pred = (predict(n, a, s, sl, base, jitter, rtt, alpha, rot, p)
-              / predict(n, "allreduce", s, sl, base, jitter, rtt, alpha, rot, p))
+      pred = predict(n, a, s, sl, base, jitter, rtt, alpha, rot, p) / predict(
+        n, "allreduce", s, sl, base, jitter, rtt, alpha, rot, p
+      )
     elif name == "homogeneous":
-      pred = (predict(n, a, 1.0, (), base, jitter, rtt, alpha)
-              / predict(n, "allreduce", 1.0, (), base, jitter, rtt, alpha))
+      pred = predict(n, a, 1.0, (), base, jitter, rtt, alpha) / predict(
+        n, "allreduce", 1.0, (), base, jitter, rtt, alpha
+      )
     err = None if pred is None else (pred - ratio) / ratio
-    out.setdefault("ratios", {})[f"{name}/{a}"] = {"measured": ratio, "limit": limit, "predicted": pred,
-                                                  "error": err, "requests": r["requests"],
-                                                  "wait_fraction": float(np.sum(r["wait_time"]) / (n * r["time"]))}
-    table_rows.append([name, a, f"{ratio:.2f}x", f"{limit:.2f}x" if limit else "-",
-                       f"{ratio / limit:.2f}" if limit else "-", f"{pred:.2f}x" if pred else "-",
-                       f"{100 * err:+.1f}%" if err is not None else "-"])
-  md = Table(["scenario", "algorithm", "measured vs All-Reduce", "limit", "of limit", "simulator predicts",
-              "prediction error"], table_rows)
+    out.setdefault("ratios", {})[f"{name}/{a}"] = {
+      "measured": ratio,
+      "limit": limit,
+      "predicted": pred,
+      "error": err,
+      "requests": r["requests"],
+      "wait_fraction": float(np.sum(r["wait_time"]) / (n * r["time"])),
+    }
+    table_rows.append(
+      [
+        name,
+        a,
+        f"{ratio:.2f}x",
+        f"{limit:.2f}x" if limit else "-",
+        f"{ratio / limit:.2f}" if limit else "-",
+        f"{pred:.2f}x" if pred else "-",
+        f"{100 * err:+.1f}%" if err is not None else "-",
+      ]
+    )
+  md = Table(
+    [
+      "scenario",
+      "algorithm",
+      "measured vs All-Reduce",
+      "limit",
+      "of limit",
+      "simulator predicts",
+      "prediction error",
+    ],
+    table_rows,
+  )
   with open(os.path.join(out_dir, "table.md"), "w") as f:
     f.write(str(md) + "\n")
   print(md)
@@ -238,8 +327,16 @@ def run(out_dir="results/online", n=4, steps=150, ar_steps=40, step_time=0.1, ro
 
 def main(argv):
   del argv
-  out = run(FLAGS.out, FLAGS.num_processes, FLAGS.steps, FLAGS.ar_steps, FLAGS.step_time, FLAGS.rotate_every,
-            FLAGS.scenarios, FLAGS.ckpt_repeats)
+  out = run(
+    FLAGS.out,
+    FLAGS.num_processes,
+    FLAGS.steps,
+    FLAGS.ar_steps,
+    FLAGS.step_time,
+    FLAGS.rotate_every,
+    FLAGS.scenarios,
+    FLAGS.ckpt_repeats,
+  )
   if FLAGS.json_out:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
     with open(FLAGS.json_out, "w") as f:

@@ -5,6 +5,7 @@ r"""Throughput of the clock and schedulers alone (no numerics): events per secon
 Times timeline.simulate and pack_rounds per algorithm. Target: at least 100,000 events/s for every
 algorithm.
 """
+
 import time
 
 import numpy as np
@@ -44,8 +45,16 @@ def run(workers=(16, 256), steps: int = 2000, config_fn=make_config) -> Table:
       t = time.perf_counter()
       rounds = sum(1 for _ in timeline.pack_rounds(trace.events, n, n + 1))
       dp = time.perf_counter() - t
-      rows.append([n, algorithm, len(trace.events), f"{len(trace.events) / dt:,.0f}", rounds,
-                   f"{len(trace.events) / dp:,.0f}"])
+      rows.append(
+        [
+          n,
+          algorithm,
+          len(trace.events),
+          f"{len(trace.events) / dt:,.0f}",
+          rounds,
+          f"{len(trace.events) / dp:,.0f}",
+        ]
+      )
   header = ["workers", "algorithm", "events", "clock events/s", "engine rounds", "packing events/s"]
   return Table(header, rows)
 

@@ -1,4 +1,5 @@
 """Side-by-side timing on a noisy shared machine: interleave the variants, report medians and ratios."""
+
 import time
 
 from ripples_jax.pipeline.timing import time_interleaved  # noqa: F401  (one definition, shared)

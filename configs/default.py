@@ -10,28 +10,38 @@ All-Reduce with the same config within 1 point (WORKSPACE.md has the measured nu
 Variants (`:k=v,...`): algorithm, executor, num_workers, dataset, model, layout, steps.
 A rerun with the same --workdir resumes from the newest checkpoint (every `checkpoint_every` steps).
 """
-from ripples_jax.config import parse_arg
+
 import ml_collections
+
+from ripples_jax.config import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, algorithm="ripples_static", executor="spmd", num_workers=8, dataset="mnist1d", model="cnn1d",
-                  layout="node", steps=4000)
+  arg = parse_arg(
+    arg,
+    algorithm="ripples_static",
+    executor="spmd",
+    num_workers=8,
+    dataset="mnist1d",
+    model="cnn1d",
+    layout="node",
+    steps=4000,
+  )
   c = ml_collections.ConfigDict()
-  c.algorithm = arg.algorithm      # allreduce | ripples_static
-  c.executor = arg.executor        # spmd: lockstep on the device mesh | sim: event-driven, virtual time
-                                   # | async: one process per worker (experiments.launch, --jax_distributed)
+  c.algorithm = arg.algorithm  # allreduce | ripples_static
+  c.executor = arg.executor  # spmd: lockstep on the device mesh | sim: event-driven, virtual time
+  # | async: one process per worker (experiments.launch, --jax_distributed)
   c.num_workers = arg.num_workers
   c.seed = 0
 
-  c.dataset = arg.dataset          # mnist1d | digits | cifar10 | synthetic
-  c.data_dir = ""                  # cifar10: the local batches; mnist1d: cache dir ("" = default)
-  c.data_sharding = "iid"          # iid | noniid (label-skewed)
-  c.model = arg.model              # mlp | cnn1d | cnn2d | resnet20 | resnet56
-  c.batch_size = 32                # per worker
+  c.dataset = arg.dataset  # mnist1d | digits | cifar10 | synthetic
+  c.data_dir = ""  # cifar10: the local batches; mnist1d: cache dir ("" = default)
+  c.data_sharding = "iid"  # iid | noniid (label-skewed)
+  c.model = arg.model  # mlp | cnn1d | cnn2d | resnet20 | resnet56
+  c.batch_size = 32  # per worker
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "momentum"    # sgd | momentum | nesterov | adam
+  c.optimizer.name = "momentum"  # sgd | momentum | nesterov | adam
   c.optimizer.lr = 0.1
   c.optimizer.momentum = 0.9
   c.optimizer.weight_decay = 5e-4
@@ -39,55 +49,55 @@ def get_config(arg=None):
   c.optimizer.warmup_steps = 50
 
   c.schedule = ml_collections.ConfigDict()
-  c.schedule.layout = arg.layout   # node (the authors' Static GG) | hypercube
+  c.schedule.layout = arg.layout  # node (the authors' Static GG) | hypercube
   c.schedule.workers_per_node = 4
   c.schedule.hypercube_group_size = 2
-  c.schedule.group_size = 3        # Random GG, Group Division, Smart GG
+  c.schedule.group_size = 3  # Random GG, Group Division, Smart GG
   c.schedule.smart_tolerance = 0.5  # Smart GG: sync with workers ready within this x own step time
-  c.schedule.smart_max_gap = 4      # Smart GG: at most this many skipped syncs in a row
-  c.schedule.request_ahead = True   # online GG: request the next group when a step starts (overlap)
-  c.preduce_impl = "auto"          # auto | collective (one worker per device) | segment
+  c.schedule.smart_max_gap = 4  # Smart GG: at most this many skipped syncs in a row
+  c.schedule.request_ahead = True  # online GG: request the next group when a step starts (overlap)
+  c.preduce_impl = "auto"  # auto | collective (one worker per device) | segment
 
   # executor=sim and async: heterogeneity and the clock (docs/design.md 3.5, 3.1; async plans with the clock).
   c.hetero = ml_collections.ConfigDict()
-  c.hetero.slow_workers = ()       # worker ids, e.g. --config.hetero.slow_workers='(3,)'
-  c.hetero.slowdown = 1.0          # a slow step takes this many times the base step
-  c.hetero.random_p = 0.0          # or: every worker slowed with this probability per step
-  c.hetero.jitter = 0.0            # lognormal sigma of every step time
-  c.hetero.rotate_every = 0.0      # seconds: the slow worker moves to the next id this often (0: stays)
+  c.hetero.slow_workers = ()  # worker ids, e.g. --config.hetero.slow_workers='(3,)'
+  c.hetero.slowdown = 1.0  # a slow step takes this many times the base step
+  c.hetero.random_p = 0.0  # or: every worker slowed with this probability per step
+  c.hetero.jitter = 0.0  # lognormal sigma of every step time
+  c.hetero.rotate_every = 0.0  # seconds: the slow worker moves to the next id this often (0: stays)
   c.timeline = ml_collections.ConfigDict()
-  c.timeline.compute_time = 0.01   # virtual seconds per base step (0: measure the real jitted step)
-  c.timeline.alpha = 5e-6          # per-message latency, s
-  c.timeline.bandwidth = 1.25e9    # bytes/s per link (10 Gb/s)
+  c.timeline.compute_time = 0.01  # virtual seconds per base step (0: measure the real jitted step)
+  c.timeline.alpha = 5e-6  # per-message latency, s
+  c.timeline.bandwidth = 1.25e9  # bytes/s per link (10 Gb/s)
   c.timeline.ps_bandwidth = 1.25e9  # the parameter server's link
-  c.timeline.model_bytes = 0.0     # 0: the model's real float32 bytes
-  c.timeline.request_rtt = 0.0     # seconds a request to the Group Generator takes to be answered
+  c.timeline.model_bytes = 0.0  # 0: the model's real float32 bytes
+  c.timeline.request_rtt = 0.0  # seconds a request to the Group Generator takes to be answered
   c.timeline.adpsgd_serial = True  # AD-PSGD's cost parts (timeline.AdpsgdCost): a passive worker serves
   c.timeline.adpsgd_fixed_cost = 0.0  # one average at a time; seconds added to every average; the
   c.timeline.adpsgd_passive_blocks = False  # passive worker's compute pauses while it serves
-  c.time_budget = 0.0              # virtual seconds; 0: run num_steps x num_workers worker steps
-  c.target_accuracy = 0.0          # summary.json reports time_to_target when set
+  c.time_budget = 0.0  # virtual seconds; 0: run num_steps x num_workers worker steps
+  c.target_accuracy = 0.0  # summary.json reports time_to_target when set
 
   # executor=async only: the multi-process runtime (ripples_jax/runtime).
   c.runtime = ml_collections.ConfigDict()
-  c.runtime.step_time = 0.0        # pad every real step to at least this many seconds (0: no padding)
-  c.runtime.warmup_steps = 3       # timed steps before the run: the first step-time estimate
+  c.runtime.step_time = 0.0  # pad every real step to at least this many seconds (0: no padding)
+  c.runtime.warmup_steps = 3  # timed steps before the run: the first step-time estimate
   c.runtime.adpsgd_passive = "concurrent"  # AD-PSGD's passive side: concurrent (a communication
-                                   # thread, as published) | blocking (between its own steps)
+  # thread, as published) | blocking (between its own steps)
   c.runtime.heartbeat_s = 1.0
   c.runtime.heartbeat_timeout = 15.0  # no heartbeat from a worker for this long: it is lost
-  c.runtime.stall_timeout = 40.0   # no worker completes anything for this long: the run is stuck
+  c.runtime.stall_timeout = 40.0  # no worker completes anything for this long: the run is stuck
   c.runtime.checkpoint_every = 80  # a checkpoint marker every this many steps per worker (0: none)
   c.runtime.checkpoint_keep = 3
-  c.runtime.cache_size = 64        # compiled P-Reduce programs kept (one per member set)
-  c.runtime.fail_worker = -1       # fault injection: this worker SIGKILLs itself before local step
-  c.runtime.fail_step = 0          #   fail_step, once its newest checkpoint has committed (-1: never)
+  c.runtime.cache_size = 64  # compiled P-Reduce programs kept (one per member set)
+  c.runtime.fail_worker = -1  # fault injection: this worker SIGKILLs itself before local step
+  c.runtime.fail_step = 0  #   fail_step, once its newest checkpoint has committed (-1: never)
 
   c.num_steps = arg.steps
   c.log_every = 50
   c.eval_every = 500
-  c.checkpoint_every = 1000        # steps between orbax checkpoints (0: none); a rerun resumes
+  c.checkpoint_every = 1000  # steps between orbax checkpoints (0: none); a rerun resumes
   c.checkpoint_keep = 2
-  c.profile_steps = ""             # "a:b": a jax.profiler trace of steps [a, b) in WORKDIR/profile (spmd)
-  c.on_config_change = "refuse"    # a rerun whose workdir holds another config: refuse | new | force
+  c.profile_steps = ""  # "a:b": a jax.profiler trace of steps [a, b) in WORKDIR/profile (spmd)
+  c.on_config_change = "refuse"  # a rerun whose workdir holds another config: refuse | new | force
   return c

@@ -21,27 +21,37 @@ Expected (2-core CPU, ~15-25 s a run on MNIST-1D; measured, WORKSPACE.md section
   stages; `modeled_time`, results/dsp/table.md) are modeled, not measured.
 Variants (`:k=v,...`): method, num_stages, mode, delay, dataset, model, epochs.
 """
+
 import ml_collections
 
 from ripples_jax.config import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, method="dsp", num_stages=2, mode="recompute", delay=1, dataset="mnist1d",
-                  model="cnn1d", epochs=120, microbatches=4)
+  arg = parse_arg(
+    arg,
+    method="dsp",
+    num_stages=2,
+    mode="recompute",
+    delay=1,
+    dataset="mnist1d",
+    model="cnn1d",
+    epochs=120,
+    microbatches=4,
+  )
   c = ml_collections.ConfigDict()
-  c.method = arg.method            # bp | gpipe | ddg | fr | dni | dsp
-  c.num_stages = arg.num_stages    # K
-  c.mode = arg.mode                # recompute (DSP) | stash (the version the forward used); per_process
-                                   # also: fused (one forward call over the new and the replayed batch),
-                                   # residuals (the forward's vjp residuals kept: no recompute; stash's numerics)
-  c.delay = arg.delay              # d_k of every link (DSP); 0 makes DSP equal BP
+  c.method = arg.method  # bp | gpipe | ddg | fr | dni | dsp
+  c.num_stages = arg.num_stages  # K
+  c.mode = arg.mode  # recompute (DSP) | stash (the version the forward used); per_process
+  # also: fused (one forward call over the new and the replayed batch),
+  # residuals (the forward's vjp residuals kept: no recompute; stash's numerics)
+  c.delay = arg.delay  # d_k of every link (DSP); 0 makes DSP equal BP
   c.microbatches = arg.microbatches  # GPipe's M
-  c.chunks = 1                     # per_process, residual calls (bp, ddg, dsp mode=residuals): the batch
-                                   # computed as this many chunks, one vjp each; same numerics up to float
-                                   # order, faster per example on a CPU (cache)
-  c.placement = "one_device"       # one_device | per_stage (one stage per device) | per_process
-                                   # (stage k in process k: experiments.launch --module=experiments.train_dsp)
+  c.chunks = 1  # per_process, residual calls (bp, ddg, dsp mode=residuals): the batch
+  # computed as this many chunks, one vjp each; same numerics up to float
+  # order, faster per example on a CPU (cache)
+  c.placement = "one_device"  # one_device | per_stage (one stage per device) | per_process
+  # (stage k in process k: experiments.launch --module=experiments.train_dsp)
   c.seed = 0
 
   c.dataset = arg.dataset
@@ -57,12 +67,12 @@ def get_config(arg=None):
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "momentum"
-  c.optimizer.lr = 0.02            # the staleness bound grows with step size: 0.05 diverges at K=4
+  c.optimizer.lr = 0.02  # the staleness bound grows with step size: 0.05 diverges at K=4
   c.optimizer.momentum = 0.9
   c.optimizer.weight_decay = 5e-4
   c.optimizer.lr_schedule = "cosine"
   c.optimizer.warmup_steps = 50
-  c.dni_lr = 0.01                  # DNI: the synthetic-gradient predictors' step size (plain SGD)
+  c.dni_lr = 0.01  # DNI: the synthetic-gradient predictors' step size (plain SGD)
 
   # The straggler experiment of the timing model: stage `straggler_stage` slowed by `slowdown`
   # (or every stage with probability `straggler_p` per iteration).
@@ -72,17 +82,17 @@ def get_config(arg=None):
 
   # placement=per_process: the watchdog (a dead stage is named), core pinning, fault injection.
   c.runtime = ml_collections.ConfigDict()
-  c.runtime.pin_cores = True       # stage k on core k mod the cores this process may use
+  c.runtime.pin_cores = True  # stage k on core k mod the cores this process may use
   c.runtime.heartbeat_s = 1.0
   c.runtime.heartbeat_timeout = 15.0
   c.runtime.stall_timeout = 60.0
-  c.runtime.fail_stage = -1        # fault injection: this stage SIGKILLs itself before tick fail_tick,
-  c.runtime.fail_tick = 0          #   once its newest checkpoint has committed (-1: never)
+  c.runtime.fail_stage = -1  # fault injection: this stage SIGKILLs itself before tick fail_tick,
+  c.runtime.fail_tick = 0  #   once its newest checkpoint has committed (-1: never)
 
   c.num_epochs = arg.epochs
-  c.log_every = 50                 # batches
+  c.log_every = 50  # batches
   c.eval_every = 500
-  c.checkpoint_every = 2000        # batches between orbax checkpoints (0: none); a rerun resumes
+  c.checkpoint_every = 2000  # batches between orbax checkpoints (0: none); a rerun resumes
   c.checkpoint_keep = 2
-  c.on_config_change = "refuse"    # a rerun whose workdir holds another config: refuse | new | force
+  c.on_config_change = "refuse"  # a rerun whose workdir holds another config: refuse | new | force
   return c

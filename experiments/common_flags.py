@@ -10,6 +10,7 @@ Bad input ends the process with one line on stderr, `error: <key, path or value>
 Exit codes: EXIT_BAD_INPUT (2) for input that is not allowed, EXIT_DIVERGED (3) for the NaN stop,
 EXIT_IO (74, sysexits' EX_IOERR) when the file system fails under a running run (a full disk).
 """
+
 import errno
 import importlib.util
 import os
@@ -20,10 +21,10 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from ripples_jax.errors import ConfigError
-from ripples_jax.data import DatasetError
 from ripples_jax import runlog
+from ripples_jax.data import DatasetError
 from ripples_jax.distributed.host import init_distributed, quiet_library_logs, use_cpu_devices
+from ripples_jax.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -37,8 +38,11 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the j
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (default: JAX's).")
 _LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "This process's GPUs (default: JAX's).")
 _VERBOSE_LIBRARIES = flags.DEFINE_bool(
-    "verbose_libraries", False, "Show other libraries' INFO log lines (orbax, jax) and the tracebacks of "
-    "their warnings on the console (by default only their warnings and errors, one line each).")
+  "verbose_libraries",
+  False,
+  "Show other libraries' INFO log lines (orbax, jax) and the tracebacks of "
+  "their warnings on the console (by default only their warnings and errors, one line each).",
+)
 
 _CONFIG_NAME = "config"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +66,9 @@ def exit_distributed(code: int, shutdown_s: float = 10.0):
   joins them before exiting."""
   import logging as std_logging
   import threading
+
   import jax
+
   done = threading.Event()
 
   def wait():
@@ -71,6 +77,7 @@ def exit_distributed(code: int, shutdown_s: float = 10.0):
     except Exception:  # noqa: BLE001  the others may be gone: nothing left to say goodbye to
       pass
     done.set()
+
   threading.Thread(target=wait, daemon=True).start()
   done.wait(shutdown_s)
   std_logging.shutdown()
@@ -88,7 +95,8 @@ def config_flag(default_file: str):
     # Without --config on the command line, ml_collections loads the default (and applies the
     # --config.* overrides) right here, at definition time.
     return config_flags.DEFINE_config_file(
-        _CONFIG_NAME, path, "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True)
+      _CONFIG_NAME, path, "Config file, optionally with ':k=v,...' variant arguments.", lock_config=True
+    )
   except Exception as e:  # noqa: BLE001  any failure here comes from the command line or the config file
     fail(describe_flag_error(e, sys.argv))
 
@@ -102,8 +110,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   except Exception as e:  # noqa: BLE001  ml_collections raises KeyError, AttributeError, IOError, ...
     fail(describe_flag_error(e, argv))
   if len(rest) > 1:
-    fail(f"{rest[1]!r}: a positional argument is not allowed: flags only, e.g. "
-         f"--config={_config_spec(argv)}:k=v,... or --config.key=value")
+    fail(
+      f"{rest[1]!r}: a positional argument is not allowed: flags only, e.g. "
+      f"--config={_config_spec(argv)}:k=v,... or --config.key=value"
+    )
   if _CONFIG_NAME in flags.FLAGS:
     config = flags.FLAGS[_CONFIG_NAME].value
     if not isinstance(config, ml_collections.ConfigDict):  # ml_collections defers a load failure
@@ -131,8 +141,8 @@ def shipped_configs(argv: list[str]) -> list[str]:
   for arg in argv:
     for prefix in (f"--{_CONFIG_NAME}=", f"-{_CONFIG_NAME}="):
       if arg.startswith(prefix):
-        path, sep, variant = arg[len(prefix):].partition(":")
-        name = path[len("configs/"):] if path.startswith("configs/") else None
+        path, sep, variant = arg[len(prefix) :].partition(":")
+        name = path[len("configs/") :] if path.startswith("configs/") else None
         if name and not os.path.exists(path) and os.path.isfile(os.path.join(shipped, name)):
           arg = prefix + os.path.normpath(os.path.join(shipped, name)) + sep + variant
     out.append(arg)
@@ -145,7 +155,7 @@ def _config_spec(argv) -> str:
   for i, arg in enumerate(argv):
     for prefix in (f"--{_CONFIG_NAME}=", f"-{_CONFIG_NAME}="):
       if arg.startswith(prefix):
-        spec = arg[len(prefix):]
+        spec = arg[len(prefix) :]
     if arg in (f"--{_CONFIG_NAME}", f"-{_CONFIG_NAME}") and i + 1 < len(argv):
       spec = argv[i + 1]
   return spec
@@ -155,12 +165,17 @@ def _overrides(argv):
   """[(dotted key, value text)] of every --config.key=value (or --config.key value, --[no]config.key)."""
   out = []
   for i, arg in enumerate(argv):
-    for prefix, implied in ((f"--{_CONFIG_NAME}.", None), (f"-{_CONFIG_NAME}.", None),
-                            (f"--no{_CONFIG_NAME}.", "False")):
+    for prefix, implied in (
+      (f"--{_CONFIG_NAME}.", None),
+      (f"-{_CONFIG_NAME}.", None),
+      (f"--no{_CONFIG_NAME}.", "False"),
+    ):
       if arg.startswith(prefix):
-        key, eq, value = arg[len(prefix):].partition("=")
+        key, eq, value = arg[len(prefix) :].partition("=")
         if not eq:
-          value = implied or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "True")
+          value = implied or (
+            argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "True"
+          )
         out.append((key, value))
         break
   return out
@@ -175,8 +190,7 @@ def _chain(e):
   return seen
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "True or False",
-               tuple: "a tuple"}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "True or False", tuple: "a tuple"}
 
 
 def describe_flag_error(e: BaseException, argv) -> str:
@@ -189,8 +203,10 @@ def describe_flag_error(e: BaseException, argv) -> str:
   path = spec.split(":", 1)[0]
   if not os.path.isfile(path):
     what = "a folder" if os.path.isdir(path) else "no such file"
-    return (f"--config: {path!r} is not allowed: {what}; a python file defining get_config(arg), "
-            f"e.g. {_default_config or 'configs/default.py'}")
+    return (
+      f"--config: {path!r} is not allowed: {what}; a python file defining get_config(arg), "
+      f"e.g. {_default_config or 'configs/default.py'}"
+    )
   try:
     config = _load_config(spec)
     config.keys()
@@ -201,20 +217,30 @@ def describe_flag_error(e: BaseException, argv) -> str:
     node, where = config, _CONFIG_NAME
     for part in key.split("."):
       if not isinstance(node, ml_collections.ConfigDict):
-        return (f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: {where} is a value "
-                f"({type(node).__name__}), not a group of keys")
+        return (
+          f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: {where} is a value "
+          f"({type(node).__name__}), not a group of keys"
+        )
       if part not in node:
         keys = ", ".join(sorted(node.keys()))
-        return f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: {where} has no key {part!r} (its keys: {keys})"
+        return (
+          f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: {where} has no key {part!r} (its keys: {keys})"
+        )
       node, where = node[part], f"{where}.{part}"
     if any(str(x).startswith(f"flag --{_CONFIG_NAME}.{key}=") for x in chain):  # absl: a bad value
       kind = type(node)
-      return (f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: "
-              f"{_TYPE_NAMES.get(kind, kind.__name__)} like its default {node!r}")
-  if any(type(x).__name__ == "FlagOrderError" for x in chain):  # ml_collections: overrides come after --config
+      return (
+        f"{_CONFIG_NAME}.{key}: {value!r} is not allowed: "
+        f"{_TYPE_NAMES.get(kind, kind.__name__)} like its default {node!r}"
+      )
+  if any(
+    type(x).__name__ == "FlagOrderError" for x in chain
+  ):  # ml_collections: overrides come after --config
     first = next((a for a in argv[1:] if a.startswith(f"--{_CONFIG_NAME}.")), "--config.<key>")
-    return (f"{first}: an override before --{_CONFIG_NAME} is not allowed: --{_CONFIG_NAME}=<file> first, "
-            f"then --{_CONFIG_NAME}.<key>=<value>")
+    return (
+      f"{first}: an override before --{_CONFIG_NAME} is not allowed: --{_CONFIG_NAME}=<file> first, "
+      f"then --{_CONFIG_NAME}.<key>=<value>"
+    )
   if isinstance(e, flags.Error):  # absl's own messages are one line: an unknown flag, a bad value
     return str(e).splitlines()[0] if str(e) else type(e).__name__
   root = chain[-1]
@@ -249,8 +275,10 @@ def check_workdir(workdir: str | None) -> None:
     os.close(fd)
     os.remove(tmp)
   except OSError as e:
-    fail(f"--workdir: {shown!r} is not allowed: {probe} is not writable ({e.strerror}); a folder this "
-         "process can write")
+    fail(
+      f"--workdir: {shown!r} is not allowed: {probe} is not writable ({e.strerror}); a folder this "
+      "process can write"
+    )
 
 
 def set_up_host() -> None:
@@ -292,5 +320,7 @@ def _storage_error(message: str):
 def describe_os_error(path, code, strerror) -> str:
   name = errno.errorcode.get(code, "") if code else ""
   where = f"{path}: " if path else ""
-  return (f"{where}{strerror}" + (f" ({name})" if name else "") + "; the files the run wrote so far are "
-          "kept: fix this and rerun the same command to resume from the newest checkpoint")
+  return (
+    f"{where}{strerror}" + (f" ({name})" if name else "") + "; the files the run wrote so far are "
+    "kept: fix this and rerun the same command to resume from the newest checkpoint"
+  )

@@ -1,7 +1,8 @@
 r"""Accuracy of the pipeline methods on MNIST-1D (CNN1D), each at its best step size from one shared grid.
 
   python -m experiments.dsp_accuracy --out_dir=results/dsp_accuracy
-  python -m experiments.dsp_accuracy --epochs=2 --lrs=0.02 --seeds=0 --methods=bp,dsp --out_dir=/tmp/q  # quick
+  python -m experiments.dsp_accuracy --epochs=2 --lrs=0.02 --seeds=0 --methods=bp,dsp --out_dir=/tmp/q  #
+  quick
 
 Every (K, method, lr, seed) of the grid is one run of configs/dsp.py; `dsp_stash` is method=dsp with
 mode=stash. Writes into out_dir: runs.json (one entry per run, written after every run; a rerun skips
@@ -10,6 +11,7 @@ test accuracy over the seeds, a diverged seed counting as 0; mean, min-max and s
 train and test loss, the difference to BP's best) and lr_grid.png (mean test accuracy against lr, one
 panel per K). Run folders live under --run_dir and are deleted once their numbers are read.
 """
+
 import json
 import math
 import os
@@ -20,10 +22,10 @@ import time
 import numpy as np
 from absl import app, flags
 
-from ripples_jax.tables import markdown_table
 from configs import dsp as dsp_config
 from ripples_jax import run as run_lib
 from ripples_jax.distributed.host import quiet_library_logs
+from ripples_jax.tables import markdown_table
 
 METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp", "dsp_stash")
 TRAIN_LOSS_RECORDS = 5  # final train loss: the mean of the last 5 records (each the mean of 50 batches)
@@ -50,12 +52,13 @@ def _run(base, run_dir, name, **overrides):
   losses = [r["train_loss"] for r in records if r.get("train_loss") is not None]
   nan = float("nan")
   return {
-      "diverged": diverged is not None, "diverged_message": diverged,
-      "final_test_accuracy": nan if diverged or not evals else evals[-1]["test_accuracy"],
-      "final_test_loss": nan if diverged or not evals else evals[-1]["test_loss"],
-      "final_train_loss": (nan if diverged or not losses
-                           else float(np.mean(losses[-TRAIN_LOSS_RECORDS:]))),
-      "last_epoch": records[-1]["epoch"] if records else nan, "wall_s": wall,
+    "diverged": diverged is not None,
+    "diverged_message": diverged,
+    "final_test_accuracy": nan if diverged or not evals else evals[-1]["test_accuracy"],
+    "final_test_loss": nan if diverged or not evals else evals[-1]["test_loss"],
+    "final_train_loss": (nan if diverged or not losses else float(np.mean(losses[-TRAIN_LOSS_RECORDS:]))),
+    "last_epoch": records[-1]["epoch"] if records else nan,
+    "wall_s": wall,
   }
 
 
@@ -82,13 +85,24 @@ def run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs) 
           key = _run_name(K, name, lr, seed)
           if key in runs and runs[key]["epochs"] == epochs:
             continue
-          r = _run(base, run_dir, key, method=method, mode=mode, num_stages=K, seed=seed,
-                   num_epochs=epochs, **{"optimizer.lr": lr})
+          r = _run(
+            base,
+            run_dir,
+            key,
+            method=method,
+            mode=mode,
+            num_stages=K,
+            seed=seed,
+            num_epochs=epochs,
+            **{"optimizer.lr": lr},
+          )
           runs[key] = {"K": K, "method": name, "lr": lr, "seed": seed, "epochs": epochs, **r}
           _save(path, runs)
-          print(f"{key}: test acc {r['final_test_accuracy']:.4f} test loss {r['final_test_loss']:.4f} "
-                f"train loss {r['final_train_loss']:.4f} diverged {r['diverged']} ({r['wall_s']:.0f} s)",
-                flush=True)
+          print(
+            f"{key}: test acc {r['final_test_accuracy']:.4f} test loss {r['final_test_loss']:.4f} "
+            f"train loss {r['final_train_loss']:.4f} diverged {r['diverged']} ({r['wall_s']:.0f} s)",
+            flush=True,
+          )
   return runs
 
 
@@ -108,18 +122,27 @@ def summarise(runs, stage_counts, methods, lrs, seeds, epochs) -> dict:
         ok = [r for r in rs if not r["diverged"]]
         acc = [0.0 if r["diverged"] else r["final_test_accuracy"] for r in rs]
         per_lr[lr] = {
-            "mean_test_accuracy": float(np.mean(acc)), "test_accuracy": acc,
-            "min": float(min(acc)), "max": float(max(acc)), "std": _std(acc),
-            "diverged_seeds": [r["seed"] for r in rs if r["diverged"]],
-            "collapsed_seeds": [r["seed"] for r in rs
-                                if not r["diverged"] and r["final_test_accuracy"] < CHANCE],
-            "mean_train_loss": float(np.mean([r["final_train_loss"] for r in ok])) if ok else None,
-            "mean_test_loss": float(np.mean([r["final_test_loss"] for r in ok])) if ok else None,
+          "mean_test_accuracy": float(np.mean(acc)),
+          "test_accuracy": acc,
+          "min": float(min(acc)),
+          "max": float(max(acc)),
+          "std": _std(acc),
+          "diverged_seeds": [r["seed"] for r in rs if r["diverged"]],
+          "collapsed_seeds": [
+            r["seed"] for r in rs if not r["diverged"] and r["final_test_accuracy"] < CHANCE
+          ],
+          "mean_train_loss": float(np.mean([r["final_train_loss"] for r in ok])) if ok else None,
+          "mean_test_loss": float(np.mean([r["final_test_loss"] for r in ok])) if ok else None,
         }
       best = max(lrs, key=lambda lr: per_lr[lr]["mean_test_accuracy"])  # ties: the first (smaller) lr
-      out[f"K{K}_{name}"] = {"K": K, "method": name, "best_lr": best, "best": per_lr[best],
-                             "best_lr_at_grid_edge": best in (min(lrs), max(lrs)),
-                             "per_lr": {f"{lr:g}": v for lr, v in per_lr.items()}}
+      out[f"K{K}_{name}"] = {
+        "K": K,
+        "method": name,
+        "best_lr": best,
+        "best": per_lr[best],
+        "best_lr_at_grid_edge": best in (min(lrs), max(lrs)),
+        "per_lr": {f"{lr:g}": v for lr, v in per_lr.items()},
+      }
   for K in stage_counts:
     bp = out[f"K{K}_bp"]["best"]
     for name in methods:
@@ -128,11 +151,14 @@ def summarise(runs, stage_counts, methods, lrs, seeds, epochs) -> dict:
       diff = b["mean_test_accuracy"] - bp["mean_test_accuracy"]
       combined_std = math.sqrt(b["std"] ** 2 + bp["std"] ** 2)
       combined_half_range = (b["max"] - b["min"]) / 2 + (bp["max"] - bp["min"]) / 2
-      e["vs_bp"] = {"diff_points": 100 * diff, "combined_std_points": 100 * combined_std,
-                    "combined_half_range_points": 100 * combined_half_range,
-                    "exceeds_combined_std": abs(diff) > combined_std,
-                    "exceeds_combined_half_range": abs(diff) > combined_half_range,
-                    "ranges_disjoint": b["min"] > bp["max"] or b["max"] < bp["min"]}
+      e["vs_bp"] = {
+        "diff_points": 100 * diff,
+        "combined_std_points": 100 * combined_std,
+        "combined_half_range_points": 100 * combined_half_range,
+        "exceeds_combined_std": abs(diff) > combined_std,
+        "exceeds_combined_half_range": abs(diff) > combined_half_range,
+        "ranges_disjoint": b["min"] > bp["max"] or b["max"] < bp["min"],
+      }
   return out
 
 
@@ -147,37 +173,64 @@ def _loss(x):
 def markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs) -> str:
   n = len(runs)
   wall = sum(r["wall_s"] for r in runs.values())
-  head = (f"# Pipeline methods at their best step size (MNIST-1D, CNN1D)\n\n"
-          f"Grid: K in {list(stage_counts)}, lr in {list(lrs)}, seeds {list(seeds)}, {epochs} epochs for "
-          f"every run (configs/dsp.py otherwise: momentum 0.9, cosine schedule, 50 warm-up steps, "
-          f"weight decay 5e-4, batch 64, delay 1). {n} runs, {wall / 60:.1f} min of run time, one CPU "
-          f"core.\n\n"
-          f"Best lr = the lr with the highest mean final test accuracy over the {len(seeds)} seeds "
-          f"(a diverged seed counts as 0). Accuracy in %, std with ddof=1. Final train loss = mean of "
-          f"the last {TRAIN_LOSS_RECORDS} train-loss records (each the mean of 50 batches); losses "
-          f"averaged over the non-diverged seeds. vs BP = mean accuracy minus BP's best mean, in "
-          f"points; 'combined std' = sqrt(std_method^2 + std_bp^2); 'combined half-range' = half the "
-          f"method's min-max range plus half BP's. 'div.' = NaN stop (accuracy 0); 'coll.' = finished "
-          f"but collapsed to chance (test accuracy < {100 * CHANCE:.0f}%, loss ln 10; counted at its "
-          f"accuracy). A best lr marked * is at the edge of the grid: that method's optimum may lie "
-          f"outside it.\n")
+  head = (
+    f"# Pipeline methods at their best step size (MNIST-1D, CNN1D)\n\n"
+    f"Grid: K in {list(stage_counts)}, lr in {list(lrs)}, seeds {list(seeds)}, {epochs} epochs for "
+    f"every run (configs/dsp.py otherwise: momentum 0.9, cosine schedule, 50 warm-up steps, "
+    f"weight decay 5e-4, batch 64, delay 1). {n} runs, {wall / 60:.1f} min of run time, one CPU "
+    f"core.\n\n"
+    f"Best lr = the lr with the highest mean final test accuracy over the {len(seeds)} seeds "
+    f"(a diverged seed counts as 0). Accuracy in %, std with ddof=1. Final train loss = mean of "
+    f"the last {TRAIN_LOSS_RECORDS} train-loss records (each the mean of 50 batches); losses "
+    f"averaged over the non-diverged seeds. vs BP = mean accuracy minus BP's best mean, in "
+    f"points; 'combined std' = sqrt(std_method^2 + std_bp^2); 'combined half-range' = half the "
+    f"method's min-max range plus half BP's. 'div.' = NaN stop (accuracy 0); 'coll.' = finished "
+    f"but collapsed to chance (test accuracy < {100 * CHANCE:.0f}%, loss ln 10; counted at its "
+    f"accuracy). A best lr marked * is at the edge of the grid: that method's optimum may lie "
+    f"outside it.\n"
+  )
   rows = []
   for K in stage_counts:
     for name in methods:
       e = summary[f"K{K}_{name}"]
       b, v = e["best"], e["vs_bp"]
-      rows.append([K, name, f"{e['best_lr']:g}" + ("*" if e["best_lr_at_grid_edge"] else ""), _pct(b["mean_test_accuracy"]),
-                   f"{_pct(b['min'])}-{_pct(b['max'])}", _pct(b["std"]), _loss(b["mean_train_loss"]),
-                   _loss(b["mean_test_loss"]),
-                   "-" if name == "bp" else f"{v['diff_points']:+.2f}",
-                   "-" if name == "bp" else f"{v['combined_std_points']:.2f}",
-                   "-" if name == "bp" else ("yes" if v["exceeds_combined_std"] else "no"),
-                   "-" if name == "bp" else f"{v['combined_half_range_points']:.2f}",
-                   "-" if name == "bp" else ("yes" if v["exceeds_combined_half_range"] else "no"),
-                   ",".join(map(str, b["diverged_seeds"])) or "-"])
-  main = markdown_table(["K", "method", "best lr", "mean test acc", "min-max", "std", "train loss",
-                         "test loss", "vs BP (points)", "combined std", "exceeds std",
-                         "combined half-range", "exceeds half-range", "diverged seeds at best lr"], rows)
+      rows.append(
+        [
+          K,
+          name,
+          f"{e['best_lr']:g}" + ("*" if e["best_lr_at_grid_edge"] else ""),
+          _pct(b["mean_test_accuracy"]),
+          f"{_pct(b['min'])}-{_pct(b['max'])}",
+          _pct(b["std"]),
+          _loss(b["mean_train_loss"]),
+          _loss(b["mean_test_loss"]),
+          "-" if name == "bp" else f"{v['diff_points']:+.2f}",
+          "-" if name == "bp" else f"{v['combined_std_points']:.2f}",
+          "-" if name == "bp" else ("yes" if v["exceeds_combined_std"] else "no"),
+          "-" if name == "bp" else f"{v['combined_half_range_points']:.2f}",
+          "-" if name == "bp" else ("yes" if v["exceeds_combined_half_range"] else "no"),
+          ",".join(map(str, b["diverged_seeds"])) or "-",
+        ]
+      )
+  main = markdown_table(
+    [
+      "K",
+      "method",
+      "best lr",
+      "mean test acc",
+      "min-max",
+      "std",
+      "train loss",
+      "test loss",
+      "vs BP (points)",
+      "combined std",
+      "exceeds std",
+      "combined half-range",
+      "exceeds half-range",
+      "diverged seeds at best lr",
+    ],
+    rows,
+  )
   grid_rows = []
   for K in stage_counts:
     for name in methods:
@@ -185,17 +238,30 @@ def markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs) -> str:
       cells = []
       for lr in lrs:
         p = per[f"{lr:g}"]
-        d = ", ".join(f"{len(p[k])} {w}" for k, w in (("diverged_seeds", "div."),
-                                                      ("collapsed_seeds", "coll.")) if p[k])
+        d = ", ".join(
+          f"{len(p[k])} {w}" for k, w in (("diverged_seeds", "div."), ("collapsed_seeds", "coll.")) if p[k]
+        )
         d = f" ({d})" if d else ""
         cells.append(f"{_pct(p['mean_test_accuracy'])} ± {_pct(p['std'])}{d}")
       grid_rows.append([K, name] + cells)
   grid = markdown_table(["K", "method"] + [f"lr {lr:g}" for lr in lrs], grid_rows)
-  return "\n".join([head, "## Best lr per method\n", main, "",
-                    "## Mean test accuracy (%) ± std over seeds at every lr\n", grid, "",
-                    "## Where DSP beats BP\n", _dsp_vs_bp(summary, stage_counts, methods), "",
-                    "### At the same lr (not the best-lr comparison)\n",
-                    _dsp_vs_bp_same_lr(summary, stage_counts, methods, lrs), ""])
+  return "\n".join(
+    [
+      head,
+      "## Best lr per method\n",
+      main,
+      "",
+      "## Mean test accuracy (%) ± std over seeds at every lr\n",
+      grid,
+      "",
+      "## Where DSP beats BP\n",
+      _dsp_vs_bp(summary, stage_counts, methods),
+      "",
+      "### At the same lr (not the best-lr comparison)\n",
+      _dsp_vs_bp_same_lr(summary, stage_counts, methods, lrs),
+      "",
+    ]
+  )
 
 
 def _dsp_vs_bp(summary, stage_counts, methods) -> str:
@@ -206,9 +272,11 @@ def _dsp_vs_bp(summary, stage_counts, methods) -> str:
       e, bp = summary[f"K{K}_{name}"], summary[f"K{K}_bp"]
       b, p, v = e["best"], bp["best"], e["vs_bp"]
       if b["mean_test_accuracy"] <= p["mean_test_accuracy"]:
-        lines.append(f"- {name}, K={K}: does not beat BP ({_pct(b['mean_test_accuracy'])}% at lr "
-                     f"{e['best_lr']:g} vs BP {_pct(p['mean_test_accuracy'])}% at lr {bp['best_lr']:g}, "
-                     f"{v['diff_points']:+.2f} points).")
+        lines.append(
+          f"- {name}, K={K}: does not beat BP ({_pct(b['mean_test_accuracy'])}% at lr "
+          f"{e['best_lr']:g} vs BP {_pct(p['mean_test_accuracy'])}% at lr {bp['best_lr']:g}, "
+          f"{v['diff_points']:+.2f} points)."
+        )
         continue
       tr_d, te_d = b["mean_train_loss"], b["mean_test_loss"]
       tr_b, te_b = p["mean_train_loss"], p["mean_test_loss"]
@@ -219,17 +287,21 @@ def _dsp_vs_bp(summary, stage_counts, methods) -> str:
       elif tr_d < tr_b and te_d < te_b:
         reading = "lower train and lower test loss than BP: DSP fits better, not a regularisation effect"
       elif tr_d > tr_b and te_d >= te_b:
-        reading = "higher train and not lower test loss than BP: the accuracy gain is not mirrored by the loss"
+        reading = (
+          "higher train and not lower test loss than BP: the accuracy gain is not mirrored by the loss"
+        )
       else:
         reading = "lower train loss but not lower test loss than BP"
-      sig = ("exceeds" if v["exceeds_combined_std"] else "does not exceed")
+      sig = "exceeds" if v["exceeds_combined_std"] else "does not exceed"
       lines.append(
-          f"- {name}, K={K}: {_pct(b['mean_test_accuracy'])}% (lr {e['best_lr']:g}, "
-          f"{_pct(b['min'])}-{_pct(b['max'])}) vs BP {_pct(p['mean_test_accuracy'])}% (lr {bp['best_lr']:g}, "
-          f"{_pct(p['min'])}-{_pct(p['max'])}): {v['diff_points']:+.2f} points, which {sig} the combined "
-          f"std {v['combined_std_points']:.2f} (min-max ranges {'disjoint' if v['ranges_disjoint'] else 'overlap'}). "
-          f"Train loss {_loss(tr_d)} vs BP {_loss(tr_b)}; test loss {_loss(te_d)} vs BP {_loss(te_b)}: "
-          f"{reading}.")
+        f"- {name}, K={K}: {_pct(b['mean_test_accuracy'])}% (lr {e['best_lr']:g}, "
+        f"{_pct(b['min'])}-{_pct(b['max'])}) vs BP {_pct(p['mean_test_accuracy'])}% (lr {bp['best_lr']:g}, "
+        f"{_pct(p['min'])}-{_pct(p['max'])}): {v['diff_points']:+.2f} points, which {sig} the combined "
+        f"std {v['combined_std_points']:.2f} "
+        f"(min-max ranges {'disjoint' if v['ranges_disjoint'] else 'overlap'}). "
+        f"Train loss {_loss(tr_d)} vs BP {_loss(tr_b)}; test loss {_loss(te_d)} vs BP {_loss(te_b)}: "
+        f"{reading}."
+      )
   return "\n".join(lines)
 
 
@@ -246,19 +318,25 @@ def _dsp_vs_bp_same_lr(summary, stage_counts, methods, lrs) -> str:
         if None not in (d["mean_train_loss"], p["mean_train_loss"]):
           tr = "higher" if d["mean_train_loss"] > p["mean_train_loss"] else "lower"
           te = "lower" if d["mean_test_loss"] < p["mean_test_loss"] else "higher"
-        lines.append(f"- {name}, K={K}, lr {lr:g}: {_pct(d['mean_test_accuracy'])}% vs BP "
-                     f"{_pct(p['mean_test_accuracy'])}% ({100 * (d['mean_test_accuracy'] - p['mean_test_accuracy']):+.2f} "
-                     f"points); train loss {_loss(d['mean_train_loss'])} vs {_loss(p['mean_train_loss'])} ({tr}), "
-                     f"test loss {_loss(d['mean_test_loss'])} vs {_loss(p['mean_test_loss'])} ({te}).")
+        lines.append(
+          f"- {name}, K={K}, lr {lr:g}: {_pct(d['mean_test_accuracy'])}% vs BP "
+          f"{_pct(p['mean_test_accuracy'])}% "
+          f"({100 * (d['mean_test_accuracy'] - p['mean_test_accuracy']):+.2f} "
+          f"points); train loss {_loss(d['mean_train_loss'])} vs {_loss(p['mean_train_loss'])} ({tr}), "
+          f"test loss {_loss(d['mean_test_loss'])} vs {_loss(p['mean_test_loss'])} ({te})."
+        )
   return "\n".join(lines) or "- none"
 
 
 def plot(summary, out_dir, stage_counts, methods, lrs) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, len(stage_counts), figsize=(5.5 * len(stage_counts), 4.2), squeeze=False,
-                           sharey=True)
+
+  fig, axes = plt.subplots(
+    1, len(stage_counts), figsize=(5.5 * len(stage_counts), 4.2), squeeze=False, sharey=True
+  )
   for ax, K in zip(axes[0], stage_counts):
     for name in methods:
       per = summary[f"K{K}_{name}"]["per_lr"]
@@ -278,8 +356,16 @@ def plot(summary, out_dir, stage_counts, methods, lrs) -> None:
   plt.close(fig)
 
 
-def run(base, out_dir, run_dir, stage_counts=(2, 4), methods=METHODS, lrs=(0.01, 0.02, 0.05, 0.1),
-        seeds=(0, 1, 2), epochs=120) -> str:
+def run(
+  base,
+  out_dir,
+  run_dir,
+  stage_counts=(2, 4),
+  methods=METHODS,
+  lrs=(0.01, 0.02, 0.05, 0.1),
+  seeds=(0, 1, 2),
+  epochs=120,
+) -> str:
   """The grid, then table.md, table.json and lr_grid.png in out_dir; returns the markdown."""
   os.makedirs(out_dir, exist_ok=True)
   runs = run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs)
@@ -287,21 +373,33 @@ def run(base, out_dir, run_dir, stage_counts=(2, 4), methods=METHODS, lrs=(0.01,
   md = markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs)
   with open(os.path.join(out_dir, "table.md"), "w") as fh:
     fh.write(md)
-  _save(os.path.join(out_dir, "table.json"),
-        {"epochs": epochs, "lrs": list(lrs), "seeds": list(seeds), "stage_counts": list(stage_counts),
-         "train_loss_records": TRAIN_LOSS_RECORDS, "results": summary})
+  _save(
+    os.path.join(out_dir, "table.json"),
+    {
+      "epochs": epochs,
+      "lrs": list(lrs),
+      "seeds": list(seeds),
+      "stage_counts": list(stage_counts),
+      "train_loss_records": TRAIN_LOSS_RECORDS,
+      "results": summary,
+    },
+  )
   plot(summary, out_dir, stage_counts, methods, lrs)
   return md
 
 
 _OUT = flags.DEFINE_string("out_dir", "results/dsp_accuracy", "Output folder (runs.json, tables, PNG).")
-_RUN_DIR = flags.DEFINE_string("run_dir", None, "Temporary run folders, deleted per run (default: a fresh "
-                               "temporary folder, so two grids never share one).")
+_RUN_DIR = flags.DEFINE_string(
+  "run_dir",
+  None,
+  "Temporary run folders, deleted per run (default: a fresh temporary folder, so two grids never share one).",
+)
 _STAGES = flags.DEFINE_list("stage_counts", ["2", "4"], "Stage counts K.")
 _LRS = flags.DEFINE_list("lrs", ["0.01", "0.02", "0.05", "0.1"], "The shared step-size grid.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
-_METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods (bp is always needed; dsp_stash = "
-                             "method=dsp, mode=stash).")
+_METHODS = flags.DEFINE_list(
+  "methods", list(METHODS), "Methods (bp is always needed; dsp_stash = method=dsp, mode=stash)."
+)
 _EPOCHS = flags.DEFINE_integer("epochs", None, "Epochs of every run (default: the config's).")
 _DATASET = flags.DEFINE_enum("dataset", "mnist1d", ["mnist1d"], "Dataset (model cnn1d).")
 
@@ -314,9 +412,18 @@ def main(argv):
   methods = tuple(_METHODS.value)
   if "bp" not in methods:
     raise app.UsageError("--methods must include bp (the reference)")
-  print(run(config, _OUT.value, _RUN_DIR.value or tempfile.mkdtemp(prefix="dsp_accuracy_"), stage_counts=tuple(int(k) for k in _STAGES.value),
-            methods=methods, lrs=tuple(float(l) for l in _LRS.value),
-            seeds=tuple(int(s) for s in _SEEDS.value), epochs=epochs))
+  print(
+    run(
+      config,
+      _OUT.value,
+      _RUN_DIR.value or tempfile.mkdtemp(prefix="dsp_accuracy_"),
+      stage_counts=tuple(int(k) for k in _STAGES.value),
+      methods=methods,
+      lrs=tuple(float(l) for l in _LRS.value),
+      seeds=tuple(int(s) for s in _SEEDS.value),
+      epochs=epochs,
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 r"""Merges an asynchronous run's trace-<worker>.jsonl files into a Gantt chart (the simulator's chart).
 
-  python -m experiments.gantt --workdir=runs/async --t_max=5
+python -m experiments.gantt --workdir=runs/async --t_max=5
 """
+
 from absl import app, flags
 
 from ripples_jax.runtime.trace import write_gantt

@@ -15,6 +15,7 @@ launcher. Bad input (a flag that does not parse, or a value that cannot run) is 
 exit code 2, before anything starts; more workers than CPU cores is one warning line. On a cluster, run
 experiments.train with --jax_distributed once per host/GPU instead (README).
 """
+
 import re
 import sys
 
@@ -24,12 +25,17 @@ from ripples_jax.distributed.launcher import launch
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 4, "Worker processes to start.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices per process.")
-_PLATFORM = flags.DEFINE_string("platform", "auto", "JAX_PLATFORMS for the children: auto (this process's "
-                                "JAX_PLATFORMS if set, else cuda when this host has NVIDIA GPUs, one per "
-                                "worker, else cpu), cpu, cuda, tpu, or '' (JAX's default).")
+_PLATFORM = flags.DEFINE_string(
+  "platform",
+  "auto",
+  "JAX_PLATFORMS for the children: auto (this process's "
+  "JAX_PLATFORMS if set, else cuda when this host has NVIDIA GPUs, one per "
+  "worker, else cpu), cpu, cuda, tpu, or '' (JAX's default).",
+)
 _GRACE = flags.DEFINE_float("grace_s", 30.0, "Seconds between SIGTERM and SIGKILL when stopping workers.")
-_MODULE = flags.DEFINE_string("module", f"{__package__ or 'experiments'}.train",
-                              "The entry point each process runs.")
+_MODULE = flags.DEFINE_string(
+  "module", f"{__package__ or 'experiments'}.train", "The entry point each process runs."
+)
 _PORT = flags.DEFINE_integer("port", 0, "The coordinator's port on 127.0.0.1 (0: a free one).")
 _OWN = (_NUM_PROCESSES, _CPU_DEVICES, _PLATFORM, _GRACE, _MODULE, _PORT)
 _KINDS = {"int": "an integer", "float": "a number"}
@@ -62,8 +68,15 @@ def describe_flag_error(e: flags.Error) -> str:
 
 def main(argv):
   try:
-    code = launch(_NUM_PROCESSES.value, argv[1:], _MODULE.value, _CPU_DEVICES.value, _PLATFORM.value,
-                  _GRACE.value, port=_PORT.value)
+    code = launch(
+      _NUM_PROCESSES.value,
+      argv[1:],
+      _MODULE.value,
+      _CPU_DEVICES.value,
+      _PLATFORM.value,
+      _GRACE.value,
+      port=_PORT.value,
+    )
   except ValueError as e:  # bad input, found before anything starts
     sys.stderr.write(f"error: {e}\n")
     sys.exit(2)

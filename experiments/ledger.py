@@ -28,49 +28,84 @@ the throughput runs not repeated, ledger.json read), then the verdict table:
       --tta_algorithms=ps_sync,ps_async
   python -m experiments.ledger --out=results/ledger --tta_scenario="5x straggler, 256 workers" --seeds=1
 """
+
 import json
 import os
 
 import numpy as np
 from absl import app, flags
 
-from ripples_jax.tables import Table
 from configs import default as default_config
-from ripples_jax import analysis, schedule as schedule_lib, sim, timeline
+from ripples_jax import analysis, sim, timeline
+from ripples_jax import schedule as schedule_lib
+from ripples_jax.tables import Table
 
 FLAGS = flags.FLAGS
 
 SETTINGS = {  # name: (model bytes, bandwidth B/s, step s)
-    "light": (2e5, 1.25e9, 0.01),
-    "heavy": (528e6, 56e9 / 8, 0.3),
+  "light": (2e5, 1.25e9, 0.01),
+  "heavy": (528e6, 56e9 / 8, 0.3),
 }
 # (claim, paper figure, paper metric, scenario (slowdown, slow workers), ours: (algorithm, baseline))
 CLAIMS = [
-    ("homogeneous vs All-Reduce", "1.1x (arXiv) / 1.2x (ASPLOS)", "training time", 1.0,
-     ("ripples_smart", "allreduce")),
-    ("homogeneous vs All-Reduce (Group Division)", "1.1x / 1.2x", "training time", 1.0,
-     ("ripples_division", "allreduce")),
-    ("homogeneous vs Parameter Server (sync)", "5.1x / 5.3x", "training time", 1.0, ("ripples_smart", "ps_sync")),
-    ("homogeneous vs Parameter Server (async)", "5.1x / 5.3x", "training time", 1.0, ("ripples_smart", "ps_async")),
-    ("homogeneous vs AD-PSGD", "4.3x / 3.7x", "training time", 1.0, ("ripples_smart", "adpsgd")),
-    ("one worker 2x slower vs All-Reduce", "2x / 4.4x (setting unknown)", "training time", 2.0,
-     ("ripples_smart", "allreduce")),
-    ("one worker 2x slower vs Parameter Server", "3x", "training time", 2.0, ("ripples_smart", "ps_sync")),
-    ("one worker 5x slower vs All-Reduce", "5.01x", "training time", 5.0, ("ripples_smart", "allreduce")),
-    ("one worker 5x slower vs AD-PSGD", "4.23x", "training time", 5.0, ("ripples_smart", "adpsgd")),
+  (
+    "homogeneous vs All-Reduce",
+    "1.1x (arXiv) / 1.2x (ASPLOS)",
+    "training time",
+    1.0,
+    ("ripples_smart", "allreduce"),
+  ),
+  (
+    "homogeneous vs All-Reduce (Group Division)",
+    "1.1x / 1.2x",
+    "training time",
+    1.0,
+    ("ripples_division", "allreduce"),
+  ),
+  (
+    "homogeneous vs Parameter Server (sync)",
+    "5.1x / 5.3x",
+    "training time",
+    1.0,
+    ("ripples_smart", "ps_sync"),
+  ),
+  (
+    "homogeneous vs Parameter Server (async)",
+    "5.1x / 5.3x",
+    "training time",
+    1.0,
+    ("ripples_smart", "ps_async"),
+  ),
+  ("homogeneous vs AD-PSGD", "4.3x / 3.7x", "training time", 1.0, ("ripples_smart", "adpsgd")),
+  (
+    "one worker 2x slower vs All-Reduce",
+    "2x / 4.4x (setting unknown)",
+    "training time",
+    2.0,
+    ("ripples_smart", "allreduce"),
+  ),
+  ("one worker 2x slower vs Parameter Server", "3x", "training time", 2.0, ("ripples_smart", "ps_sync")),
+  ("one worker 5x slower vs All-Reduce", "5.01x", "training time", 5.0, ("ripples_smart", "allreduce")),
+  ("one worker 5x slower vs AD-PSGD", "4.23x", "training time", 5.0, ("ripples_smart", "adpsgd")),
 ]
 
 
 def define_flags():
   flags.DEFINE_string("out", "results/ledger", "Output folder.")
-  flags.DEFINE_bool("tta", False, "Also the time-to-accuracy runs (training; about an hour for all scenarios, 3 seeds).")
+  flags.DEFINE_bool(
+    "tta", False, "Also the time-to-accuracy runs (training; about an hour for all scenarios, 3 seeds)."
+  )
   flags.DEFINE_float("target", 0.55, "Target test accuracy for time to accuracy.")
   flags.DEFINE_integer("tta_steps", 300, "Steps per worker of each training run.")
   flags.DEFINE_bool("verdicts_only", False, "Only the verdict table, from the JSON files in --out.")
   flags.DEFINE_integer("seeds", 3, "Seeds per cell.")
   flags.DEFINE_integer("steps", 300, "Steps per worker in each clock run.")
-  flags.DEFINE_multi_string("tta_scenario", None, "Only these time-to-accuracy scenarios (repeat the flag; "
-                            "names as in TTA_SCENARIOS), merged into --out's tta.json; no throughput runs.")
+  flags.DEFINE_multi_string(
+    "tta_scenario",
+    None,
+    "Only these time-to-accuracy scenarios (repeat the flag; "
+    "names as in TTA_SCENARIOS), merged into --out's tta.json; no throughput runs.",
+  )
   flags.DEFINE_list("tta_algorithms", None, "With --tta_scenario: only these of each scenario's algorithms.")
 
 
@@ -89,8 +124,11 @@ def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=N
 
 
 def ratio(a, b, setting, slowdown, seeds, steps, **kw):
-  r = [throughput(a, setting, slowdown, seed=s, steps=steps, **kw)[0] /
-       throughput(b, setting, slowdown, seed=s, steps=steps, **kw)[0] for s in range(seeds)]
+  r = [
+    throughput(a, setting, slowdown, seed=s, steps=steps, **kw)[0]
+    / throughput(b, setting, slowdown, seed=s, steps=steps, **kw)[0]
+    for s in range(seeds)
+  ]
   return float(np.mean(r)), float(np.std(r))
 
 
@@ -104,46 +142,80 @@ def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
   rows = []
   for claim, paper, metric, s, (a, b) in CLAIMS:
     cells = {k: ratio(a, b, k, s, seeds, steps) for k in SETTINGS}
-    out["claims"].append({"claim": claim, "paper": paper, "paper_metric": metric,
-                          **{f"throughput_{k}": v for k, v in cells.items()}})
-    rows.append([claim, paper, metric, fmt(*cells["light"]), fmt(*cells["heavy"]),
-                 f"{analysis.limit(16, s):.2f}x" if b == "allreduce" else "-"])
-  claims = Table(["claim", "paper", "paper's metric", "ours: throughput, light", "ours: throughput, heavy (VGG-16)",
-                  "throughput limit vs All-Reduce"], rows)
+    out["claims"].append(
+      {
+        "claim": claim,
+        "paper": paper,
+        "paper_metric": metric,
+        **{f"throughput_{k}": v for k, v in cells.items()},
+      }
+    )
+    rows.append(
+      [
+        claim,
+        paper,
+        metric,
+        fmt(*cells["light"]),
+        fmt(*cells["heavy"]),
+        f"{analysis.limit(16, s):.2f}x" if b == "allreduce" else "-",
+      ]
+    )
+  claims = Table(
+    [
+      "claim",
+      "paper",
+      "paper's metric",
+      "ours: throughput, light",
+      "ours: throughput, heavy (VGG-16)",
+      "throughput limit vs All-Reduce",
+    ],
+    rows,
+  )
 
   # Random GG vs Group Division: conflicts per 1000 worker steps, homogeneous, light.
   for a in ("ripples_random", "ripples_division", "ripples_smart"):
     c = [throughput(a, "light", seed=s, steps=steps)[1] for s in range(seeds)]
     out["conflicts"][a] = float(np.mean([1000 * t.conflicts.sum() / t.worker_steps.sum() for t in c]))
 
-  variants = [("as published (serial averages)", timeline.AdpsgdCost()),
-              ("averages not serialised", timeline.AdpsgdCost(serial=False)),
-              ("+ 0.1 s per average", timeline.AdpsgdCost(fixed=0.1)),
-              ("+ 0.3 s per average", timeline.AdpsgdCost(fixed=0.3)),
-              ("passive compute blocks", timeline.AdpsgdCost(passive_blocks=True)),
-              ("passive blocks + 0.3 s per average", timeline.AdpsgdCost(fixed=0.3, passive_blocks=True))]
+  variants = [
+    ("as published (serial averages)", timeline.AdpsgdCost()),
+    ("averages not serialised", timeline.AdpsgdCost(serial=False)),
+    ("+ 0.1 s per average", timeline.AdpsgdCost(fixed=0.1)),
+    ("+ 0.3 s per average", timeline.AdpsgdCost(fixed=0.3)),
+    ("passive compute blocks", timeline.AdpsgdCost(passive_blocks=True)),
+    ("passive blocks + 0.3 s per average", timeline.AdpsgdCost(fixed=0.3, passive_blocks=True)),
+  ]
   rows = []
   for name, cost in variants:
-    r = [throughput("ripples_smart", "heavy", seed=s, steps=steps)[0] /
-         throughput("adpsgd", "heavy", seed=s, steps=steps, cost=cost)[0] for s in range(seeds)]
+    r = [
+      throughput("ripples_smart", "heavy", seed=s, steps=steps)[0]
+      / throughput("adpsgd", "heavy", seed=s, steps=steps, cost=cost)[0]
+      for s in range(seeds)
+    ]
     out["adpsgd_cost"].append({"variant": name, "smart_vs_adpsgd": [float(np.mean(r)), float(np.std(r))]})
     rows.append([name, fmt(np.mean(r), np.std(r)), "4.3x (arXiv) / 3.7x (ASPLOS)"])
-  adpsgd = Table(["AD-PSGD cost model (VGG-16 setting, homogeneous, 16 workers)", "Smart GG vs AD-PSGD",
-                  "paper"], rows)
+  adpsgd = Table(
+    ["AD-PSGD cost model (VGG-16 setting, homogeneous, 16 workers)", "Smart GG vs AD-PSGD", "paper"], rows
+  )
 
   rows = []
   for n in (16, 64, 256):
     k = max(40, steps // (n // 16))
-    r = [throughput("ripples_smart", "light", 5.0, n=n, seed=s, steps=k)[0] /
-         throughput("allreduce", "light", 5.0, n=n, seed=s, steps=k)[0] for s in range(seeds)]
-    out["scale"].append({"n": n, "smart_vs_allreduce": [float(np.mean(r)), float(np.std(r))],
-                         "limit": analysis.limit(n, 5.0)})
+    r = [
+      throughput("ripples_smart", "light", 5.0, n=n, seed=s, steps=k)[0]
+      / throughput("allreduce", "light", 5.0, n=n, seed=s, steps=k)[0]
+      for s in range(seeds)
+    ]
+    out["scale"].append(
+      {"n": n, "smart_vs_allreduce": [float(np.mean(r)), float(np.std(r))], "limit": analysis.limit(n, 5.0)}
+    )
     rows.append([n, fmt(np.mean(r), np.std(r)), f"{analysis.limit(n, 5.0):.2f}x"])
   scale = Table(["workers", "Smart GG vs All-Reduce, one worker 5x slower (light)", "limit"], rows)
 
   text = "\n\n".join(str(t) for t in (claims, adpsgd, scale))
   text += "\n\nconflicts per 1000 worker steps (homogeneous, light): " + ", ".join(
-      f"{k} {v:.1f}" for k, v in out["conflicts"].items())
+    f"{k} {v:.1f}" for k, v in out["conflicts"].items()
+  )
   with open(os.path.join(out_dir, "ledger.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(out_dir, "ledger.json"), "w") as f:
@@ -153,30 +225,36 @@ def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
 
 
 TTA_SCENARIOS = {  # name: (setting, config overrides); 16 workers unless num_workers is overridden
-    "homogeneous": ("light", {}),
-    "5x straggler": ("light", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
-    "random p=0.2, s=5": ("light", {"hetero.random_p": 0.2, "hetero.slowdown": 5.0}),
-    "moving 5x straggler": ("light", {"hetero.slow_workers": (0,), "hetero.slowdown": 5.0,
-                                      "hetero.rotate_every": 0.5}),
-    "label-skewed shards": ("light", {"data_sharding": "noniid"}),
-    "homogeneous, VGG-16 clock": ("heavy", {}),
-    "5x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
-    "2x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 2.0}),
-    # Smart GG at scale on the paper's metric. MNIST-1D has 4000 training examples: 62-63 per worker at
-    # 64 workers, 15-16 at 256, where a batch of 32 walks its shard twice (sharding.batch_indices wraps
-    # into the next epoch): each step's gradient is the whole shard's, and the 256 batches together are
-    # about two passes over the training set.
-    "5x straggler, 64 workers": ("light", {"num_workers": 64, "hetero.slow_workers": (63,),
-                                           "hetero.slowdown": 5.0}),
-    "5x straggler, 256 workers": ("light", {"num_workers": 256, "hetero.slow_workers": (255,),
-                                            "hetero.slowdown": 5.0}),
+  "homogeneous": ("light", {}),
+  "5x straggler": ("light", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+  "random p=0.2, s=5": ("light", {"hetero.random_p": 0.2, "hetero.slowdown": 5.0}),
+  "moving 5x straggler": (
+    "light",
+    {"hetero.slow_workers": (0,), "hetero.slowdown": 5.0, "hetero.rotate_every": 0.5},
+  ),
+  "label-skewed shards": ("light", {"data_sharding": "noniid"}),
+  "homogeneous, VGG-16 clock": ("heavy", {}),
+  "5x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+  "2x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 2.0}),
+  # Smart GG at scale on the paper's metric. MNIST-1D has 4000 training examples: 62-63 per worker at
+  # 64 workers, 15-16 at 256, where a batch of 32 walks its shard twice (sharding.batch_indices wraps
+  # into the next epoch): each step's gradient is the whole shard's, and the 256 batches together are
+  # about two passes over the training set.
+  "5x straggler, 64 workers": (
+    "light",
+    {"num_workers": 64, "hetero.slow_workers": (63,), "hetero.slowdown": 5.0},
+  ),
+  "5x straggler, 256 workers": (
+    "light",
+    {"num_workers": 256, "hetero.slow_workers": (255,), "hetero.slowdown": 5.0},
+  ),
 }
 TTA_ALGORITHMS = ("allreduce", "ripples_smart", "ripples_division", "adpsgd")
 TTA_ALGORITHMS_OF = {  # scenarios whose algorithms are not TTA_ALGORITHMS (All-Reduce first: the baseline)
-    "homogeneous, VGG-16 clock": TTA_ALGORITHMS + ("ps_sync", "ps_async"),
-    "2x straggler, VGG-16 clock": ("allreduce", "ripples_smart", "ps_sync"),
-    "5x straggler, 64 workers": ("allreduce", "ripples_smart"),
-    "5x straggler, 256 workers": ("allreduce", "ripples_smart"),
+  "homogeneous, VGG-16 clock": TTA_ALGORITHMS + ("ps_sync", "ps_async"),
+  "2x straggler, VGG-16 clock": ("allreduce", "ripples_smart", "ps_sync"),
+  "5x straggler, 64 workers": ("allreduce", "ripples_smart"),
+  "5x straggler, 256 workers": ("allreduce", "ripples_smart"),
 }
 
 
@@ -188,9 +266,12 @@ def train_run(algorithm, setting, overrides, seed, steps, workdir):
   """One simulated training run (in a temporary folder under `workdir`, None: the system's), evaluated
   after every step: its (time, step, accuracy) records and its throughput."""
   import tempfile
+
   nbytes, bandwidth, step = SETTINGS[setting]
   n = int(overrides.get("num_workers", 16))
-  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n},model=mlp,steps={steps}")
+  config = default_config.get_config(
+    f"algorithm={algorithm},executor=sim,num_workers={n},model=mlp,steps={steps}"
+  )
   config.seed, config.hetero.jitter = seed, 0.05
   # The server's link as fast as every other link, as in the throughput runs (`throughput`).
   config.timeline.compute_time, config.timeline.bandwidth = step, bandwidth
@@ -237,8 +318,12 @@ def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithm
         continue
       runs = [train_run(a, setting, overrides, s, steps, None) for s in range(seeds)]
       hits = [crossing(ev, target) for ev, _ in runs]
-      per[a] = {"time": [h[0] if h else None for h in hits], "steps": [h[1] if h else None for h in hits],
-                "final": [ev[-1][2] for ev, _ in runs], "throughput": [tp for _, tp in runs]}
+      per[a] = {
+        "time": [h[0] if h else None for h in hits],
+        "steps": [h[1] if h else None for h in hits],
+        "final": [ev[-1][2] for ev, _ in runs],
+        "throughput": [tp for _, tp in runs],
+      }
       curves.setdefault(name, {})[a] = [[t, acc] for t, _, acc in runs[0][0]]  # seed 0's, for the figure
     # Keep TTA_ALGORITHMS_OF's order in the table, whatever order the merges came in.
     order = [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if a in per]
@@ -250,9 +335,12 @@ def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithm
       print(f"{name}: no figure ({curves_path} holds no curve of {missing})")
       continue
     slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "")
-    analysis.accuracy_vs_time({name: {a: curves[name][a] for a in out[name]}},
-                              os.path.join(out_dir, f"tta_{slug}.png"),
-                              f"{scenario_workers(name)} workers, MNIST-1D MLP, seed 0", target=target)
+    analysis.accuracy_vs_time(
+      {name: {a: curves[name][a] for a in out[name]}},
+      os.path.join(out_dir, f"tta_{slug}.png"),
+      f"{scenario_workers(name)} workers, MNIST-1D MLP, seed 0",
+      target=target,
+    )
   with open(os.path.join(out_dir, "tta.md"), "w") as f:
     f.write(str(table) + "\n")
   with open(path, "w") as f:
@@ -273,28 +361,47 @@ def tta_table(scenarios: dict, target: float) -> Table:
       seeds = len(p["time"])
       ok = [i for i in range(min(seeds, len(ar["time"]) if ar else 0)) if p["time"][i] and ar["time"][i]]
       speed = [ar["time"][i] / p["time"][i] for i in ok]
-      rows.append([name, a, f"{sum(t is not None for t in p['time'])}/{seeds}",
-                   f"{np.mean([t for t in p['time'] if t]):.3g}" if ok else "-",
-                   f"{np.mean([s for s in p['steps'] if s]):.0f}" if ok else "-",
-                   fmt(np.mean(speed), np.std(speed)) if speed else "-",
-                   f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x" if ar else "-",
-                   f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final']):.1f}"])
-  return Table(["scenario", "algorithm", "reached", f"time to {100 * target:.0f}% (virtual s)",
-                "iterations to it", "time-to-accuracy speedup vs All-Reduce", "throughput vs All-Reduce",
-                "final accuracy %"], rows)
+      rows.append(
+        [
+          name,
+          a,
+          f"{sum(t is not None for t in p['time'])}/{seeds}",
+          f"{np.mean([t for t in p['time'] if t]):.3g}" if ok else "-",
+          f"{np.mean([s for s in p['steps'] if s]):.0f}" if ok else "-",
+          fmt(np.mean(speed), np.std(speed)) if speed else "-",
+          f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x" if ar else "-",
+          f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final']):.1f}",
+        ]
+      )
+  return Table(
+    [
+      "scenario",
+      "algorithm",
+      "reached",
+      f"time to {100 * target:.0f}% (virtual s)",
+      "iterations to it",
+      "time-to-accuracy speedup vs All-Reduce",
+      "throughput vs All-Reduce",
+      "final accuracy %",
+    ],
+    rows,
+  )
 
 
 # Claims whose comparison the time-to-accuracy runs make (the paper's metric): claim -> (scenario, algorithm)
 TTA_OF_CLAIM = {  # in the paper's setting: the VGG-16 clock
-    "homogeneous vs All-Reduce": ("homogeneous, VGG-16 clock", ("ripples_smart", "allreduce")),
-    "homogeneous vs All-Reduce (Group Division)": ("homogeneous, VGG-16 clock", ("ripples_division", "allreduce")),
-    "one worker 5x slower vs All-Reduce": ("5x straggler, VGG-16 clock", ("ripples_smart", "allreduce")),
-    "homogeneous vs AD-PSGD": ("homogeneous, VGG-16 clock", ("ripples_smart", "adpsgd")),
-    "one worker 5x slower vs AD-PSGD": ("5x straggler, VGG-16 clock", ("ripples_smart", "adpsgd")),
-    "homogeneous vs Parameter Server (sync)": ("homogeneous, VGG-16 clock", ("ripples_smart", "ps_sync")),
-    "homogeneous vs Parameter Server (async)": ("homogeneous, VGG-16 clock", ("ripples_smart", "ps_async")),
-    "one worker 2x slower vs All-Reduce": ("2x straggler, VGG-16 clock", ("ripples_smart", "allreduce")),
-    "one worker 2x slower vs Parameter Server": ("2x straggler, VGG-16 clock", ("ripples_smart", "ps_sync")),
+  "homogeneous vs All-Reduce": ("homogeneous, VGG-16 clock", ("ripples_smart", "allreduce")),
+  "homogeneous vs All-Reduce (Group Division)": (
+    "homogeneous, VGG-16 clock",
+    ("ripples_division", "allreduce"),
+  ),
+  "one worker 5x slower vs All-Reduce": ("5x straggler, VGG-16 clock", ("ripples_smart", "allreduce")),
+  "homogeneous vs AD-PSGD": ("homogeneous, VGG-16 clock", ("ripples_smart", "adpsgd")),
+  "one worker 5x slower vs AD-PSGD": ("5x straggler, VGG-16 clock", ("ripples_smart", "adpsgd")),
+  "homogeneous vs Parameter Server (sync)": ("homogeneous, VGG-16 clock", ("ripples_smart", "ps_sync")),
+  "homogeneous vs Parameter Server (async)": ("homogeneous, VGG-16 clock", ("ripples_smart", "ps_async")),
+  "one worker 2x slower vs All-Reduce": ("2x straggler, VGG-16 clock", ("ripples_smart", "allreduce")),
+  "one worker 2x slower vs Parameter Server": ("2x straggler, VGG-16 clock", ("ripples_smart", "ps_sync")),
 }
 
 
@@ -326,18 +433,36 @@ def verdict_table(ledger_out: dict, tta_out: dict | None, target: float) -> Tabl
   """One row per claim in the paper's setting (the VGG-16 clock): ours on the paper's metric (time to
   accuracy) where the runs make that comparison, else on throughput; the verdict by `verdict`."""
   rows = []
-  for c, (claim, paper, _, s, (a, b)) in zip(ledger_out["claims"], CLAIMS):
+  for c, (claim, paper, *_) in zip(ledger_out["claims"], CLAIMS):
     figure = float(paper.split("x")[0])
-    r = tta_ratios(tta_out, TTA_OF_CLAIM[claim][0], *TTA_OF_CLAIM[claim][1]) if (
-        tta_out and claim in TTA_OF_CLAIM) else []
+    r = (
+      tta_ratios(tta_out, TTA_OF_CLAIM[claim][0], *TTA_OF_CLAIM[claim][1])
+      if (tta_out and claim in TTA_OF_CLAIM)
+      else []
+    )
     ours = float(np.mean(r)) if r else None
     used = ours if ours is not None else c["throughput_heavy"][0]
-    rows.append([claim, paper, fmt(ours, np.std(r)) if r else "-", fmt(*c["throughput_heavy"]),
-                 fmt(*c["throughput_light"]),
-                 verdict(figure, used) + ("" if ours is not None else " (on throughput)")])
-  return Table(["claim", "paper (arXiv / ASPLOS)", f"ours: time to {100 * target:.0f}%, VGG-16 clock",
-                "ours: throughput, VGG-16", "ours: throughput, light",
-                "verdict (within 20% of the arXiv figure)"], rows)
+    rows.append(
+      [
+        claim,
+        paper,
+        fmt(ours, np.std(r)) if r else "-",
+        fmt(*c["throughput_heavy"]),
+        fmt(*c["throughput_light"]),
+        verdict(figure, used) + ("" if ours is not None else " (on throughput)"),
+      ]
+    )
+  return Table(
+    [
+      "claim",
+      "paper (arXiv / ASPLOS)",
+      f"ours: time to {100 * target:.0f}%, VGG-16 clock",
+      "ours: throughput, VGG-16",
+      "ours: throughput, light",
+      "verdict (within 20% of the arXiv figure)",
+    ],
+    rows,
+  )
 
 
 SCALE_SCENARIOS = {16: "5x straggler", 64: "5x straggler, 64 workers", 256: "5x straggler, 256 workers"}
@@ -354,13 +479,22 @@ def scale_table(ledger_out: dict, tta_out: dict | None, target: float) -> Table:
     if r:
       cell = f"{fmt(np.mean(r), np.std(r))} ({len(r)} seed{'s' * (len(r) != 1)})"
     elif "allreduce" in t and "ripples_smart" in t:  # run, but one of them missed the target
-      cell = "not reached: " + ", ".join(f"{label} {sum(x is not None for x in t[a]['time'])}/{len(t[a]['time'])}"
-                                         for a, label in (("ripples_smart", "Smart GG"), ("allreduce", "All-Reduce")))
+      cell = "not reached: " + ", ".join(
+        f"{label} {sum(x is not None for x in t[a]['time'])}/{len(t[a]['time'])}"
+        for a, label in (("ripples_smart", "Smart GG"), ("allreduce", "All-Reduce"))
+      )
     else:
       cell = "-"
     rows.append([c["n"], fmt(*c["smart_vs_allreduce"]), cell, f"{c['limit']:.2f}x"])
-  return Table(["workers", "Smart GG vs All-Reduce, 5x straggler (light): throughput",
-                f"time to {100 * target:.0f}%", "throughput limit"], rows)
+  return Table(
+    [
+      "workers",
+      "Smart GG vs All-Reduce, 5x straggler (light): throughput",
+      f"time to {100 * target:.0f}%",
+      "throughput limit",
+    ],
+    rows,
+  )
 
 
 def main(argv):
@@ -376,14 +510,27 @@ def main(argv):
       raise app.UsageError(f"unknown --tta_scenario {unknown}; known: {list(TTA_SCENARIOS)}")
     with open(os.path.join(FLAGS.out, "ledger.json")) as f:
       ledger_out = json.load(f)
-    tta_out = {"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target, tuple(FLAGS.tta_scenario),
-                                FLAGS.tta_algorithms, merge=True)}
+    tta_out = {
+      "scenarios": tta(
+        FLAGS.out,
+        FLAGS.seeds,
+        FLAGS.tta_steps,
+        FLAGS.target,
+        tuple(FLAGS.tta_scenario),
+        FLAGS.tta_algorithms,
+        merge=True,
+      )
+    }
   else:
     ledger_out = run(FLAGS.out, FLAGS.seeds, FLAGS.steps)
-    tta_out = ({"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target)}
-               if FLAGS.tta else None)
-  text = "\n\n".join(str(t) for t in (verdict_table(ledger_out, tta_out, FLAGS.target),
-                                       scale_table(ledger_out, tta_out, FLAGS.target)))
+    tta_out = {"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target)} if FLAGS.tta else None
+  text = "\n\n".join(
+    str(t)
+    for t in (
+      verdict_table(ledger_out, tta_out, FLAGS.target),
+      scale_table(ledger_out, tta_out, FLAGS.target),
+    )
+  )
   with open(os.path.join(FLAGS.out, "verdicts.md"), "w") as f:
     f.write(text + "\n")
   print(text)

@@ -11,6 +11,7 @@ and memory), in a work folder under --work; the tables (*.md) and figures (*.png
 entry point's stdout. `--quick` runs the same steps at small sizes (the pipeline end to end in minutes,
 not the numbers); the runtime's two variant measurements run with --all only.
 """
+
 import glob
 import json
 import os
@@ -26,49 +27,114 @@ from ripples_jax.tables import markdown_table
 
 # name: (entry point, flags of the full run, flags of the quick run). {work} is the step's work folder.
 STEPS = {
-    "collectives": ("benchmarks.bench_collectives", ["--reps=60", "--out={work}/table.md"],
-                    ["--sizes=65536", "--reps=5", "--out={work}/table.md"]),
-    "engine": ("benchmarks.bench_engine", ["--reps=40", "--out={work}/table.md"],
-               ["--cases=cnn1d/mnist1d", "--reps=3", "--out={work}/table.md"]),
-    "spectral": ("experiments.spectral", ["--out={work}", "--samples=2000"],
-                 ["--out={work}", "--samples=100"]),
-    "timeline": ("benchmarks.bench_timeline", ["--out={work}/table.md"],
-                 ["--workers=16", "--steps=100", "--out={work}/table.md"]),
-    "ripples_sim": ("experiments.reproduce_ripples", ["--out_dir={work}"],
-                    ["--out_dir={work}", "--workers=8", "--steps=40", "--target_accuracy=0.3",
-                     "--algorithms=allreduce,ripples_static,ripples_smart,adpsgd,ps_sync"]),
-    "ripples_sim_vgg": ("experiments.reproduce_ripples",
-                        ["--model_bytes=5.28e8", "--compute_time=0.3", "--bandwidth=7e9", "--out_dir={work}"],
-                        ["--model_bytes=5.28e8", "--compute_time=0.3", "--bandwidth=7e9", "--out_dir={work}",
-                         "--workers=8", "--steps=20", "--target_accuracy=0.2",
-                         "--algorithms=allreduce,ripples_smart,adpsgd,ps_sync"]),
-    "runtime": ("benchmarks.bench_runtime", ["--out={work}"],
-                ["--out={work}", "--steps=30", "--step_time=0.05", "--slowdowns=1,5",
-                 "--algorithms=allreduce,ripples_smart,adpsgd", "--target=0.2"]),
-    # Variants of the runtime measurement (slow worker passive for AD-PSGD; 8 processes): --all only.
-    "runtime_slow0": ("benchmarks.bench_runtime",
-                      ["--out={work}", "--slow_worker=0", "--slowdowns=5",
-                       "--algorithms=allreduce,ripples_smart,adpsgd"], None),
-    "runtime8": ("benchmarks.bench_runtime",
-                 ["--out={work}", "--num_processes=8", "--slowdowns=1,5",
-                  "--algorithms=allreduce,ripples_smart,adpsgd", "--steps=100"], None),
-    "dsp": ("experiments.reproduce_dsp", ["--out_dir={work}"],
-            ["--out_dir={work}", "--epochs=2", "--sweep_epochs=1", "--datasets=mnist1d", "--stages=2",
-             "--sweep_delays=0,1", "--sweep_lrs=0.02"]),
-    "bench_dsp": ("benchmarks.bench_dsp", ["--out={work}/table.md"],
-                  ["--cases=cnn1d/mnist1d", "--stages=2", "--reps=3", "--out={work}/table.md"]),
-    "checkpoint": ("benchmarks.bench_checkpoint", ["--reps=2", "--out={work}/table.md"],
-                   ["--reps=1", "--steps=200", "--out={work}/table.md"]),
-    # The claims ledger (throughput on the clock; --all adds the time-to-accuracy training runs).
-    "ledger": ("experiments.ledger", ["--out={work}", "--tta"], ["--out={work}", "--seeds=1", "--steps=100"]),
-    # The online Group Generator in the runtime, every scenario: --all only (~17 minutes).
-    "online": ("benchmarks.bench_online", ["--out={work}"], None),
+  "collectives": (
+    "benchmarks.bench_collectives",
+    ["--reps=60", "--out={work}/table.md"],
+    ["--sizes=65536", "--reps=5", "--out={work}/table.md"],
+  ),
+  "engine": (
+    "benchmarks.bench_engine",
+    ["--reps=40", "--out={work}/table.md"],
+    ["--cases=cnn1d/mnist1d", "--reps=3", "--out={work}/table.md"],
+  ),
+  "spectral": ("experiments.spectral", ["--out={work}", "--samples=2000"], ["--out={work}", "--samples=100"]),
+  "timeline": (
+    "benchmarks.bench_timeline",
+    ["--out={work}/table.md"],
+    ["--workers=16", "--steps=100", "--out={work}/table.md"],
+  ),
+  "ripples_sim": (
+    "experiments.reproduce_ripples",
+    ["--out_dir={work}"],
+    [
+      "--out_dir={work}",
+      "--workers=8",
+      "--steps=40",
+      "--target_accuracy=0.3",
+      "--algorithms=allreduce,ripples_static,ripples_smart,adpsgd,ps_sync",
+    ],
+  ),
+  "ripples_sim_vgg": (
+    "experiments.reproduce_ripples",
+    ["--model_bytes=5.28e8", "--compute_time=0.3", "--bandwidth=7e9", "--out_dir={work}"],
+    [
+      "--model_bytes=5.28e8",
+      "--compute_time=0.3",
+      "--bandwidth=7e9",
+      "--out_dir={work}",
+      "--workers=8",
+      "--steps=20",
+      "--target_accuracy=0.2",
+      "--algorithms=allreduce,ripples_smart,adpsgd,ps_sync",
+    ],
+  ),
+  "runtime": (
+    "benchmarks.bench_runtime",
+    ["--out={work}"],
+    [
+      "--out={work}",
+      "--steps=30",
+      "--step_time=0.05",
+      "--slowdowns=1,5",
+      "--algorithms=allreduce,ripples_smart,adpsgd",
+      "--target=0.2",
+    ],
+  ),
+  # Variants of the runtime measurement (slow worker passive for AD-PSGD; 8 processes): --all only.
+  "runtime_slow0": (
+    "benchmarks.bench_runtime",
+    ["--out={work}", "--slow_worker=0", "--slowdowns=5", "--algorithms=allreduce,ripples_smart,adpsgd"],
+    None,
+  ),
+  "runtime8": (
+    "benchmarks.bench_runtime",
+    [
+      "--out={work}",
+      "--num_processes=8",
+      "--slowdowns=1,5",
+      "--algorithms=allreduce,ripples_smart,adpsgd",
+      "--steps=100",
+    ],
+    None,
+  ),
+  "dsp": (
+    "experiments.reproduce_dsp",
+    ["--out_dir={work}"],
+    [
+      "--out_dir={work}",
+      "--epochs=2",
+      "--sweep_epochs=1",
+      "--datasets=mnist1d",
+      "--stages=2",
+      "--sweep_delays=0,1",
+      "--sweep_lrs=0.02",
+    ],
+  ),
+  "bench_dsp": (
+    "benchmarks.bench_dsp",
+    ["--out={work}/table.md"],
+    ["--cases=cnn1d/mnist1d", "--stages=2", "--reps=3", "--out={work}/table.md"],
+  ),
+  "checkpoint": (
+    "benchmarks.bench_checkpoint",
+    ["--reps=2", "--out={work}/table.md"],
+    ["--reps=1", "--steps=200", "--out={work}/table.md"],
+  ),
+  # The claims ledger (throughput on the clock; --all adds the time-to-accuracy training runs).
+  "ledger": ("experiments.ledger", ["--out={work}", "--tta"], ["--out={work}", "--seeds=1", "--steps=100"]),
+  # The online Group Generator in the runtime, every scenario: --all only (~17 minutes).
+  "online": ("benchmarks.bench_online", ["--out={work}"], None),
 }
 
 
 def machine() -> dict:
-  return {"node": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
-          "python": platform.python_version(), "system": platform.platform()}
+  return {
+    "node": platform.node(),
+    "machine": platform.machine(),
+    "cpus": os.cpu_count(),
+    "python": platform.python_version(),
+    "system": platform.platform(),
+  }
 
 
 def run_step(name: str, quick: bool, results: str, work_root: str) -> dict:
@@ -91,8 +157,14 @@ def run_step(name: str, quick: bool, results: str, work_root: str) -> dict:
     raise RuntimeError(f"{name}: `{' '.join(cmd)}` failed ({out.returncode}); see {dest}/stderr.txt")
   for path in glob.glob(os.path.join(work, "*.md")) + glob.glob(os.path.join(work, "*.png")):
     shutil.copy(path, dest)
-  prov = {"step": name, "command": f"python -m {module} " + " ".join(args), "quick": quick,
-          "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": round(seconds, 1), "machine": machine()}
+  prov = {
+    "step": name,
+    "command": f"python -m {module} " + " ".join(args),
+    "quick": quick,
+    "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    "seconds": round(seconds, 1),
+    "machine": machine(),
+  }
   with open(os.path.join(dest, "provenance.json"), "w") as f:
     json.dump(prov, f, indent=2)
   return prov
@@ -147,27 +219,43 @@ def write_index(results: str) -> str:
       note = "reconstructed " + p["reconstructed"] + ("; see provenance.json's note" if p.get("note") else "")
     else:
       note = "regenerated by experiments.reproduce"
-    rows.append([folder, command, "quick" if p.get("quick") else "full", p.get("date") or "-",
-                 p.get("commit") or "-", seconds, machine, note])
+    rows.append(
+      [
+        folder,
+        command,
+        "quick" if p.get("quick") else "full",
+        p.get("date") or "-",
+        p.get("commit") or "-",
+        seconds,
+        machine,
+        note,
+      ]
+    )
   table = markdown_table(["folder", "command", "size", "date", "commit", "seconds", "machine", "note"], rows)
   with open(os.path.join(results, "index.md"), "w") as f:
-    f.write(f"Every folder of {results}/, from its provenance.json: 'regenerated' rows were written by "
-            "`python -m experiments.reproduce`; 'reconstructed' rows were rebuilt afterwards from git log "
-            "and WORKSPACE.md, their runs not redone (their date and commit: the commit that last changed "
-            "the folder; their seconds: the wall time WORKSPACE.md states, '~' where it states it roughly, "
-            "'-' where it states none). "
-            "Rewrite with `python -m experiments.reproduce --index_only`.\n\n" + table + "\n")
+    f.write(
+      f"Every folder of {results}/, from its provenance.json: 'regenerated' rows were written by "
+      "`python -m experiments.reproduce`; 'reconstructed' rows were rebuilt afterwards from git log "
+      "and WORKSPACE.md, their runs not redone (their date and commit: the commit that last changed "
+      "the folder; their seconds: the wall time WORKSPACE.md states, '~' where it states it roughly, "
+      "'-' where it states none). "
+      "Rewrite with `python -m experiments.reproduce --index_only`.\n\n" + table + "\n"
+    )
   return table
 
 
 _ALL = flags.DEFINE_bool("all", False, "Every step at full size.")
 _QUICK = flags.DEFINE_bool("quick", False, "Every step at small size.")
 _STEPS = flags.DEFINE_list("steps", [], f"Some steps only: {', '.join(STEPS)}.")
-_RESULTS = flags.DEFINE_string("results", None, "Tables and figures (default: results, or "
-                               "runs/reproduce_quick/results with --quick).")
+_RESULTS = flags.DEFINE_string(
+  "results", None, "Tables and figures (default: results, or runs/reproduce_quick/results with --quick)."
+)
 _WORK = flags.DEFINE_string("work", "runs/reproduce", "Work folder for the runs.")
-_INDEX_ONLY = flags.DEFINE_bool("index_only", False, "Only rewrite <results>/index.md from the "
-                                "provenance.json files already there; run nothing.")
+_INDEX_ONLY = flags.DEFINE_bool(
+  "index_only",
+  False,
+  "Only rewrite <results>/index.md from the provenance.json files already there; run nothing.",
+)
 
 
 def main(argv):
@@ -178,8 +266,11 @@ def main(argv):
   names = _STEPS.value or list(STEPS)
   unknown = [s for s in names if s not in STEPS]
   if unknown or not (_ALL.value or _QUICK.value or _STEPS.value):
-    sys.exit(f"error: --steps: {unknown} is not allowed: any of {', '.join(STEPS)}" if unknown
-             else "error: pass --all, --quick or --steps")
+    sys.exit(
+      f"error: --steps: {unknown} is not allowed: any of {', '.join(STEPS)}"
+      if unknown
+      else "error: pass --all, --quick or --steps"
+    )
   quick = _QUICK.value
   results = _RESULTS.value or ("runs/reproduce_quick/results" if quick else "results")
   print(run(names, quick, results, _WORK.value + ("_quick" if quick else "")))

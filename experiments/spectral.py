@@ -5,12 +5,13 @@ r"""Spectral gap of one round's averaging against group size, for each Group Gen
 Writes table.md and spectral_gap.png (ripples_jax.analysis.spectral_table: Monte Carlo for the random
 generators, exact over one period for the periodic ones).
 """
+
 import os
 
 from absl import app, flags
 
-from ripples_jax.tables import markdown_table
 from ripples_jax import analysis
+from ripples_jax.tables import markdown_table
 
 _OUT = flags.DEFINE_string("out", "results/spectral", "Output folder (table.md, spectral_gap.png).")
 _WORKERS = flags.DEFINE_integer("workers", 16, "Workers.")

@@ -9,12 +9,14 @@ coordinator, process count and id come from the flags below or from what JAX det
 The asynchronous runtime (executor=async) runs one process per worker; locally:
   python -m experiments.launch --num_processes=4 -- --config=configs/default.py:executor=async,num_workers=4
 """
+
 import os
 
 from absl import app
 
-from . import common_flags
 from ripples_jax import run, runlog
+
+from . import common_flags
 
 _CONFIG = common_flags.config_flag("default.py")
 

@@ -10,12 +10,14 @@ r"""Model-parallel pipeline training: DSP and its baselines (bp, gpipe, ddg, fr,
 A rerun with the same --workdir resumes from its newest checkpoint. With --jax_distributed and more
 than one process, placement=per_process is the only placement allowed (one process per stage).
 """
+
 import os
 
 from absl import app
 
-from . import common_flags
 from ripples_jax import run
+
+from . import common_flags
 
 _CONFIG = common_flags.config_flag("dsp.py")
 
@@ -28,12 +30,16 @@ def main(argv):
     print(f"method={s['method']} stage={s['stage']} done time={s['time']:.1f}s")
     return
   if s.get("placement") == "per_process":
-    print(f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
-          f"iteration={1e3 * s['iteration_s']:.1f}ms time={s['time']:.1f}s")
+    print(
+      f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
+      f"iteration={1e3 * s['iteration_s']:.1f}ms time={s['time']:.1f}s"
+    )
     print(f"run files: {os.path.abspath(s['workdir'])}")
     return
-  print(f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
-        f"modeled_speedup_vs_bp={s['modeled_speedup_vs_bp']:.2f} time={s['time']:.1f}s")
+  print(
+    f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
+    f"modeled_speedup_vs_bp={s['modeled_speedup_vs_bp']:.2f} time={s['time']:.1f}s"
+  )
   print(f"run files: {os.path.abspath(s['workdir'])}")
 
 

@@ -15,21 +15,22 @@ The public API (imported lazily, so `import ripples_jax` stays cheap):
 
 Everything else is importable from its module (README.md's Layout section).
 """
+
 import importlib
 
 _EXPORTS = {
-    "train_and_evaluate": "ripples_jax.run",
-    "load": "ripples_jax.run",
-    "p_reduce": "ripples_jax.collectives",
-    "mixing_matrix": "ripples_jax.collectives",
-    "spectral_gap": "ripples_jax.collectives",
-    "Service": "ripples_jax.schedule.online",
-    "random_gg": "ripples_jax.schedule.group_gen",
-    "division_gg": "ripples_jax.schedule.group_gen",
-    "smart_gg": "ripples_jax.schedule.group_gen",
-    "make_group_generator": "ripples_jax.schedule",
-    "simulate": "ripples_jax.timeline",
-    "simulate_and_train": "ripples_jax.sim",
+  "train_and_evaluate": "ripples_jax.run",
+  "load": "ripples_jax.run",
+  "p_reduce": "ripples_jax.collectives",
+  "mixing_matrix": "ripples_jax.collectives",
+  "spectral_gap": "ripples_jax.collectives",
+  "Service": "ripples_jax.schedule.online",
+  "random_gg": "ripples_jax.schedule.group_gen",
+  "division_gg": "ripples_jax.schedule.group_gen",
+  "smart_gg": "ripples_jax.schedule.group_gen",
+  "make_group_generator": "ripples_jax.schedule",
+  "simulate": "ripples_jax.timeline",
+  "simulate_and_train": "ripples_jax.sim",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,5 +1,6 @@
 """Analysis of results: PNG figures a person can read (titled axes with units, legends), the throughput
 limit with one slow worker, and the spectral gap of each Group Generator against group size."""
+
 import os
 
 import matplotlib
@@ -11,8 +12,9 @@ import numpy as np  # noqa: E402
 COLORS = {"compute": "#4C72B0", "wait": "#DD8452", "comm": "#55A868"}
 
 
-def accuracy_vs_time(panels: dict, path: str, title: str, xlabel: str = "virtual time (s)",
-                     target: float | None = None) -> None:
+def accuracy_vs_time(
+  panels: dict, path: str, title: str, xlabel: str = "virtual time (s)", target: float | None = None
+) -> None:
   """panels: {panel title: {label: [(virtual seconds, test accuracy), ...]}}; one subplot per panel;
   `target` (a fraction) is drawn as a dashed line."""
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
@@ -34,8 +36,14 @@ def accuracy_vs_time(panels: dict, path: str, title: str, xlabel: str = "virtual
   plt.close(fig)
 
 
-def gantt(intervals, num_workers: int, path: str, title: str, t_max: float | None = None,
-          xlabel: str = "virtual time (s)") -> None:
+def gantt(
+  intervals,
+  num_workers: int,
+  path: str,
+  title: str,
+  t_max: float | None = None,
+  xlabel: str = "virtual time (s)",
+) -> None:
   """One row per worker: compute, waiting for a group, communicating (timeline.Trace.intervals)."""
   fig, ax = plt.subplots(figsize=(11, 0.32 * num_workers + 1.5))
   for kind, color in COLORS.items():
@@ -84,8 +92,10 @@ def dsp_figures(out_dir, curves, datasets, stage_counts, methods, losses, delays
   """accuracy_vs_epoch.png, accuracy_vs_modeled_time.png (one panel per (dataset, K); curves[ds, K, method]:
   [(epoch, modeled time, test accuracy)]) and staleness_lr_sweep.png (losses[delay, lr]: final loss)."""
   panels = [(ds, K) for ds in datasets for K in stage_counts]
-  for xi, xlabel, fname in ((0, "epoch", "accuracy_vs_epoch.png"),
-                            (1, "modeled time (s, measured stage times)", "accuracy_vs_modeled_time.png")):
+  for xi, xlabel, fname in (
+    (0, "epoch", "accuracy_vs_epoch.png"),
+    (1, "modeled time (s, measured stage times)", "accuracy_vs_modeled_time.png"),
+  ):
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (ds, K) in zip(axes[0], panels):
       for m in methods:
@@ -139,25 +149,39 @@ def spectral_table(n: int = 16, samples: int = 2000, seed: int = 0):
   generators, exact over one period for the periodic ones."""
   from ripples_jax import collectives  # here: the figures alone need no jax
   from ripples_jax.schedule.static import hypercube_layouts, static_gg_layouts
+
   rng = np.random.default_rng(seed)
   sizes = (2, 3, 4, 8)
-  out = {"random GG (one group per round)": {}, "group division (a partition per round)": {},
-         "static GG (node layout, g workers per node)": {}, "hypercube (radix g)": {}}
+  out = {
+    "random GG (one group per round)": {},
+    "group division (a partition per round)": {},
+    "static GG (node layout, g workers per node)": {},
+    "hypercube (radix g)": {},
+  }
   for g in sizes:
     out["random GG (one group per round)"][g] = symmetric_gap(
-        [collectives.mixing_matrix([rng.choice(n, g, replace=False)], n) for _ in range(samples)])
+      [collectives.mixing_matrix([rng.choice(n, g, replace=False)], n) for _ in range(samples)]
+    )
     out["group division (a partition per round)"][g] = symmetric_gap(
-        [collectives.mixing_matrix(np.split(rng.permutation(n), range(g, n, g)), n) for _ in range(samples)])
+      [collectives.mixing_matrix(np.split(rng.permutation(n), range(g, n, g)), n) for _ in range(samples)]
+    )
     static = static_gg_layouts(n, g)
     out["static GG (node layout, g workers per node)"][g] = collectives.spectral_gap(
-        [collectives.mixing_matrix(layout, n) for layout in static])
+      [collectives.mixing_matrix(layout, n) for layout in static]
+    )
     if g in (2, 4):  # n = 16 is a power of 2 and of 4
       out["hypercube (radix g)"][g] = collectives.spectral_gap(
-          [collectives.mixing_matrix(layout, n) for layout in hypercube_layouts(n, g)])
+        [collectives.mixing_matrix(layout, n) for layout in hypercube_layouts(n, g)]
+      )
   return out
 
 
 def spectral_gap_figure(table: dict, path: str, n: int) -> None:
   """The spectral_table as one line per generator against group size."""
-  lines(table, path, f"Spectral gap of one round's averaging, {n} workers (higher mixes faster)",
-        "group size g", "spectral gap 1 - lambda_2(E[W^T W])")
+  lines(
+    table,
+    path,
+    f"Spectral gap of one round's averaging, {n} workers (higher mixes faster)",
+    "group size g",
+    "spectral gap 1 - lambda_2(E[W^T W])",
+  )

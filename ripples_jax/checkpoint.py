@@ -11,6 +11,7 @@ several processes (a collective; every process calls it) and is exact (integer a
 reduction order). It is stored in the metadata at save and recomputed at restore; a mismatch (a
 flipped byte on disk) makes the checkpoint unusable like one that does not read back.
 """
+
 import os
 
 import jax
@@ -67,8 +68,9 @@ class _OneWriter(array_metadata_store.Validator):
     pass
 
 
-def manager(directory: str, keep: int | None = None, create: bool = True,
-            process: int | None = None) -> ocp.CheckpointManager:
+def manager(
+  directory: str, keep: int | None = None, create: bool = True, process: int | None = None
+) -> ocp.CheckpointManager:
   """A checkpoint manager over every process (the default) or, with `process`, of that process alone.
 
   A per-process manager saves without waiting for any other process (no barrier), which is what the
@@ -83,32 +85,41 @@ def manager(directory: str, keep: int | None = None, create: bool = True,
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-  mp = ocp.options.MultiprocessingOptions(primary_host=process, active_processes={process},
-                                          barrier_sync_key_prefix=f"ripples-w{process}")
+  mp = ocp.options.MultiprocessingOptions(
+    primary_host=process, active_processes={process}, barrier_sync_key_prefix=f"ripples-w{process}"
+  )
   if create:
     os.makedirs(directory, exist_ok=True)  # orbax refuses create=True with active_processes
   registry = type_handler_registry.create_type_handler_registry(
-      (jax.Array, type_handlers.ArrayHandler(primary_host=process, replica_id=0)))
-  handlers = {"state": ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=registry,
-                                                   array_metadata_validator=_OneWriter()),
-              "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, multiprocessing_options=mp,
-                                         enable_async_checkpointing=False)
+    (jax.Array, type_handlers.ArrayHandler(primary_host=process, replica_id=0))
+  )
+  handlers = {
+    "state": ocp.PyTreeCheckpointHandler(
+      multiprocessing_options=mp, type_handler_registry=registry, array_metadata_validator=_OneWriter()
+    ),
+    "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+  }
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=keep, create=False, multiprocessing_options=mp, enable_async_checkpointing=False
+  )
   mgr = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
   mgr.ripples_per_process = True
   return mgr
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
-  item = (ocp.args.PyTreeSave(state) if getattr(mgr, "ripples_per_process", False)
-          else ocp.args.StandardSave(state))
+  item = (
+    ocp.args.PyTreeSave(state) if getattr(mgr, "ripples_per_process", False) else ocp.args.StandardSave(state)
+  )
   mgr.save(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonSave(meta)))
 
 
 def restore(mgr: ocp.CheckpointManager, step: int, like):
   """(state with the structure, shapes, dtypes and shardings of `like`, meta)."""
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-                        if isinstance(a, jax.Array) else a, like)
+  target = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a,
+    like,
+  )
   if getattr(mgr, "ripples_per_process", False):
     item = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
   else:

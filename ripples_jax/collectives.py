@@ -15,6 +15,7 @@ group given by a caller become groups of one, which P-Reduce leaves untouched). 
 Both average *parameters* (every variable, flattened into one buffer as the authors' P-Reduce does: one
 collective per round instead of one per leaf), never gradients.
 """
+
 import functools
 from typing import Sequence
 
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 Layout = tuple[tuple[int, ...], ...]
 WORKER_AXIS = "worker"
@@ -111,8 +113,9 @@ def grouped_mean_in_shard(buf_1xD, layout: Layout, axis_name: str = WORKER_AXIS)
   return summed / size
 
 
-def switched_grouped_mean_in_shard(buf_1xD, layouts: Sequence[Layout], layout_idx,
-                                   axis_name: str = WORKER_AXIS):
+def switched_grouped_mean_in_shard(
+  buf_1xD, layouts: Sequence[Layout], layout_idx, axis_name: str = WORKER_AXIS
+):
   """Like grouped_mean_in_shard, with the layout chosen by the traced index `layout_idx`."""
   if len(layouts) == 1:
     return grouped_mean_in_shard(buf_1xD, layouts[0], axis_name)
@@ -157,8 +160,10 @@ def make_worker_mesh(num_workers: int, devices=None) -> Mesh:
   if num_workers <= len(devices):
     devices = devices[:num_workers]
   elif num_workers % len(devices):
-    raise ValueError(f"num_workers: {num_workers} is not allowed: it must be <= the {len(devices)} "
-                     f"devices or a multiple of {len(devices)}")
+    raise ValueError(
+      f"num_workers: {num_workers} is not allowed: it must be <= the {len(devices)} "
+      f"devices or a multiple of {len(devices)}"
+    )
   return Mesh(np.array(devices), (WORKER_AXIS,))
 
 
@@ -166,9 +171,11 @@ def make_worker_mesh(num_workers: int, devices=None) -> Mesh:
 def _collective_fn(mesh: Mesh, layout: Layout):
   def body(buf_1xD):
     return grouped_mean_in_shard(buf_1xD, layout)
+
   # check_vma=False: shard_map rejects axis_index_groups otherwise.
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(WORKER_AXIS), out_specs=P(WORKER_AXIS),
-                               check_vma=False))
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=P(WORKER_AXIS), out_specs=P(WORKER_AXIS), check_vma=False)
+  )
 
 
 @jax.jit

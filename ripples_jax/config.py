@@ -5,20 +5,22 @@ Every problem is reported as one line: `config.<key>: <value> is not allowed: <w
 values are imported from the modules that own them (a new model, dataset or method is allowed as soon
 as its owner lists it); this module adds only the cross-field rules.
 """
+
 import ast
 import math
 
 import ml_collections
 
-from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError  # noqa: F401  (re-exported)
-from ripples_jax.data import DATASET_NAMES as DATASETS, SHARD_MODES as DATA_SHARDINGS
+from ripples_jax.data import DATASET_NAMES as DATASETS
+from ripples_jax.data import SHARD_MODES as DATA_SHARDINGS
 from ripples_jax.engine import PREDUCE_IMPLS
+from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError  # noqa: F401  (re-exported)
 from ripples_jax.models import MODEL_NAMES
 from ripples_jax.optim import LR_SCHEDULES, OPTIMIZERS
 from ripples_jax.pipeline.tick import MODES, PLACEMENTS
 from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
-from ripples_jax.schedule.online import ADPSGD_PASSIVE, RUNTIME_ALGORITHMS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
+from ripples_jax.schedule.online import ADPSGD_PASSIVE, RUNTIME_ALGORITHMS
 
 EXECUTORS = ("spmd", "sim", "async")  # a Ripples config's executor (run.EXECUTORS holds them all)
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
@@ -51,8 +53,10 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     default = defaults[key]
     kind = type(default)
     if not (type(value) is kind or (kind is float and type(value) is int)):
-      raise ConfigError(f"config:{key}: {value!r} is not allowed: {_TYPE_NAMES.get(kind, kind.__name__)} "
-                        f"like its default {default!r}")
+      raise ConfigError(
+        f"config:{key}: {value!r} is not allowed: {_TYPE_NAMES.get(kind, kind.__name__)} "
+        f"like its default {default!r}"
+      )
     out[key] = value
   return out
 
@@ -82,20 +86,25 @@ def _positive_int(config, key):
     _fail(key, value, "a positive integer")
 
 
-def validate_train_config(config, num_devices: int, num_processes: int = 1,
-                          local_devices: int | None = None) -> None:
+def validate_train_config(
+  config, num_devices: int, num_processes: int = 1, local_devices: int | None = None
+) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train config."""
   _one_of(config, "executor", EXECUTORS)
   if config.get("profile_steps"):
     from ripples_jax.profiling import parse
+
     try:
       parse(config.profile_steps)
     except ValueError:
       _fail("profile_steps", config.profile_steps, "'a:b' with 0 <= a < b (steps [a, b) are traced), or ''")
     if config.executor != "spmd":
       _fail("profile_steps", config.profile_steps, f"'' with executor={config.executor} (profiling: spmd)")
-  _one_of(config, "algorithm", {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS,
-                                "async": RUNTIME_ALGORITHMS}[config.executor])
+  _one_of(
+    config,
+    "algorithm",
+    {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS, "async": RUNTIME_ALGORITHMS}[config.executor],
+  )
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "data_sharding", DATA_SHARDINGS)
@@ -114,8 +123,12 @@ def validate_train_config(config, num_devices: int, num_processes: int = 1,
 
   if config.executor == "async":
     if n != num_processes:
-      _fail("num_workers", n, f"the number of processes ({num_processes}) with executor=async (one "
-            "process per worker: experiments.launch --num_processes, or --jax_distributed on a cluster)")
+      _fail(
+        "num_workers",
+        n,
+        f"the number of processes ({num_processes}) with executor=async (one "
+        "process per worker: experiments.launch --num_processes, or --jax_distributed on a cluster)",
+      )
     local = local_devices or 1
     if config.batch_size % local:
       _fail("batch_size", config.batch_size, f"a multiple of the {local} devices of each worker")
@@ -132,8 +145,13 @@ def _check_runtime(config):
   for key in ("checkpoint_keep", "cache_size", "warmup_steps"):
     _positive_int(config, f"runtime.{key}")
   _int_in(config, "runtime.checkpoint_every", 0, 10**9, "an integer >= 0")
-  _int_in(config, "runtime.fail_worker", -1, config.num_workers - 1,
-          f"-1 (none) or a worker id < num_workers={config.num_workers}")
+  _int_in(
+    config,
+    "runtime.fail_worker",
+    -1,
+    config.num_workers - 1,
+    f"-1 (none) or a worker id < num_workers={config.num_workers}",
+  )
   _int_in(config, "runtime.fail_step", 0, 10**9, "an integer >= 0")
   _one_of(config, "runtime.adpsgd_passive", ADPSGD_PASSIVE)
   _number(config, "runtime.step_time", lambda v: v >= 0, "seconds >= 0 (0: no padding)")
@@ -141,11 +159,13 @@ def _check_runtime(config):
   _number(config, "runtime.heartbeat_timeout", lambda v: v > 0, "seconds > 0")
   _number(config, "runtime.stall_timeout", lambda v: v > 0, "seconds > 0")
   if not rt.heartbeat_timeout > 2 * rt.heartbeat_s:
-    _fail("runtime.heartbeat_timeout", rt.heartbeat_timeout,
-          f"seconds > 2 x runtime.heartbeat_s={rt.heartbeat_s}")
+    _fail(
+      "runtime.heartbeat_timeout", rt.heartbeat_timeout, f"seconds > 2 x runtime.heartbeat_s={rt.heartbeat_s}"
+    )
   if not rt.stall_timeout > rt.heartbeat_timeout:
-    _fail("runtime.stall_timeout", rt.stall_timeout,
-          f"seconds > runtime.heartbeat_timeout={rt.heartbeat_timeout}")
+    _fail(
+      "runtime.stall_timeout", rt.stall_timeout, f"seconds > runtime.heartbeat_timeout={rt.heartbeat_timeout}"
+    )
 
 
 def _check_optimizer(config):
@@ -176,7 +196,8 @@ def _check_schedule(config, n):
   if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
     _int_in(config, "schedule.group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
   if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart") and not isinstance(
-      s.request_ahead, bool):
+    s.request_ahead, bool
+  ):
     _fail("schedule.request_ahead", s.request_ahead, "True or False")
   if config.algorithm == "ripples_smart":
     _number(config, "schedule.smart_tolerance", lambda v: v > 0, "a number > 0 (a fraction of a step time)")
@@ -199,7 +220,9 @@ def _check_schedule(config, n):
     for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
       if not isinstance(config.timeline[key], bool):
         _fail(f"timeline.{key}", config.timeline[key], "True or False")
-    _number(config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)")
+    _number(
+      config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)"
+    )
     for key in ("alpha", "model_bytes"):
       _number(config, f"timeline.{key}", lambda v: v >= 0, "a number >= 0")
     for key in ("bandwidth", "ps_bandwidth"):
@@ -210,8 +233,11 @@ def _check_schedule(config, n):
     for key, off in _HETERO_OFF.items():
       value = config.hetero[key]
       if (tuple(value) if isinstance(value, (list, tuple)) else value) != off:
-        _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: hetero.* needs "
-              "executor=sim or executor=async")
+        _fail(
+          f"hetero.{key}",
+          value,
+          f"{off!r} (off) with executor={config.executor}: hetero.* needs executor=sim or executor=async",
+        )
 
 
 def _number(config, key, ok, allowed):
@@ -236,50 +262,84 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
   """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
   from ripples_jax.models.split import max_stages
   from ripples_jax.pipeline.tick import PROCESS_MODES
+
   _one_of(config, "placement", PLACEMENTS)
   if config.placement == "per_process":
     if num_processes != config.num_stages:
-      _fail("placement", "per_process", f"one process per stage: num_stages={config.num_stages} processes "
-            f"(python -m experiments.launch --num_processes={config.num_stages} "
-            f"--module=experiments.train_dsp -- ...), this job has {num_processes}")
+      _fail(
+        "placement",
+        "per_process",
+        f"one process per stage: num_stages={config.num_stages} processes "
+        f"(python -m experiments.launch --num_processes={config.num_stages} "
+        f"--module=experiments.train_dsp -- ...), this job has {num_processes}",
+      )
     if config.method == "dni":
       _fail("method", "dni", "one of bp, gpipe, ddg, fr, dsp with placement=per_process")
     if config.mode in PROCESS_MODES and config.method != "dsp":
-      _fail("mode", config.mode, f"recompute or stash for method={config.method} (the runtime picks its "
-            "mode: bp and ddg keep residuals, fr recomputes)")
+      _fail(
+        "mode",
+        config.mode,
+        f"recompute or stash for method={config.method} (the runtime picks its "
+        "mode: bp and ddg keep residuals, fr recomputes)",
+      )
     if config.mode == "fused" and config.delay < 1:
       _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
     _positive_int(config, "chunks")
     if config.batch_size % config.chunks:
       _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
     if config.chunks > 1 and not (config.method in ("bp", "ddg") or config.mode == "residuals"):
-      _fail("chunks", config.chunks, "1 unless the stage calls keep residuals (method bp or ddg, or dsp with "
-            "mode=residuals)")
+      _fail(
+        "chunks",
+        config.chunks,
+        "1 unless the stage calls keep residuals (method bp or ddg, or dsp with mode=residuals)",
+      )
     for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
       _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
-    _int_in(config, "runtime.fail_stage", -1, config.num_stages - 1,
-            f"a stage in [0, num_stages={config.num_stages}) or -1 for none")
+    _int_in(
+      config,
+      "runtime.fail_stage",
+      -1,
+      config.num_stages - 1,
+      f"a stage in [0, num_stages={config.num_stages}) or -1 for none",
+    )
   elif config.chunks != 1:
     _fail("chunks", config.chunks, "1 unless placement=per_process")
   elif num_processes > 1:
-    raise ConfigError(f"--jax_distributed: {num_processes} processes are not allowed with "
-                      f"placement={config.placement}: a pipeline runs inside one process (its stages on "
-                      "that process's devices); placement=per_process runs one process per stage")
+    raise ConfigError(
+      f"--jax_distributed: {num_processes} processes are not allowed with "
+      f"placement={config.placement}: a pipeline runs inside one process (its stages on "
+      "that process's devices); placement=per_process runs one process per stage"
+    )
   elif config.mode in PROCESS_MODES:
-    _fail("mode", config.mode, "recompute or stash unless placement=per_process (the fused call and the "
-          "residual ring exist in the multi-process runtime)")
+    _fail(
+      "mode",
+      config.mode,
+      "recompute or stash unless placement=per_process (the fused call and the "
+      "residual ring exist in the multi-process runtime)",
+    )
   _one_of(config, "method", DSP_METHODS)
   _one_of(config, "mode", MODES)
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "placement", PLACEMENTS)
-  for key in ("num_stages", "batch_size", "microbatches", "chunks", "num_epochs", "log_every", "eval_every",
-              "checkpoint_keep"):
+  for key in (
+    "num_stages",
+    "batch_size",
+    "microbatches",
+    "chunks",
+    "num_epochs",
+    "log_every",
+    "eval_every",
+    "checkpoint_keep",
+  ):
     _positive_int(config, key)
   _int_in(config, "checkpoint_every", 0, 10**9, "an integer number of batches >= 0 (0: no checkpoints)")
   if config.checkpoint_every % config.log_every:
-    _fail("checkpoint_every", config.checkpoint_every,
-          f"a multiple of log_every={config.log_every} (checkpoints are taken at logged batches)")
+    _fail(
+      "checkpoint_every",
+      config.checkpoint_every,
+      f"a multiple of log_every={config.log_every} (checkpoints are taken at logged batches)",
+    )
   most = max_stages(config.model)
   if config.num_stages > most:
     _fail("num_stages", config.num_stages, f"{config.model} splits into at most {most} stages")
@@ -297,7 +357,12 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
     _one_of(config, "on_config_change", ON_CONFIG_CHANGE)
   _number(config, "dni_lr", lambda v: v > 0, "a number > 0")
   _number(config, "slowdown", lambda v: v >= 1, "a factor >= 1")
-  _int_in(config, "straggler_stage", -1, config.num_stages - 1,
-          f"a stage in [0, num_stages={config.num_stages}) or -1 for none")
+  _int_in(
+    config,
+    "straggler_stage",
+    -1,
+    config.num_stages - 1,
+    f"a stage in [0, num_stages={config.num_stages}) or -1 for none",
+  )
   _number(config, "straggler_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
   _int_in(config, "seed", 0, 2**32 - 1, "an integer in [0, 2**32)")

@@ -5,10 +5,12 @@ State is a plain dict whose leaves carry a leading worker axis W, sharded over t
   model_state  other model collections, e.g. batch_stats (averaged with the params: the authors'
                P-Reduce averages every variable)
   opt_state    optax state, local to each worker (never averaged, as in the Ripples worker loop)
-A round (docs/design.md 3.3): every worker in `step_mask` computes a gradient on its batch and applies its local
+A round (docs/design.md 3.3): every worker in `step_mask` computes a gradient on its batch and applies its
+local
 optimizer update; then the round's layout averages parameters within groups. The mask and the layout
 index are inputs (data), so the schedule can change every round without recompiling.
 """
+
 import functools
 from typing import Callable, Sequence
 
@@ -16,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ripples_jax import collectives
 from ripples_jax.collectives import WORKER_AXIS, Layout
@@ -30,15 +33,19 @@ def worker_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(WORKER_AXIS))
 
 
-def init_state(model, optimizer: optax.GradientTransformation, rng, sample_x, num_workers: int,
-               mesh: Mesh) -> dict:
+def init_state(
+  model, optimizer: optax.GradientTransformation, rng, sample_x, num_workers: int, mesh: Mesh
+) -> dict:
   """Same initial parameters x_0 on every worker, stacked on the worker axis and sharded."""
 
   def init(rng):
     params, model_state = init_model(model, rng, sample_x)
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (num_workers,) + jnp.shape(a)), t)
-    return {"params": stack(params), "model_state": stack(model_state),
-            "opt_state": stack(optimizer.init(params))}
+    return {
+      "params": stack(params),
+      "model_state": stack(model_state),
+      "opt_state": stack(optimizer.init(params)),
+    }
 
   # Runs once, so compile it cheaply: the random-number code of a ResNet init otherwise takes ~10 s to
   # optimise on CPU for no gain.
@@ -51,8 +58,10 @@ def resolve_preduce_impl(impl: str, num_workers: int, mesh: Mesh) -> str:
   if impl == "auto":
     return "collective" if mesh.size == num_workers else "segment"
   if impl == "collective" and mesh.size != num_workers:
-    raise ValueError(f"config.preduce_impl: 'collective' is not allowed with {num_workers} workers on "
-                     f"{mesh.size} devices: it needs one device per worker (use 'segment' or 'auto')")
+    raise ValueError(
+      f"config.preduce_impl: 'collective' is not allowed with {num_workers} workers on "
+      f"{mesh.size} devices: it needs one device per worker (use 'segment' or 'auto')"
+    )
   return impl
 
 
@@ -62,8 +71,13 @@ def cross_entropy_loss(model, params, model_state, x_BxI, y_B, train: bool = Tru
   return loss, new_model_state
 
 
-def make_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, layouts: Sequence[Layout],
-                  preduce_impl: str = "auto") -> Callable:
+def make_round_fn(
+  model,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  layouts: Sequence[Layout],
+  preduce_impl: str = "auto",
+) -> Callable:
   """Returns jitted round(state, x_WxB.., y_WxB, step_mask_W, layout_idx) -> (state, loss_W).
 
   With the `collective` P-Reduce the layout index selects one of `layouts` (lax.switch over grouped
@@ -85,9 +99,11 @@ def make_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, la
     # K = workers on this device. The local step runs for every worker and is masked afterwards:
     # a masked worker keeps its params and optimizer state exactly.
     params, model_state, opt_state, loss_K = jax.vmap(local_step)(
-        state["params"], state["model_state"], state["opt_state"], x_KxB, y_KxB)
+      state["params"], state["model_state"], state["opt_state"], x_KxB, y_KxB
+    )
     keep = lambda new, old: jax.tree.map(
-        lambda a, b: jnp.where(step_mask_K.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+      lambda a, b: jnp.where(step_mask_K.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old
+    )
     params = keep(params, state["params"])
     model_state = keep(model_state, state["model_state"])
     opt_state = keep(opt_state, state["opt_state"])
@@ -99,19 +115,20 @@ def make_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, la
     else:
       buf_KxD = collectives.segment_mean_in_shard(buf_KxD, gid_table[layout_idx])
     averaged = unravel(buf_KxD)
-    new_state = {"params": averaged["params"], "model_state": averaged["model_state"],
-                 "opt_state": opt_state}
+    new_state = {"params": averaged["params"], "model_state": averaged["model_state"], "opt_state": opt_state}
     return new_state, jnp.where(step_mask_K, loss_K, jnp.nan)
 
   w = P(WORKER_AXIS)
   # check_vma=False: shard_map rejects psum's axis_index_groups otherwise (docs/design.md 5).
-  sharded = jax.shard_map(shard_round, mesh=mesh, in_specs=(w, w, w, w, P(), P()), out_specs=(w, w),
-                          check_vma=False)
+  sharded = jax.shard_map(
+    shard_round, mesh=mesh, in_specs=(w, w, w, w, P(), P()), out_specs=(w, w), check_vma=False
+  )
 
   @functools.partial(jax.jit, donate_argnums=0)
   def round_fn(state, x_WxB, y_WxB, step_mask_W, layout_idx):
-    return sharded(state, x_WxB, y_WxB, step_mask_W, jnp.asarray(layout_idx, jnp.int32),
-                   jnp.asarray(gid_table_LxN))
+    return sharded(
+      state, x_WxB, y_WxB, step_mask_W, jnp.asarray(layout_idx, jnp.int32), jnp.asarray(gid_table_LxN)
+    )
 
   return round_fn
 
@@ -123,8 +140,10 @@ def mean_params(tree):
 
 def consensus_distance(params) -> jax.Array:
   """Mean over workers of ||x_i - x_bar||_2 (all parameters flattened)."""
-  sq_W = sum(jnp.sum(jnp.square(a - a.mean(0, keepdims=True)).reshape(a.shape[0], -1), axis=1)
-             for a in jax.tree.leaves(params))
+  sq_W = sum(
+    jnp.sum(jnp.square(a - a.mean(0, keepdims=True)).reshape(a.shape[0], -1), axis=1)
+    for a in jax.tree.leaves(params)
+  )
   return jnp.mean(jnp.sqrt(sq_W))
 
 
@@ -134,14 +153,19 @@ def make_eval_fn(model) -> Callable:
   def accuracy(params, model_state, x, y):
     logits, _ = apply_model(model, params, model_state, x, train=False)
     return jnp.mean(jnp.argmax(logits, -1) == y), optax.softmax_cross_entropy_with_integer_labels(
-        logits, y).mean()
+      logits, y
+    ).mean()
 
   @jax.jit
   def eval_fn(state, x, y):
     acc, loss = accuracy(mean_params(state["params"]), mean_params(state["model_state"]), x, y)
     acc_W, _ = jax.vmap(accuracy, in_axes=(0, 0, None, None))(state["params"], state["model_state"], x, y)
-    return {"test_accuracy": acc, "test_loss": loss, "worker_test_accuracy": jnp.mean(acc_W),
-            "consensus_distance": consensus_distance(state["params"])}
+    return {
+      "test_accuracy": acc,
+      "test_loss": loss,
+      "worker_test_accuracy": jnp.mean(acc_W),
+      "consensus_distance": consensus_distance(state["params"]),
+    }
 
   return eval_fn
 
@@ -181,9 +205,17 @@ def init_sim_state(model, optimizer, rng, sample_x, num_slots: int, mesh: Mesh) 
   return state
 
 
-def make_sim_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh, num_workers: int,
-                      num_slots: int, cross_apply: bool = False, ring: bool = False,
-                      pull: bool = False, start_capacity: int | None = None) -> Callable:
+def make_sim_round_fn(
+  model,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  num_workers: int,
+  num_slots: int,
+  cross_apply: bool = False,
+  ring: bool = False,
+  pull: bool = False,
+  start_capacity: int | None = None,
+) -> Callable:
   """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S).
 
   One round executes a packed batch of clock events in four phases, each at most once per slot:
@@ -211,7 +243,9 @@ def make_sim_round_fn(model, optimizer: optax.GradientTransformation, mesh: Mesh
     return grads, new_model_state, loss
 
   def round_fn(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S):
-    params, model_state, opt_state, grads = (state[k] for k in ("params", "model_state", "opt_state", "grads"))
+    params, model_state, opt_state, grads = (
+      state[k] for k in ("params", "model_state", "opt_state", "grads")
+    )
     # A: apply finished gradients (computed on the params held when they started: stale by design).
     has = apply_src_S >= 0
     g = grads

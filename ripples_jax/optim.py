@@ -1,4 +1,5 @@
 """optax optimizers from config.optimizer."""
+
 import optax
 from absl import logging
 
@@ -10,8 +11,9 @@ def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
   """optax optimizer from config.optimizer; the step count in its state is each worker's own."""
   warmup = min(opt.warmup_steps, num_steps - 1)
   if warmup < opt.warmup_steps:
-    logging.warning("optimizer.warmup_steps=%d shortened to %d for a %d-step run",
-                    opt.warmup_steps, warmup, num_steps)
+    logging.warning(
+      "optimizer.warmup_steps=%d shortened to %d for a %d-step run", opt.warmup_steps, warmup, num_steps
+    )
   if opt.lr_schedule == "cosine":
     lr = optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, num_steps)
   elif warmup:

@@ -4,6 +4,7 @@ The trace opens in TensorBoard's profile plugin or XProf (`tensorboard --logdir 
 Steps are the executor's own (lockstep rounds; the simulator's logged steps). Profiling changes no
 numerics, so the key may differ on resume.
 """
+
 import os
 
 import jax
@@ -11,7 +12,7 @@ from absl import logging
 
 
 def parse(spec: str) -> tuple[int, int] | None:
-  """"a:b" -> (a, b) with 0 <= a < b; "" -> None; anything else raises ValueError."""
+  """ "a:b" -> (a, b) with 0 <= a < b; "" -> None; anything else raises ValueError."""
   if not spec:
     return None
   a, b = (int(x) for x in spec.split(":"))

@@ -9,6 +9,7 @@ or one past its end (clamped to the total) stays quiet, and a step reported twic
 A log line written while the bar is on the terminal clears the bar first (clear_bar(), called by the
 console filter, host.quiet_library_logs); the next update draws it again below the line.
 """
+
 import collections
 import sys
 import time
@@ -17,10 +18,10 @@ from absl import logging
 
 WINDOW_S = 30.0
 WINDOW_UPDATES = 20
-_MAX_POINTS = 4096   # bounds the window of a loop that reports thousands of steps a second
-_REDRAW_S = 0.2      # the terminal bar is redrawn at most this often (and at the end)
+_MAX_POINTS = 4096  # bounds the window of a loop that reports thousands of steps a second
+_REDRAW_S = 0.2  # the terminal bar is redrawn at most this often (and at the end)
 
-_drawn = None        # the Progress whose bar is on the terminal's last line now
+_drawn = None  # the Progress whose bar is on the terminal's last line now
 
 
 def clear_bar() -> None:
@@ -31,7 +32,6 @@ def clear_bar() -> None:
 
 
 class Progress:
-
   def __init__(self, total: int, log_every: int = 50, stream=None, clock=time.monotonic, start: int = 0):
     self.total, self.log_every = total, max(1, int(log_every))
     self.stream = stream or sys.stderr
@@ -42,7 +42,7 @@ class Progress:
   def resume_at(self, step: int) -> None:
     """Starts counting at `step` (a resumed run): its rate is measured from its own first update."""
     self.step = self._printed = int(step)
-    self._points = collections.deque(maxlen=_MAX_POINTS)   # (time, step) of updates that advanced
+    self._points = collections.deque(maxlen=_MAX_POINTS)  # (time, step) of updates that advanced
     self._last_draw = None
     self._pending_redraw = False
 
@@ -60,16 +60,19 @@ class Progress:
     return max(0, self.total - self.step) / rate if rate else None
 
   def _trim(self, now: float) -> None:
-    while (len(self._points) > max(2, WINDOW_UPDATES + 1)
-           and now - self._points[1][0] >= WINDOW_S):  # the next-oldest point still spans the window
+    while (
+      len(self._points) > max(2, WINDOW_UPDATES + 1) and now - self._points[1][0] >= WINDOW_S
+    ):  # the next-oldest point still spans the window
       self._points.popleft()
 
   def describe(self, **info) -> str:
     """`<step>/<total> <rate> steps/s ETA <eta>s <info>`."""
     rate, eta = self.rate(), self.eta()
     extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
-    return (f"{self.step}/{self.total} {'?' if rate is None else f'{rate:.1f}'} steps/s "
-            f"ETA {'?' if eta is None else f'{eta:.0f}s'} {extra}").rstrip()
+    return (
+      f"{self.step}/{self.total} {'?' if rate is None else f'{rate:.1f}'} steps/s "
+      f"ETA {'?' if eta is None else f'{eta:.0f}s'} {extra}"
+    ).rstrip()
 
   def update(self, step: int, **info) -> None:
     step = int(step)
@@ -80,8 +83,12 @@ class Progress:
     self._points.append((now, step))
     self._trim(now)
     if self.tty:
-      if (self._last_draw is not None and now - self._last_draw < _REDRAW_S and step < self.total
-          and not self._pending_redraw):
+      if (
+        self._last_draw is not None
+        and now - self._last_draw < _REDRAW_S
+        and step < self.total
+        and not self._pending_redraw
+      ):
         return
       self._draw(now, info)
     elif step // self.log_every > self._printed // self.log_every or step >= self.total > self._printed:

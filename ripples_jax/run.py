@@ -10,6 +10,7 @@ Executors are peers: none imports another; each writes its files through runlog.
 inputs with setup.py. A Ripples config (configs/default.py) names its executor; a pipeline config
 (configs/dsp.py) has a method and a placement.
 """
+
 import copy
 import importlib
 import json
@@ -22,12 +23,12 @@ from ripples_jax.errors import ConfigError
 
 # executor -> (module, function(config, workdir) -> summary), imported when a run uses it.
 EXECUTORS = {
-    "spmd": ("ripples_jax.spmd", "train"),
-    "sim": ("ripples_jax.sim", "run"),
-    "async": ("ripples_jax.runtime.worker", "run"),
-    "async/adpsgd": ("ripples_jax.runtime.adpsgd", "run"),
-    "pipeline": ("ripples_jax.pipeline.train", "run"),
-    "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
+  "spmd": ("ripples_jax.spmd", "train"),
+  "sim": ("ripples_jax.sim", "run"),
+  "async": ("ripples_jax.runtime.worker", "run"),
+  "async/adpsgd": ("ripples_jax.runtime.adpsgd", "run"),
+  "pipeline": ("ripples_jax.pipeline.train", "run"),
+  "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
 }
 
 
@@ -43,6 +44,7 @@ def executor_of(config) -> str:
 def validate(config) -> None:
   """The config's one-line checks (config.py), before anything loads or compiles."""
   from ripples_jax.config import validate_dsp_config, validate_train_config
+
   if "method" in config:
     validate_dsp_config(config, num_processes=jax.process_count())
   else:
@@ -60,12 +62,16 @@ def train_and_evaluate(config, workdir: str | None = None, return_state: bool = 
   validate(config)
   name = executor_of(config)
   if return_state and name.startswith("pipeline"):
-    raise ConfigError("return_state=True is not allowed with a pipeline config: load() reads Ripples runs "
-                      "(spmd, sim, async); the pipeline's final parameters are in WORKDIR/snapshots or ckpt")
+    raise ConfigError(
+      "return_state=True is not allowed with a pipeline config: load() reads Ripples runs "
+      "(spmd, sim, async); the pipeline's final parameters are in WORKDIR/snapshots or ckpt"
+    )
   if return_state and name != "async" and not config.checkpoint_every:
-    raise ConfigError(f"config.checkpoint_every: {config.checkpoint_every} is not allowed with "
-                      "return_state=True: a positive number of steps (the state comes back from the final "
-                      "checkpoint)")
+    raise ConfigError(
+      f"config.checkpoint_every: {config.checkpoint_every} is not allowed with "
+      "return_state=True: a positive number of steps (the state comes back from the final "
+      "checkpoint)"
+    )
   module, fn = EXECUTORS[name]
   summary = getattr(importlib.import_module(module), fn)(config, workdir)
   if not return_state:
@@ -91,11 +97,17 @@ def run_fresh(base, out_dir: str, name: str, **overrides):
     summary = train_and_evaluate(config, workdir)
   except FloatingPointError as e:  # a diverged run is a result, not the end of the experiment
     summary = json.load(open(os.path.join(workdir, "config.json")))
-    summary.update(diverged=str(e), final_test_accuracy=float("nan"), final_train_loss=float("nan"),
-                   time=float("nan"))
+    summary.update(
+      diverged=str(e), final_test_accuracy=float("nan"), final_train_loss=float("nan"), time=float("nan")
+    )
     if "method" in config:  # the pipeline's own figures
-      summary.update(modeled_speedup_vs_bp=float("nan"), stage_forward_s=None, stage_backward_s=None,
-                     stored_bytes=None, staleness=None)
+      summary.update(
+        modeled_speedup_vs_bp=float("nan"),
+        stage_forward_s=None,
+        stage_backward_s=None,
+        stored_bytes=None,
+        staleness=None,
+      )
   records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   return summary, records
 
@@ -111,12 +123,9 @@ def load(workdir: str, step: int | None = None) -> dict:
   import json
   import os
 
-  import jax.numpy as jnp
   import ml_collections
-  from jax.flatten_util import ravel_pytree
 
-  from ripples_jax import checkpoint, setup as setup_lib
-  from ripples_jax.models import init_model
+  from ripples_jax import checkpoint
 
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
@@ -147,9 +156,15 @@ def load(workdir: str, step: int | None = None) -> dict:
 
 
 def _model(config, step, params, model_state) -> dict:
-  return {"config": config, "step": step, "executor": config.executor, "params": params,
-          "params_avg": jax.tree.map(lambda a: a.mean(0), params), "model_state": model_state,
-          "model_state_avg": jax.tree.map(lambda a: a.mean(0), model_state)}
+  return {
+    "config": config,
+    "step": step,
+    "executor": config.executor,
+    "params": params,
+    "params_avg": jax.tree.map(lambda a: a.mean(0), params),
+    "model_state": model_state,
+    "model_state_avg": jax.tree.map(lambda a: a.mean(0), model_state),
+  }
 
 
 def _load_async(config, workdir: str, step) -> dict:

@@ -4,23 +4,23 @@
 Meshes are not here on purpose: each executor places workers its own way (spmd: one row of a worker
 mesh per device; sim: every slot on one device; runtime: this process's devices only).
 """
+
 import dataclasses
 
 import ml_collections
 import numpy as np
-from flax import linen as nn
 import optax
+from flax import linen as nn
 
 from ripples_jax import data as data_lib
-from ripples_jax.models import build_model
+from ripples_jax.models import build_model, split
 from ripples_jax.optim import make_optimizer
-from ripples_jax.models import split
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  data: dict                       # load_dataset's dict: x_train, y_train, x_test, y_test, num_classes, ...
-  shards: list                     # per-worker index arrays into the training set
+  data: dict  # load_dataset's dict: x_train, y_train, x_test, y_test, num_classes, ...
+  shards: list  # per-worker index arrays into the training set
   model: nn.Module
   optimizer: optax.GradientTransformation
 
@@ -49,7 +49,8 @@ def build(config) -> Setup:
 @dataclasses.dataclass(frozen=True)
 class PipelineSetup:
   """What every placement of the pipeline shares: its stages, optimizer and one batch stream."""
-  stages: list                     # split.split_model's stage modules
+
+  stages: list  # split.split_model's stage modules
   optimizer: optax.GradientTransformation
   feed: "Feed"
   data: dict
@@ -63,7 +64,7 @@ class Feed:
   def __init__(self, data, config, num_batches):
     self.data, self.config, self.num_batches = data, config, num_batches
     self.everything = [np.arange(len(data["y_train"]))]
-    self.sample = data["x_train"][:config.batch_size]
+    self.sample = data["x_train"][: config.batch_size]
 
   def indices(self, i):  # negative: warm-up, any batch (its update is masked)
     return data_lib.batch_indices(self.everything, self.config.batch_size, self.config.seed, max(i, 0))[0]
@@ -80,8 +81,9 @@ def build_pipeline(config) -> PipelineSetup:
   """The pipeline's data, stages, batch feed and optimizer, from a configs/dsp.py config."""
   kw = dict(config.synthetic) if config.dataset == "synthetic" and "synthetic" in config else {}
   data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed, **kw)
-  stages = split.split_model(config.model, data["num_classes"], config.num_stages,
-                             sample_shape=data["input_shape"])
+  stages = split.split_model(
+    config.model, data["num_classes"], config.num_stages, sample_shape=data["input_shape"]
+  )
   batches_per_epoch = len(data["y_train"]) // config.batch_size
   num_batches = config.num_epochs * batches_per_epoch
   feed = Feed(data, config, num_batches)

@@ -4,6 +4,7 @@ The clock (timeline.simulate) runs first and alone: with the speeds and the netw
 every event of the run. The events are packed into rounds and executed in order on stacked per-worker
 state; metrics carry the virtual time of the round that produced them.
 """
+
 import dataclasses
 import time
 
@@ -12,9 +13,8 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import data as data_lib
-from ripples_jax import engine
+from ripples_jax import engine, timeline
 from ripples_jax import setup as setup_lib
-from ripples_jax import timeline
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import num_params
 from ripples_jax.runlog import RunLog, make_workdir
@@ -23,8 +23,7 @@ from ripples_jax.schedule import make_group_generator
 
 def measure_step_time(model, optimizer, sample_x, sample_y, reps: int = 20) -> float:
   """Median seconds of one worker's real jitted step (gradient + update) on one device."""
-  state = engine.init_state(model, optimizer, jax.random.key(0), sample_x[:1], 1,
-                            make_worker_mesh(1))
+  state = engine.init_state(model, optimizer, jax.random.key(0), sample_x[:1], 1, make_worker_mesh(1))
   fn = engine.make_round_fn(model, optimizer, make_worker_mesh(1), (((0,),),), "segment")
   x, y, mask = sample_x[None], sample_y[None], np.ones(1, bool)
   state, loss = fn(state, x, y, mask, 0)
@@ -40,9 +39,16 @@ def measure_step_time(model, optimizer, sample_x, sample_y, reps: int = 20) -> f
 
 def build_clock(config, model_bytes: float, base_time: float):
   hetero, tl = config.hetero, config.timeline
-  speed = timeline.SpeedModel(base_time, config.num_workers, tuple(hetero.slow_workers),
-                              float(hetero.slowdown), float(hetero.random_p), float(hetero.jitter),
-                              config.seed, rotate_every=float(hetero.rotate_every))
+  speed = timeline.SpeedModel(
+    base_time,
+    config.num_workers,
+    tuple(hetero.slow_workers),
+    float(hetero.slowdown),
+    float(hetero.random_p),
+    float(hetero.jitter),
+    config.seed,
+    rotate_every=float(hetero.rotate_every),
+  )
   net = timeline.Network(model_bytes, tl.alpha, tl.bandwidth, tl.ps_bandwidth)
   return speed, net
 
@@ -50,11 +56,12 @@ def build_clock(config, model_bytes: float, base_time: float):
 @dataclasses.dataclass
 class Loop:
   """The loop state between rounds, saved as the checkpoint's cursor (the clock is re-run on resume)."""
-  round: int = 0                  # rounds executed
-  starts: list = None             # gradients started per worker (each worker's next batch index)
-  applied: int = 0                # gradients applied, all workers
-  next_log: int = 0               # the step (applied // n) of the next record
-  next_eval: int = 0              # ... of the next evaluation
+
+  round: int = 0  # rounds executed
+  starts: list = None  # gradients started per worker (each worker's next batch index)
+  applied: int = 0  # gradients applied, all workers
+  next_log: int = 0  # the step (applied // n) of the next record
+  next_eval: int = 0  # ... of the next evaluation
   evaluated_step: int | None = None
   time_to_target: float | None = None
 
@@ -78,11 +85,13 @@ def simulate_and_train(config, workdir: str | None = None):
   # collectives between CPU device threads, which starve (rendezvous timeouts) when thousands of tiny
   # rounds are queued on 2 cores. The numerics do not depend on placement.
   mesh = make_worker_mesh(slots, jax.devices()[:1])
-  state = engine.init_sim_state(s.model, s.optimizer, jax.random.key(config.seed), s.data["x_train"][:1],
-                                slots, mesh)
+  state = engine.init_sim_state(
+    s.model, s.optimizer, jax.random.key(config.seed), s.data["x_train"][:1], slots, mesh
+  )
   model_bytes = config.timeline.model_bytes or 4 * num_params(jax.tree.map(lambda a: a[0], state["params"]))
   base_time = config.timeline.compute_time or measure_step_time(
-      s.model, s.optimizer, s.data["x_train"][:config.batch_size], s.data["y_train"][:config.batch_size])
+    s.model, s.optimizer, s.data["x_train"][: config.batch_size], s.data["y_train"][: config.batch_size]
+  )
   trace = run_clock(config, model_bytes, base_time)
   with RunLog(workdir, config, config.num_steps) as log:
     # Resume: the clock is deterministic, so it is simply run again; the rounds the checkpoint had
@@ -95,16 +104,25 @@ def simulate_and_train(config, workdir: str | None = None):
     state, cur = execute(config, s, state, cur, trace, mesh, log)
     split = trace.time_split()
     summary = log.finish(
-        time=trace.end_time, worker_steps=trace.worker_steps, conflicts=trace.conflicts.tolist(),
-        compute_time=split["compute"].tolist(), wait_time=split["wait"].tolist(),
-        comm_time=split["comm"].tolist(), base_step_time=base_time, model_bytes=model_bytes,
-        time_to_target=cur.time_to_target, target_accuracy=config.target_accuracy)
+      time=trace.end_time,
+      worker_steps=trace.worker_steps,
+      conflicts=trace.conflicts.tolist(),
+      compute_time=split["compute"].tolist(),
+      wait_time=split["wait"].tolist(),
+      comm_time=split["comm"].tolist(),
+      base_step_time=base_time,
+      model_bytes=model_bytes,
+      time_to_target=cur.time_to_target,
+      target_accuracy=config.target_accuracy,
+    )
   return summary, trace
 
 
 def adpsgd_cost(config) -> timeline.AdpsgdCost:
   tl = config.timeline
-  return timeline.AdpsgdCost(bool(tl.adpsgd_serial), float(tl.adpsgd_fixed_cost), bool(tl.adpsgd_passive_blocks))
+  return timeline.AdpsgdCost(
+    bool(tl.adpsgd_serial), float(tl.adpsgd_fixed_cost), bool(tl.adpsgd_passive_blocks)
+  )
 
 
 def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
@@ -112,12 +130,28 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
   speed, net = build_clock(config, model_bytes, base_time)
   gg = make_group_generator(config, np.random.default_rng([4, config.seed]))
   t_clock = time.time()
-  trace = timeline.simulate(config.algorithm, speed, net, config.num_steps * config.num_workers,
-                            config.time_budget, gg, config.seed, config.timeline.request_rtt,
-                            config.schedule.request_ahead, adpsgd_cost(config))
-  logging.info("%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, "
-               "%.0f model bytes", config.algorithm, len(trace.events), trace.end_time,
-               time.time() - t_clock, config.num_workers, base_time, model_bytes)
+  trace = timeline.simulate(
+    config.algorithm,
+    speed,
+    net,
+    config.num_steps * config.num_workers,
+    config.time_budget,
+    gg,
+    config.seed,
+    config.timeline.request_rtt,
+    config.schedule.request_ahead,
+    adpsgd_cost(config),
+  )
+  logging.info(
+    "%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, %.0f model bytes",
+    config.algorithm,
+    len(trace.events),
+    trace.end_time,
+    time.time() - t_clock,
+    config.num_workers,
+    base_time,
+    model_bytes,
+  )
   return trace
 
 
@@ -125,9 +159,17 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   n, has_server = config.num_workers, config.algorithm == "ps_async"
   slots = n + has_server
-  round_fn = engine.make_sim_round_fn(s.model, s.optimizer, mesh, n, slots, cross_apply=has_server,
-                                      ring=config.algorithm == "dpsgd", pull=has_server,
-                                      start_capacity=1 if has_server else None)
+  round_fn = engine.make_sim_round_fn(
+    s.model,
+    s.optimizer,
+    mesh,
+    n,
+    slots,
+    cross_apply=has_server,
+    ring=config.algorithm == "dpsgd",
+    pull=has_server,
+    start_capacity=1 if has_server else None,
+  )
   evaluate = make_evaluate(s, slice(n, n + 1) if has_server else slice(0, n))  # PS: the server's model
   put = lambda a: jax.device_put(a, engine.worker_sharding(mesh))
   total, every = config.num_steps * n, config.checkpoint_every
@@ -145,11 +187,20 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
     x, y = x_zero.copy(), y_zero.copy()
     started = np.flatnonzero(r["start"][:n])
     if len(started):
-      idx = data_lib.batch_indices([s.shards[w] for w in started], config.batch_size, config.seed,
-                                   starts[started], workers=started)
+      idx = data_lib.batch_indices(
+        [s.shards[w] for w in started], config.batch_size, config.seed, starts[started], workers=started
+      )
       x[started], y[started] = s.data["x_train"][idx], s.data["y_train"][idx]
-    state, loss_S = round_fn(state, put(x), put(y), put(r["apply_src"]), put(r["gid"]), r["ring"],
-                             put(r["pull_src"]), put(r["start"]))
+    state, loss_S = round_fn(
+      state,
+      put(x),
+      put(y),
+      put(r["apply_src"]),
+      put(r["gid"]),
+      r["ring"],
+      put(r["pull_src"]),
+      put(r["start"]),
+    )
     if len(started):
       losses.append(loss_S)
     starts += r["start"][:n]
@@ -174,8 +225,9 @@ def make_evaluate(s: setup_lib.Setup, slots: slice):
   """state -> the evaluation scalars of the model held in `slots` (averaged over them)."""
   eval_fn = engine.make_eval_fn(s.model)
   x_test, y_test = jax.device_put((s.data["x_test"], s.data["y_test"]))
-  return lambda state: {k: float(v) for k, v in eval_fn(jax.tree.map(lambda a: a[slots], state),
-                                                         x_test, y_test).items()}
+  return lambda state: {
+    k: float(v) for k, v in eval_fn(jax.tree.map(lambda a: a[slots], state), x_test, y_test).items()
+  }
 
 
 def record(config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float, losses, final: bool):
@@ -190,7 +242,8 @@ def record(config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float,
     cur.next_eval = (step // config.eval_every + 1) * config.eval_every
     cur.evaluated_step = step
     ev = evaluate(state)
-    if (cur.time_to_target is None and config.target_accuracy
-        and ev["test_accuracy"] >= config.target_accuracy):
+    if (
+      cur.time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy
+    ):
       cur.time_to_target = t
   log.record(step, t, train_loss=loss, **ev)

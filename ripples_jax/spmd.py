@@ -5,6 +5,7 @@ round's layout); with several processes (--jax_distributed) the mesh spans every
 and each process feeds only its own workers' batches. The loss is fetched one round late so dispatch
 stays asynchronous; process 0 writes the run's files (RunLog).
 """
+
 import dataclasses
 import time
 
@@ -25,9 +26,10 @@ from ripples_jax.runlog import RunLog, make_workdir
 @dataclasses.dataclass
 class Loop:
   """The loop state, saved as the checkpoint's cursor."""
-  step: int = 0              # rounds completed
+
+  step: int = 0  # rounds completed
   worker_steps: list = None  # local steps per worker
-  time: float = 0.0          # seconds of training before this process started (resume)
+  time: float = 0.0  # seconds of training before this process started (resume)
 
 
 def train(config, workdir: str | None = None) -> dict:
@@ -44,9 +46,17 @@ def train(config, workdir: str | None = None) -> dict:
   if jax.process_count() == 1:  # several processes: host arrays, the same on every process (replicated)
     x_test, y_test = jax.device_put((x_test, y_test))
   put, local_rows = worker_feeder(mesh, n, engine.worker_sharding(mesh))
-  logging.info("%s: %d workers on %d %s devices (%d processes), %s with %d params, %d layouts per period",
-               config.algorithm, n, mesh.size, jax.default_backend(), jax.process_count(), config.model,
-               num_params(jax.tree.map(lambda a: a[0], state["params"])), len(schedule.layouts))
+  logging.info(
+    "%s: %d workers on %d %s devices (%d processes), %s with %d params, %d layouts per period",
+    config.algorithm,
+    n,
+    mesh.size,
+    jax.default_backend(),
+    jax.process_count(),
+    config.model,
+    num_params(jax.tree.map(lambda a: a[0], state["params"])),
+    len(schedule.layouts),
+  )
 
   with RunLog(workdir, config, config.num_steps) as log:
     cur = Loop(worker_steps=[0] * n)
@@ -62,14 +72,16 @@ def train(config, workdir: str | None = None) -> dict:
       log.record(step, time.time() - t0, train_loss=float(np.nanmean(gather(loss_W))), **(extra or {}))
 
     def save(step, force=False):
-      log.checkpoint(step, state, dataclasses.asdict(
-          Loop(step, worker_steps.tolist(), time.time() - t0)), force=force)
+      log.checkpoint(
+        step, state, dataclasses.asdict(Loop(step, worker_steps.tolist(), time.time() - t0)), force=force
+      )
 
     profiler = StepProfiler(config.get("profile_steps", ""), workdir, log.is_lead)
     for i in range(cur.step, config.num_steps):
       profiler.step(i)
-      x_WxB, y_WxB = data_lib.batch_at(s.data["x_train"], s.data["y_train"], s.shards, config.batch_size,
-                                       config.seed, i, workers=local_rows)
+      x_WxB, y_WxB = data_lib.batch_at(
+        s.data["x_train"], s.data["y_train"], s.shards, config.batch_size, config.seed, i, workers=local_rows
+      )
       r = schedule.round(i)
       state, loss_W = round_fn(state, put(x_WxB), put(y_WxB), put(r.step_mask[local_rows]), r.layout_idx)
       worker_steps += r.step_mask
@@ -101,8 +113,9 @@ def worker_feeder(mesh, num_workers: int, sharding):
   """
   per_device = num_workers // mesh.size
   devices = mesh.devices.reshape(-1)
-  local_rows = np.array([w for w in range(num_workers)
-                         if devices[w // per_device].process_index == jax.process_index()])
+  local_rows = np.array(
+    [w for w in range(num_workers) if devices[w // per_device].process_index == jax.process_index()]
+  )
   if jax.process_count() == 1:
     return (lambda a: jax.device_put(a, sharding)), local_rows
 
@@ -118,4 +131,5 @@ def gather(x) -> np.ndarray:
   if jax.process_count() == 1 or x.is_fully_addressable:
     return np.asarray(x)
   from jax.experimental import multihost_utils
+
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))

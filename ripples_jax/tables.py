@@ -1,4 +1,5 @@
 """Markdown tables: what benchmarks and experiments print and save (a result's rows, its text)."""
+
 import dataclasses
 
 
@@ -10,6 +11,7 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 @dataclasses.dataclass
 class Table:
   """A benchmark's result: the rows it prints, and the markdown (with an optional line above) as str()."""
+
   header: list[str]
   rows: list[list]
   title: str = ""

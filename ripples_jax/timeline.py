@@ -14,6 +14,7 @@ Events are tuples (time, kind, a, b):
   RING   -                     D-PSGD gossip on the ring: x_i <- (x_{i-1} + x_i + x_{i+1}) / 3
   PULL   a=worker, b=source    copy source's params (the server) into the worker
 """
+
 import dataclasses
 import heapq
 from typing import Callable
@@ -38,14 +39,15 @@ class SpeedModel:
   time t the slow worker is (slow_workers[0] + floor(t / rotate_every)) mod n (`slow_at`, the same
   rule the runtime applies on its wall clock); or every worker with probability `random_p` per step.
   """
+
   base_time: float
   num_workers: int
   slow_workers: tuple = ()
   slowdown: float = 1.0
   random_p: float = 0.0
-  jitter: float = 0.0      # sigma of a lognormal factor (real steps are never exactly equal)
+  jitter: float = 0.0  # sigma of a lognormal factor (real steps are never exactly equal)
   seed: int = 0
-  times: tuple = ()        # per-worker step times replacing base_time x slowdown (measured times)
+  times: tuple = ()  # per-worker step times replacing base_time x slowdown (measured times)
   rotate_every: float = 0.0
 
   def streams(self):
@@ -80,10 +82,11 @@ def slow_at(slow_workers, num_workers: int, rotate_every: float, t: float) -> tu
 @dataclasses.dataclass(frozen=True)
 class Network:
   """alpha-beta costs (seconds, bytes/s) for a model of `model_bytes` (docs/design.md 3.1)."""
+
   model_bytes: float
   alpha: float = 5e-6
-  bandwidth: float = 1.25e9      # per link (10 Gb/s)
-  ps_bandwidth: float = 1.25e9   # the parameter server's link
+  bandwidth: float = 1.25e9  # per link (10 Gb/s)
+  ps_bandwidth: float = 1.25e9  # the parameter server's link
 
   def allreduce(self, k: int) -> float:
     return ring_allreduce_time(k, self.model_bytes, self.alpha, self.bandwidth)
@@ -102,15 +105,16 @@ class Network:
 @dataclasses.dataclass
 class Trace:
   """The clock's output: ordered events, per-worker intervals and counters."""
+
   num_workers: int
   events: list = dataclasses.field(default_factory=list)
-  intervals: list = dataclasses.field(default_factory=list)   # (worker, kind, t0, t1)
+  intervals: list = dataclasses.field(default_factory=list)  # (worker, kind, t0, t1)
   worker_steps: np.ndarray = None
   conflicts: np.ndarray = None
   end_time: float = 0.0
-  buffer: object = None   # the Group Buffer of a Ripples run (its groups, in global order)
-  requests: int = 0       # requests sent to the Group Generator
-  pairs: list = None      # AD-PSGD's (active, passive) averaging pairs
+  buffer: object = None  # the Group Buffer of a Ripples run (its groups, in global order)
+  requests: int = 0  # requests sent to the Group Generator
+  pairs: list = None  # AD-PSGD's (active, passive) averaging pairs
 
   def __post_init__(self):
     self.worker_steps = np.zeros(self.num_workers, np.int64)
@@ -124,9 +128,18 @@ class Trace:
     return out
 
 
-def simulate(algorithm: str, speed: SpeedModel, net: Network, total_steps: int,
-             time_budget: float = 0.0, gg: Callable | None = None, seed: int = 0, rtt: float = 0.0,
-             ahead: bool = True, adpsgd_cost: "AdpsgdCost | None" = None) -> Trace:
+def simulate(
+  algorithm: str,
+  speed: SpeedModel,
+  net: Network,
+  total_steps: int,
+  time_budget: float = 0.0,
+  gg: Callable | None = None,
+  seed: int = 0,
+  rtt: float = 0.0,
+  ahead: bool = True,
+  adpsgd_cost: "AdpsgdCost | None" = None,
+) -> Trace:
   """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out.
 
   `rtt`: seconds a request to the Group Generator takes to be answered (the online protocol); `ahead`:
@@ -150,7 +163,9 @@ def _simulate_sync(algorithm, speed, net, total_steps, budget) -> Trace:
   n = speed.num_workers
   tr = Trace(n)
   rngs = speed.streams()
-  comm = {"allreduce": net.allreduce(n), "ps_sync": net.ps_sync_step(n), "dpsgd": net.ring_gossip()}[algorithm]
+  comm = {"allreduce": net.allreduce(n), "ps_sync": net.ps_sync_step(n), "dpsgd": net.ring_gossip()}[
+    algorithm
+  ]
   t = 0.0
   done = 0
   while done < total_steps:
@@ -191,7 +206,7 @@ class _Clock:
     self.stopped = False
     # Plain lists: the clock touches one worker at a time, where numpy indexing costs more than it saves.
     self.started_at = np.zeros(self.n)  # an array: Smart GG reads all of it at every request
-    self.duration = [0.0] * self.n   # current compute's duration (known to the clock only)
+    self.duration = [0.0] * self.n  # current compute's duration (known to the clock only)
     self.iterations = [0] * self.n
     self.last_time = [0.0] * self.n  # each worker's newest finished step time
 
@@ -247,16 +262,17 @@ def _group_buffer(clock: _Clock, net: Network, gg, rtt: float, ahead: bool = Tru
   its queue; with an empty queue it asks the Group Generator, whose answer arrives `rtt` seconds after
   the request (handled at its midpoint). With `ahead` (generators whose groups do not depend on when
   they are made: online.asks_ahead) a worker whose queue is empty when a step starts sends the request
-  for the entry after that step right away, so the round trip overlaps the step. A fixed schedule (group_gen.Fixed) has no generator: the entry
+  for the entry after that step right away, so the round trip overlaps the step. A fixed schedule
+  (group_gen.Fixed) has no generator: the entry
   after each step is known locally and costs nothing."""
   n = clock.n
   fixed = isinstance(gg, Fixed)
   service = None if fixed else Service(n, gg, estimate=clock.speed.base_time)
-  pos = [0] * n                      # next entry of each worker's queue
+  pos = [0] * n  # next entry of each worker's queue
   last_gid = [-1] * n
-  asked = [None] * n                 # the queue index of a worker's request in flight
-  blocked = [None] * n               # since when a worker waits for its answer
-  groups = {}                        # gid -> [members, arrived set, arrival times]
+  asked = [None] * n  # the queue index of a worker's request in flight
+  blocked = [None] * n  # since when a worker waits for its answer
+  groups = {}  # gid -> [members, arrived set, arrival times]
   clock.trace.buffer = service.buffer if service else None
 
   def start(w):
@@ -339,6 +355,7 @@ class AdpsgdCost:
     fixed           seconds added to every average (locking, a gossip thread's hand-off, an RPC)
     passive_blocks  the passive worker's computation stops while it serves an average
   The default is Lian et al.'s AD-PSGD as published: serial atomic averages, nothing else."""
+
   serial: bool = True
   fixed: float = 0.0
   passive_blocks: bool = False
@@ -439,8 +456,15 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
   ar = np.arange(num_slots, dtype=np.int32)
 
   def fresh():
-    return {"apply_src": np.full(num_slots, -1, np.int32), "gid": ar.copy(), "ring": False,
-            "pull_src": ar.copy(), "start": np.zeros(num_slots, bool), "time": 0.0, "applied": []}
+    return {
+      "apply_src": np.full(num_slots, -1, np.int32),
+      "gid": ar.copy(),
+      "ring": False,
+      "pull_src": ar.copy(),
+      "start": np.zeros(num_slots, bool),
+      "time": 0.0,
+      "applied": [],
+    }
 
   last = np.full(num_slots, -1)
   cur, empty = fresh(), True

@@ -7,6 +7,7 @@ class FakeKV:
 
   def __init__(self):
     import threading
+
     self.store = {}
     self.cond = threading.Condition()
 

@@ -1,4 +1,5 @@
 """The public API: every name in ripples_jax.__all__ resolves, and P-Reduce / mixing matrices agree."""
+
 import numpy as np
 import pytest
 
@@ -26,6 +27,7 @@ def test_p_reduce_equals_the_mixing_matrix():
 def test_return_state_needs_the_final_checkpoint():
   from configs import default
   from ripples_jax.config import ConfigError
+
   config = default.get_config("executor=sim,num_workers=8,dataset=synthetic,model=mlp,steps=2")
   config.checkpoint_every = 0
   with pytest.raises(ConfigError, match=r"^config.checkpoint_every: 0 is not allowed with return_state=True"):

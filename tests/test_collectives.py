@@ -1,4 +1,5 @@
 """P-Reduce against numpy, its invariants, mixing matrices, and compile counts."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,12 +9,12 @@ from ripples_jax import collectives as C
 
 N = 8
 LAYOUTS = {
-    "equal": [[0, 1, 2, 3], [4, 5, 6, 7]],
-    "unequal": [[0, 1, 2], [3, 4, 5], [6, 7]],   # pmean with groups is wrong exactly here
-    "singletons": [[0], [1, 2, 3, 4, 5, 6], [7]],
-    "partial": [[1, 6]],                         # unlisted workers stay untouched
-    "all": [list(range(8))],
-    "none": [],
+  "equal": [[0, 1, 2, 3], [4, 5, 6, 7]],
+  "unequal": [[0, 1, 2], [3, 4, 5], [6, 7]],  # pmean with groups is wrong exactly here
+  "singletons": [[0], [1, 2, 3, 4, 5, 6], [7]],
+  "partial": [[1, 6]],  # unlisted workers stay untouched
+  "all": [list(range(8))],
+  "none": [],
 }
 
 
@@ -33,12 +34,12 @@ def mesh():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_p_reduce_matches_numpy(mesh, impl, name):
   rng = np.random.default_rng(0)
-  tree = {"w": rng.normal(size=(N, 3, 5)).astype(np.float32),
-          "b": rng.normal(size=(N, 7)).astype(np.float32)}
+  tree = {"w": rng.normal(size=(N, 3, 5)).astype(np.float32), "b": rng.normal(size=(N, 7)).astype(np.float32)}
   out = C.p_reduce(jax.tree.map(jnp.asarray, tree), LAYOUTS[name], mesh=mesh, impl=impl)
   for k in tree:
-    np.testing.assert_allclose(np.asarray(out[k]), numpy_p_reduce(tree[k], LAYOUTS[name]),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(out[k]), numpy_p_reduce(tree[k], LAYOUTS[name]), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_unequal_groups_are_not_divided_by_first_group_size(mesh):

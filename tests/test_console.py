@@ -1,5 +1,6 @@
 """The console: other libraries' INFO lines filtered off absl's handler, an ETA from the recent rate, no
 repeated progress lines, units in the result table, and a short real run that prints few lines."""
+
 import io
 import logging as std_logging
 import os
@@ -32,6 +33,7 @@ def console(capfd):
   def text():
     seen.append(capfd.readouterr().err)  # absl writes to stderr (sys.stderr or fd 2)
     return "".join(seen)
+
   try:
     yield text, f
   finally:
@@ -55,7 +57,9 @@ def test_filter_drops_library_info_and_keeps_ours(console):
   orbax = library_file("orbax.checkpoint.checkpoint_manager")
   xla_bridge = library_file("jax._src.xla_bridge")
   log_from(orbax, "logging.info('orbax says: Saving checkpoint at step 1000')")
-  log_from(xla_bridge, "std_logging.getLogger('jax._src.xla_bridge').info(\"Unable to initialize backend 'tpu'\")")
+  log_from(
+    xla_bridge, "std_logging.getLogger('jax._src.xla_bridge').info(\"Unable to initialize backend 'tpu'\")"
+  )
   log_from(runlog.__file__, "logging.info('checkpoint 1000 saved: /w/ckpt/1000')")
   log_from(orbax, "logging.warning('orbax warns: something is off')")
   assert "orbax says" not in text() and "Unable to initialize backend" not in text()
@@ -65,6 +69,7 @@ def test_filter_drops_library_info_and_keeps_ours(console):
   assert not platform.from_library(runlog.__file__) and not platform.from_library("<string>")
   # The project's own folders, wherever it is installed (site-packages included): ripples_jax/ itself.
   import ripples_jax
+
   assert os.path.dirname(os.path.abspath(ripples_jax.__file__)) + os.sep in platform._OWN
 
 
@@ -126,7 +131,9 @@ def test_a_step_that_did_not_advance_prints_nothing(caplog):
   for step in [0, 0, 0] + [s for s in range(1, 101) for _ in range(2)] + [100] * 32:
     clock.t += 0.5
     p.update(step)
-  assert [d.split("] ")[1].split()[0] for d in out.getvalue().split("\r")[1:]] == [f"{s}/100" for s in range(1, 101)]
+  assert [d.split("] ")[1].split()[0] for d in out.getvalue().split("\r")[1:]] == [
+    f"{s}/100" for s in range(1, 101)
+  ]
   assert out.getvalue().endswith("\n") and out.getvalue().count("\n") == 1
 
 
@@ -142,7 +149,13 @@ def test_a_log_line_clears_the_bar_first():
 
 
 def test_the_result_table_names_its_time_unit():
-  row = {"algorithm": "allreduce", "num_workers": 8, "num_steps": 100, "final_test_accuracy": 0.5, "time": 12.3}
+  row = {
+    "algorithm": "allreduce",
+    "num_workers": 8,
+    "num_steps": 100,
+    "final_test_accuracy": 0.5,
+    "time": 12.3,
+  }
   real = runlog.summary_table([{**row, "executor": "spmd"}]).splitlines()
   sim = runlog.summary_table([{**row, "executor": "sim"}]).splitlines()
   assert real[0].split()[-1] == "time_s" and sim[0].split()[-1] == "virtual_s"
@@ -157,24 +170,46 @@ def is_progress(line: str) -> bool:
 
 @pytest.mark.slow
 def test_a_short_run_prints_few_lines(tmp_path):
-  args = ["--config=configs/default.py:model=mlp,steps=400", "--config.log_every=20",
-          "--config.eval_every=200", "--config.checkpoint_every=100"]
-  out = subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path / 'quiet'}", *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  args = [
+    "--config=configs/default.py:model=mlp,steps=400",
+    "--config.log_every=20",
+    "--config.eval_every=200",
+    "--config.checkpoint_every=100",
+  ]
+  out = subprocess.run(
+    [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path / 'quiet'}", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   lines = (out.stderr + out.stdout).splitlines()
   others = [l for l in lines if not is_progress(l)]
   assert len(others) <= 20, "\n".join(others)
   assert [l.split("] ")[-1] for l in others if "checkpoint" in l] == [
-      f"checkpoint {s} saved: {tmp_path / 'quiet' / 'ckpt' / str(s)}" for s in (100, 200, 300, 400)]
+    f"checkpoint {s} saved: {tmp_path / 'quiet' / 'ckpt' / str(s)}" for s in (100, 200, 300, 400)
+  ]
   assert not any("orbax" in l or "xla_bridge" in l for l in lines)
   steps = [l.split("] step ")[1].split()[0] for l in lines if is_progress(l)]
   assert steps == [f"{s}/400" for s in range(20, 401, 20)]  # each once
   assert "time_s" in out.stdout
 
-  loud = subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path / 'loud'}",
-                         "--verbose_libraries", *args[:1], "--config.num_steps=100",
-                         "--config.checkpoint_every=100"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  loud = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      f"--workdir={tmp_path / 'loud'}",
+      "--verbose_libraries",
+      *args[:1],
+      "--config.num_steps=100",
+      "--config.checkpoint_every=100",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert loud.returncode == 0, loud.stderr[-3000:]
   assert "checkpoint_manager.py" in loud.stderr and len(loud.stderr.splitlines()) > 40

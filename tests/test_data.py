@@ -1,4 +1,5 @@
 """Tests for ripples_jax.data: loaders, sharding, per-worker batching."""
+
 import os
 import pickle
 import random
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 from ripples_jax import data
-from ripples_jax.data import cifar10, mnist1d as m1d
-
+from ripples_jax.data import cifar10
+from ripples_jax.data import mnist1d as m1d
 
 # --- CIFAR-10 reader -------------------------------------------------------------
 
@@ -24,8 +25,12 @@ def _write_cifar(root, seed=0):
   for name in FILES:
     raw = rng.integers(0, 256, size=(N_PER_FILE, 3072), dtype=np.uint8)
     labels = rng.integers(0, 10, size=N_PER_FILE).tolist()
-    d = {b"batch_label": name.encode(), b"labels": labels, b"data": raw,
-         b"filenames": [f"{i}.png".encode() for i in range(N_PER_FILE)]}
+    d = {
+      b"batch_label": name.encode(),
+      b"labels": labels,
+      b"data": raw,
+      b"filenames": [f"{i}.png".encode() for i in range(N_PER_FILE)],
+    }
     with open(os.path.join(root, name), "wb") as f:
       pickle.dump(d, f)
     out[name] = (raw, labels)
@@ -45,8 +50,7 @@ def test_cifar10_reads_real_layout(tmp_path):
   # Pixel (image i, row r, col c, channel ch) is byte ch*1024 + r*32 + c of row i.
   for i, r, c, ch in [(0, 0, 0, 0), (3, 5, 7, 1), (17, 31, 30, 2), (49, 12, 0, 2)]:
     assert ds["x_train"][i, r, c, ch] == raw_train[i, ch * 1024 + r * 32 + c]
-  np.testing.assert_array_equal(ds["x_train"],
-                                raw_train.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+  np.testing.assert_array_equal(ds["x_train"], raw_train.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
 
 
 def test_cifar10_normalises_and_accepts_parent_dir(tmp_path):
@@ -109,8 +113,9 @@ def _truncated(path):
   path.write_bytes(path.read_bytes()[:100])
 
 
-@pytest.mark.parametrize("corrupt", [_garbage, _wrong_keys, _wrong_shape, _label_mismatch,
-                                     _not_a_dict, _truncated])
+@pytest.mark.parametrize(
+  "corrupt", [_garbage, _wrong_keys, _wrong_shape, _label_mismatch, _not_a_dict, _truncated]
+)
 def test_cifar10_malformed_file(tmp_path, corrupt):
   _write_cifar(tmp_path)
   bad = tmp_path / "data_batch_2"
@@ -122,6 +127,7 @@ def test_cifar10_malformed_file(tmp_path, corrupt):
 
 
 # --- MNIST-1D ---------------------------------------------------------------------
+
 
 @pytest.fixture
 def no_network(monkeypatch):
@@ -167,9 +173,12 @@ def test_mnist1d_generates_offline_then_reads_cache(tmp_path, no_network, monkey
 def _fake_generate(num_samples, gen_seed):
   rng = np.random.default_rng(gen_seed)
   n_train = int(num_samples * 0.8)
-  return {"x_train": rng.normal(size=(n_train, 40)), "y_train": rng.integers(0, 10, n_train),
-          "x_test": rng.normal(size=(num_samples - n_train, 40)),
-          "y_test": rng.integers(0, 10, num_samples - n_train)}
+  return {
+    "x_train": rng.normal(size=(n_train, 40)),
+    "y_train": rng.integers(0, 10, n_train),
+    "x_test": rng.normal(size=(num_samples - n_train, 40)),
+    "y_test": rng.integers(0, 10, num_samples - n_train),
+  }
 
 
 def test_mnist1d_cache_location_and_key(tmp_path, monkeypatch):
@@ -201,6 +210,7 @@ def test_mnist1d_damaged_cache_is_regenerated(tmp_path, monkeypatch):
 
 
 # --- digits, synthetic, registry ----------------------------------------------------
+
 
 def test_digits():
   ds = data.load_dataset("digits", seed=0)
@@ -237,6 +247,7 @@ def test_unknown_dataset_names_allowed():
 
 
 # --- sharding -----------------------------------------------------------------------
+
 
 def _labels(n=1000, classes=10, seed=0):
   return np.random.default_rng(seed).integers(0, classes, size=n)
@@ -293,6 +304,7 @@ def test_unknown_shard_mode():
 
 # --- batching -----------------------------------------------------------------------
 
+
 def _toy():
   n = 103
   x = np.arange(n, dtype=np.float32)[:, None, None] * np.ones((1, 2, 3), np.float32)
@@ -324,7 +336,7 @@ def test_each_epoch_visits_shard_once_and_reshuffles():
   # Worker 2 (8 examples) wraps mid-batch; every 8 consecutive positions are one epoch.
   seen2 = np.concatenate([data.batch_at(x, y, shards, b, 0, k)[1][2] for k in range(8)])
   for e in range(5):
-    np.testing.assert_array_equal(np.sort(seen2[8 * e:8 * e + 8]), shards[2])
+    np.testing.assert_array_equal(np.sort(seen2[8 * e : 8 * e + 8]), shards[2])
 
 
 def test_batches_deterministic_and_resumable():

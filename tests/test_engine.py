@@ -1,4 +1,5 @@
 """The engine against references: single-model SGD, a per-worker numpy loop, exact equalities."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,14 +42,17 @@ def test_allreduce_equals_single_model_sgd_on_the_concatenated_batch(setup):
   params, model_state = init_model(model, jax.random.key(0), data["x_train"][:1])
   opt_state = opt.init(params)
   for x, y in batches:
+
     def loss_fn(p):
       logits, _ = apply_model(model, p, model_state, x.reshape(N * B, -1), train=True)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y.reshape(-1)).mean()
+
     updates, opt_state = opt.update(jax.grad(loss_fn)(params), opt_state, params)
     params = optax.apply_updates(params, updates)
   for w in range(N):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a[w], b, rtol=2e-5, atol=2e-6),
-                 state["params"], params)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a[w], b, rtol=2e-5, atol=2e-6), state["params"], params
+    )
 
 
 def test_ripples_one_group_of_all_workers_equals_allreduce_exactly(setup):
@@ -73,9 +77,11 @@ def test_static_gg_matches_a_per_worker_reference_loop(setup, impl):
   os_ = [opt.init(params)] * N
   for t, (x, y) in enumerate(batches):
     for w in range(N):
+
       def loss_fn(p):
         logits, _ = apply_model(model, p, model_state, x[w], train=True)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y[w]).mean()
+
       u, os_[w] = opt.update(jax.grad(loss_fn)(ps[w]), os_[w], ps[w])
       ps[w] = optax.apply_updates(ps[w], u)
     W = C.mixing_matrix(layouts[t % len(layouts)], N)
@@ -85,8 +91,9 @@ def test_static_gg_matches_a_per_worker_reference_loop(setup, impl):
   ref = jax.tree.map(lambda *a: np.stack(a), *ps)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), state["params"], ref)
   # the optimizer state stays local: momenta differ across workers
-  assert not np.allclose(state["opt_state"][0].trace["Dense_0"]["kernel"][0],
-                         state["opt_state"][0].trace["Dense_0"]["kernel"][1])
+  assert not np.allclose(
+    state["opt_state"][0].trace["Dense_0"]["kernel"][0], state["opt_state"][0].trace["Dense_0"]["kernel"][1]
+  )
 
 
 def test_sixteen_workers_on_eight_devices_match_the_segment_reference(setup):
@@ -96,8 +103,9 @@ def test_sixteen_workers_on_eight_devices_match_the_segment_reference(setup):
   batches = [batch_at(data["x_train"], data["y_train"], shards, B, 0, s) for s in range(4)]
   layouts = static_gg_layouts(16, 4)
   on_8 = run_engine(model, data, batches, layouts, optax.sgd(0.1), n=16)
-  on_1 = run_engine(model, data, batches, layouts, optax.sgd(0.1), n=16,
-                    mesh=C.make_worker_mesh(16, jax.devices()[:1]))
+  on_1 = run_engine(
+    model, data, batches, layouts, optax.sgd(0.1), n=16, mesh=C.make_worker_mesh(16, jax.devices()[:1])
+  )
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), on_8, on_1)
 
 
@@ -109,8 +117,9 @@ def test_masked_workers_keep_their_state_exactly(setup):
   state = run_engine(model, data, batches, alone, opt, masks=masks)
   params0 = run_engine(model, data, [], alone, opt)["params"]
   for w in range(N):
-    same = all(np.array_equal(a[w], b[w]) for a, b in zip(jax.tree.leaves(state["params"]),
-                                                          jax.tree.leaves(params0)))
+    same = all(
+      np.array_equal(a[w], b[w]) for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params0))
+    )
     assert same == (w % 2 == 1)
 
 
@@ -160,8 +169,9 @@ def test_canary_one_static_gg_round(setup):
   x, y = batches[0]
   state, loss_W = round_fn(state, jnp.asarray(x), jnp.asarray(y), jnp.ones(N, bool), 0)
   loss = float(np.mean(loss_W))
-  rms = float(np.sqrt(np.mean(np.concatenate([np.asarray(a).ravel() ** 2
-                                              for a in jax.tree.leaves(state["params"])]))))
+  rms = float(
+    np.sqrt(np.mean(np.concatenate([np.asarray(a).ravel() ** 2 for a in jax.tree.leaves(state["params"])])))
+  )
   message = "numerics changed: update the canary only when a change of numerics is intended"
   np.testing.assert_allclose(loss, CANARY_LOSS, rtol=1e-5, err_msg=message)
   np.testing.assert_allclose(rms, CANARY_PARAM_RMS, rtol=1e-5, err_msg=message)

@@ -1,5 +1,6 @@
 """Every benchmark's run() in-process at tiny sizes, and one short end-to-end run of every reproduction
 entry point (flax-examples style; those start a process and are marked slow)."""
+
 import json
 import math
 import os
@@ -13,8 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(module, *args, tmp_path):
   env = dict(os.environ, RIPPLES_JAX_CACHE=str(tmp_path / "cache"))
-  out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+  out = subprocess.run(
+    [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout
 
@@ -30,6 +32,7 @@ def positive(cells) -> bool:
 
 def test_bench_collectives():
   from benchmarks import bench_collectives
+
   table = bench_collectives.run(sizes=(1024,), reps=2)
   layouts = bench_collectives.schedule_layouts(8)
   assert table.column("layout") == list(layouts) + ["(switch over all layouts)"]
@@ -42,6 +45,7 @@ def test_bench_collectives():
 
 def test_bench_engine():
   from benchmarks import bench_engine
+
   table = bench_engine.run(cases=("cnn1d/mnist1d",), batch_size=4, reps=2)
   assert table.column("step") == ["dp", "allreduce", "ripples_static", "ripples_hypercube"]
   ratios = table.column("ratio to DP step")
@@ -51,6 +55,7 @@ def test_bench_engine():
 def test_bench_timeline():
   from benchmarks import bench_timeline
   from ripples_jax.schedule import ALGORITHMS
+
   table = bench_timeline.run(workers=(4,), steps=20)
   assert table.column("algorithm") == list(ALGORITHMS) and set(table.column("workers")) == {4}
   assert all(e >= 4 * 20 for e in table.column("events"))  # at least one event per step
@@ -59,6 +64,7 @@ def test_bench_timeline():
 
 def test_bench_dsp():
   from benchmarks import bench_dsp
+
   table = bench_dsp.run(cases=("cnn1d/mnist1d",), stage_counts=(2,), batch_size=8, reps=2)
   [row] = table.rows
   assert row[:2] == ["cnn1d/mnist1d", 2]
@@ -68,6 +74,7 @@ def test_bench_dsp():
 
 def test_bench_checkpoint():
   from benchmarks import bench_checkpoint
+
   table = bench_checkpoint.run(reps=1, steps=8)
   [row] = table.rows
   assert row[:5] == ["ripples_static", "spmd", 8, 2, 4]
@@ -77,9 +84,17 @@ def test_bench_checkpoint():
 @pytest.mark.slow
 def test_bench_runtime(tmp_path):
   from benchmarks import bench_runtime
-  table = bench_runtime.run(str(tmp_path / "runtime"), num_processes=2, slowdowns=(1.0,),
-                            algorithms=("allreduce", "ripples_smart"), steps=10, step_time=0.02, target=0.05,
-                            extra_args=["--config.schedule.group_size=2"])
+
+  table = bench_runtime.run(
+    str(tmp_path / "runtime"),
+    num_processes=2,
+    slowdowns=(1.0,),
+    algorithms=("allreduce", "ripples_smart"),
+    steps=10,
+    step_time=0.02,
+    target=0.05,
+    extra_args=["--config.schedule.group_size=2"],
+  )
   assert table.column("algorithm") == ["allreduce", "ripples_smart"]
   assert table.column("vs All-Reduce")[0] == "1.00x" and positive(table.column("worker-steps/s"))
   for f in ("table.md", "accuracy_vs_time.png"):
@@ -89,9 +104,18 @@ def test_bench_runtime(tmp_path):
 @pytest.mark.slow
 def test_bench_pipeline(tmp_path):
   out_json = tmp_path / "k2.json"
-  out = run("benchmarks.pipeline", "--num_stages=2", "--iterations=8", "--bp_reps=2", "--model=cnn1d", "--input_shape=40,1",
-            "--variants=bp_model_parallel,dsp_residuals,gpipe", "--slowdowns=2", f"--json_out={out_json}",
-            tmp_path=tmp_path)
+  out = run(
+    "benchmarks.pipeline",
+    "--num_stages=2",
+    "--iterations=8",
+    "--bp_reps=2",
+    "--model=cnn1d",
+    "--input_shape=40,1",
+    "--variants=bp_model_parallel,dsp_residuals,gpipe",
+    "--slowdowns=2",
+    f"--json_out={out_json}",
+    tmp_path=tmp_path,
+  )
   got = json.loads(out_json.read_text())
   assert set(got) == {"_bp", "_stragglers", "bp_model_parallel", "dsp_residuals", "gpipe"}
   for name in ("bp_model_parallel", "dsp_residuals", "gpipe"):
@@ -101,8 +125,13 @@ def test_bench_pipeline(tmp_path):
   assert got["dsp_residuals"]["stored_bytes"][0]["residuals"] > 0
   assert got["dsp_residuals"]["stored_bytes"][0]["inputs"] == 0
   assert got["gpipe"]["stored_bytes"][0]["micro_boundaries"] > 0
-  assert set(got["_stragglers"]["2.0"]["iteration_s"]) == {"bp_single_process", "bp_model_parallel", "gpipe",
-                                                         "dsp", "dsp_residuals"}
+  assert set(got["_stragglers"]["2.0"]["iteration_s"]) == {
+    "bp_single_process",
+    "bp_model_parallel",
+    "gpipe",
+    "dsp",
+    "dsp_residuals",
+  }
   assert "| dsp_residuals | residuals |" in out
 
 
@@ -112,8 +141,15 @@ def test_bench_pipeline(tmp_path):
 @pytest.mark.slow
 def test_reproduce_ripples(tmp_path):
   out_dir = tmp_path / "rep"
-  out = run("experiments.reproduce_ripples", "--workers=4", "--steps=4", "--algorithms=allreduce,ripples_smart",
-            "--target_accuracy=0.05", f"--out_dir={out_dir}", tmp_path=tmp_path)
+  out = run(
+    "experiments.reproduce_ripples",
+    "--workers=4",
+    "--steps=4",
+    "--algorithms=allreduce,ripples_smart",
+    "--target_accuracy=0.05",
+    f"--out_dir={out_dir}",
+    tmp_path=tmp_path,
+  )
   assert "one worker 5x slower | ripples_smart" in out
   for f in ("table.md", "accuracy_vs_time.png", "gantt.png"):
     assert (out_dir / f).stat().st_size > 0
@@ -122,9 +158,18 @@ def test_reproduce_ripples(tmp_path):
 @pytest.mark.slow
 def test_reproduce_dsp(tmp_path):
   out_dir = tmp_path / "dsp"
-  out = run("experiments.reproduce_dsp", "--datasets=synthetic", "--stages=2", "--methods=bp,dsp", "--epochs=1",
-            "--sweep_epochs=1", "--sweep_delays=0,1", "--sweep_lrs=0.05", f"--out_dir={out_dir}",
-            tmp_path=tmp_path)
+  out = run(
+    "experiments.reproduce_dsp",
+    "--datasets=synthetic",
+    "--stages=2",
+    "--methods=bp,dsp",
+    "--epochs=1",
+    "--sweep_epochs=1",
+    "--sweep_delays=0,1",
+    "--sweep_lrs=0.05",
+    f"--out_dir={out_dir}",
+    tmp_path=tmp_path,
+  )
   assert "| synthetic | 2 | dsp |" in out and "stage 1 slowed 3x" in out
   for f in ("table.md", "accuracy_vs_epoch.png", "accuracy_vs_modeled_time.png", "staleness_lr_sweep.png"):
     assert (out_dir / f).stat().st_size > 0
@@ -133,8 +178,17 @@ def test_reproduce_dsp(tmp_path):
 @pytest.mark.slow
 def test_dsp_accuracy_grid(tmp_path):
   out_dir = tmp_path / "acc"
-  run("experiments.dsp_accuracy", "--epochs=1", "--lrs=0.02,0.05", "--seeds=0,1", "--methods=bp,dsp",
-      "--stage_counts=2", f"--out_dir={out_dir}", f"--run_dir={tmp_path / 'runs'}", tmp_path=tmp_path)
+  run(
+    "experiments.dsp_accuracy",
+    "--epochs=1",
+    "--lrs=0.02,0.05",
+    "--seeds=0,1",
+    "--methods=bp,dsp",
+    "--stage_counts=2",
+    f"--out_dir={out_dir}",
+    f"--run_dir={tmp_path / 'runs'}",
+    tmp_path=tmp_path,
+  )
   runs = json.loads((out_dir / "runs.json").read_text())
   assert len(runs) == 2 * 2 * 2  # methods x lrs x seeds
   table = json.loads((out_dir / "table.json").read_text())
@@ -145,8 +199,13 @@ def test_dsp_accuracy_grid(tmp_path):
 @pytest.mark.slow
 def test_reproduce_regenerates_a_step_with_its_provenance(tmp_path):
   results = tmp_path / "results"
-  run("experiments.reproduce", "--steps=spectral", f"--results={results}", f"--work={tmp_path / 'work'}",
-      tmp_path=tmp_path)
+  run(
+    "experiments.reproduce",
+    "--steps=spectral",
+    f"--results={results}",
+    f"--work={tmp_path / 'work'}",
+    tmp_path=tmp_path,
+  )
   for f in ("table.md", "spectral_gap.png", "provenance.json", "stdout.txt"):
     assert (results / "spectral" / f).exists()
   prov = json.loads((results / "spectral" / "provenance.json").read_text())
@@ -156,6 +215,7 @@ def test_reproduce_regenerates_a_step_with_its_provenance(tmp_path):
 
 def test_spectral_gap_matches_the_closed_form():
   from ripples_jax.analysis import spectral_table
+
   n = 16
   table = spectral_table(n, samples=400)
   for g in (2, 4, 8):
@@ -171,8 +231,10 @@ def test_spectral_gap_matches_the_closed_form():
 @pytest.mark.slow
 def test_bench_online(tmp_path):
   from benchmarks import bench_online
-  out = bench_online.run(str(tmp_path / "online"), n=2, steps=8, ar_steps=4, step_time=0.02,
-                         scenarios=("slow2",))
+
+  out = bench_online.run(
+    str(tmp_path / "online"), n=2, steps=8, ar_steps=4, step_time=0.02, scenarios=("slow2",)
+  )
   assert set(out["ratios"]) == {"worker 1 2x slower/ripples_smart", "worker 1 2x slower/adpsgd"}
   assert all(r["measured"] > 0 and r["predicted"] > 0 for r in out["ratios"].values())
   assert (tmp_path / "online" / "table.md").stat().st_size > 0
@@ -181,11 +243,18 @@ def test_bench_online(tmp_path):
 @pytest.mark.slow
 def test_ledger(tmp_path):
   from experiments import ledger
+
   out = ledger.run(str(tmp_path), seeds=1, steps=20)
   assert len(out["claims"]) == len(ledger.CLAIMS) and len(out["adpsgd_cost"]) == 6
   assert all(c["throughput_light"][0] > 0 for c in out["claims"])
-  got = ledger.tta(str(tmp_path), seeds=1, steps=4, target=0.0, scenarios=("homogeneous",),
-                   algorithms=("allreduce", "ripples_smart"))
+  got = ledger.tta(
+    str(tmp_path),
+    seeds=1,
+    steps=4,
+    target=0.0,
+    scenarios=("homogeneous",),
+    algorithms=("allreduce", "ripples_smart"),
+  )
   assert got["homogeneous"]["ripples_smart"]["steps"] == [1]  # target 0: reached at the first step
   assert (tmp_path / "tta.md").stat().st_size > 0 and (tmp_path / "tta_homogeneous.png").exists()
   table = ledger.verdict_table(out, {"scenarios": got}, 0.0)

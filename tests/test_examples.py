@@ -1,4 +1,5 @@
 """examples/: every notebook runs top to bottom in a fresh kernel (nbclient), from the repository root."""
+
 import os
 
 import nbformat

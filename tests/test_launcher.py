@@ -8,6 +8,7 @@ up on it, an unknown process registering at the coordinator rather than worker 0
 `python -m tests.test_launcher --process_id=I --fake=...` is a stand-in worker (no JAX), for the
 launcher's own logic in a few seconds; the other multi-process tests run experiments.train for real.
 """
+
 import argparse
 import errno
 import io
@@ -34,11 +35,16 @@ FAKE = "tests.test_launcher"
 
 
 def real_args(workdir, n, steps=100000):
-  return [f"--config=configs/default.py:executor=async,num_workers={n},algorithm=allreduce,model=mlp",
-          "--config.runtime.step_time=0.05", f"--config.num_steps={steps}", f"--workdir={workdir}",
-          "--config.runtime.heartbeat_timeout=5", "--config.runtime.checkpoint_every=0",
-          "--config.log_every=1000", "--config.eval_every=100000"]
-
+  return [
+    f"--config=configs/default.py:executor=async,num_workers={n},algorithm=allreduce,model=mlp",
+    "--config.runtime.step_time=0.05",
+    f"--config.num_steps={steps}",
+    f"--workdir={workdir}",
+    "--config.runtime.heartbeat_timeout=5",
+    "--config.runtime.checkpoint_every=0",
+    "--config.log_every=1000",
+    "--config.eval_every=100000",
+  ]
 
 
 def kill_all(pids):
@@ -84,8 +90,10 @@ def launch_thread(n, args, timeout_s=60, **kwargs):
     started.set()
 
   kwargs.setdefault("cwd", ROOT)
-  t = threading.Thread(target=lambda: result.setdefault("code", launch(n, args, out=out, on_start=on_start,
-                                                                          **kwargs)), daemon=True)
+  t = threading.Thread(
+    target=lambda: result.setdefault("code", launch(n, args, out=out, on_start=on_start, **kwargs)),
+    daemon=True,
+  )
   t.start()
   assert started.wait(30), out.text()
   deadline = time.monotonic() + timeout_s
@@ -103,9 +111,23 @@ def launch_thread(n, args, timeout_s=60, **kwargs):
 def cli(n, args, grace_s=5, extra=(), prefix=()):
   """experiments.launch as a subprocess (run by the command `prefix`, if any): (process, pids, coordinator
   port) once it has reported its workers."""
-  proc = subprocess.Popen([*prefix, sys.executable, "-m", "experiments.launch", f"--num_processes={n}",
-                           f"--grace_s={grace_s}", *extra, "--", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen(
+    [
+      *prefix,
+      sys.executable,
+      "-m",
+      "experiments.launch",
+      f"--num_processes={n}",
+      f"--grace_s={grace_s}",
+      *extra,
+      "--",
+      *args,
+    ],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
   for line in proc.stdout:
     if "pids [" in line:
       return proc, json.loads(line.split("pids ")[1]), int(re.search(r"127\.0\.0\.1:(\d+)", line).group(1))
@@ -144,6 +166,7 @@ def fake_worker(argv):
   if action == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
   else:  # the workers' own SIGTERM path (and the launcher's death as a SIGTERM)
+
     def say(line):  # the launcher may be gone (SIGKILL): its end of the pipe is closed
       try:
         print(line, flush=True)
@@ -155,6 +178,7 @@ def fake_worker(argv):
         time.sleep(0.5)
       say(f"fake {a.process_id} exits at {time.time():.3f}")
       os._exit(code)
+
     coord.SigtermStop(a.process_id, lambda m: say(f"{m} at {time.time():.3f}"), exit_fn).install()
   print(f"fake {a.process_id} ready", flush=True)
   if action.startswith("exit:"):
@@ -216,13 +240,13 @@ def test_describe_exit_codes():
 
 
 BAD_ARGUMENTS = [
-    (dict(cpu_devices=0), "--cpu_devices=0 is not allowed: at least 1 CPU device per process"),
-    (dict(cpu_devices=-2), "--cpu_devices=-2 is not allowed: at least 1 CPU device per process"),
-    (dict(port=70000), "--port=70000 is not allowed: 0 (a free one) or 1..65535"),
-    (dict(port=-1), "--port=-1 is not allowed: 0 (a free one) or 1..65535"),
-    (dict(grace_s=float("nan")), "--grace_s=nan is not allowed: a finite number of seconds >= 0"),
-    (dict(grace_s=float("inf")), "--grace_s=inf is not allowed: a finite number of seconds >= 0"),
-    (dict(grace_s=-1.0), "--grace_s=-1.0 is not allowed: a finite number of seconds >= 0"),
+  (dict(cpu_devices=0), "--cpu_devices=0 is not allowed: at least 1 CPU device per process"),
+  (dict(cpu_devices=-2), "--cpu_devices=-2 is not allowed: at least 1 CPU device per process"),
+  (dict(port=70000), "--port=70000 is not allowed: 0 (a free one) or 1..65535"),
+  (dict(port=-1), "--port=-1 is not allowed: 0 (a free one) or 1..65535"),
+  (dict(grace_s=float("nan")), "--grace_s=nan is not allowed: a finite number of seconds >= 0"),
+  (dict(grace_s=float("inf")), "--grace_s=inf is not allowed: a finite number of seconds >= 0"),
+  (dict(grace_s=-1.0), "--grace_s=-1.0 is not allowed: a finite number of seconds >= 0"),
 ]
 
 
@@ -238,8 +262,10 @@ def test_a_privileged_port_is_refused_with_its_real_cause(monkeypatch):
   monkeypatch.setattr(coord, "port_problem", lambda bind: errno.EACCES)
   with pytest.raises(ValueError) as e:
     launch(1, [], port=1)
-  assert str(e.value) == ("--port=1 is not allowed: 127.0.0.1:1 cannot be bound: Permission denied (a privileged "
-                          "port: it needs root or CAP_NET_BIND_SERVICE); pick another, or 0 for a free one")
+  assert str(e.value) == (
+    "--port=1 is not allowed: 127.0.0.1:1 cannot be bound: Permission denied (a privileged "
+    "port: it needs root or CAP_NET_BIND_SERVICE); pick another, or 0 for a free one"
+  )
   monkeypatch.setattr(coord, "port_problem", lambda bind: errno.EADDRNOTAVAIL)
   with pytest.raises(ValueError, match=r"127\.0\.0\.1:1 cannot be bound: Cannot assign requested address;"):
     launch(1, [], port=1)
@@ -254,11 +280,15 @@ def test_gloo_binds_loopback_exactly_when_the_coordinator_is_loopback():
   assert coord.collectives_host("node-017:1234") is None
 
 
-@pytest.mark.parametrize("address,process_id", [("127.0.0.1:1234", 0), ("10.0.0.7:1234", 0), ("10.0.0.7:1234", 1)])
+@pytest.mark.parametrize(
+  "address,process_id", [("127.0.0.1:1234", 0), ("10.0.0.7:1234", 0), ("10.0.0.7:1234", 1)]
+)
 def test_place_collectives_binds_loopback_or_names_the_address(monkeypatch, address, process_id):
   from absl import logging
   from jax._src import distributed
+
   from ripples_jax.distributed import host as platform
+
   bound, said = [], []
   monkeypatch.setattr(distributed.global_state, "coordinator_address", address)
   monkeypatch.setattr(distributed.global_state, "process_id", process_id)
@@ -281,16 +311,20 @@ def beat(dogs, now):
 def test_the_watchdogs_lines_name_the_lost_worker():
   """Real exit lines of coord.Watchdog (the launcher reads them), on a clock of their own."""
   kv, logs, exits = FakeKV(), [], []
-  dogs = [coord.Watchdog(kv, w, 3, lambda w=w: (w, 1, False), 1.0, 5.0, 1000.0, logs.append, exits.append)
-          for w in range(3)]
+  dogs = [
+    coord.Watchdog(kv, w, 3, lambda w=w: (w, 1, False), 1.0, 5.0, 1000.0, logs.append, exits.append)
+    for w in range(3)
+  ]
   beat(dogs, 1.0)
   beat(dogs, 1.5)  # everybody has seen everybody
   beat([dogs[0]], 6.0)  # worker 1 stopped beating at 1.5
   beat([dogs[2]], 7.0)
   assert exits == [coord.EXIT_LOST] and coord.lost_named(logs[0]) == [1], logs
   kv, logs = FakeKV(), []
-  dogs = [coord.Watchdog(kv, w, 2, lambda: (5, 1, False), 1.0, 1000.0, 30.0, logs.append, exits.append)
-          for w in range(2)]
+  dogs = [
+    coord.Watchdog(kv, w, 2, lambda: (5, 1, False), 1.0, 1000.0, 30.0, logs.append, exits.append)
+    for w in range(2)
+  ]
   beat(dogs, 1.0)
   beat([dogs[1]], 40.0)  # heartbeats go on, nobody completes anything
   assert "stalled first" in logs[0] and coord.lost_named(logs[0]) == [0], logs
@@ -299,18 +333,20 @@ def test_the_watchdogs_lines_name_the_lost_worker():
 
 # What the workers printed when a third process registered at the coordinator as task 1 (jax 0.10.2).
 INTRUDER_LINES = [
-    "E1201 08:27:25.767973    7131 coordination_service.cc:518] [9396492722223678445] 1 unexpectedly tried to "
-    "connect with a different incarnation. It has likely restarted.",
-    "F1201 08:27:25.769545    7220 client.h:80] Terminating process because the JAX distributed service detected "
-    "fatal errors. This most likely indicates that another task died; see the other task logs for more details. "
-    "Disable Python buffering, i.e. `python -u`, to be sure to see all the previous output. absl::Status: ABORTED: "
-    "1 unexpectedly tried to connect with a different incarnation. It has likely restarted.",
+  "E1201 08:27:25.767973    7131 coordination_service.cc:518] [9396492722223678445] 1 unexpectedly tried to "
+  "connect with a different incarnation. It has likely restarted.",
+  "F1201 08:27:25.769545    7220 client.h:80] Terminating process because the JAX distributed service detected "
+  "fatal errors. This most likely indicates that another task died; see the other task logs for more details. "
+  "Disable Python buffering, i.e. `python -u`, to be sure to see all the previous output. absl::Status: ABORTED: "
+  "1 unexpectedly tried to connect with a different incarnation. It has likely restarted.",
 ]
 
 
 def test_an_unknown_registration_is_read_from_the_coordination_service_error():
   assert [coord.intruder_task(line) for line in INTRUDER_LINES] == [1, 1]
-  assert coord.intruder_task("F1201 client.h:80] Terminating process ... absl::Status: DEADLINE_EXCEEDED") is None
+  assert (
+    coord.intruder_task("F1201 client.h:80] Terminating process ... absl::Status: DEADLINE_EXCEEDED") is None
+  )
 
 
 class _Proc:
@@ -323,17 +359,20 @@ class _Proc:
 
 def test_the_failure_line_names_the_cause_the_workers_printed():
   from ripples_jax.distributed.launcher import _Clues, failure_line
+
   procs = [_Proc(coord.EXIT_LOST), _Proc(None), _Proc(coord.EXIT_LOST)]
   clues = _Clues()
   clues.read(2, "worker 2: worker(s) [1] lost: no heartbeat for 5 s; last completed step per worker: w0:3")
   assert failure_line((2, coord.EXIT_LOST), procs, clues, "127.0.0.1:5") == (
-      "worker 1 (still running: stalled) is lost: worker 2's watchdog named it, then worker 2 exited with 75 "
-      "(it lost a peer)")
+    "worker 1 (still running: stalled) is lost: worker 2's watchdog named it, then worker 2 exited with 75 "
+    "(it lost a peer)"
+  )
   assert failure_line((2, 1), procs, clues, "127.0.0.1:5") == "worker 2 exited with 1"  # a crash: itself
   for line in INTRUDER_LINES:
     clues.read(0, line)
   assert failure_line((0, -6), procs, clues, "127.0.0.1:5").startswith(
-      "an unknown process registered at the coordinator 127.0.0.1:5 as task 1 (not a worker of this launcher")
+    "an unknown process registered at the coordinator 127.0.0.1:5 as task 1 (not a worker of this launcher"
+  )
 
 
 def test_sigterm_stops_a_worker_once_with_one_line():
@@ -345,8 +384,10 @@ def test_sigterm_stops_a_worker_once_with_one_line():
   assert "during start-up" in logs[0]
   # Once the watchdog runs: its path, with every worker's last completed step.
   kv, logs, exits = FakeKV(), [], []
-  dogs = [coord.Watchdog(kv, w, 2, lambda w=w: (7 + w, 3, False), 1.0, 5.0, 30.0, logs.append, exits.append)
-          for w in range(2)]
+  dogs = [
+    coord.Watchdog(kv, w, 2, lambda w=w: (7 + w, 3, False), 1.0, 5.0, 30.0, logs.append, exits.append)
+    for w in range(2)
+  ]
   for d in dogs:
     d.check(1.0)
   stop = coord.SigtermStop(1, logs.append, exits.append)
@@ -423,13 +464,15 @@ def test_workers_stop_when_the_launcher_is_killed():
 @pytest.mark.slow
 def test_more_workers_than_cores_is_one_warning_and_the_job_runs(monkeypatch):
   from ripples_jax.distributed import launcher
+
   args = ["--fake=0:exit:0:0,1:exit:0:0"]
   monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
   out = Out()
   assert launch(2, args, module=FAKE, out=out, cwd=ROOT, grace_s=5) == 0, out.text()
   assert [l for l in out.lines if "warning" in l] == [
-      "[launch] warning: --num_processes=2 exceeds the 1 CPU core this launcher may use: the workers share them "
-      "(each runs slower); running anyway"], out.text()
+    "[launch] warning: --num_processes=2 exceeds the 1 CPU core this launcher may use: the workers share them "
+    "(each runs slower); running anyway"
+  ], out.text()
   assert "exit codes: [0, 0]" in out.text()
   monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
   out = Out()
@@ -439,39 +482,56 @@ def test_more_workers_than_cores_is_one_warning_and_the_job_runs(monkeypatch):
 
 OWN_FLAGS = "--num_processes, --cpu_devices, --platform, --grace_s, --module, --port"
 LAUNCHER_BAD_FLAGS = [
-    ("--num_processes=abc", "--num_processes=abc is not allowed: an integer"),
-    ("--grace_s=x", "--grace_s=x is not allowed: a number"),
-    ("--grace_s=nan", "--grace_s=nan is not allowed: a finite number of seconds >= 0"),
-    ("--grace_s=-1", "--grace_s=-1.0 is not allowed: a finite number of seconds >= 0"),
-    ("--port=70000", "--port=70000 is not allowed: 0 (a free one) or 1..65535"),
-    ("--port=-1", "--port=-1 is not allowed: 0 (a free one) or 1..65535"),
-    ("--cpu_devices=0", "--cpu_devices=0 is not allowed: at least 1 CPU device per process"),
-    ("--cpu_devices=-2", "--cpu_devices=-2 is not allowed: at least 1 CPU device per process"),
-    ("--config=configs/default.py",  # the entry point's flag before --
-     f"Unknown command line flag 'config' (the launcher's flags: {OWN_FLAGS}; the entry point's go after --)"),
+  ("--num_processes=abc", "--num_processes=abc is not allowed: an integer"),
+  ("--grace_s=x", "--grace_s=x is not allowed: a number"),
+  ("--grace_s=nan", "--grace_s=nan is not allowed: a finite number of seconds >= 0"),
+  ("--grace_s=-1", "--grace_s=-1.0 is not allowed: a finite number of seconds >= 0"),
+  ("--port=70000", "--port=70000 is not allowed: 0 (a free one) or 1..65535"),
+  ("--port=-1", "--port=-1 is not allowed: 0 (a free one) or 1..65535"),
+  ("--cpu_devices=0", "--cpu_devices=0 is not allowed: at least 1 CPU device per process"),
+  ("--cpu_devices=-2", "--cpu_devices=-2 is not allowed: at least 1 CPU device per process"),
+  (
+    "--config=configs/default.py",  # the entry point's flag before --
+    f"Unknown command line flag 'config' (the launcher's flags: {OWN_FLAGS}; the entry point's go after --)",
+  ),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag,message", LAUNCHER_BAD_FLAGS, ids=[f for f, _ in LAUNCHER_BAD_FLAGS])
 def test_launcher_bad_flags_are_one_line_and_exit_2(flag, message):
-  r = subprocess.run([sys.executable, "-m", "experiments.launch", flag, "--", "--x"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=60)
+  r = subprocess.run(
+    [sys.executable, "-m", "experiments.launch", flag, "--", "--x"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert r.returncode == 2 and r.stdout == "", r
   assert r.stderr.splitlines() == [f"error: {message}"]
 
 
 @pytest.mark.slow
 def test_launcher_help_still_prints_the_flags():
-  r = subprocess.run([sys.executable, "-m", "experiments.launch", "--help"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=60)
+  r = subprocess.run(
+    [sys.executable, "-m", "experiments.launch", "--help"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert "--num_processes: Worker processes to start." in r.stdout and "error:" not in r.stderr, r
 
 
 @pytest.mark.slow
 def test_launcher_rejects_zero_processes_with_one_line():
-  r = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=0", "--", "--x"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=60)
+  r = subprocess.run(
+    [sys.executable, "-m", "experiments.launch", "--num_processes=0", "--", "--x"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert r.returncode == 2 and r.stdout == "", r
   assert r.stderr.splitlines() == ["error: --num_processes=0 is not allowed: at least 1 process is needed"]
 
@@ -492,7 +552,7 @@ def listening_sockets() -> list:
       host, p = fields[1].split(":")
       if fields[3] == "0A":  # 0A: LISTEN
         raw = bytes.fromhex(host)  # 32-bit words in host byte order
-        words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+        words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
         ip = ipaddress.ip_address(b"".join(w[::-1] if sys.byteorder == "little" else w for w in words))
         got.append((ip, int(p, 16), fields[9]))
   return got
@@ -512,7 +572,7 @@ def listeners_of(pid: int) -> list:
     except OSError:  # closed meanwhile
       continue
     if link.startswith("socket:["):
-      inodes.add(link[len("socket:["):-1])
+      inodes.add(link[len("socket:[") : -1])
   return [(ip, p) for ip, p, inode in listening_sockets() if inode in inodes]
 
 
@@ -594,9 +654,18 @@ def test_no_worker_listens_off_loopback_where_the_host_name_resolves_to_a_networ
   prefix = renamed_host(ip) if ip else None
   if prefix is None:
     pytest.skip("needs a non-loopback address and unshare --uts (root or user namespaces)")
-  where = subprocess.run([*prefix, sys.executable, "-c", "from ripples_jax.distributed import host as platform; "
-                          "print(platform.default_collectives_address())"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+  where = subprocess.run(
+    [
+      *prefix,
+      sys.executable,
+      "-c",
+      "from ripples_jax.distributed import host as platform; print(platform.default_collectives_address())",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert where.stdout.strip() == ip, where  # JAX's default: gloo on the network address
   proc, pids, port = cli(2, real_args(tmp_path / "run", 2), prefix=prefix)
   try:
@@ -633,15 +702,20 @@ def test_a_stalled_worker_is_named_not_the_peers_that_gave_up_on_it(tmp_path):
     kill_all(pids)
   text = out.text()
   line = out.wait_for(r"^\[launch\] .*; stopping the others", 1)
-  assert re.match(r"\[launch\] worker 1 \(still running: stalled\) is lost: worker ([02])'s watchdog named it, "
-                  r"then worker \1 exited with 75 \(it lost a peer\); stopping the others", line), text[-3000:]
+  assert re.match(
+    r"\[launch\] worker 1 \(still running: stalled\) is lost: worker ([02])'s watchdog named it, "
+    r"then worker \1 exited with 75 \(it lost a peer\); stopping the others",
+    line,
+  ), text[-3000:]
   assert code == coord.EXIT_LOST, text[-3000:]
   assert all(exited(p) for p in pids)
 
 
 # A process nobody started as a worker registers at the coordinator as task sys.argv[2].
-INTRUDER = ("import sys\nfrom jax._src.lib import _jax\n"
-            "_jax.get_distributed_runtime_client(sys.argv[1], int(sys.argv[2]), init_timeout=20).connect()\n")
+INTRUDER = (
+  "import sys\nfrom jax._src.lib import _jax\n"
+  "_jax.get_distributed_runtime_client(sys.argv[1], int(sys.argv[2]), init_timeout=20).connect()\n"
+)
 
 
 @pytest.mark.slow
@@ -653,8 +727,13 @@ def test_an_unknown_process_registering_at_the_coordinator_is_named_not_worker_0
   intruder = None
   try:
     out.wait_for(r"\[Gloo\] Rank \d is connected", 90)
-    intruder = subprocess.Popen([sys.executable, "-c", INTRUDER, address, "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+    intruder = subprocess.Popen(
+      [sys.executable, "-c", INTRUDER, address, "1"],
+      cwd=ROOT,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+      start_new_session=True,
+    )
     code = finish()
   finally:
     if intruder is not None:
@@ -662,8 +741,10 @@ def test_an_unknown_process_registering_at_the_coordinator_is_named_not_worker_0
       intruder.wait()
     kill_all(pids)
   line = out.wait_for(r"^\[launch\] .*; stopping the others", 1)
-  assert line.startswith(f"[launch] an unknown process registered at the coordinator {address} as task 1 (not "
-                         f"a worker of this launcher"), out.text()[-3000:]
+  assert line.startswith(
+    f"[launch] an unknown process registered at the coordinator {address} as task 1 (not "
+    f"a worker of this launcher"
+  ), out.text()[-3000:]
   assert code != 0 and all(exited(p) for p in pids)
 
 
@@ -690,16 +771,36 @@ def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
   """As on a cluster (one process per host, nobody stopping the others): worker 2 dies mid-run; each
   survivor's watchdog names it within runtime.heartbeat_timeout (5 s), process 0 exiting last."""
   from ripples_jax.distributed.launcher import child_env, free_port
+
   n, port = 3, free_port()
   env = child_env(1, "cpu")
   del env[coord.LAUNCHER_PID_ENV]
-  procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", "--jax_distributed",
-                             f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}", f"--process_id={i}",
-                             "--cpu_devices=1", *real_args(tmp_path / "run", n)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True) for i in range(n)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "--jax_distributed",
+        f"--coordinator_address=127.0.0.1:{port}",
+        f"--num_processes={n}",
+        f"--process_id={i}",
+        "--cpu_devices=1",
+        *real_args(tmp_path / "run", n),
+      ],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+    )
+    for i in range(n)
+  ]
   outs = [[] for _ in procs]
-  readers = [threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True) for p, o in zip(procs, outs)]
+  readers = [
+    threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True) for p, o in zip(procs, outs)
+  ]
   for t in readers:
     t.start()
   try:
@@ -719,7 +820,9 @@ def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
   assert codes == [coord.EXIT_LOST, coord.EXIT_LOST, -9], (codes, text[0][-2000:], text[1][-2000:])
   assert elapsed < 30, elapsed
   for w in (0, 1):
-    assert re.search(rf"worker {w}: worker\(s\) \[2\] lost: no heartbeat for 5 s; last completed step", text[w])
+    assert re.search(
+      rf"worker {w}: worker\(s\) \[2\] lost: no heartbeat for 5 s; last completed step", text[w]
+    )
 
 
 @pytest.mark.slow
@@ -730,21 +833,51 @@ def test_a_taken_port_is_one_line_not_a_hang(tmp_path):
     port = s.getsockname()[1]
     # Process 0 (on a cluster, or a port taken after the launcher picked it).
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "experiments.train", "--jax_distributed",
-                        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=0",
-                        "--cpu_devices=1", *real_args(tmp_path / "run", 2)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "--jax_distributed",
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+        "--process_id=0",
+        "--cpu_devices=1",
+        *real_args(tmp_path / "run", 2),
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=60,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert time.monotonic() - t0 < 30
     errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
-    assert errors == [f"error: coordinator port {port} (127.0.0.1:{port}) is not free: Address already in use; "
-                      "pick another port in --coordinator_address"], r.stderr[-3000:]
+    assert errors == [
+      f"error: coordinator port {port} (127.0.0.1:{port}) is not free: Address already in use; "
+      "pick another port in --coordinator_address"
+    ], r.stderr[-3000:]
     # The launcher, asked for that port: one line, nothing started.
-    r = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", f"--port={port}", "--",
-                        *real_args(tmp_path / "run", 2)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "experiments.launch",
+        "--num_processes=2",
+        f"--port={port}",
+        "--",
+        *real_args(tmp_path / "run", 2),
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=60,
+    )
     assert r.returncode == 2 and r.stdout == "", r
-    assert r.stderr.splitlines() == [f"error: --port={port} is not allowed: 127.0.0.1:{port} is taken (a process "
-                                     f"listens there); pick another, or 0 for a free one"]
+    assert r.stderr.splitlines() == [
+      f"error: --port={port} is not allowed: 127.0.0.1:{port} is taken (a process "
+      f"listens there); pick another, or 0 for a free one"
+    ]
 
 
 if __name__ == "__main__":
@@ -753,6 +886,7 @@ if __name__ == "__main__":
 
 def test_the_platform_is_detected_and_each_gpu_worker_gets_its_own_gpu(monkeypatch):
   from ripples_jax.distributed.launcher import child_env, resolve_platform
+
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the launcher's own choice wins (conftest forces cpu)
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
   assert resolve_platform("auto") == "cpu"

@@ -1,4 +1,5 @@
 """Model zoo: output shapes, param counts, vmap over workers, BatchNorm state, learning."""
+
 import functools
 
 import jax
@@ -6,24 +7,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ripples_jax.models import (
-    MODEL_NAMES, CifarResNet, apply_model, build_model, init_model, num_params)
+from ripples_jax.models import MODEL_NAMES, CifarResNet, apply_model, build_model, init_model, num_params
 from ripples_jax.models.simple import conv1d_patches
 
 # Natural input per model (batch 2) and expected param-count range for 10 classes.
 CASES = {
-    "mlp": ((2, 40, 1), 70_000, 90_000),             # MNIST-1D input, 256-256 hidden.
-    "mlp_gelu": ((2, 40, 1), 70_000, 90_000),
-    "cnn1d": ((2, 40, 1), 5_000, 50_000),
-    "cnn2d": ((2, 8, 8, 1), 20_000, 100_000),         # 8x8 digits.
-    "resnet20": ((2, 32, 32, 3), 260_000, 280_000),   # He et al. 2016: 0.27M.
-    "resnet56": ((2, 32, 32, 3), 840_000, 870_000),   # He et al. 2016: 0.85M.
+  "mlp": ((2, 40, 1), 70_000, 90_000),  # MNIST-1D input, 256-256 hidden.
+  "mlp_gelu": ((2, 40, 1), 70_000, 90_000),
+  "cnn1d": ((2, 40, 1), 5_000, 50_000),
+  "cnn2d": ((2, 8, 8, 1), 20_000, 100_000),  # 8x8 digits.
+  "resnet20": ((2, 32, 32, 3), 260_000, 280_000),  # He et al. 2016: 0.27M.
+  "resnet56": ((2, 32, 32, 3), 840_000, 870_000),  # He et al. 2016: 0.85M.
 }
 
 # Tests check values, not speed: skip XLA's costly CPU optimizations. Compiling
 # RNG-heavy inits (e.g. ResNet-20) drops from ~12 s to ~2 s this way.
-_jit = functools.partial(jax.jit, compiler_options={
-    "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+_jit = functools.partial(
+  jax.jit, compiler_options={"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+)
 
 
 def _init(model, seed, x):
@@ -73,14 +74,14 @@ def test_mlp_gelu_is_the_mlp_with_gelu():
 def test_resnet20_exact_param_count():
   # Option-A shortcuts add no params: 269,722 for 10 classes.
   model = build_model("resnet20", 10)
-  params, _ = jax.eval_shape(
-      lambda: init_model(model, jax.random.key(0), jnp.zeros((2, 32, 32, 3))))
+  params, _ = jax.eval_shape(lambda: init_model(model, jax.random.key(0), jnp.zeros((2, 32, 32, 3))))
   assert num_params(params) == 269_722
 
 
-@pytest.mark.parametrize("name,shape", [
-    ("mlp", (4, 40, 1)), ("cnn1d", (4, 40, 1)), ("cnn2d", (4, 8, 8, 1)),
-    ("cnn2d", (4, 32, 32, 3))])
+@pytest.mark.parametrize(
+  "name,shape",
+  [("mlp", (4, 40, 1)), ("cnn1d", (4, 40, 1)), ("cnn2d", (4, 8, 8, 1)), ("cnn2d", (4, 32, 32, 3))],
+)
 def test_small_model_logits_shape(name, shape):
   model = build_model(name, 7)
   x = jnp.ones(shape)
@@ -100,8 +101,7 @@ def test_conv1d_patches_is_same_conv(length, k, stride, c):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(2, length, c)).astype(np.float32)
   kernel = rng.normal(size=(k, c, 6)).astype(np.float32)
-  ref = jax.lax.conv_general_dilated(x, kernel, (stride,), "SAME",
-                                     dimension_numbers=("NWC", "WIO", "NWC"))
+  ref = jax.lax.conv_general_dilated(x, kernel, (stride,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
   out = conv1d_patches(jnp.asarray(x), k, stride) @ kernel.reshape(k * c, 6)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -160,9 +160,10 @@ def test_batchnorm_eval_returns_state_unchanged_and_uses_running_stats():
   np.testing.assert_allclose(sub, logits_new[:1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,shape", [
-    ("mlp", (4, 40, 1)), ("cnn1d", (4, 40, 1)), ("cnn2d", (4, 8, 8, 1)),
-    ("tiny_resnet", (4, 8, 8, 3))])
+@pytest.mark.parametrize(
+  "name,shape",
+  [("mlp", (4, 40, 1)), ("cnn1d", (4, 40, 1)), ("cnn2d", (4, 8, 8, 1)), ("tiny_resnet", (4, 8, 8, 3))],
+)
 def test_vmap_over_stacked_workers_matches_per_worker(name, shape):
   model = _tiny_resnet() if name == "tiny_resnet" else build_model(name, 10)
   k = 3
@@ -179,16 +180,17 @@ def test_vmap_over_stacked_workers_matches_per_worker(name, shape):
     out = {}
     for train in modes:
       fn = functools.partial(apply_model, model, train=train)
-      out[train] = (jax.vmap(fn)(params, state, xs),
-                    [fn(*jax.tree.map(lambda a: a[i], (params, state, xs))) for i in range(k)])
+      out[train] = (
+        jax.vmap(fn)(params, state, xs),
+        [fn(*jax.tree.map(lambda a: a[i], (params, state, xs))) for i in range(k)],
+      )
     return out
 
   for (logits, new_state), per_worker in run(params, state, xs).values():
     assert logits.shape == (k, shape[0], 10)
     for i, (l_i, ns_i) in enumerate(per_worker):
       np.testing.assert_allclose(logits[i], l_i, rtol=1e-4, atol=1e-5)
-      jax.tree.map(lambda a, b: np.testing.assert_allclose(a[i], b, rtol=1e-4, atol=1e-6),
-                   new_state, ns_i)
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a[i], b, rtol=1e-4, atol=1e-6), new_state, ns_i)
 
 
 def test_vmap_identical_copies():

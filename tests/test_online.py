@@ -1,5 +1,6 @@
 """The online Group Generator protocol: the authority and the workers' queues, in-process, under random
 speeds and arrival orders (real threads on the runtime's code, the coordination service faked)."""
+
 import random
 import threading
 import time
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 from configs import default as default_config
-from ripples_jax import sim, timeline
 from ripples_jax import schedule as schedule_lib
+from ripples_jax import sim, timeline
 from ripples_jax.runtime.authority import Authority, Feed, LocalFeed
 from ripples_jax.schedule import group_gen
 from ripples_jax.schedule.online import GROUP, MARK, NONE, STOP, Cadence, Service, fixed_entry
@@ -80,7 +81,7 @@ def test_online_protocol_under_random_speeds_and_arrivals(algorithm, seed):
   for w in range(n):
     queue = service.entries[w]
     mine = [e[1] for e in queue if e[0] == GROUP]
-    assert executed[w] == mine[:len(executed[w])]  # a prefix of its part of the global order
+    assert executed[w] == mine[: len(executed[w])]  # a prefix of its part of the global order
     assert len(executed[w]) <= done[w]  # one group per local step, at most
     assert queue[-1] == (STOP,)
     # every worker's queue holds the markers, in the same order
@@ -98,7 +99,7 @@ def test_online_protocol_under_random_speeds_and_arrivals(algorithm, seed):
 def test_a_request_is_answered_and_a_pending_group_is_taken_first():
   service = Service(4, group_gen.random_gg(4, 2, np.random.default_rng(0)))
   assert service.request(0, 0, 0.0)  # empty queue: a group with one partner
-  (kind, gid, members), = service.entries[0]
+  ((kind, gid, members),) = service.entries[0]
   partner = [m for m in members if m != 0][0]
   assert not service.request(partner, 0, 0.1)  # its queue already has that group: nothing generated
   assert service.entries[partner] == [(GROUP, gid, members)]
@@ -112,6 +113,7 @@ def test_a_request_is_answered_and_a_pending_group_is_taken_first():
 def test_service_state_resumes_the_same_generation():
   def fresh():
     return Service(6, group_gen.division_gg(6, 3, np.random.default_rng(5)), Cadence(100, 0, 10))
+
   a = fresh()
   for w in (0, 3, 1):
     a.request(w, len(a.entries[w]), 0.0)
@@ -172,4 +174,10 @@ def test_smart_gg_follows_a_moving_straggler_in_every_window():
 
 def test_the_slow_worker_moves_on_the_clock():
   assert timeline.slow_at((3,), 8, 0.0, 100.0) == (3,)
-  assert [timeline.slow_at((3,), 8, 2.0, t) for t in (0.0, 1.9, 2.0, 15.9, 16.0)] == [(3,), (3,), (4,), (2,), (3,)]
+  assert [timeline.slow_at((3,), 8, 2.0, t) for t in (0.0, 1.9, 2.0, 15.9, 16.0)] == [
+    (3,),
+    (3,),
+    (4,),
+    (2,),
+    (3,),
+  ]

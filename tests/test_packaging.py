@@ -6,6 +6,7 @@ The build runs in a copy of the checkout (an in-tree build leaves build/ and *.e
 the environment's setuptools when that can build a wheel by itself (setuptools >= 70.1, or the `wheel`
 package installed) and pip's isolated build otherwise, which fetches setuptools from the package index.
 """
+
 import configparser
 import importlib.metadata
 import os
@@ -21,9 +22,11 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Top-level folders of the checkout that ship inside the package (pyproject [tool.setuptools.package-dir]).
 MAPPED = {"experiments": "ripples_jax.experiments", "configs": "ripples_jax.configs"}
-SCRIPTS = {"ripples-train": "ripples_jax.experiments.train:cli",
-           "ripples-train-dsp": "ripples_jax.experiments.train_dsp:cli",
-           "ripples-launch": "ripples_jax.experiments.launch:cli"}
+SCRIPTS = {
+  "ripples-train": "ripples_jax.experiments.train:cli",
+  "ripples-train-dsp": "ripples_jax.experiments.train_dsp:cli",
+  "ripples-launch": "ripples_jax.experiments.launch:cli",
+}
 # Top-level entries of the checkout that the build never needs (large, generated or machine-local).
 _NOT_COPIED = {".git", ".venv", "venv", ".whl", "runs", "results", "cache", "build", "dist", ".pytest_cache"}
 
@@ -31,21 +34,27 @@ _NOT_COPIED = {".git", ".venv", "venv", ".whl", "runs", "results", "cache", "bui
 def source_files() -> dict[str, str]:
   """{path inside the wheel: path in the checkout} of every python file the package must ship."""
   out = {}
-  roots = {"ripples_jax": "ripples_jax", **{folder: name.replace(".", "/") for folder, name in MAPPED.items()}}
+  roots = {
+    "ripples_jax": "ripples_jax",
+    **{folder: name.replace(".", "/") for folder, name in MAPPED.items()},
+  }
   for folder, installed in roots.items():
     for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
       dirnames[:] = [d for d in dirnames if d != "__pycache__"]
       rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
       for f in filenames:
         if f.endswith(".py"):
-          out[os.path.normpath(os.path.join(installed, rel, f)).replace(os.sep, "/")] = os.path.join(dirpath, f)
+          out[os.path.normpath(os.path.join(installed, rel, f)).replace(os.sep, "/")] = os.path.join(
+            dirpath, f
+          )
   return out
 
 
 def source_packages() -> list[str]:
   """Every package the wheel must hold, by its installed name: each folder with an __init__.py."""
-  return sorted(path[:-len("/__init__.py")].replace("/", ".") for path in source_files()
-                if path.endswith("/__init__.py"))
+  return sorted(
+    path[: -len("/__init__.py")].replace("/", ".") for path in source_files() if path.endswith("/__init__.py")
+  )
 
 
 def _copy_ignore(directory, names):
@@ -100,9 +109,17 @@ def test_the_wheel_holds_every_subpackage_config_and_script(wheel):
     entry_points = z.read(f"{info}/entry_points.txt").decode()
     metadata = z.read(f"{info}/METADATA").decode()
   missing = sorted(set(source_files()) - names)
-  assert not missing, f"files of the checkout not in the wheel (pyproject [tool.setuptools] packages): {missing}"
-  for package in ["ripples_jax.data", "ripples_jax.models", "ripples_jax.pipeline", "ripples_jax.runtime",
-                  "ripples_jax.schedule", *MAPPED.values()]:
+  assert not missing, (
+    f"files of the checkout not in the wheel (pyproject [tool.setuptools] packages): {missing}"
+  )
+  for package in [
+    "ripples_jax.data",
+    "ripples_jax.models",
+    "ripples_jax.pipeline",
+    "ripples_jax.runtime",
+    "ripples_jax.schedule",
+    *MAPPED.values(),
+  ]:
     assert package.replace(".", "/") + "/__init__.py" in names, package
   assert {"ripples_jax/configs/default.py", "ripples_jax/configs/dsp.py"} <= names
   # Nothing generic (configs, experiments, tests, benchmarks) at the top of site-packages.
@@ -113,11 +130,15 @@ def test_the_wheel_holds_every_subpackage_config_and_script(wheel):
   parser.read_string(entry_points)
   assert dict(parser["console_scripts"]) == SCRIPTS
 
-  requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+  requires = [
+    line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")
+  ]
   runtime = [r for r in requires if "extra ==" not in r]
   assert any(r.startswith("jax") and "<" in r for r in runtime), runtime
   assert not any(r.startswith("pytest") for r in runtime), "pytest is a test dependency, not a runtime one"
-  extras = {line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Provides-Extra:")}
+  extras = {
+    line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Provides-Extra:")
+  }
   assert {"test", "cuda12", "tpu"} <= extras
 
 
@@ -148,8 +169,14 @@ cli()
 def _run_script(site, cwd, script, *args):
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
   env.update(PYTHONPATH=str(site), JAX_PLATFORMS="cpu", PYTHONNOUSERSITE="1")
-  out = subprocess.run([sys.executable, "-c", _CHILD, str(site), ",".join(source_packages()), script, *args],
-                       cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, "-c", _CHILD, str(site), ",".join(source_packages()), script, *args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode == 0, f"{script} {' '.join(args)}: exit {out.returncode}\n{out.stderr[-3000:]}"
   return out.stdout
 
@@ -163,14 +190,25 @@ def test_the_installed_scripts_run_outside_the_checkout(wheel, tmp_path):
 
   # The shipped default config, named by path with a variant.
   default = os.path.join(site, "ripples_jax", "configs", "default.py")
-  stdout = _run_script(site, cwd, "ripples-train", f"--config={default}:steps=1,dataset=synthetic,model=mlp",
-                       f"--workdir={tmp_path / 'run'}")
+  stdout = _run_script(
+    site,
+    cwd,
+    "ripples-train",
+    f"--config={default}:steps=1,dataset=synthetic,model=mlp",
+    f"--workdir={tmp_path / 'run'}",
+  )
   assert f"run files: {tmp_path / 'run'}" in stdout
   assert (tmp_path / "run" / "summary.json").is_file()
 
   # No --config: the entry point finds its default (configs/dsp.py) inside the package.
-  stdout = _run_script(site, cwd, "ripples-train-dsp", "--config.dataset=synthetic", "--config.num_epochs=1",
-                       f"--workdir={tmp_path / 'dsp'}")
+  stdout = _run_script(
+    site,
+    cwd,
+    "ripples-train-dsp",
+    "--config.dataset=synthetic",
+    "--config.num_epochs=1",
+    f"--workdir={tmp_path / 'dsp'}",
+  )
   assert f"run files: {tmp_path / 'dsp'}" in stdout
   assert (tmp_path / "dsp" / "summary.json").is_file()
 
@@ -181,8 +219,11 @@ def test_the_installed_scripts_run_outside_the_checkout(wheel, tmp_path):
 
 def test_config_paths_fall_back_to_the_shipped_configs(tmp_path, monkeypatch):
   from experiments import common_flags
+
   monkeypatch.chdir(tmp_path)  # an installed package run from any folder
-  got = common_flags.shipped_configs(["prog", "--config=configs/dsp.py:method=bp", "--config=configs/nope.py"])
+  got = common_flags.shipped_configs(
+    ["prog", "--config=configs/dsp.py:method=bp", "--config=configs/nope.py"]
+  )
   assert got[1] == "--config=" + os.path.join(ROOT, "configs", "dsp.py") + ":method=bp"
   assert got[2] == "--config=configs/nope.py"  # not shipped: left for the one-line error
   (tmp_path / "configs").mkdir()

@@ -1,4 +1,6 @@
-"""The DSP tick against references: SGD, BP, the schedule of docs/design.md 4.1, placement, stash, convergence."""
+"""The DSP tick against references: SGD, BP, the schedule of docs/design.md 4.1, placement, stash,
+convergence."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ B = 16
 
 class Dense(nn.Module):
   """A stage for tests: one dense layer (tanh except on the logits): smooth, and cheap."""
+
   features: int
   last: bool = False
 
@@ -64,9 +67,11 @@ def bp_reference(stages, opt, bs, x0):
   ms = [st["model_state"] for st in state]
   opt_states = [opt.init(p) for p in params]
   for x, y in bs:
+
     def loss(ps):
       logits, _ = baselines.compose(stages, ps, ms, x, train=True)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
     g = jax.grad(loss)(params)
     for k in range(len(stages)):
       u, opt_states[k] = opt.update(g[k], opt_states[k], params[k])
@@ -118,10 +123,14 @@ def test_one_stage_equals_plain_sgd(data):
   state = run_ticks([model], opt, tick_lib.method_schedule("dsp", 1), bs)
   params, ms = init_model(model, jax.random.fold_in(jax.random.key(0), 0), bs[0][0][:1])
   for x, y in bs:
+
     def loss(p):
       return optax.softmax_cross_entropy_with_integer_labels(apply_model(model, p, ms, x, True)[0], y).mean()
+
     params = optax.apply_updates(params, opt.update(jax.grad(loss)(params), opt.init(params))[0])
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_of(state)[0], params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_of(state)[0], params
+  )
 
 
 @pytest.mark.parametrize("mode", ["recompute", "stash"])
@@ -193,13 +202,15 @@ def test_stash_uses_the_stored_version(data):
   def step_with(p):
     _, pullback = jax.vjp(lambda p: apply_model(stages[0], p, {}, x_old, True)[0], p)
     return jax.tree.map(lambda w, g: w - lr * g, before["params"], pullback(bwd)[0])
+
   stored = jax.tree.map(lambda r: r[slot], before["param_ring"])
   assert not np.allclose(stored["Dense_0"]["kernel"], before["params"]["Dense_0"]["kernel"])
   got = params_of(state)[0]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, step_with(stored))
   with pytest.raises(AssertionError):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got,
-                 step_with(before["params"]))
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, step_with(before["params"])
+    )
 
 
 def test_dsp_k4_drives_the_full_gradient_to_zero(data):
@@ -218,6 +229,7 @@ def test_dsp_k4_drives_the_full_gradient_to_zero(data):
     logits, _ = baselines.compose(stages, ps, [{}] * 4, x, train=False)
     l2 = sum(jnp.sum(a * a) for a in jax.tree.leaves(ps))
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + 0.5 * wd * l2
+
   init = tick_lib.init_pipeline(stages, opt, tick_lib.method_schedule("dsp", 4), jax.random.key(0), x)
   g0 = jax.grad(objective)([st["params"] for st in init])
   g = jax.grad(objective)(params)
@@ -257,7 +269,9 @@ def test_dni_predictor_trains_on_the_delayed_true_gradient(data):
   assert np.abs(true_1).max() > 0
   state, _ = step(state, *bs[1])
   n = true_1.shape[0]
-  np.testing.assert_allclose(np.asarray(state[1]["sg"]["bias"]), lr * (n * true_1).mean(0), rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(
+    np.asarray(state[1]["sg"]["bias"]), lr * (n * true_1).mean(0), rtol=1e-4, atol=1e-7
+  )
   # Stage 0's target at step 1 came through stage 1's synthetic gradient, still zero then (DNI
   # bootstraps from the top): its predictor starts moving one step later.
   assert not np.any(np.asarray(state[0]["sg"]["kernel"]))
@@ -285,10 +299,14 @@ def test_golden_dsp_tick_canary(data):
     state, (loss, _) = tick(state, x, bs[min(max(t - 1, 0), len(bs) - 1)][1], t)
     if 0 <= t - 1 < len(bs):
       losses.append(float(loss))
-  rms = [float(np.sqrt(np.mean(np.concatenate([np.ravel(a) ** 2 for a in jax.tree.leaves(p)]))))
-         for p in params_of(state)]
-  msg = ("the DSP tick's numerics changed; update GOLDEN_LOSSES / GOLDEN_PARAM_RMS only when a change "
-         "of numerics is intended")
+  rms = [
+    float(np.sqrt(np.mean(np.concatenate([np.ravel(a) ** 2 for a in jax.tree.leaves(p)]))))
+    for p in params_of(state)
+  ]
+  msg = (
+    "the DSP tick's numerics changed; update GOLDEN_LOSSES / GOLDEN_PARAM_RMS only when a change "
+    "of numerics is intended"
+  )
   np.testing.assert_allclose(losses, GOLDEN_LOSSES, rtol=1e-5, err_msg=msg)
   np.testing.assert_allclose(rms, GOLDEN_PARAM_RMS, rtol=1e-5, err_msg=msg)
 
@@ -316,14 +334,16 @@ def test_links_with_delay_two_deliver_the_oldest_entry():
         np.testing.assert_array_equal(ring, x_of(fwd_b), err_msg=f"stage {k} tick {t}")
     b = t - sched.offsets[1] - sched.staleness[1]  # the batch stage 1 sent down at tick t
     if b >= 0:
-      np.testing.assert_allclose(np.asarray(state[0]["bwd_fifo"][-1]), loss_grad(x_of(b)), rtol=1e-6,
-                                 err_msg=f"tick {t}")
+      np.testing.assert_allclose(
+        np.asarray(state[0]["bwd_fifo"][-1]), loss_grad(x_of(b)), rtol=1e-6, err_msg=f"tick {t}"
+      )
       checked += 1
   assert checked == 10
 
 
 def test_method_table_covers_every_method():
-  from ripples_jax.pipeline import timing
   from ripples_jax.config import DSP_METHODS
+  from ripples_jax.pipeline import timing
+
   assert tuple(baselines.METHODS) == DSP_METHODS == timing.METHODS
   assert set(baselines.TICK_METHODS) <= set(baselines.METHODS)

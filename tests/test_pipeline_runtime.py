@@ -1,5 +1,6 @@
 """The pipeline's alignment (each stage's gradient is the scheduled batch's) and the multi-process
 runtime (pipeline/per_process.py) against the single-process tick: numerics, a killed stage, resume."""
+
 import os
 import signal
 import subprocess
@@ -26,8 +27,9 @@ def recorder():
   """An optax 'optimizer' that applies nothing and keeps the last gradient it was given: with the
   parameters fixed, every stage's gradient at any tick must be BP's gradient of one batch."""
   return optax.GradientTransformation(
-      init=lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
-      update=lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), {"g": g}))
+    init=lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
+    update=lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), {"g": g}),
+  )
 
 
 @pytest.mark.parametrize("mode", ["recompute", "stash"])
@@ -47,6 +49,7 @@ def test_each_stage_gets_the_bp_gradient_of_its_scheduled_batch(mode, delay):
     def loss(params):
       logits, _ = compose(stages, params, ms_K, xs[i], train=True)
       return optax.softmax_cross_entropy_with_integer_labels(logits, ys[i]).mean()
+
     return jax.grad(loss)(params_K)
 
   step = tick_lib.make_tick(stages, recorder(), schedule, n)
@@ -70,10 +73,16 @@ def test_each_stage_gets_the_bp_gradient_of_its_scheduled_batch(mode, delay):
 
 
 def pipeline_config(method, mode="recompute", delay=1, epochs=1, extra=()):
-  return [f"--config=configs/dsp.py:method={method},num_stages=2,mode={mode},delay={delay},epochs={epochs}",
-          "--config.placement=per_process", "--config.runtime.heartbeat_timeout=5",
-          "--config.runtime.stall_timeout=30", "--config.log_every=31", "--config.eval_every=62",
-          "--config.checkpoint_every=0", *extra]
+  return [
+    f"--config=configs/dsp.py:method={method},num_stages=2,mode={mode},delay={delay},epochs={epochs}",
+    "--config.placement=per_process",
+    "--config.runtime.heartbeat_timeout=5",
+    "--config.runtime.stall_timeout=30",
+    "--config.log_every=31",
+    "--config.eval_every=62",
+    "--config.checkpoint_every=0",
+    *extra,
+  ]
 
 
 def single_process_params(method, mode, delay, epochs=1):
@@ -98,13 +107,13 @@ def final_params(workdir):
 
 # (method, runtime mode, delay, the single-process run it must equal: method, mode)
 CASES = [
-    pytest.param("dsp", "recompute", 2, ("dsp", "recompute"), id="dsp-recompute-d2", marks=pytest.mark.slow),
-    pytest.param("dsp", "fused", 1, ("dsp", "recompute"), id="dsp-fused", marks=pytest.mark.slow),
-    pytest.param("dsp", "residuals", 1, ("dsp", "stash"), id="dsp-residuals", marks=pytest.mark.slow),
-    pytest.param("fr", "recompute", 1, ("fr", "recompute"), id="fr", marks=pytest.mark.slow),
-    pytest.param("ddg", "recompute", 1, ("ddg", "recompute"), id="ddg", marks=pytest.mark.slow),
-    pytest.param("bp", "recompute", 1, ("bp", "recompute"), id="bp", marks=pytest.mark.slow),
-    pytest.param("gpipe", "recompute", 1, ("gpipe", "recompute"), id="gpipe", marks=pytest.mark.slow),
+  pytest.param("dsp", "recompute", 2, ("dsp", "recompute"), id="dsp-recompute-d2", marks=pytest.mark.slow),
+  pytest.param("dsp", "fused", 1, ("dsp", "recompute"), id="dsp-fused", marks=pytest.mark.slow),
+  pytest.param("dsp", "residuals", 1, ("dsp", "stash"), id="dsp-residuals", marks=pytest.mark.slow),
+  pytest.param("fr", "recompute", 1, ("fr", "recompute"), id="fr", marks=pytest.mark.slow),
+  pytest.param("ddg", "recompute", 1, ("ddg", "recompute"), id="ddg", marks=pytest.mark.slow),
+  pytest.param("bp", "recompute", 1, ("bp", "recompute"), id="bp", marks=pytest.mark.slow),
+  pytest.param("gpipe", "recompute", 1, ("gpipe", "recompute"), id="gpipe", marks=pytest.mark.slow),
 ]
 
 
@@ -122,15 +131,34 @@ def start_stages_directly(args):
   """Both stage processes without the launcher (as on a cluster), so that nothing but the survivor's
   own watchdog can stop it; returns the Popen objects, stderr merged into stdout."""
   from ripples_jax.distributed.launcher import child_env, free_port
+
   address = f"127.0.0.1:{free_port()}"
   procs = []
   for k in range(2):
     env = child_env(1, "cpu", k)
     env.pop("RIPPLES_LAUNCHER_PID", None)
-    cmd = [sys.executable, "-m", "experiments.train_dsp", *args, "--jax_distributed",
-           f"--coordinator_address={address}", "--num_processes=2", f"--process_id={k}", "--cpu_devices=1"]
-    procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, start_new_session=True))
+    cmd = [
+      sys.executable,
+      "-m",
+      "experiments.train_dsp",
+      *args,
+      "--jax_distributed",
+      f"--coordinator_address={address}",
+      "--num_processes=2",
+      f"--process_id={k}",
+      "--cpu_devices=1",
+    ]
+    procs.append(
+      subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+      )
+    )
   return procs
 
 
@@ -138,7 +166,8 @@ def start_stages_directly(args):
 def test_killed_stage_is_named_and_the_rerun_resumes_the_same_numerics(tmp_path):
   workdir = str(tmp_path / "run")
   args = pipeline_config("dsp", "recompute", 1, epochs=2, extra=["--config.checkpoint_every=31"]) + [
-      f"--workdir={workdir}"]
+    f"--workdir={workdir}"
+  ]
   # Stage 1 SIGKILLs itself before tick 70, once its checkpoint of batch 62 has committed.
   procs = start_stages_directly(args + ["--config.runtime.fail_stage=1", "--config.runtime.fail_tick=70"])
   try:
@@ -169,8 +198,9 @@ def test_chunked_residual_calls_keep_the_numerics(tmp_path):
   """chunks=4: every residual call over four chunks of the batch; the parameters still equal the
   single-process stash tick's (the same gradients, summed in another order)."""
   workdir = str(tmp_path / "run")
-  code, out = launch_pipeline(pipeline_config("dsp", "residuals", 1, extra=["--config.chunks=4"])
-                              + [f"--workdir={workdir}"])
+  code, out = launch_pipeline(
+    pipeline_config("dsp", "residuals", 1, extra=["--config.chunks=4"]) + [f"--workdir={workdir}"]
+  )
   assert code == 0, out[-3000:]
   for k, (got, ref) in enumerate(zip(final_params(workdir), single_process_params("dsp", "stash", 1))):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"stage {k}")

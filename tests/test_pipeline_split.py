@@ -1,4 +1,5 @@
 """Pipeline split: the stages compose to the unsplit model, params map across, the split is balanced."""
+
 import functools
 import itertools
 import random
@@ -8,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model, num_params
-from ripples_jax.models import split
+from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model, num_params, split
 
 B = 2
 INPUTS = {"mlp": (40, 1), "mlp_gelu": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1), "resnet20": (32, 32, 3)}
@@ -18,8 +18,9 @@ MAX_STAGES = {"mlp": 3, "mlp_gelu": 3, "cnn1d": 4, "cnn2d": 4, "resnet20": 11, "
 # Tests check values, not speed: one jit per call with XLA's costly CPU passes off.
 # Inits are the slow compiles (~2.5 s for ResNet-20), so most tests init the unsplit
 # model once and lay its params out as the stages' (`params_from_model`).
-_jit = functools.partial(jax.jit, compiler_options={
-    "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+_jit = functools.partial(
+  jax.jit, compiler_options={"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+)
 
 
 def _shapes(tree):
@@ -35,9 +36,11 @@ def _x(name):
 def _unsplit(name):
   """The unsplit model's (params, model_state, eval-mode logits) on _x(name)."""
   model = build_model(name, 10)
+
   def run(x):
     p, s = init_model(model, jax.random.key(42), x)
     return p, s, apply_model(model, p, s, x, train=False)[0]
+
   return _jit(run)(_x(name))
 
 
@@ -57,25 +60,27 @@ def _from_model(name, layout_params, layout_states, model_params, model_state):
   params = split.params_from_model(name, model_params, layout_params)
   if not model_state:
     return params, [{}] * len(params)
-  stats = split.params_from_model(
-      name, model_state["batch_stats"], [s["batch_stats"] for s in layout_states])
+  stats = split.params_from_model(name, model_state["batch_stats"], [s["batch_stats"] for s in layout_states])
   return params, [{"batch_stats": bs} for bs in stats]
 
 
 def _compose(stages, params, states, x, train=False):
   """Stage k applied to stage k-1's output; returns (logits, new model_states)."""
+
   def compose(params, states, x):
     new_states = []
     for stage, p, s in zip(stages, params, states):
       x, s = apply_model(stage, p, s, x, train=train)
       new_states.append(s)
     return x, new_states
+
   return _jit(compose)(params, states, x)
 
 
 def _tree_equal(a, b):
   return jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.all(
-      jax.tree.map(lambda u, v: np.array_equal(np.asarray(u), np.asarray(v)), a, b))
+    jax.tree.map(lambda u, v: np.array_equal(np.asarray(u), np.asarray(v)), a, b)
+  )
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -90,8 +95,7 @@ def test_units_follow_model_kwargs():
   assert split.model_units("resnet20", 10, widths=(4, 8, 16))[-2].features == 16
 
 
-@pytest.mark.parametrize("name,k", [(n, k) for n in INPUTS for k in range(1, 5)
-                                    if k <= MAX_STAGES[n]])
+@pytest.mark.parametrize("name,k", [(n, k) for n in INPUTS for k in range(1, 5) if k <= MAX_STAGES[n]])
 def test_stages_compose_to_the_unsplit_model(name, k):
   x = _x(name)
   model_params, model_state, want = _unsplit(name)
@@ -127,6 +131,7 @@ def test_stage_init_is_the_model_init(name, k):
   """Stages initialised on their own draw each layer from the model's distribution."""
   x = _x(name)
   stages = split.split_model(name, 10, k)
+
   def init(x):
     params = []
     for i, stage in enumerate(stages):
@@ -134,12 +139,15 @@ def test_stage_init_is_the_model_init(name, k):
       x, _ = apply_model(stage, p, s, x, train=False)
       params.append(p)
     return params, x
+
   params, logits = _jit(init)(x)
   assert logits.shape == (B, 10)
   model_params = _unsplit(name)[0]
+
   def close(a, b):
     np.testing.assert_allclose(np.std(a), np.std(b), rtol=0.25)
     np.testing.assert_allclose(np.mean(a), np.mean(b), atol=0.25 * np.std(b) + 1e-7)
+
   jax.tree.map(close, split.params_to_model(params), model_params)
 
 
@@ -154,13 +162,15 @@ def test_resnet20_stages_in_train_mode_are_the_model_and_update_batchnorm():
   got, new_states = _compose(stages, params, states, x, train=True)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   got_stats = split.params_to_model([s["batch_stats"] for s in new_states])
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               got_stats, want_state["batch_stats"])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_stats, want_state["batch_stats"]
+  )
   for before, after in zip(states, new_states):
     assert set(after) == {"batch_stats"}
     # Every BatchNorm's running mean and var moved.
-    assert all(jax.tree.leaves(jax.tree.map(
-        lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), before, after)))
+    assert all(
+      jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), before, after))
+    )
   _, eval_states = _compose(stages, params, states, x, train=False)
   assert _tree_equal(eval_states, states)
 
@@ -186,8 +196,7 @@ def test_resnets_split_at_stage_boundaries_when_k_is_3():
     stages = split.split_model(name, 10, 3)
     assert [len(s.units) for s in stages] == [1 + n, n, n + 1]
   stages = split.split_model("resnet20", 10, 3)
-  assert split.stage_shapes(stages, jnp.zeros((B, 32, 32, 3))) == [
-      (B, 32, 32, 16), (B, 16, 16, 32), (B, 10)]
+  assert split.stage_shapes(stages, jnp.zeros((B, 32, 32, 3))) == [(B, 32, 32, 16), (B, 16, 16, 32), (B, 10)]
 
 
 def test_unit_costs_are_macs():
@@ -211,14 +220,15 @@ def test_partition_is_contiguous_and_minimises_the_bottleneck():
     ranges = split.partition(costs, k)
     assert len(ranges) == k and ranges[0][0] == 0 and ranges[-1][1] == n
     assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
-    brute = min(_bottleneck(costs, list(zip((0,) + c, c + (n,))))
-                for c in itertools.combinations(range(1, n), k - 1))
+    brute = min(
+      _bottleneck(costs, list(zip((0,) + c, c + (n,)))) for c in itertools.combinations(range(1, n), k - 1)
+    )
     assert _bottleneck(costs, ranges) == brute
 
 
 def test_partition_prefers_cuts_within_slack():
   costs = [10, 1, 10, 10]
-  assert split.partition(costs, 2) == [(0, 2), (2, 4)]                 # bottleneck 20
+  assert split.partition(costs, 2) == [(0, 2), (2, 4)]  # bottleneck 20
   assert split.partition(costs, 2, preferred=[3]) == [(0, 3), (3, 4)]  # 21 <= 20 * 1.1
   assert split.partition(costs, 2, preferred=[3], slack=0.0) == [(0, 2), (2, 4)]
   assert split.partition([1, 1, 1, 1], 2, preferred=[1]) == [(0, 2), (2, 4)]  # 3 > 2.2

@@ -1,4 +1,5 @@
 """Iteration-time model of DSP and its baselines: closed forms, recurrences, stragglers."""
+
 import numpy as np
 import pytest
 
@@ -6,7 +7,7 @@ from ripples_jax.pipeline import timing as T
 
 
 def equal(k, f=1.0):
-  return [f] * k, [2 * f] * k   # B = 2F
+  return [f] * k, [2 * f] * k  # B = 2F
 
 
 def unequal(seed=0, k=5):
@@ -31,10 +32,12 @@ def test_gpipe_equal_stages_match_the_bubble_closed_form(k, m):
   assert no_remat == pytest.approx((m + k - 1) / m * (fk + bk), abs=1e-9)
   assert remat == pytest.approx((m + k - 1) / m * (2 * fk + bk), abs=1e-9)
   assert T.speedup_vs_bp("gpipe", f, b, microbatches=m, remat=False) == pytest.approx(
-      k * m / (m + k - 1), abs=1e-9)
+    k * m / (m + k - 1), abs=1e-9
+  )
   # B = 2F: BP per stage 3F, GPipe with remat 4F per stage-batch inside the bubble.
   assert T.speedup_vs_bp("gpipe", f, b, microbatches=m) == pytest.approx(
-      3 * k * m / (4 * (m + k - 1)), abs=1e-9)
+    3 * k * m / (4 * (m + k - 1)), abs=1e-9
+  )
 
 
 @pytest.mark.parametrize("remat", [True, False])
@@ -50,7 +53,8 @@ def test_gpipe_recurrence_matches_the_flow_shop_form_on_unequal_stages(remat):
 def test_gpipe_with_one_microbatch_and_no_remat_is_bp():
   f, b = unequal(3)
   assert T.iteration_time("gpipe", f, b, microbatches=1, remat=False) == pytest.approx(
-      T.iteration_time("bp", f, b), abs=1e-12)
+    T.iteration_time("bp", f, b), abs=1e-12
+  )
 
 
 def test_decoupled_closed_forms_and_fr_never_beats_ddg():
@@ -75,7 +79,7 @@ def test_dsp_is_limited_by_its_slowest_stage():
   f, b = [1.0, 1.0, 3.0, 1.0], [2.0, 2.0, 6.0, 2.0]
   assert T.iteration_time("dsp", f, b, fused=True) == 9.0
   assert T.iteration_time("dsp", f, b) == 12.0  # unfused, the default: the recompute is its own call
-  assert T.speedup_vs_bp("dsp", f, b, fused=True) == pytest.approx(18 / 9)   # far from K = 4
+  assert T.speedup_vs_bp("dsp", f, b, fused=True) == pytest.approx(18 / 9)  # far from K = 4
   assert T.steady_spacing(T.simulate("dsp", f, b, 100, fused=True)) == pytest.approx(9.0, abs=1e-9)
   assert T.steady_spacing(T.simulate("dsp", f, b, 100)) == pytest.approx(12.0, abs=1e-9)
 
@@ -87,8 +91,7 @@ def test_simulated_spacing_equals_iteration_time(method, fused):
     kw = dict(microbatches=3, fused=fused, remat=fused)
     times = T.simulate(method, f, b, 120, **kw)
     assert np.all(np.diff(times) > 0)
-    assert T.steady_spacing(times, warmup=20) == pytest.approx(
-        T.iteration_time(method, f, b, **kw), abs=1e-6)
+    assert T.steady_spacing(times, warmup=20) == pytest.approx(T.iteration_time(method, f, b, **kw), abs=1e-6)
 
 
 def test_fixed_straggler_bp_grows_by_the_stage_extra_work():
@@ -126,8 +129,9 @@ def test_random_slowdowns_are_deterministic_under_a_seed():
     np.testing.assert_array_equal(a, T.simulate(m, f, b, 60, seed=3, **kw))
     assert not np.array_equal(a, T.simulate(m, f, b, 60, seed=4, **kw))
     # p = 1 slows every stage every iteration: time scales exactly by the slowdown.
-    np.testing.assert_allclose(T.simulate(m, f, b, 60, random_p=1.0, slowdown=2.5),
-                               2.5 * T.simulate(m, f, b, 60), rtol=1e-12)
+    np.testing.assert_allclose(
+      T.simulate(m, f, b, 60, random_p=1.0, slowdown=2.5), 2.5 * T.simulate(m, f, b, 60), rtol=1e-12
+    )
 
 
 def test_random_slowdowns_cost_dsp_less_than_a_lockstep_tick():
@@ -168,8 +172,7 @@ def test_runtime_model_charges_the_calls_each_method_makes():
   fused = [_stage(fused=4.0, upper=x), _stage(forward=0.5, backward=3.0, lower=x)]
   assert T.runtime_iteration("dsp", fused) == pytest.approx(4.0 + x)
   # GPipe, M micro-batch calls: one micro-batch and no transfers is the plain chain plus the update.
-  gp = [_stage(forward=1.0, backward=2.0, update=0.1, upper=0.0),
-        _stage(backward=3.0, update=0.2, lower=0.0)]
+  gp = [_stage(forward=1.0, backward=2.0, update=0.1, upper=0.0), _stage(backward=3.0, update=0.2, lower=0.0)]
   assert T.runtime_iteration("gpipe", gp, microbatches=1) == pytest.approx(1.0 + 3.0 + 2.0 + 0.2)
   with pytest.raises(ValueError, match="dni"):
     T.runtime_iteration("dni", two)

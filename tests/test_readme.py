@@ -1,4 +1,5 @@
 """Every `python -m <module>` command in README.md and WORKSPACE.md names a module that exists."""
+
 import importlib.util
 import os
 import re

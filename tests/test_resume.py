@@ -1,6 +1,7 @@
 """Checkpoint and resume for every entry point: a run killed by PID and started again equals one that
 was never interrupted (byte for byte in simulation), a corrupt latest checkpoint falls back to the
 previous one, and the SPMD path runs the same on 2 processes as on one."""
+
 import json
 import os
 import shutil
@@ -22,8 +23,9 @@ def command(module, workdir, args):
 
 
 def run(module, workdir, args, timeout=300):
-  out = subprocess.run(command(module, workdir, args), cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+  out = subprocess.run(
+    command(module, workdir, args), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return out
 
@@ -31,8 +33,9 @@ def run(module, workdir, args, timeout=300):
 def run_and_kill(module, workdir, args, checkpoint_step, timeout=300):
   """Starts a run, SIGKILLs it once checkpoint `checkpoint_step` is committed; returns the lines it had
   written to metrics.jsonl by then."""
-  proc = subprocess.Popen(command(module, workdir, args), cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    command(module, workdir, args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+  )
   target = os.path.join(workdir, "ckpt", str(checkpoint_step))
   deadline = time.monotonic() + timeout
   try:
@@ -52,9 +55,14 @@ def records(workdir):
   return [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
-SIM = ["--config=configs/default.py:executor=sim,num_workers=4,model=mlp,algorithm=ripples_smart,steps=400",
-       "--config.hetero.slow_workers=(3,)", "--config.hetero.slowdown=3.0", "--config.log_every=10",
-       "--config.eval_every=50", "--config.checkpoint_every=50"]
+SIM = [
+  "--config=configs/default.py:executor=sim,num_workers=4,model=mlp,algorithm=ripples_smart,steps=400",
+  "--config.hetero.slow_workers=(3,)",
+  "--config.hetero.slowdown=3.0",
+  "--config.log_every=10",
+  "--config.eval_every=50",
+  "--config.checkpoint_every=50",
+]
 
 
 @pytest.mark.slow
@@ -84,8 +92,12 @@ def test_simulation_resumes_byte_identical_and_survives_a_corrupt_checkpoint(tmp
   assert open(os.path.join(whole, "metrics.jsonl"), "rb").read() == expected
 
 
-SPMD = ["--config=configs/default.py:model=mlp,steps=300", "--config.log_every=10",
-        "--config.eval_every=100", "--config.checkpoint_every=100"]
+SPMD = [
+  "--config=configs/default.py:model=mlp,steps=300",
+  "--config.log_every=10",
+  "--config.eval_every=100",
+  "--config.checkpoint_every=100",
+]
 
 
 @pytest.mark.slow
@@ -103,8 +115,13 @@ def test_spmd_resumes_within_float_tolerance(tmp_path):
         np.testing.assert_allclose(rb[k], ra[k], rtol=1e-4, atol=1e-5)
 
 
-DSP = ["--config=configs/dsp.py:method=dsp,num_stages=2,model=mlp", "--config.num_epochs=3",
-       "--config.log_every=25", "--config.eval_every=125", "--config.checkpoint_every=125"]
+DSP = [
+  "--config=configs/dsp.py:method=dsp,num_stages=2,model=mlp",
+  "--config.num_epochs=3",
+  "--config.log_every=25",
+  "--config.eval_every=125",
+  "--config.checkpoint_every=125",
+]
 
 
 @pytest.mark.slow
@@ -120,10 +137,16 @@ def test_dsp_pipeline_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_spmd_on_two_processes_equals_one_process(tmp_path):
-  from ripples_jax.distributed.launcher import launch
   import io
-  args = ["--config=configs/default.py:model=mlp,steps=60", "--config.log_every=10",
-          "--config.eval_every=30", "--config.checkpoint_every=30"]
+
+  from ripples_jax.distributed.launcher import launch
+
+  args = [
+    "--config=configs/default.py:model=mlp,steps=60",
+    "--config.log_every=10",
+    "--config.eval_every=30",
+    "--config.checkpoint_every=30",
+  ]
   one = str(tmp_path / "one")
   run("experiments.train", one, args)
   two = str(tmp_path / "two")
@@ -141,28 +164,44 @@ def test_spmd_on_two_processes_equals_one_process(tmp_path):
 
 
 def test_non_finite_loss_names_the_step_and_the_last_checkpoint():
-  with pytest.raises(FloatingPointError, match=r"train_loss is nan at step 70; stopping the run; "
-                     r"the last good checkpoint is /w/ckpt/50"):
+  with pytest.raises(
+    FloatingPointError,
+    match=r"train_loss is nan at step 70; stopping the run; "
+    r"the last good checkpoint is /w/ckpt/50",
+  ):
     runlog.check_finite(70, "/w/ckpt/50", train_loss=float("nan"))
 
 
 @pytest.mark.slow
 def test_a_second_run_in_the_same_workdir_refuses_and_the_first_is_unharmed(tmp_path):
   wd = str(tmp_path / "run")
-  args = SIM[:1] + ["--config.log_every=10", "--config.eval_every=100", "--config.checkpoint_every=100",
-                    "--config.timeline.compute_time=0.01"]
-  first = subprocess.Popen(command("experiments.train", wd, args), cwd=ROOT, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
+  args = SIM[:1] + [
+    "--config.log_every=10",
+    "--config.eval_every=100",
+    "--config.checkpoint_every=100",
+    "--config.timeline.compute_time=0.01",
+  ]
+  first = subprocess.Popen(
+    command("experiments.train", wd, args),
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     deadline = time.monotonic() + 120
     while not os.path.exists(os.path.join(wd, ".lock")):
       assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
       time.sleep(0.05)
-    second = subprocess.run(command("experiments.train", wd, args), cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    second = subprocess.run(
+      command("experiments.train", wd, args), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert second.returncode != 0 and "Traceback" not in second.stderr
-    assert second.stderr.strip().splitlines()[-1].startswith(f"error: --workdir: '{wd}' is not allowed: it is in "
-                                                            f"use by pid {first.pid} on ")
+    assert (
+      second.stderr.strip()
+      .splitlines()[-1]
+      .startswith(f"error: --workdir: '{wd}' is not allowed: it is in use by pid {first.pid} on ")
+    )
     assert first.wait(300) == 0
   finally:
     if first.poll() is None:
@@ -171,7 +210,12 @@ def test_a_second_run_in_the_same_workdir_refuses_and_the_first_is_unharmed(tmp_
   assert steps == sorted(set(steps)) and steps[-1] == 400  # the first run's records, whole
   # A rerun with another learning rate is another run: refused with the differing key, nothing touched.
   before = open(os.path.join(wd, "metrics.jsonl")).read()
-  out = subprocess.run(command("experiments.train", wd, args + ["--config.optimizer.lr=0.05"]), cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+  out = subprocess.run(
+    command("experiments.train", wd, args + ["--config.optimizer.lr=0.05"]),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert out.returncode != 0 and "optimizer.lr 0.1 -> 0.05" in out.stderr.strip().splitlines()[-1]
   assert open(os.path.join(wd, "metrics.jsonl")).read() == before

@@ -2,6 +2,7 @@
 refuse another config (every checkpoint file kept byte for byte), fall back to an older marker every
 worker restores when one worker's newest is corrupt (deleting nothing else), and end every process
 with exit 74 on a read-only ckpt/ instead of hanging. Real processes: all slow."""
+
 import json
 import os
 import subprocess
@@ -21,15 +22,34 @@ pytestmark = pytest.mark.slow
 def start_directly(n, module, args):
   """n processes of `module` without the launcher (as on a cluster): nothing stops a hung one."""
   from ripples_jax.distributed.launcher import child_env, free_port
+
   address = f"127.0.0.1:{free_port()}"
   procs = []
   for k in range(n):
     env = child_env(1, "cpu", k)
     env.pop("RIPPLES_LAUNCHER_PID", None)
-    cmd = [sys.executable, "-m", module, *args, "--jax_distributed", f"--coordinator_address={address}",
-           f"--num_processes={n}", f"--process_id={k}", "--cpu_devices=1"]
-    procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, start_new_session=True))
+    cmd = [
+      sys.executable,
+      "-m",
+      module,
+      *args,
+      "--jax_distributed",
+      f"--coordinator_address={address}",
+      f"--num_processes={n}",
+      f"--process_id={k}",
+      "--cpu_devices=1",
+    ]
+    procs.append(
+      subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+      )
+    )
   return procs
 
 
@@ -65,12 +85,17 @@ def killed_async_run(tmp_path_factory):
   return workdir, args
 
 
-@pytest.mark.parametrize("change,says", [
+@pytest.mark.parametrize(
+  "change,says",
+  [
     (["--config.optimizer.lr=0.05"], r"is another run (optimizer.lr 0.1 -> 0.05)"),
     (["--config.model=cnn1d"], "is another run (model 'mlp_gelu' -> 'cnn1d')"),
-    (["--config.model=cnn1d", "--config.on_config_change=force"],
-     "the config changed (model 'mlp_gelu' -> 'cnn1d') and its arrays do not fit this config"),
-])
+    (
+      ["--config.model=cnn1d", "--config.on_config_change=force"],
+      "the config changed (model 'mlp_gelu' -> 'cnn1d') and its arrays do not fit this config",
+    ),
+  ],
+)
 def test_async_rerun_with_another_config_is_refused_and_keeps_every_file(killed_async_run, change, says):
   workdir, args = killed_async_run
   before = kept(workdir)
@@ -119,8 +144,11 @@ def test_a_corrupt_newest_marker_in_one_worker_falls_back_and_deletes_nothing_el
   # kills itself, so the second rerun resumes from what the first one saved.
   code, out = launch_bounded(n, args + ["--config.runtime.fail_worker=1", "--config.runtime.fail_step=90"])
   assert code != 0 and "worker 1 kills itself at local step 90" in out, out[-3000:]
-  resumed = {int(l.split("resuming at checkpoint marker")[1].split()[0]) for l in out.splitlines()
-             if "resuming at checkpoint marker" in l}
+  resumed = {
+    int(l.split("resuming at checkpoint marker")[1].split()[0])
+    for l in out.splitlines()
+    if "resuming at checkpoint marker" in l
+  }
   assert len(resumed) == 1 and resumed.pop() < bad, out[-3000:]
   assert f"checkpoint {bad}: worker [2] cannot restore it" in out, out[-3000:]
   assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
@@ -141,13 +169,17 @@ def test_a_corrupt_newest_marker_in_one_worker_falls_back_and_deletes_nothing_el
 
 def test_pipeline_rerun_with_other_stages_or_lr_is_refused_and_a_finished_rerun_rewrites_nothing(tmp_path):
   workdir = str(tmp_path / "run")
-  args = pipeline_config("dsp", "recompute", 1, extra=["--config.checkpoint_every=31"]) + [f"--workdir={workdir}"]
+  args = pipeline_config("dsp", "recompute", 1, extra=["--config.checkpoint_every=31"]) + [
+    f"--workdir={workdir}"
+  ]
   code, out = launch_bounded(2, args, module="experiments.train_dsp", timeout_s=300)
   assert code == 0, out[-3000:]
   before = kept(workdir)
   three = [a.replace("num_stages=2", "num_stages=3") for a in args]
-  for n, argv, says in ((3, three, "is another run (num_stages 2 -> 3)"),
-                        (2, args + ["--config.optimizer.lr=0.05"], "is another run (optimizer.lr")):
+  for n, argv, says in (
+    (3, three, "is another run (num_stages 2 -> 3)"),
+    (2, args + ["--config.optimizer.lr=0.05"], "is another run (optimizer.lr"),
+  ):
     code, out = launch_bounded(n, argv, module="experiments.train_dsp")
     assert code == 2, out[-3000:]
     errors = [l for l in out.splitlines() if "error:" in l]
@@ -157,5 +189,6 @@ def test_pipeline_rerun_with_other_stages_or_lr_is_refused_and_a_finished_rerun_
   assert code == 0 and "is complete" in out and "nan" not in out.lower(), out[-3000:]
   now = kept(workdir)
   assert now["summary.json"] == before["summary.json"]
-  assert {k: v for k, v in now.items() if k.startswith("ckpt")} == {k: v for k, v in before.items()
-                                                                    if k.startswith("ckpt")}
+  assert {k: v for k, v in now.items() if k.startswith("ckpt")} == {
+    k: v for k, v in before.items() if k.startswith("ckpt")
+  }

@@ -1,5 +1,6 @@
 """RunLog owns a run's files: records, resume cut-back, checkpoints with cursors, the summary, and
 TensorBoard events that hold every record exactly once across a kill and a resume."""
+
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_and_restores_the_cursor(tmp_
 
 def test_fresh_starts_never_overwrite_earlier_records(tmp_path):
   wd = str(tmp_path)
-  for k, step in enumerate((1, 5, 9)):
+  for step in (1, 5, 9):
     with RunLog(wd, config(checkpoint_every=0), 100, progress=False, tensorboard=False) as log:
       assert log.restore({}) is None
       log.record(step, 0.1, train_loss=1.0)
@@ -79,7 +80,7 @@ def test_summary_has_the_shared_keys_and_the_newest_values(tmp_path):
     log.record(50, 2.0, train_loss=0.5, test_accuracy=0.7, worker_test_accuracy=0.6, consensus_distance=0.1)
     log.record(100, 4.0, train_loss=0.25)
     summary = log.finish(time=4.0, worker_steps=np.array([100, 100]), conflicts=[0, 1])
-  assert list(summary)[:len(SUMMARY_KEYS)] == list(SUMMARY_KEYS)
+  assert list(summary)[: len(SUMMARY_KEYS)] == list(SUMMARY_KEYS)
   assert summary["final_train_loss"] == 0.25 and summary["final_test_accuracy"] == 0.7
   assert summary["throughput"] == 50.0 and summary["conflicts"] == [0, 1]
   assert json.load(open(os.path.join(wd, "summary.json"))) == summary
@@ -109,8 +110,9 @@ def test_a_changed_config_is_refused_with_the_differing_keys(tmp_path):
   fresh = make_workdir(wd, config(**{"optimizer.lr": 0.05, "on_config_change": "new"}))
   assert fresh == os.path.join(wd, "run-1") and os.path.isdir(fresh)
   assert make_workdir(wd, config(**{"optimizer.lr": 0.05, "on_config_change": "force"})) == wd
-  with RunLog(wd, config(**{"optimizer.lr": 0.05, "on_config_change": "force"}), 100, progress=False,
-              tensorboard=False) as log:
+  with RunLog(
+    wd, config(**{"optimizer.lr": 0.05, "on_config_change": "force"}), 100, progress=False, tensorboard=False
+  ) as log:
     assert log.restore({"w": jnp.zeros(4)})[0] == 10
   assert json.load(open(os.path.join(wd, "config.1.json")))["optimizer"]["lr"] == 0.1  # kept
   assert json.load(open(os.path.join(wd, "config.json")))["optimizer"]["lr"] == 0.05
@@ -166,7 +168,7 @@ def test_one_run_per_workdir(tmp_path):
       RunLog(wd, config(), 100, progress=False, tensorboard=False)
   with open(os.path.join(wd, ".lock"), "w") as f:  # a run that died without releasing it
     f.write(f"999999999 {socket.gethostname()} 2026-01-01T00:00:00\n")
-  with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
+  with RunLog(wd, config(), 100, progress=False, tensorboard=False):
     assert open(os.path.join(wd, ".lock")).read().startswith(f"{os.getpid()} ")
   assert not os.path.exists(os.path.join(wd, ".lock"))
 
@@ -186,11 +188,14 @@ def test_a_lock_held_on_another_host_is_not_taken_over(tmp_path):
   wd = str(tmp_path)
   with open(os.path.join(wd, ".lock"), "w") as f:
     f.write("12345 other-host 2026-01-01T00:00:00\n")
-  with pytest.raises(ConfigError, match=r"in use by pid 12345 on other-host since 2026-01-01T00:00:00 .*delete"):
+  with pytest.raises(
+    ConfigError, match=r"in use by pid 12345 on other-host since 2026-01-01T00:00:00 .*delete"
+  ):
     RunLog(wd, config(), 100, progress=False, tensorboard=False)
 
 
 # -- TensorBoard ------------------------------------------------------------------------------------
+
 
 def tensorboard_events(workdir):
   """({(tag, step): [values]} of the scalars, {tag: steps} of the other summaries) as TensorBoard reads
@@ -202,8 +207,9 @@ def tensorboard_events(workdir):
   except ImportError:
     event_accumulator = None
   if event_accumulator is not None:
-    acc = event_accumulator.EventAccumulator(workdir, size_guidance={event_accumulator.SCALARS: 0,
-                                                                     event_accumulator.TENSORS: 0})
+    acc = event_accumulator.EventAccumulator(
+      workdir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+    )
     acc.Reload()
     scalars, other = {}, {}
     for tag in acc.Tags()["scalars"]:
@@ -215,17 +221,19 @@ def tensorboard_events(workdir):
       other.setdefault(tag, [0])
     return scalars, other
   import struct
+
   from tensorboardX.proto.event_pb2 import Event, SessionLog
   from tensorboardX.record_writer import masked_crc32c as masked
+
   seen = []  # (step, tag, value or None)
   for path in runlog.event_files(workdir):
     data, i = open(path, "rb").read(), 0
     while i + 12 <= len(data):
-      header, (length_crc,) = data[i:i + 8], struct.unpack("<I", data[i + 8:i + 12])
+      header, (length_crc,) = data[i : i + 8], struct.unpack("<I", data[i + 8 : i + 12])
       (n,) = struct.unpack("<Q", header)
       if masked(header) != length_crc or i + 16 + n > len(data):
         break
-      body, (body_crc,) = data[i + 12:i + 12 + n], struct.unpack("<I", data[i + 12 + n:i + 16 + n])
+      body, (body_crc,) = data[i + 12 : i + 12 + n], struct.unpack("<I", data[i + 12 + n : i + 16 + n])
       if masked(body) != body_crc:
         break
       i += 16 + n
@@ -300,14 +308,33 @@ def test_a_fresh_start_moves_the_earlier_runs_events_aside(tmp_path):
       assert log.restore({}) is None
       log.record(step, 1.0, train_loss=1.0)
   assert set(tensorboard_events(wd)[0]) == {("train/loss", 9), ("train/time_s", 9)}
-  assert set(tensorboard_events(os.path.join(wd, "tensorboard.1"))[0]) == {("train/loss", 5), ("train/time_s", 5)}
+  assert set(tensorboard_events(os.path.join(wd, "tensorboard.1"))[0]) == {
+    ("train/loss", 5),
+    ("train/time_s", 5),
+  }
 
 
 def test_tags_group_train_and_eval_and_name_the_time_unit():
-  assert [runlog.tb_tag(k) for k in ("train_loss", "test_accuracy", "test_loss", "worker_test_accuracy",
-                                     "consensus_distance", "time", "epoch")] == [
-      "train/loss", "eval/accuracy", "eval/loss", "eval/worker_accuracy", "eval/consensus_distance",
-      "train/time_s", "train/epoch"]
+  assert [
+    runlog.tb_tag(k)
+    for k in (
+      "train_loss",
+      "test_accuracy",
+      "test_loss",
+      "worker_test_accuracy",
+      "consensus_distance",
+      "time",
+      "epoch",
+    )
+  ] == [
+    "train/loss",
+    "eval/accuracy",
+    "eval/loss",
+    "eval/worker_accuracy",
+    "eval/consensus_distance",
+    "train/time_s",
+    "train/epoch",
+  ]
   assert runlog.tb_tag("time", simulated=True) == "train/virtual_s"
 
 
@@ -319,12 +346,15 @@ def test_a_committed_checkpoint_gets_one_console_line(tmp_path, caplog):
       for step in (10, 20):
         log.checkpoint(step, {"w": jnp.zeros(2) + step}, {})
   ours = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint ")]
-  assert ours == [f"checkpoint {s} saved: {os.path.join(os.path.abspath(wd), 'ckpt', str(s))}" for s in (10, 20)]
+  assert ours == [
+    f"checkpoint {s} saved: {os.path.join(os.path.abspath(wd), 'ckpt', str(s))}" for s in (10, 20)
+  ]
 
 
 @pytest.mark.slow
 def test_tensorboard_after_a_kill_and_a_resume_holds_every_record_once(tmp_path):
   from tests.test_resume import SPMD, run, run_and_kill
+
   wd = str(tmp_path / "run")
   before = run_and_kill("experiments.train", wd, SPMD, 100)
   assert 10 <= len(before) < 30  # killed after checkpoint 100, before the end (300)

@@ -1,4 +1,5 @@
 """The asynchronous multi-process runtime: watchdog, trace merge, and real 2- and 4-process runs."""
+
 import io
 import json
 import os
@@ -14,8 +15,8 @@ from jax.flatten_util import ravel_pytree
 from configs import default as default_config
 from ripples_jax import timeline
 from ripples_jax.distributed import coord
-from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.distributed.launcher import launch
+from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.replay import merged_events, replay
 from tests.fakes import FakeKV, exited
 
@@ -41,8 +42,10 @@ def make_config(algorithm, n=4, steps=40, model="mlp", **overrides):
 
 def test_watchdog_names_the_silent_worker_and_the_last_steps():
   kv, logs, exits = FakeKV(), [], []
-  dogs = [coord.Watchdog(kv, w, 3, lambda w=w: (10 + w, 5, False), 1.0, 5.0, 30.0, logs.append, exits.append)
-          for w in range(3)]
+  dogs = [
+    coord.Watchdog(kv, w, 3, lambda w=w: (10 + w, 5, False), 1.0, 5.0, 30.0, logs.append, exits.append)
+    for w in range(3)
+  ]
   for t in range(4):
     for d in dogs:
       d.check(100.0 + t)
@@ -56,8 +59,10 @@ def test_watchdog_names_the_silent_worker_and_the_last_steps():
 
 def test_watchdog_reports_a_run_where_nothing_moves():
   kv, logs, exits = FakeKV(), [], []
-  dogs = [coord.Watchdog(kv, w, 2, lambda: (3, 7, False), 1.0, 5.0, 8.0, logs.append, exits.append)
-          for w in range(2)]
+  dogs = [
+    coord.Watchdog(kv, w, 2, lambda: (3, 7, False), 1.0, 5.0, 8.0, logs.append, exits.append)
+    for w in range(2)
+  ]
   for t in range(12):  # beating, but no worker completes anything
     for d in dogs:
       d.check(float(t))
@@ -70,9 +75,11 @@ def test_watchdog_reports_a_run_where_nothing_moves():
 def test_merged_events_respect_each_worker_and_the_group_order():
   step = lambda b, s: {"k": "step", "c": b, "s": s, "t0": 0, "t1": 1, "loss": 0.0}
   group = lambda b, g, m: {"k": "group", "c": b, "g": g, "m": m, "t0": 1, "t1": 2}
-  traces = {0: [step(0, 0), group(0, 0, [0, 1]), step(0, 1), group(0, 1, [0, 2])],
-            1: [step(0, 0), step(0, 1), group(0, 0, [0, 1])],
-            2: [step(0, 0), group(0, 1, [0, 2]), step(0, 1)]}
+  traces = {
+    0: [step(0, 0), group(0, 0, [0, 1]), step(0, 1), group(0, 1, [0, 2])],
+    1: [step(0, 0), step(0, 1), group(0, 0, [0, 1])],
+    2: [step(0, 0), group(0, 1, [0, 2]), step(0, 1)],
+  }
   events = merged_events(traces, 3)
   kinds = [(k, a) for _, k, a, _ in events]
   avg01, avg02 = kinds.index((timeline.AVG, (0, 1))), kinds.index((timeline.AVG, (0, 2)))
@@ -86,8 +93,10 @@ def test_merged_events_respect_each_worker_and_the_group_order():
 
 
 def test_trace_intervals_split_wait_from_comm():
-  traces = {0: [{"k": "group", "c": 0, "g": 0, "m": [0, 1], "t0": 1.0, "t1": 3.5}],
-            1: [{"k": "group", "c": 0, "g": 0, "m": [0, 1], "t0": 3.0, "t1": 3.5}]}
+  traces = {
+    0: [{"k": "group", "c": 0, "g": 0, "m": [0, 1], "t0": 1.0, "t1": 3.5}],
+    1: [{"k": "group", "c": 0, "g": 0, "m": [0, 1], "t0": 3.0, "t1": 3.5}],
+  }
   got = sorted(trace_lib.intervals(traces))
   assert got == [(0, "comm", 3.0, 3.5), (0, "wait", 1.0, 3.0), (1, "comm", 3.0, 3.5)]
 
@@ -96,11 +105,18 @@ def test_trace_intervals_split_wait_from_comm():
 
 
 def run_args(workdir, algorithm, n, steps, extra=()):
-  return [f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model={MODEL}",
-          f"--workdir={workdir}", f"--config.num_steps={steps}",
-          "--config.runtime.checkpoint_every=8", "--config.runtime.heartbeat_timeout=5",
-          "--config.runtime.stall_timeout=20", "--config.eval_every=8", "--config.log_every=1000",
-          f"--config.schedule.group_size={min(3, n)}", *extra]
+  return [
+    f"--config=configs/default.py:executor=async,num_workers={n},algorithm={algorithm},model={MODEL}",
+    f"--workdir={workdir}",
+    f"--config.num_steps={steps}",
+    "--config.runtime.checkpoint_every=8",
+    "--config.runtime.heartbeat_timeout=5",
+    "--config.runtime.stall_timeout=20",
+    "--config.eval_every=8",
+    "--config.log_every=1000",
+    f"--config.schedule.group_size={min(3, n)}",
+    *extra,
+  ]
 
 
 def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="experiments.train"):
@@ -112,8 +128,12 @@ def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="exp
     if on_pids:
       on_pids(p)
 
-  t = threading.Thread(target=lambda: result.setdefault("code", launch(
-      n, args, module=module, out=out, on_start=started, cwd=ROOT, grace_s=grace_s)), daemon=True)
+  t = threading.Thread(
+    target=lambda: result.setdefault(
+      "code", launch(n, args, module=module, out=out, on_start=started, cwd=ROOT, grace_s=grace_s)
+    ),
+    daemon=True,
+  )
   t.start()
   t.join(timeout_s)
   if t.is_alive():
@@ -132,8 +152,10 @@ def replay_error(config, workdir, traces_dir=None):
   out = []
   for w in range(config.num_workers):
     got = np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy"))
-    tree = {"params": jax.tree.map(lambda a: a[w], want["params"]),
-            "model_state": jax.tree.map(lambda a: a[w], want["model_state"])}
+    tree = {
+      "params": jax.tree.map(lambda a: a[w], want["params"]),
+      "model_state": jax.tree.map(lambda a: a[w], want["model_state"]),
+    }
     out.append(float(np.linalg.norm(got - ravel_pytree(tree)[0]) / np.linalg.norm(got)))
   return out
 
@@ -162,8 +184,16 @@ def assert_replay_matches(config, workdir, tmp_path):
 @pytest.mark.slow
 def test_two_process_run_and_replay_through_the_engine(tmp_path):
   workdir = str(tmp_path / "run")
-  code, out = launch_bounded(2, run_args(workdir, "ripples_smart", 2, 24, [
-      "--config.hetero.slow_workers=(1,)", "--config.hetero.slowdown=3", "--config.runtime.step_time=0.01"]))
+  code, out = launch_bounded(
+    2,
+    run_args(
+      workdir,
+      "ripples_smart",
+      2,
+      24,
+      ["--config.hetero.slow_workers=(1,)", "--config.hetero.slowdown=3", "--config.runtime.step_time=0.01"],
+    ),
+  )
   assert code == 0, out[-3000:]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= 48 and summary["worker_steps"][0] > summary["worker_steps"][1]
@@ -173,13 +203,17 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
   assert_replay_matches(make_config("ripples_smart", 2, 24, MODEL), workdir, tmp_path)
   # The run ends with a loadable checkpoint: each worker's final state, on this single process.
   from ripples_jax import run
+
   model = run.load(workdir)
   assert model["executor"] == "async"
   for w in range(2):
-    tree = {"params": jax.tree.map(lambda a: a[w], model["params"]),
-            "model_state": jax.tree.map(lambda a: a[w], model["model_state"])}
-    np.testing.assert_array_equal(ravel_pytree(tree)[0], np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy")))
-
+    tree = {
+      "params": jax.tree.map(lambda a: a[w], model["params"]),
+      "model_state": jax.tree.map(lambda a: a[w], model["model_state"]),
+    }
+    np.testing.assert_array_equal(
+      ravel_pytree(tree)[0], np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy"))
+    )
 
 
 @pytest.mark.slow
@@ -188,8 +222,12 @@ def test_adpsgd_passive_side_replays_through_the_engine(tmp_path, mode):
   """AD-PSGD as published: the passive worker's averages land while it computes (between a step's
   start and its apply), and the engine's AD-PSGD semantics reproduce the parameters from the traces."""
   workdir = str(tmp_path / "run")
-  code, out = launch_bounded(2, run_args(workdir, "adpsgd", 2, 20, [
-      "--config.runtime.step_time=0.03", f"--config.runtime.adpsgd_passive={mode}"]))
+  code, out = launch_bounded(
+    2,
+    run_args(
+      workdir, "adpsgd", 2, 20, ["--config.runtime.step_time=0.03", f"--config.runtime.adpsgd_passive={mode}"]
+    ),
+  )
   assert code == 0, out[-3000:]
   passive = [e for e in trace_lib.load_traces(workdir)[0] if e["k"] == "group"]
   during = sum("during" in e for e in passive)
@@ -215,6 +253,7 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
       while time.monotonic() < deadline and not exited(pids[2]):
         time.sleep(0.05)
       died["at"] = time.monotonic()
+
     threading.Thread(target=watch, daemon=True).start()
 
   code, out = launch_bounded(n, args + fail, on_pids=watch_worker_2, grace_s=60)
@@ -233,8 +272,11 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
 
   code, out = launch_bounded(n, args)
   assert code == 0, out[-3000:]
-  resumed = [int(l.split("resuming at checkpoint marker")[1].split()[0]) for l in out.splitlines()
-             if "resuming at checkpoint marker" in l]
+  resumed = [
+    int(l.split("resuming at checkpoint marker")[1].split()[0])
+    for l in out.splitlines()
+    if "resuming at checkpoint marker" in l
+  ]
   assert len(resumed) == n and len(set(resumed)) == 1 and 1 <= resumed[0] <= 6, out[-3000:]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= n * steps
@@ -247,8 +289,16 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
 def test_launcher_leaves_no_process_behind_on_ctrl_c(tmp_path):
   import subprocess
   import sys
-  cmd = [sys.executable, "-m", "experiments.launch", "--num_processes=2", "--grace_s=5", "--",
-         *run_args(str(tmp_path / "run"), "allreduce", 2, 10000, ["--config.runtime.step_time=0.05"])]
+
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.launch",
+    "--num_processes=2",
+    "--grace_s=5",
+    "--",
+    *run_args(str(tmp_path / "run"), "allreduce", 2, 10000, ["--config.runtime.step_time=0.05"]),
+  ]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   pids = None
   try:

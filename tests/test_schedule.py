@@ -1,4 +1,5 @@
 """Static schedules: the authors' layout, partitions, mixing over a period."""
+
 import ml_collections
 import numpy as np
 import pytest

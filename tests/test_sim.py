@@ -1,4 +1,5 @@
 """The event-driven simulator: clock, Group Generators, baselines, packing, determinism."""
+
 import json
 
 import jax
@@ -101,13 +102,14 @@ def test_each_worker_executes_a_prefix_of_its_global_order(algorithm):
         executed[m].append(gid)
   for w in range(16):
     mine = [g.gid for g in trace.buffer.groups if w in g.members]
-    assert executed[w] == mine[:len(executed[w])]  # in global order, none skipped
+    assert executed[w] == mine[: len(executed[w])]  # in global order, none skipped
     assert len(executed[w]) <= trace.worker_steps[w]  # one group per local step, at most
 
 
 def _small_config(algorithm, **kw):
   config = default_config.get_config(
-      f"algorithm={algorithm},executor=sim,num_workers=8,dataset=synthetic,model=mlp,steps=6")
+    f"algorithm={algorithm},executor=sim,num_workers=8,dataset=synthetic,model=mlp,steps=6"
+  )
   config.log_every = config.eval_every = 2
   config.optimizer.warmup_steps = 0
   config.update_from_flattened_dict(kw)
@@ -119,7 +121,9 @@ def test_ripples_with_one_group_of_all_equals_allreduce(tmp_path, algorithm):
   kw = {"schedule.group_size": 8, "schedule.workers_per_node": 8}
   ref, _ = sim.simulate_and_train(_small_config("allreduce", **kw), str(tmp_path / "ar"))
   got, _ = sim.simulate_and_train(_small_config(algorithm, **kw), str(tmp_path / algorithm))
-  assert (tmp_path / "ar" / "metrics.jsonl").read_text() == (tmp_path / algorithm / "metrics.jsonl").read_text()
+  assert (tmp_path / "ar" / "metrics.jsonl").read_text() == (
+    tmp_path / algorithm / "metrics.jsonl"
+  ).read_text()
   assert got["time"] == ref["time"] and got["worker_steps"] == ref["worker_steps"]
 
 
@@ -144,9 +148,17 @@ def test_packed_rounds_equal_one_event_at_a_time(algorithm):
   opt = optax.sgd(0.05, momentum=0.9)
   slots = n + (algorithm == "ps_async")
   mesh = C.make_worker_mesh(slots, jax.devices()[:1])
-  fn = engine.make_sim_round_fn(model, opt, mesh, n, slots, cross_apply=algorithm == "ps_async",
-                                ring=algorithm == "dpsgd", pull=algorithm == "ps_async",
-                                start_capacity=1 if algorithm == "ps_async" else None)
+  fn = engine.make_sim_round_fn(
+    model,
+    opt,
+    mesh,
+    n,
+    slots,
+    cross_apply=algorithm == "ps_async",
+    ring=algorithm == "dpsgd",
+    pull=algorithm == "ps_async",
+    start_capacity=1 if algorithm == "ps_async" else None,
+  )
 
   def execute(rounds):
     state = engine.init_sim_state(model, opt, jax.random.key(0), data["x_train"][:1], slots, mesh)
@@ -163,8 +175,9 @@ def test_packed_rounds_equal_one_event_at_a_time(algorithm):
   packed = list(timeline.pack_rounds(trace.events, n, slots))
   single = [r for e in trace.events for r in timeline.pack_rounds([e], n, slots)]
   assert len(packed) < len(single)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               execute(packed), execute(single))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), execute(packed), execute(single)
+  )
 
 
 def test_static_gg_in_the_clock_follows_the_layouts():
@@ -199,6 +212,7 @@ def test_a_time_budget_run_ends_with_an_evaluation(tmp_path):
 
 def test_adpsgd_cost_parts_each_slow_it_down_and_pause_the_passive_side():
   from experiments import ledger
+
   base, tr = ledger.throughput("adpsgd", "heavy", steps=40)
   assert tr.time_split()["comm"][::2].sum() == 0  # as published: the passive side never pauses
   blocks, tb = ledger.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(passive_blocks=True))
@@ -214,24 +228,30 @@ def test_adpsgd_cost_parts_each_slow_it_down_and_pause_the_passive_side():
 def test_ledger_outcomes_who_is_faster(setting):
   """The ledger's qualitative outcomes, small and deterministic (no timing: virtual time)."""
   from experiments import ledger
+
   t = {a: ledger.throughput(a, setting, 5.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "adpsgd")}
   assert t["ripples_smart"] > 3 * t["allreduce"]  # a 5x straggler: Smart GG far ahead of All-Reduce
   assert t["adpsgd"] > t["ripples_smart"]  # and AD-PSGD as published ahead of Smart GG, unlike the paper
   h = {a: ledger.throughput(a, setting, 1.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")}
   assert h["ripples_smart"] > h["allreduce"] and h["ripples_smart"] > h["ps_sync"]
   # One worker 2x slower: Smart GG ahead of All-Reduce and of the synchronous PS.
-  two = {a: ledger.throughput(a, setting, 2.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")}
+  two = {
+    a: ledger.throughput(a, setting, 2.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")
+  }
   assert two["ripples_smart"] > 1.3 * two["allreduce"] and two["ripples_smart"] > two["ps_sync"]
 
 
 def test_ledger_verdict_rule():
   from experiments import ledger
+
   assert ledger.verdict(1.1, 1.07) == "reproduced"
   assert ledger.verdict(5.01, 3.49) == "not reproduced (smaller)"
   assert ledger.verdict(3.0, 7.0) == "not reproduced (larger)"
   assert ledger.verdict(4.3, None) == "not measured"
   # den's time over num's, over the seeds where both reached the target
-  tta = {"scenarios": {"s": {"allreduce": {"time": [4.0, 6.0, None]}, "ripples_smart": {"time": [1.0, 2.0, 1.0]}}}}
+  tta = {
+    "scenarios": {"s": {"allreduce": {"time": [4.0, 6.0, None]}, "ripples_smart": {"time": [1.0, 2.0, 1.0]}}}
+  }
   assert ledger.tta_ratio(tta, "s", "ripples_smart", "allreduce") == pytest.approx(3.5)
 
 
@@ -239,44 +259,76 @@ def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
   """Every claim the training runs can compare is judged on them: its scenario runs its algorithms, the
   scenario's slow worker exists, and the verdict table takes the time-to-accuracy ratio, not throughput."""
   from experiments import ledger
+
   for claim, (scenario, pair) in ledger.TTA_OF_CLAIM.items():
     assert set(pair) <= set(ledger.TTA_ALGORITHMS_OF.get(scenario, ledger.TTA_ALGORITHMS)), claim
-  for claim in ("homogeneous vs Parameter Server (sync)", "homogeneous vs Parameter Server (async)",
-                "one worker 2x slower vs All-Reduce", "one worker 2x slower vs Parameter Server"):
+  for claim in (
+    "homogeneous vs Parameter Server (sync)",
+    "homogeneous vs Parameter Server (async)",
+    "one worker 2x slower vs All-Reduce",
+    "one worker 2x slower vs Parameter Server",
+  ):
     assert ledger.TTA_OF_CLAIM[claim][0].endswith("VGG-16 clock"), claim
   for name, (_, ov) in ledger.TTA_SCENARIOS.items():
     assert all(0 <= w < ledger.scenario_workers(name) for w in ov.get("hetero.slow_workers", ())), name
   assert ledger.scenario_workers("5x straggler, 256 workers") == 256
   # A fake run of every scenario: algorithm a reaches the target at time t[a] in both seeds.
-  t = {"allreduce": 10.0, "ripples_smart": 2.0, "ripples_division": 5.0, "adpsgd": 4.0, "ps_sync": 12.0,
-       "ps_async": 16.0}
-  scen = {name: {a: {"time": [t[a]] * 2} for a in ledger.TTA_ALGORITHMS_OF.get(name, ledger.TTA_ALGORITHMS)}
-          for name in ledger.TTA_SCENARIOS}
+  t = {
+    "allreduce": 10.0,
+    "ripples_smart": 2.0,
+    "ripples_division": 5.0,
+    "adpsgd": 4.0,
+    "ps_sync": 12.0,
+    "ps_async": 16.0,
+  }
+  scen = {
+    name: {a: {"time": [t[a]] * 2} for a in ledger.TTA_ALGORITHMS_OF.get(name, ledger.TTA_ALGORITHMS)}
+    for name in ledger.TTA_SCENARIOS
+  }
   zero = [1.0, 0.0]
-  led = {"claims": [{"throughput_heavy": zero, "throughput_light": zero} for _ in ledger.CLAIMS],
-         "scale": [{"n": n, "smart_vs_allreduce": zero, "limit": 5.0} for n in (16, 64, 256)]}
+  led = {
+    "claims": [{"throughput_heavy": zero, "throughput_light": zero} for _ in ledger.CLAIMS],
+    "scale": [{"n": n, "smart_vs_allreduce": zero, "limit": 5.0} for n in (16, 64, 256)],
+  }
   rows = {r[0]: r for r in ledger.verdict_table(led, {"scenarios": scen}, 0.55).rows}
   assert rows["homogeneous vs Parameter Server (sync)"][2] == "6.00x ± 0.00"
   assert rows["homogeneous vs Parameter Server (async)"][2] == "8.00x ± 0.00"
   assert rows["one worker 2x slower vs All-Reduce"][2] == "5.00x ± 0.00"
   assert rows["one worker 2x slower vs Parameter Server"][2] == "6.00x ± 0.00"
   assert not any("on throughput" in r[-1] for r in rows.values())
-  assert [r[2] for r in ledger.scale_table(led, {"scenarios": scen}, 0.55).rows] == ["5.00x ± 0.00 (2 seeds)"] * 3
+  assert [r[2] for r in ledger.scale_table(led, {"scenarios": scen}, 0.55).rows] == [
+    "5.00x ± 0.00 (2 seeds)"
+  ] * 3
   # An algorithm a scenario has not run yet: no ratio, so the claim falls back to throughput.
   scen["5x straggler, 256 workers"]["ripples_smart"]["time"] = [None, None]
-  assert ledger.scale_table(led, {"scenarios": scen}, 0.55).rows[-1][2] == "not reached: Smart GG 0/2, All-Reduce 2/2"
+  assert (
+    ledger.scale_table(led, {"scenarios": scen}, 0.55).rows[-1][2]
+    == "not reached: Smart GG 0/2, All-Reduce 2/2"
+  )
   del scen["2x straggler, VGG-16 clock"]["ps_sync"]
-  assert ledger.tta_ratio({"scenarios": scen}, "2x straggler, VGG-16 clock", "ripples_smart", "ps_sync") is None
+  assert (
+    ledger.tta_ratio({"scenarios": scen}, "2x straggler, VGG-16 clock", "ripples_smart", "ps_sync") is None
+  )
 
 
 def test_ledger_tta_merges_into_the_stored_results(tmp_path):
   """Running some scenarios alone keeps what tta.json held for the others and for the algorithms not run."""
   from experiments import ledger
-  held = {"x": {"allreduce": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}},
-          "homogeneous": {"adpsgd": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}}}
+
+  held = {
+    "x": {"allreduce": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}},
+    "homogeneous": {"adpsgd": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}},
+  }
   (tmp_path / "tta.json").write_text(json.dumps({"target": 0.0, "scenarios": held}))
-  got = ledger.tta(str(tmp_path), seeds=1, steps=2, target=0.0, scenarios=("homogeneous",),
-                   algorithms=("allreduce",), merge=True)
+  got = ledger.tta(
+    str(tmp_path),
+    seeds=1,
+    steps=2,
+    target=0.0,
+    scenarios=("homogeneous",),
+    algorithms=("allreduce",),
+    merge=True,
+  )
   stored = json.loads((tmp_path / "tta.json").read_text())["scenarios"]
   assert stored == got and stored["x"] == held["x"]
   assert list(stored["homogeneous"]) == ["allreduce", "adpsgd"]  # the table's order, the baseline first
@@ -286,4 +338,6 @@ def test_ledger_tta_merges_into_the_stored_results(tmp_path):
   assert list(curves) == ["homogeneous"] and len(curves["homogeneous"]["allreduce"]) == 2
   assert "| x | allreduce | 1/1 |" in (tmp_path / "tta.md").read_text()
   with pytest.raises(ValueError, match="merge refused"):  # another target: not mixed in
-    ledger.tta(str(tmp_path), seeds=1, steps=2, target=0.5, scenarios=("homogeneous",), algorithms=(), merge=True)
+    ledger.tta(
+      str(tmp_path), seeds=1, steps=2, target=0.5, scenarios=("homogeneous",), algorithms=(), merge=True
+    )

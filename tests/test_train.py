@@ -1,4 +1,5 @@
 """End-to-end: the entry point in a subprocess, an in-process run, and config validation."""
+
 import glob
 import json
 import os
@@ -18,15 +19,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_entry_point(args, tmp_path):
   env = dict(os.environ, RIPPLES_JAX_CACHE=str(tmp_path / "cache"))
-  return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+    [sys.executable, "-m", "experiments.train", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
 
 
 @pytest.mark.slow
 def test_entry_point_one_step(tmp_path):
   workdir = tmp_path / "run"
-  out = run_entry_point(["--config=configs/default.py:steps=1,dataset=synthetic,model=mlp",
-                         "--config.log_every=1", "--config.eval_every=1", f"--workdir={workdir}"], tmp_path)
+  out = run_entry_point(
+    [
+      "--config=configs/default.py:steps=1,dataset=synthetic,model=mlp",
+      "--config.log_every=1",
+      "--config.eval_every=1",
+      f"--workdir={workdir}",
+    ],
+    tmp_path,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "ripples_static" in out.stdout and f"run files: {workdir}" in out.stdout
   config = json.load(open(workdir / "config.json"))
@@ -46,32 +60,58 @@ def test_bad_config_stops_before_compile_with_one_line(tmp_path):
   out = run_entry_point(["--config=configs/default.py:algorithm=gossip", f"--workdir={workdir}"], tmp_path)
   assert out.returncode != 0
   assert out.stderr.strip().splitlines()[-1] == (
-      "error: config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static")
+    "error: config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static"
+  )
   assert "Traceback" not in out.stderr
   assert not workdir.exists()  # nothing was created or compiled
 
 
 BAD = [
-    ("algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static"),
-    ("dataset", "imagenet", "config.dataset: 'imagenet' is not allowed: one of mnist1d, digits, cifar10, synthetic"),
-    ("model", "vit", "config.model: 'vit' is not allowed: one of mlp, mlp_gelu, cnn1d, cnn2d, resnet20, resnet56"),
-    ("executor", "cluster", "config.executor: 'cluster' is not allowed: one of spmd, sim, async"),
-    ("num_workers", 12, "config.num_workers: 12 is not allowed: at most the 8 devices or a multiple of 8"),
-    ("num_workers", 0, "config.num_workers: 0 is not allowed: a positive integer"),
-    ("optimizer.lr", 0.0, "config.optimizer.lr: 0.0 is not allowed: a finite number > 0"),
-    ("optimizer.lr", -0.1, "config.optimizer.lr: -0.1 is not allowed: a finite number > 0"),
-    ("optimizer.name", "lion", "config.optimizer.name: 'lion' is not allowed: one of sgd, momentum, nesterov, adam"),
-    ("schedule.workers_per_node", 9,
-     "config.schedule.workers_per_node: 9 is not allowed: an integer group size in [1, num_workers=8]"),
-    ("schedule.layout", "ring", "config.schedule.layout: 'ring' is not allowed: one of node, hypercube"),
-    ("preduce_impl", "nccl", "config.preduce_impl: 'nccl' is not allowed: one of auto, collective, segment"),
-    ("data_sharding", "dirichlet", "config.data_sharding: 'dirichlet' is not allowed: one of iid, noniid"),
-    ("checkpoint_every", -5, "config.checkpoint_every: -5 is not allowed: an integer number of steps >= 0 "
-     "(0: no checkpoints)"),
-    ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
-    ("profile_steps", "5", "config.profile_steps: '5' is not allowed: 'a:b' with 0 <= a < b (steps [a, b) "
-     "are traced), or ''"),
-    ("on_config_change", "ignore", "config.on_config_change: 'ignore' is not allowed: one of refuse, new, force"),
+  ("algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ripples_static"),
+  (
+    "dataset",
+    "imagenet",
+    "config.dataset: 'imagenet' is not allowed: one of mnist1d, digits, cifar10, synthetic",
+  ),
+  (
+    "model",
+    "vit",
+    "config.model: 'vit' is not allowed: one of mlp, mlp_gelu, cnn1d, cnn2d, resnet20, resnet56",
+  ),
+  ("executor", "cluster", "config.executor: 'cluster' is not allowed: one of spmd, sim, async"),
+  ("num_workers", 12, "config.num_workers: 12 is not allowed: at most the 8 devices or a multiple of 8"),
+  ("num_workers", 0, "config.num_workers: 0 is not allowed: a positive integer"),
+  ("optimizer.lr", 0.0, "config.optimizer.lr: 0.0 is not allowed: a finite number > 0"),
+  ("optimizer.lr", -0.1, "config.optimizer.lr: -0.1 is not allowed: a finite number > 0"),
+  (
+    "optimizer.name",
+    "lion",
+    "config.optimizer.name: 'lion' is not allowed: one of sgd, momentum, nesterov, adam",
+  ),
+  (
+    "schedule.workers_per_node",
+    9,
+    "config.schedule.workers_per_node: 9 is not allowed: an integer group size in [1, num_workers=8]",
+  ),
+  ("schedule.layout", "ring", "config.schedule.layout: 'ring' is not allowed: one of node, hypercube"),
+  ("preduce_impl", "nccl", "config.preduce_impl: 'nccl' is not allowed: one of auto, collective, segment"),
+  ("data_sharding", "dirichlet", "config.data_sharding: 'dirichlet' is not allowed: one of iid, noniid"),
+  (
+    "checkpoint_every",
+    -5,
+    "config.checkpoint_every: -5 is not allowed: an integer number of steps >= 0 (0: no checkpoints)",
+  ),
+  ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
+  (
+    "profile_steps",
+    "5",
+    "config.profile_steps: '5' is not allowed: 'a:b' with 0 <= a < b (steps [a, b) are traced), or ''",
+  ),
+  (
+    "on_config_change",
+    "ignore",
+    "config.on_config_change: 'ignore' is not allowed: one of refuse, new, force",
+  ),
 ]
 
 
@@ -82,39 +122,92 @@ def test_validation_names_the_key_and_what_is_allowed(key, value, message):
 
 SIM = "executor=sim,num_workers=16"
 BAD_SIM = [
-    (SIM + ",algorithm=ripples_smart", "hetero.slowdown", 0.5,
-     "config.hetero.slowdown: 0.5 is not allowed: a factor >= 1"),
-    (SIM, "hetero.slow_workers", (3, 16),
-     "config.hetero.slow_workers: (3, 16) is not allowed: worker ids in [0, num_workers=16)"),
-    (SIM + ",algorithm=ripples_random", "schedule.group_size", 17,
-     "config.schedule.group_size: 17 is not allowed: an integer group size in [2, num_workers=16]"),
-    (SIM, "hetero.random_p", 1.5, "config.hetero.random_p: 1.5 is not allowed: a probability in [0, 1]"),
-    (SIM, "timeline.bandwidth", 0.0, "config.timeline.bandwidth: 0.0 is not allowed: a number > 0"),
-    (SIM, "algorithm", "gossip", "config.algorithm: 'gossip' is not allowed: one of allreduce, ps_sync, "
-     "ps_async, adpsgd, dpsgd, ripples_static, ripples_random, ripples_division, ripples_smart"),
-    ("", "algorithm", "adpsgd", "config.algorithm: 'adpsgd' is not allowed: one of allreduce, ripples_static"),
+  (
+    SIM + ",algorithm=ripples_smart",
+    "hetero.slowdown",
+    0.5,
+    "config.hetero.slowdown: 0.5 is not allowed: a factor >= 1",
+  ),
+  (
+    SIM,
+    "hetero.slow_workers",
+    (3, 16),
+    "config.hetero.slow_workers: (3, 16) is not allowed: worker ids in [0, num_workers=16)",
+  ),
+  (
+    SIM + ",algorithm=ripples_random",
+    "schedule.group_size",
+    17,
+    "config.schedule.group_size: 17 is not allowed: an integer group size in [2, num_workers=16]",
+  ),
+  (SIM, "hetero.random_p", 1.5, "config.hetero.random_p: 1.5 is not allowed: a probability in [0, 1]"),
+  (SIM, "timeline.bandwidth", 0.0, "config.timeline.bandwidth: 0.0 is not allowed: a number > 0"),
+  (
+    SIM,
+    "algorithm",
+    "gossip",
+    "config.algorithm: 'gossip' is not allowed: one of allreduce, ps_sync, "
+    "ps_async, adpsgd, dpsgd, ripples_static, ripples_random, ripples_division, ripples_smart",
+  ),
+  ("", "algorithm", "adpsgd", "config.algorithm: 'adpsgd' is not allowed: one of allreduce, ripples_static"),
 ]
 
 
 ASYNC = "executor=async,num_workers=1,algorithm=allreduce"
 BAD_SIM += [
-    (ASYNC, "algorithm", "ps_sync", "config.algorithm: 'ps_sync' is not allowed: one of allreduce, "
-     "ripples_static, ripples_random, ripples_division, ripples_smart, adpsgd"),
-    ("executor=async,num_workers=4", "num_workers", 4, "config.num_workers: 4 is not allowed: the number "
-     "of processes (1) with executor=async (one process per worker: experiments.launch --num_processes, "
-     "or --jax_distributed on a cluster)"),
-    (ASYNC, "runtime.step_time", -1.0, "config.runtime.step_time: -1.0 is not allowed: seconds >= 0 (0: no padding)"),
-    (ASYNC, "runtime.warmup_steps", 0, "config.runtime.warmup_steps: 0 is not allowed: a positive integer"),
-    (ASYNC, "runtime.adpsgd_passive", "lazy",
-     "config.runtime.adpsgd_passive: 'lazy' is not allowed: one of concurrent, blocking"),
-    (SIM, "hetero.rotate_every", -1.0, "config.hetero.rotate_every: -1.0 is not allowed: seconds >= 0 (0: the slow workers stay)"),
-    (ASYNC, "runtime.heartbeat_timeout", 1.0,
-     "config.runtime.heartbeat_timeout: 1.0 is not allowed: seconds > 2 x runtime.heartbeat_s=1.0"),
-    (ASYNC, "runtime.stall_timeout", 10.0,
-     "config.runtime.stall_timeout: 10.0 is not allowed: seconds > runtime.heartbeat_timeout=15.0"),
-    (ASYNC, "hetero.slowdown", 0.5, "config.hetero.slowdown: 0.5 is not allowed: a factor >= 1"),
-    (ASYNC, "runtime.fail_worker", 1,
-     "config.runtime.fail_worker: 1 is not allowed: -1 (none) or a worker id < num_workers=1"),
+  (
+    ASYNC,
+    "algorithm",
+    "ps_sync",
+    "config.algorithm: 'ps_sync' is not allowed: one of allreduce, "
+    "ripples_static, ripples_random, ripples_division, ripples_smart, adpsgd",
+  ),
+  (
+    "executor=async,num_workers=4",
+    "num_workers",
+    4,
+    "config.num_workers: 4 is not allowed: the number "
+    "of processes (1) with executor=async (one process per worker: experiments.launch --num_processes, "
+    "or --jax_distributed on a cluster)",
+  ),
+  (
+    ASYNC,
+    "runtime.step_time",
+    -1.0,
+    "config.runtime.step_time: -1.0 is not allowed: seconds >= 0 (0: no padding)",
+  ),
+  (ASYNC, "runtime.warmup_steps", 0, "config.runtime.warmup_steps: 0 is not allowed: a positive integer"),
+  (
+    ASYNC,
+    "runtime.adpsgd_passive",
+    "lazy",
+    "config.runtime.adpsgd_passive: 'lazy' is not allowed: one of concurrent, blocking",
+  ),
+  (
+    SIM,
+    "hetero.rotate_every",
+    -1.0,
+    "config.hetero.rotate_every: -1.0 is not allowed: seconds >= 0 (0: the slow workers stay)",
+  ),
+  (
+    ASYNC,
+    "runtime.heartbeat_timeout",
+    1.0,
+    "config.runtime.heartbeat_timeout: 1.0 is not allowed: seconds > 2 x runtime.heartbeat_s=1.0",
+  ),
+  (
+    ASYNC,
+    "runtime.stall_timeout",
+    10.0,
+    "config.runtime.stall_timeout: 10.0 is not allowed: seconds > runtime.heartbeat_timeout=15.0",
+  ),
+  (ASYNC, "hetero.slowdown", 0.5, "config.hetero.slowdown: 0.5 is not allowed: a factor >= 1"),
+  (
+    ASYNC,
+    "runtime.fail_worker",
+    1,
+    "config.runtime.fail_worker: 1 is not allowed: -1 (none) or a worker id < num_workers=1",
+  ),
 ]
 
 
@@ -158,12 +251,14 @@ def test_in_process_run_learns_and_writes_metrics(tmp_path):
   model = run.load(str(tmp_path))
   assert model["step"] == 60 and model["executor"] == "spmd"
   from ripples_jax import setup
+
   s = setup.build(model["config"])
   logits = s.model.apply({"params": model["params_avg"], **model["model_state_avg"]}, s.data["x_test"])
   acc = float((logits.argmax(-1) == s.data["y_test"]).mean())
   assert abs(acc - summary["final_test_accuracy"]) < 1e-6
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a.mean(0), b, rtol=1e-6), model["params"],
-               model["params_avg"])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a.mean(0), b, rtol=1e-6), model["params"], model["params_avg"]
+  )
 
 
 def test_profile_steps_write_a_trace(tmp_path):

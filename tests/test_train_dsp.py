@@ -1,4 +1,5 @@
 """experiments.train_dsp end to end, and its config validation."""
+
 import json
 import os
 import subprocess
@@ -18,11 +19,24 @@ def test_entry_point_runs_and_writes_outputs(tmp_path, method):
   workdir = tmp_path / method
   env = dict(os.environ, RIPPLES_JAX_CACHE=str(tmp_path / "cache"))
   out = subprocess.run(
-      [sys.executable, "-m", "experiments.train_dsp",
-       f"--config=configs/dsp.py:method={method},num_stages=2,dataset=synthetic,model=mlp,epochs=1",
-       "--config.log_every=2", "--config.eval_every=4", "--config.batch_size=32",
-       "--config.slowdown=3.0", "--config.straggler_stage=0", f"--workdir={workdir}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "-m",
+      "experiments.train_dsp",
+      f"--config=configs/dsp.py:method={method},num_stages=2,dataset=synthetic,model=mlp,epochs=1",
+      "--config.log_every=2",
+      "--config.eval_every=4",
+      "--config.batch_size=32",
+      "--config.slowdown=3.0",
+      "--config.straggler_stage=0",
+      f"--workdir={workdir}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert f"method={method} K=2" in out.stdout
   summary = json.load(open(workdir / "summary.json"))
@@ -35,20 +49,31 @@ def test_entry_point_runs_and_writes_outputs(tmp_path, method):
 
 
 BAD = [
-    ("method", "pipedream", "config.method: 'pipedream' is not allowed: one of bp, gpipe, ddg, fr, dni, dsp"),
-    ("num_stages", 5, "config.num_stages: 5 is not allowed: cnn1d splits into at most 4 stages"),
-    ("microbatches", 5, "config.microbatches: 5 is not allowed: a divisor of batch_size=64"),
-    ("mode", "replay", "config.mode: 'replay' is not allowed: one of recompute, stash, fused, residuals"),
-    ("mode", "fused", "config.mode: 'fused' is not allowed: recompute or stash unless placement=per_process "
-     "(the fused call and the residual ring exist in the multi-process runtime)"),
-    ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
-    ("chunks", 2, "config.chunks: 2 is not allowed: 1 unless placement=per_process"),
-    ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
-    ("checkpoint_every", 130, "config.checkpoint_every: 130 is not allowed: a multiple of log_every=50 "
-     "(checkpoints are taken at logged batches)"),
-    ("checkpoint_every", -1, "config.checkpoint_every: -1 is not allowed: an integer number of batches >= 0 "
-     "(0: no checkpoints)"),
-    ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
+  ("method", "pipedream", "config.method: 'pipedream' is not allowed: one of bp, gpipe, ddg, fr, dni, dsp"),
+  ("num_stages", 5, "config.num_stages: 5 is not allowed: cnn1d splits into at most 4 stages"),
+  ("microbatches", 5, "config.microbatches: 5 is not allowed: a divisor of batch_size=64"),
+  ("mode", "replay", "config.mode: 'replay' is not allowed: one of recompute, stash, fused, residuals"),
+  (
+    "mode",
+    "fused",
+    "config.mode: 'fused' is not allowed: recompute or stash unless placement=per_process "
+    "(the fused call and the residual ring exist in the multi-process runtime)",
+  ),
+  ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
+  ("chunks", 2, "config.chunks: 2 is not allowed: 1 unless placement=per_process"),
+  ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
+  (
+    "checkpoint_every",
+    130,
+    "config.checkpoint_every: 130 is not allowed: a multiple of log_every=50 "
+    "(checkpoints are taken at logged batches)",
+  ),
+  (
+    "checkpoint_every",
+    -1,
+    "config.checkpoint_every: -1 is not allowed: an integer number of batches >= 0 (0: no checkpoints)",
+  ),
+  ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
 ]
 
 
@@ -62,24 +87,41 @@ def test_dsp_validation(key, value, message):
 
 
 def test_dsp_refuses_several_processes():
-  with pytest.raises(ConfigError, match="--jax_distributed: 2 processes are not allowed with "
-                     "placement=one_device: a pipeline runs inside one process"):
+  with pytest.raises(
+    ConfigError,
+    match="--jax_distributed: 2 processes are not allowed with "
+    "placement=one_device: a pipeline runs inside one process",
+  ):
     validate_dsp_config(dsp_config.get_config(), num_devices=8, num_processes=2)
 
 
 PER_PROCESS_BAD = [
-    ({"num_stages": 4}, "config.placement: 'per_process' is not allowed: one process per stage: num_stages=4 "
-     "processes (python -m experiments.launch --num_processes=4 --module=experiments.train_dsp -- ...), this "
-     "job has 2"),
-    ({"method": "dni"}, "config.method: 'dni' is not allowed: one of bp, gpipe, ddg, fr, dsp with "
-     "placement=per_process"),
-    ({"method": "fr", "mode": "residuals"}, "config.mode: 'residuals' is not allowed: recompute or stash for "
-     "method=fr (the runtime picks its mode: bp and ddg keep residuals, fr recomputes)"),
-    ({"chunks": 4}, "config.chunks: 4 is not allowed: 1 unless the stage calls keep residuals (method bp or "
-     "ddg, or dsp with mode=residuals)"),
-    ({"mode": "residuals", "chunks": 3}, "config.chunks: 3 is not allowed: a divisor of batch_size=64"),
-    ({"mode": "fused", "delay": 0}, "config.mode: 'fused' is not allowed: recompute, stash or residuals with "
-     "delay=0 (fusing needs a stored batch)"),
+  (
+    {"num_stages": 4},
+    "config.placement: 'per_process' is not allowed: one process per stage: num_stages=4 "
+    "processes (python -m experiments.launch --num_processes=4 --module=experiments.train_dsp -- ...), this "
+    "job has 2",
+  ),
+  (
+    {"method": "dni"},
+    "config.method: 'dni' is not allowed: one of bp, gpipe, ddg, fr, dsp with placement=per_process",
+  ),
+  (
+    {"method": "fr", "mode": "residuals"},
+    "config.mode: 'residuals' is not allowed: recompute or stash for "
+    "method=fr (the runtime picks its mode: bp and ddg keep residuals, fr recomputes)",
+  ),
+  (
+    {"chunks": 4},
+    "config.chunks: 4 is not allowed: 1 unless the stage calls keep residuals (method bp or "
+    "ddg, or dsp with mode=residuals)",
+  ),
+  ({"mode": "residuals", "chunks": 3}, "config.chunks: 3 is not allowed: a divisor of batch_size=64"),
+  (
+    {"mode": "fused", "delay": 0},
+    "config.mode: 'fused' is not allowed: recompute, stash or residuals with "
+    "delay=0 (fusing needs a stored batch)",
+  ),
 ]
 
 
@@ -95,10 +137,21 @@ def test_per_process_validation(overrides, message):
 
 @pytest.mark.slow
 def test_bad_stage_count_stops_before_compile(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "experiments.train_dsp",
-                        "--config=configs/dsp.py:num_stages=9", f"--workdir={tmp_path / 'x'}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.train_dsp",
+      "--config=configs/dsp.py:num_stages=9",
+      f"--workdir={tmp_path / 'x'}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1] == (
-      "error: config.num_stages: 9 is not allowed: cnn1d splits into at most 4 stages")
+    "error: config.num_stages: 9 is not allowed: cnn1d splits into at most 4 stages"
+  )
   assert not (tmp_path / "x").exists()

@@ -1,5 +1,6 @@
 """Resume never destroys a run: the workdir lock (atomic takeover, full disk), the identity of both
 checkpoint layouts, refusals that delete nothing, torn metrics.jsonl, and the multi-process agreement."""
+
 import hashlib
 import json
 import os
@@ -14,10 +15,10 @@ import pytest
 
 from configs import default as default_config
 from ripples_jax import runlog
-from ripples_jax.runlog import workdir as workdir_lib
 from ripples_jax.config import ConfigError
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.runlog import ResumeRefused, RunLog
+from ripples_jax.runlog import workdir as workdir_lib
 from tests.fakes import FakeKV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,8 +68,11 @@ def test_no_checkpoint_reads_back_refuses_and_deletes_nothing(tmp_path):
   corrupt(wd, 20)
   before = tree_digest(os.path.join(wd, "ckpt"))
   for _ in range(2):  # a second rerun finds the same files, refuses the same way
-    with pytest.raises(ResumeRefused, match=r"ckpt/20 \(nor do the 1 older ones\) cannot be resumed: it does "
-                       r"not read back .*nothing was deleted"):
+    with pytest.raises(
+      ResumeRefused,
+      match=r"ckpt/20 \(nor do the 1 older ones\) cannot be resumed: it does "
+      r"not read back .*nothing was deleted",
+    ):
       with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
         log.restore({"w": jnp.zeros(4)})
     assert tree_digest(os.path.join(wd, "ckpt")) == before
@@ -81,7 +85,9 @@ def test_force_with_other_shapes_is_refused_not_a_fresh_run(tmp_path):
   before = tree_digest(wd)
   c = config(num_workers=4, on_config_change="force")
   assert workdir_lib.make_workdir(wd, c) == wd
-  with pytest.raises(ResumeRefused, match=r"the config changed \(num_workers 8 -> 4\) and its arrays do not fit"):
+  with pytest.raises(
+    ResumeRefused, match=r"the config changed \(num_workers 8 -> 4\) and its arrays do not fit"
+  ):
     with RunLog(wd, c, 100, progress=False, tensorboard=False) as log:
       log.restore({"w": jnp.zeros(3)})  # another shape, as another num_workers makes
   after = tree_digest(wd)
@@ -150,14 +156,17 @@ def test_a_short_or_missing_metrics_file_is_named(tmp_path, caplog):
   open(path, "wb").writelines(first)
   with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
     assert log.restore({"w": jnp.zeros(4)})[0] == 20
-  assert any("holds 1 of the 2 records the checkpoint counted: record 2 is lost" in r.getMessage()
-             for r in caplog.records)
+  assert any(
+    "holds 1 of the 2 records the checkpoint counted: record 2 is lost" in r.getMessage()
+    for r in caplog.records
+  )
   os.remove(path)
   caplog.clear()
   with RunLog(wd, config(), 100, progress=False, tensorboard=False) as log:
     assert log.restore({"w": jnp.zeros(4)})[0] == 20
-  assert any("metrics.jsonl is missing: the checkpoint counted 2 records" in r.getMessage()
-             for r in caplog.records)
+  assert any(
+    "metrics.jsonl is missing: the checkpoint counted 2 records" in r.getMessage() for r in caplog.records
+  )
 
 
 def test_a_record_cut_short_at_the_end_is_dropped_by_the_cut(tmp_path):
@@ -190,12 +199,17 @@ for line in sys.stdin:
 """
 
 
+@pytest.mark.slow
 def test_concurrent_stale_lock_takeovers_never_make_two_holders(tmp_path):
   """Three processes race to take over the same stale lock (a dead pid of this host), 300 times; each
   holds what it got until all have tried. Exactly one holds it every time."""
   trials, n = 300, 3
-  procs = [subprocess.Popen([sys.executable, "-c", LOCKER, ROOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT) for _ in range(n)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", LOCKER, ROOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    for _ in range(n)
+  ]
   holders = []
   try:
     for t in range(trials):
@@ -245,7 +259,9 @@ def test_an_empty_lock_nobody_holds_is_taken_over(tmp_path, caplog):
 def small_tmpfs(path, size="64k"):
   """A tiny tmpfs at `path` (root only), or skip."""
   os.makedirs(path, exist_ok=True)
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True).returncode:
+  if subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True
+  ).returncode:
     pytest.skip("needs root (mount) for a small tmpfs")
 
 
@@ -310,6 +326,7 @@ def agree(logs, resumable=True):
       out[w] = resume_lib.restore_common(logs[w], kv, w, len(logs), None, 10.0, resumable=resumable)
     except ResumeRefused as e:
       out[w] = e
+
   threads = [threading.Thread(target=one, args=(w,)) for w in range(len(logs))]
   for t in threads:
     t.start()
@@ -319,8 +336,12 @@ def agree(logs, resumable=True):
 
 
 def test_a_worker_whose_newest_marker_is_corrupt_makes_all_fall_back_to_an_older_common_one():
-  logs = [FakeLog({1: True, 2: True, 3: True}), FakeLog({1: True, 2: True}),
-          FakeLog({1: True, 2: False}), FakeLog({1: True, 2: True, 3: True})]
+  logs = [
+    FakeLog({1: True, 2: True, 3: True}),
+    FakeLog({1: True, 2: True}),
+    FakeLog({1: True, 2: False}),
+    FakeLog({1: True, 2: True, 3: True}),
+  ]
   got = agree(logs)
   assert [g[0] for g in got] == [1, 1, 1, 1]
   assert [log.tried for log in logs] == [[2, 1]] * 4  # 3 is not common: never tried
@@ -343,8 +364,9 @@ def test_markers_but_none_common_refuses_everywhere_and_no_markers_is_a_fresh_st
 def test_an_executor_without_markers_refuses_a_workdir_holding_checkpoints():
   logs = [FakeLog({}), FakeLog({9: True})]
   got = agree(logs, resumable=False)
-  assert all(isinstance(g, ResumeRefused) and "does not resume from them; nothing was deleted" in str(g)
-             for g in got), got
+  assert all(
+    isinstance(g, ResumeRefused) and "does not resume from them; nothing was deleted" in str(g) for g in got
+  ), got
 
 
 def test_a_good_checkpoint_newer_than_the_agreed_one_is_set_aside_byte_for_byte(tmp_path):

@@ -1,16 +1,16 @@
 """Datasets, per-worker sharding and batching, all numpy on the host.
 
-  ds = load_dataset("mnist1d")            # x_train [N, 40, 1] float32, y_train [N] int32, ...
-  shards = shard_indices(ds["y_train"], num_workers=8, mode="noniid")
-  batches = worker_batches(ds["x_train"], ds["y_train"], shards, batch_size=32, seed=0)
-  xb, yb = next(batches)                  # [8, 32, 40, 1], [8, 32]
+ds = load_dataset("mnist1d")            # x_train [N, 40, 1] float32, y_train [N] int32, ...
+shards = shard_indices(ds["y_train"], num_workers=8, mode="noniid")
+batches = worker_batches(ds["x_train"], ds["y_train"], shards, batch_size=32, seed=0)
+xb, yb = next(batches)                  # [8, 32, 40, 1], [8, 32]
 """
+
 from ripples_jax.data._common import DatasetError
 from ripples_jax.data.cifar10 import load_cifar10
 from ripples_jax.data.digits import load_digits
 from ripples_jax.data.mnist1d import load_mnist1d
-from ripples_jax.data.sharding import (SHARD_MODES, batch_at, batch_indices, shard_indices,
-                                       worker_batches)
+from ripples_jax.data.sharding import SHARD_MODES, batch_at, batch_indices, shard_indices, worker_batches
 from ripples_jax.data.synthetic import make_synthetic
 
 DATASET_NAMES = ("mnist1d", "digits", "cifar10", "synthetic")
@@ -38,7 +38,16 @@ def load_dataset(name: str, data_dir: str | None = None, seed: int = 0, **kw) ->
 
 
 __all__ = [
-    "DATASET_NAMES", "DatasetError", "SHARD_MODES", "batch_at", "batch_indices",
-    "load_cifar10", "load_dataset", "load_digits", "load_mnist1d", "make_synthetic",
-    "shard_indices", "worker_batches",
+  "DATASET_NAMES",
+  "DatasetError",
+  "SHARD_MODES",
+  "batch_at",
+  "batch_indices",
+  "load_cifar10",
+  "load_dataset",
+  "load_digits",
+  "load_mnist1d",
+  "make_synthetic",
+  "shard_indices",
+  "worker_batches",
 ]

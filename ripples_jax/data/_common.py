@@ -1,4 +1,5 @@
 """Shared helpers for the dataset loaders."""
+
 import math
 
 import numpy as np
@@ -29,8 +30,7 @@ def problem(name: str, x, y, num_classes: int) -> str | None:
   return None
 
 
-def pack(x_train, y_train, x_test, y_test, num_classes: int, source: str = "dataset",
-         hint: str = "") -> dict:
+def pack(x_train, y_train, x_test, y_test, num_classes: int, source: str = "dataset", hint: str = "") -> dict:
   """Returns the dict every loader hands back, with the agreed dtypes.
 
   The values are checked first (labels in range, finite inputs): a bad split raises DatasetError
@@ -43,13 +43,15 @@ def pack(x_train, y_train, x_test, y_test, num_classes: int, source: str = "data
   x_train = np.ascontiguousarray(x_train, np.float32)
   x_test = np.ascontiguousarray(x_test, np.float32)
   if x_train.shape[1:] != x_test.shape[1:]:
-    raise DatasetError(f"{source} has train inputs {list(x_train.shape)} and test inputs "
-                       f"{list(x_test.shape)} (their shapes must agree)" + (f"; {hint}" if hint else ""))
+    raise DatasetError(
+      f"{source} has train inputs {list(x_train.shape)} and test inputs "
+      f"{list(x_test.shape)} (their shapes must agree)" + (f"; {hint}" if hint else "")
+    )
   return {
-      "x_train": x_train,
-      "y_train": np.asarray(y_train, np.int32),
-      "x_test": x_test,
-      "y_test": np.asarray(y_test, np.int32),
-      "num_classes": int(num_classes),
-      "input_shape": tuple(x_train.shape[1:]),
+    "x_train": x_train,
+    "y_train": np.asarray(y_train, np.int32),
+    "x_test": x_test,
+    "y_test": np.asarray(y_test, np.int32),
+    "num_classes": int(num_classes),
+    "input_shape": tuple(x_train.shape[1:]),
   }

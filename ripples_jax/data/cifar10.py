@@ -4,6 +4,7 @@ The batches are python pickles, and loading a pickle runs whatever code the file
 nature, not a bug here): point config.data_dir only at a copy you trust, e.g. the official
 cifar-10-python.tar.gz checked against its published checksum.
 """
+
 import os
 import pickle
 
@@ -14,8 +15,10 @@ from ripples_jax.data._common import DatasetError, pack
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILE = "test_batch"
 SUBDIR = "cifar-10-batches-py"  # What the official tarball unpacks to.
-EXPECTED = ("expected the CIFAR-10 python batches data_batch_1..5 and test_batch "
-            "(pickled dicts with b'data' uint8 [N,3072] and b'labels')")
+EXPECTED = (
+  "expected the CIFAR-10 python batches data_batch_1..5 and test_batch "
+  "(pickled dicts with b'data' uint8 [N,3072] and b'labels')"
+)
 
 # Per-channel mean/std of the CIFAR-10 training set, pixels in [0, 1]. Fixed constants
 # rather than statistics of the files read, so every copy (and the test split) is
@@ -81,8 +84,7 @@ def load_cifar10(data_dir: str | None, normalize: bool = True) -> dict:
   values as float32 (for checking the pixel layout).
   """
   root = resolve_dir(data_dir)
-  missing = [f for f in TRAIN_FILES + (TEST_FILE,)
-             if not os.path.isfile(os.path.join(root, f))]
+  missing = [f for f in TRAIN_FILES + (TEST_FILE,) if not os.path.isfile(os.path.join(root, f))]
   if missing:
     raise _error(root, f"is missing {', '.join(missing)}")
   train = [read_batch(os.path.join(root, f)) for f in TRAIN_FILES]

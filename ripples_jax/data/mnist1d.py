@@ -4,6 +4,7 @@
 `make_dataset` builds the same data locally in a few seconds, so the first load
 generates and caches it and later loads read the cache.
 """
+
 import hashlib
 import json
 import os
@@ -16,8 +17,10 @@ from ripples_jax.data._common import DatasetError, pack
 
 CACHE_ENV = "RIPPLES_JAX_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "ripples_jax")
-EXPECTED = (f"config.data_dir (else ${CACHE_ENV}, else {DEFAULT_CACHE}) is the folder holding the "
-            "generated cache mnist1d_*.npz, created and written on first use")
+EXPECTED = (
+  f"config.data_dir (else ${CACHE_ENV}, else {DEFAULT_CACHE}) is the folder holding the "
+  "generated cache mnist1d_*.npz, created and written on first use"
+)
 
 
 def cache_dir(data_dir: str | None = None) -> str:
@@ -28,14 +31,14 @@ def cache_dir(data_dir: str | None = None) -> str:
 
 def _generator_args(num_samples: int, gen_seed: int):
   import mnist1d.data  # Lazy: pulls in scipy and matplotlib.
+
   args = mnist1d.data.get_dataset_args()
   args.num_samples = int(num_samples)
   args.seed = int(gen_seed)
   return args
 
 
-def cache_path(data_dir: str | None = None, num_samples: int = 5000,
-               gen_seed: int = 42) -> str:
+def cache_path(data_dir: str | None = None, num_samples: int = 5000, gen_seed: int = 42) -> str:
   """Cache file for one generator configuration.
 
   The name spells out the args one usually changes and hashes the full arg set,
@@ -50,6 +53,7 @@ def cache_path(data_dir: str | None = None, num_samples: int = 5000,
 
 def _generate(num_samples: int, gen_seed: int) -> dict:
   import mnist1d.data
+
   args = _generator_args(num_samples, gen_seed)
   # make_dataset reseeds the global `random` and `np.random` generators; restore
   # them so loading data does not silently change randomness elsewhere.
@@ -84,8 +88,7 @@ def _error(path: str, problem: str) -> DatasetError:
   return DatasetError(f"mnist1d: {path} {problem}; {EXPECTED}")
 
 
-def load_mnist1d(data_dir: str | None = None, num_samples: int = 5000,
-                 gen_seed: int = 42) -> dict:
+def load_mnist1d(data_dir: str | None = None, num_samples: int = 5000, gen_seed: int = 42) -> dict:
   """MNIST-1D as x (N, 40, 1) float32 (channel-last, for a 1D CNN), y int32.
 
   `gen_seed` defaults to the package's own seed (42), i.e. the standard dataset;
@@ -115,8 +118,7 @@ def load_mnist1d(data_dir: str | None = None, num_samples: int = 5000,
         arrays = None
   if arrays is None:
     arrays = _generate(num_samples, gen_seed)
-    arrays = {k: v.astype(np.float32 if k.startswith("x") else np.int32)
-              for k, v in arrays.items()}
+    arrays = {k: v.astype(np.float32 if k.startswith("x") else np.int32) for k, v in arrays.items()}
     try:
       _write_atomic(path, arrays)
     except OSError as e:
@@ -125,6 +127,12 @@ def load_mnist1d(data_dir: str | None = None, num_samples: int = 5000,
   for k in ("x_train", "x_test"):
     if arrays[k].ndim != 2:
       raise DatasetError(f"mnist1d: {path} has {k} of shape {list(arrays[k].shape)}, not [N, 40]; {hint}")
-  return pack(arrays["x_train"][..., None], arrays["y_train"],
-              arrays["x_test"][..., None], arrays["y_test"], num_classes=10,
-              source=f"mnist1d: {path}", hint=hint)
+  return pack(
+    arrays["x_train"][..., None],
+    arrays["y_train"],
+    arrays["x_test"][..., None],
+    arrays["y_test"],
+    num_classes=10,
+    source=f"mnist1d: {path}",
+    hint=hint,
+  )

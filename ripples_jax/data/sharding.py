@@ -4,6 +4,7 @@ Everything is a pure function of (seed, step): the batch of step k is computed
 directly, never by replaying steps 0..k-1, so a resumed run sees exactly the
 batches an uninterrupted run would have.
 """
+
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -11,8 +12,9 @@ import numpy as np
 SHARD_MODES = ("iid", "noniid")
 
 
-def shard_indices(y: np.ndarray, num_workers: int, mode: str = "iid", seed: int = 0,
-                  shards_per_worker: int = 2) -> list[np.ndarray]:
+def shard_indices(
+  y: np.ndarray, num_workers: int, mode: str = "iid", seed: int = 0, shards_per_worker: int = 2
+) -> list[np.ndarray]:
   """Each worker's training-example indices (sorted); every example goes to exactly one worker.
 
   iid: a random permutation cut into `num_workers` pieces whose sizes differ by at most 1.
@@ -34,9 +36,11 @@ def shard_indices(y: np.ndarray, num_workers: int, mode: str = "iid", seed: int 
   elif mode == "noniid":
     num_pieces = num_workers * shards_per_worker
     if shards_per_worker < 1 or n < num_pieces:
-      raise ValueError(f"noniid sharding: need shards_per_worker >= 1 and at least "
-                       f"num_workers * shards_per_worker = {num_pieces} examples, got "
-                       f"shards_per_worker={shards_per_worker}, {n} examples")
+      raise ValueError(
+        f"noniid sharding: need shards_per_worker >= 1 and at least "
+        f"num_workers * shards_per_worker = {num_pieces} examples, got "
+        f"shards_per_worker={shards_per_worker}, {n} examples"
+      )
     # Shuffle first so examples of one label land in pieces in random order.
     perm = rng.permutation(n)
     by_label = perm[np.argsort(y[perm], kind="stable")]
@@ -54,8 +58,9 @@ def _epoch_perm(seed: int, worker: int, epoch: int, size: int) -> np.ndarray:
   return np.random.default_rng([1, seed, worker, epoch]).permutation(size)
 
 
-def batch_indices(shards: Sequence[np.ndarray], batch_size: int, seed: int,
-                  step, workers: Sequence[int] | None = None) -> np.ndarray:
+def batch_indices(
+  shards: Sequence[np.ndarray], batch_size: int, seed: int, step, workers: Sequence[int] | None = None
+) -> np.ndarray:
   """Global example indices [W, batch_size] for `step` (an int, or one step per worker).
 
   `workers` names the worker id of each shard when only some workers' batches are wanted (their
@@ -84,9 +89,15 @@ def batch_indices(shards: Sequence[np.ndarray], batch_size: int, seed: int,
   return out
 
 
-def batch_at(x: np.ndarray, y: np.ndarray, shards: Sequence[np.ndarray],
-             batch_size: int, seed: int, step: int,
-             workers: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def batch_at(
+  x: np.ndarray,
+  y: np.ndarray,
+  shards: Sequence[np.ndarray],
+  batch_size: int,
+  seed: int,
+  step: int,
+  workers: Sequence[int] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
   """(x [W, B, ...], y [W, B]) for `step`; worker w's rows come only from shards[w].
 
   With `workers`, only those workers' rows (a process feeding the workers it owns).
@@ -98,9 +109,14 @@ def batch_at(x: np.ndarray, y: np.ndarray, shards: Sequence[np.ndarray],
   return x[idx], y[idx]
 
 
-def worker_batches(x: np.ndarray, y: np.ndarray, shards: Sequence[np.ndarray],
-                   batch_size: int, seed: int = 0,
-                   start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def worker_batches(
+  x: np.ndarray,
+  y: np.ndarray,
+  shards: Sequence[np.ndarray],
+  batch_size: int,
+  seed: int = 0,
+  start_step: int = 0,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """Endless batch_at(step) for step = start_step, start_step + 1, ...
 
   To resume after `k` completed steps pass start_step=k: the stream then equals the

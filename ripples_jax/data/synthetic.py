@@ -1,4 +1,5 @@
 """A tiny learnable classification task for tests: Gaussian clusters around class centres."""
+
 import math
 
 import numpy as np
@@ -6,9 +7,14 @@ import numpy as np
 from ripples_jax.data._common import pack
 
 
-def make_synthetic(seed: int = 0, num_train: int = 512, num_test: int = 128,
-                   input_shape: tuple = (16,), num_classes: int = 4,
-                   noise: float = 1.0) -> dict:
+def make_synthetic(
+  seed: int = 0,
+  num_train: int = 512,
+  num_test: int = 128,
+  input_shape: tuple = (16,),
+  num_classes: int = 4,
+  noise: float = 1.0,
+) -> dict:
   """Class c is centre_c + noise * N(0, I); centres are N(0, I) in the flattened input.
 
   With the defaults (16 dims, noise 1) centres sit ~5.7 noise-stds apart, so a linear

@@ -18,6 +18,7 @@ and the local launcher; collectives_host, where gloo's listeners go.
 What a worker's last lines say about a failure, for the local launcher: lost_named (the workers a
 watchdog named) and intruder_task (a task id registered by a process nobody started as a worker).
 """
+
 import ctypes
 import errno
 import ipaddress
@@ -30,13 +31,14 @@ import threading
 import time
 
 PREFIX = "ripples"
-EXIT_LOST = 75   # a peer was lost: distinct from crashes (1) and bad input (2); resume to go on
+EXIT_LOST = 75  # a peer was lost: distinct from crashes (1) and bad input (2); resume to go on
 EXIT_TERM = 143  # stopped by SIGTERM: 128 + 15, what a shell reports for a SIGTERM death; resume to go on
 LAUNCHER_PID_ENV = "RIPPLES_LAUNCHER_PID"  # set by the local launcher: its workers stop when it dies
 
 
 def client():
   from jax._src import distributed  # the coordination-service client jax.distributed set up
+
   if distributed.global_state.client is None:
     raise RuntimeError("executor=async needs jax.distributed.initialize() first (--jax_distributed)")
   return distributed.global_state.client
@@ -48,8 +50,10 @@ def publish_estimate(kv, block: int, worker: int, seconds: float) -> None:
 
 
 def fetch_estimates(kv, block: int, num_workers: int, timeout_s: float) -> list[float]:
-  return [float(kv.blocking_key_value_get(f"{PREFIX}/est/{block}/{w}", int(timeout_s * 1000)))
-          for w in range(num_workers)]
+  return [
+    float(kv.blocking_key_value_get(f"{PREFIX}/est/{block}/{w}", int(timeout_s * 1000)))
+    for w in range(num_workers)
+  ]
 
 
 def _say(log, line: str) -> None:
@@ -68,19 +72,30 @@ class Watchdog:
   not a timestamp, so hosts need not share a clock: only changes are compared, on the local clock.
   """
 
-  def __init__(self, kv, worker: int, num_workers: int, progress, interval_s: float,
-               timeout_s: float, stall_timeout_s: float, log=None, exit_fn=os._exit, role: str = "worker"):
+  def __init__(
+    self,
+    kv,
+    worker: int,
+    num_workers: int,
+    progress,
+    interval_s: float,
+    timeout_s: float,
+    stall_timeout_s: float,
+    log=None,
+    exit_fn=os._exit,
+    role: str = "worker",
+  ):
     self.kv, self.worker, self.n = kv, worker, num_workers
-    self.role = role                    # what the exit line calls a process: worker, or stage (pipeline)
-    self.progress = progress            # () -> (completed steps, completed events, done)
+    self.role = role  # what the exit line calls a process: worker, or stage (pipeline)
+    self.progress = progress  # () -> (completed steps, completed events, done)
     self.interval, self.timeout, self.stall_timeout = interval_s, timeout_s, stall_timeout_s
     self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     self.exit_fn = exit_fn
     self._stop = threading.Event()
     self._beat = 0
     now = time.monotonic()
-    self.seen = {w: (None, now) for w in range(num_workers)}      # last value, when it changed
-    self.moved = {w: (None, now) for w in range(num_workers)}     # last events count, when it changed
+    self.seen = {w: (None, now) for w in range(num_workers)}  # last value, when it changed
+    self.moved = {w: (None, now) for w in range(num_workers)}  # last events count, when it changed
     self.steps = {w: 0 for w in range(num_workers)}
     self.done = {w: False for w in range(num_workers)}
     self._contact = now
@@ -117,8 +132,9 @@ class Watchdog:
       return
     steps, events, done = self.progress()
     self._beat += 1
-    self.kv.key_value_set(f"{PREFIX}/hb/{self.worker}", f"{self._beat} {steps} {events} {int(done)}",
-                          allow_overwrite=True)
+    self.kv.key_value_set(
+      f"{PREFIX}/hb/{self.worker}", f"{self._beat} {steps} {events} {int(done)}", allow_overwrite=True
+    )
     values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
     self._contact = now
     for w in range(self.n):
@@ -139,8 +155,11 @@ class Watchdog:
     running = [w for w in range(self.n) if not self.done[w]]
     if running and all(now - self.moved[w][1] > self.stall_timeout for w in running):
       stalled = min(running, key=lambda w: self.moved[w][1])
-      self._lost(f"no progress for {self.stall_timeout:.0f} s; {self.role} {stalled} stalled first "
-                 f"({self.role}s {running} are blocked)", [])
+      self._lost(
+        f"no progress for {self.stall_timeout:.0f} s; {self.role} {stalled} stalled first "
+        f"({self.role}s {running} are blocked)",
+        [],
+      )
 
   def _lost(self, why: str, lost: list) -> None:
     self._finish(why, lost, EXIT_LOST)
@@ -154,6 +173,7 @@ class Watchdog:
   def _refresh_steps(self, timeout_s: float) -> None:
     """Every worker's newest completed step for the exit line (the last check may be a beat old);
     best effort, bounded: the service may be gone."""
+
     def read():
       try:
         values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
@@ -163,6 +183,7 @@ class Watchdog:
         self.steps[self.worker] = int(self.progress()[0])
       except Exception:  # noqa: BLE001
         pass
+
     t = threading.Thread(target=read, daemon=True)
     t.start()
     t.join(timeout_s)
@@ -194,17 +215,17 @@ class Watchdog:
         value = values.get(f"{PREFIX}/hb/{w}")
         if value is not None and value != self.seen[w][0]:
           self.seen[w] = (value, now)
-      alive = [w for w in range(1, self.n)
-               if w not in lost and now - self.seen[w][1] < 2.5 * self.interval]
+      alive = [w for w in range(1, self.n) if w not in lost and now - self.seen[w][1] < 2.5 * self.interval]
       if not alive:
         return
 
 
 # The watchdog's exit lines (Watchdog.check, _run) and the worker(s) each one names.
 _LOST_LINES = (
-    re.compile(r"^(?:worker|stage) \d+: (?:worker|stage)\(s\) \[([\d, ]+)\] lost: no heartbeat"),
-    re.compile(r"^(?:worker|stage) \d+: no progress for .*; (?:worker|stage) (\d+) stalled first"),
-    re.compile(r"^(?:worker|stage) \d+: lost contact with the coordination service \(hosted by worker (0)'s"))
+  re.compile(r"^(?:worker|stage) \d+: (?:worker|stage)\(s\) \[([\d, ]+)\] lost: no heartbeat"),
+  re.compile(r"^(?:worker|stage) \d+: no progress for .*; (?:worker|stage) (\d+) stalled first"),
+  re.compile(r"^(?:worker|stage) \d+: lost contact with the coordination service \(hosted by worker (0)'s"),
+)
 
 
 def lost_named(line: str) -> list[int]:
@@ -241,6 +262,7 @@ class SigtermStop:
   def __init__(self, worker: int | None = None, log=None, exit_fn=os._exit):
     if worker is None:
       from jax._src import distributed
+
       worker = distributed.global_state.process_id
     self.worker = worker
     self.watchdog = None

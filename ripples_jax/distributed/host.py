@@ -1,4 +1,5 @@
 """Host set-up before the first device use: the console's log filter, forced CPU devices, jax.distributed."""
+
 import logging as std_logging
 import os
 import socket
@@ -22,8 +23,12 @@ def use_cpu_devices(count: int) -> None:
     logging.warning("cpu devices: keeping %d (%s)", jax.device_count(), str(e).splitlines()[0][:80])
 
 
-def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, local_device_ids=None) -> None:
+def init_distributed(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  local_device_ids=None,
+) -> None:
   """jax.distributed.initialize(); unset arguments are resolved by JAX (SLURM, TPU pods, env vars).
 
   CPU processes talk through gloo (the default CPU backend has no cross-process collectives), whose
@@ -39,7 +44,9 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
   """
   import errno
   import sys
+
   from ripples_jax.distributed import coord
+
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_enable_preemption_service", False)
   ids = [int(i) for i in local_device_ids] if local_device_ids else None
@@ -52,12 +59,15 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
       logging.warning("coordinator %s is not an address of this host: listening on every interface", address)
       bind = None
     elif problem:
-      sys.stderr.write(f"error: coordinator port {port} ({bind or 'every interface'}) is not free: "
-                       f"{os.strerror(problem)}; pick another port in --coordinator_address\n")
+      sys.stderr.write(
+        f"error: coordinator port {port} ({bind or 'every interface'}) is not free: "
+        f"{os.strerror(problem)}; pick another port in --coordinator_address\n"
+      )
       sys.stderr.flush()
       sys.exit(2)
-  jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids=ids,
-                             coordinator_bind_address=bind)
+  jax.distributed.initialize(
+    coordinator_address, num_processes, process_id, local_device_ids=ids, coordinator_bind_address=bind
+  )
   place_collectives()
 
 
@@ -65,15 +75,20 @@ def place_collectives() -> None:
   """gloo's listeners on loopback for a loopback coordinator (coord.collectives_host), else where JAX puts
   them: process 0 says where once (only when the CPU backend, which hosts them, is in use)."""
   from jax._src import distributed
+
   from ripples_jax.distributed import coord
+
   state = distributed.global_state
   host = coord.collectives_host(state.coordinator_address)
   if host:
     bind_collectives(host)
   elif state.process_id == 0 and (not jax.config.jax_platforms or "cpu" in jax.config.jax_platforms):
-    logging.info("gloo (the CPU collectives: unauthenticated tensor traffic) listens on %s, what this host's "
-                 "name %r resolves to (on every host its own): keep the hosts' network trusted (README)",
-                 default_collectives_address(), socket.gethostname())
+    logging.info(
+      "gloo (the CPU collectives: unauthenticated tensor traffic) listens on %s, what this host's "
+      "name %r resolves to (on every host its own): keep the hosts' network trusted (README)",
+      default_collectives_address(),
+      socket.gethostname(),
+    )
 
 
 def bind_collectives(host: str) -> None:
@@ -88,8 +103,9 @@ def bind_collectives(host: str) -> None:
   from jax._src.lib import _jax
 
   def make_cpu_client():
-    collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
-                                                 hostname=host)
+    collectives = _jax.make_gloo_tcp_collectives(
+      distributed_client=distributed.global_state.client, hostname=host
+    )
     return xla_bridge.make_cpu_client(collectives=collectives)
 
   xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
@@ -115,11 +131,20 @@ def default_collectives_address() -> str:
 
 # This project's source folders (also when installed: ripples_jax/ then holds experiments/ and configs/).
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ripples_jax/
-_OWN = tuple(os.path.join(os.path.dirname(_PACKAGE), d) + os.sep
-             for d in ("ripples_jax", "experiments", "benchmarks", "configs", "tests"))
+_OWN = tuple(
+  os.path.join(os.path.dirname(_PACKAGE), d) + os.sep
+  for d in ("ripples_jax", "experiments", "benchmarks", "configs", "tests")
+)
 # Where other libraries live: installed packages and the standard library.
-_LIBRARY_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
-                              if (p := sysconfig.get_paths().get(k))}))
+_LIBRARY_DIRS = tuple(
+  sorted(
+    {
+      os.path.abspath(p) + os.sep
+      for k in ("stdlib", "platstdlib", "purelib", "platlib")
+      if (p := sysconfig.get_paths().get(k))
+    }
+  )
+)
 
 
 def from_library(pathname: str | None) -> bool:
@@ -130,8 +155,11 @@ def from_library(pathname: str | None) -> bool:
   path = os.path.abspath(pathname)
   if path.startswith(_OWN):
     return False
-  return (path.startswith(_LIBRARY_DIRS) or f"{os.sep}site-packages{os.sep}" in path
-          or f"{os.sep}dist-packages{os.sep}" in path)
+  return (
+    path.startswith(_LIBRARY_DIRS)
+    or f"{os.sep}site-packages{os.sep}" in path
+    or f"{os.sep}dist-packages{os.sep}" in path
+  )
 
 
 class LibraryFilter(std_logging.Filter):
@@ -158,6 +186,7 @@ class LibraryFilter(std_logging.Filter):
         self.handler.handle(short)
         return False
     from ripples_jax import progress
+
     progress.clear_bar()
     return True
 

@@ -21,6 +21,7 @@ binds that loopback address only, and so do gloo's listeners (the CPU collective
 Bad input (launch's arguments) raises ValueError before anything starts; more workers than this process's
 CPU cores is one warning line, and the job runs.
 """
+
 import errno
 import math
 import os
@@ -132,17 +133,25 @@ def failure_line(first: tuple, procs, clues: _Clues, address: str) -> str:
   worker, code = first
   failed = f"worker {worker} exited with {describe(code)}"
   if clues.intruder is not None:
-    return (f"an unknown process registered at the coordinator {address} as task {clues.intruder} (not a "
-            f"worker of this launcher: the coordination service is unauthenticated, any local user can "
-            f"connect; README) and the service aborted the workers: {failed}")
+    return (
+      f"an unknown process registered at the coordinator {address} as task {clues.intruder} (not a "
+      f"worker of this launcher: the coordination service is unauthenticated, any local user can "
+      f"connect; README) and the service aborted the workers: {failed}"
+    )
   lost = [w for w in clues.lost.get(worker, []) if w < len(procs)] if code == coord.EXIT_LOST else []
   if not lost:
     return failed
-  states = ", ".join(f"{w} (still running: stalled)" if procs[w].poll() is None else
-                     f"{w} (exited with {describe(procs[w].returncode)})" for w in lost)
+  states = ", ".join(
+    f"{w} (still running: stalled)"
+    if procs[w].poll() is None
+    else f"{w} (exited with {describe(procs[w].returncode)})"
+    for w in lost
+  )
   many = len(lost) > 1
-  return (f"{'workers' if many else 'worker'} {states} {'are' if many else 'is'} lost: worker {worker}'s "
-          f"watchdog named {'them' if many else 'it'}, then {failed}")
+  return (
+    f"{'workers' if many else 'worker'} {states} {'are' if many else 'is'} lost: worker {worker}'s "
+    f"watchdog named {'them' if many else 'it'}, then {failed}"
+  )
 
 
 def _wait(procs, deadline: float, interrupted) -> None:
@@ -208,8 +217,9 @@ def check_args(num_processes: int, cpu_devices: int, grace_s: float, port: int) 
   if not 0 <= port <= 65535:
     raise ValueError(f"--port={port} is not allowed: 0 (a free one) or 1..65535")
   if port and (problem := coord.port_problem(f"127.0.0.1:{port}")):
-    raise ValueError(f"--port={port} is not allowed: {port_refusal(port, problem)}; pick another, or 0 for a "
-                     f"free one")
+    raise ValueError(
+      f"--port={port} is not allowed: {port_refusal(port, problem)}; pick another, or 0 for a free one"
+    )
 
 
 def port_refusal(port: int, problem: int) -> str:
@@ -217,14 +227,25 @@ def port_refusal(port: int, problem: int) -> str:
   if problem == errno.EADDRINUSE:
     return f"127.0.0.1:{port} is taken (a process listens there)"
   if problem == errno.EACCES:  # Linux: below net.ipv4.ip_unprivileged_port_start (1024)
-    return (f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)} (a privileged port: it needs root "
-            f"or CAP_NET_BIND_SERVICE)")
+    return (
+      f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)} (a privileged port: it needs root "
+      f"or CAP_NET_BIND_SERVICE)"
+    )
   return f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)}"
 
 
-def launch(num_processes: int, args: list[str], module: str = "experiments.train", cpu_devices: int = 1,
-           platform: str = "auto", grace_s: float = 30.0, out=None, on_start=None, cwd=None,
-           port: int = 0) -> int:
+def launch(
+  num_processes: int,
+  args: list[str],
+  module: str = "experiments.train",
+  cpu_devices: int = 1,
+  platform: str = "auto",
+  grace_s: float = 30.0,
+  out=None,
+  on_start=None,
+  cwd=None,
+  port: int = 0,
+) -> int:
   """Runs `python -m module args --jax_distributed ...` N times; returns the first non-zero exit code
   (a signal's -k as 128 + k), 128 + k after signal k to the launcher, 0 when every worker succeeds.
 
@@ -235,9 +256,11 @@ def launch(num_processes: int, args: list[str], module: str = "experiments.train
   check_args(num_processes, cpu_devices, grace_s, port)
   out = out or sys.stdout
   if num_processes > (cores := usable_cores()):
-    out.write(f"[launch] warning: --num_processes={num_processes} exceeds the {cores} CPU core"
-              f"{'s' if cores > 1 else ''} this launcher may use: the workers share them (each runs slower); "
-              f"running anyway\n")
+    out.write(
+      f"[launch] warning: --num_processes={num_processes} exceeds the {cores} CPU core"
+      f"{'s' if cores > 1 else ''} this launcher may use: the workers share them (each runs slower); "
+      f"running anyway\n"
+    )
   address = f"127.0.0.1:{port or free_port()}"
   platform = resolve_platform(platform)
   procs, threads, clues = [], [], _Clues()
@@ -247,17 +270,33 @@ def launch(num_processes: int, args: list[str], module: str = "experiments.train
       for i in range(num_processes):
         if signals.got:
           break
-        cmd = [sys.executable, "-m", module, *args, "--jax_distributed", f"--coordinator_address={address}",
-               f"--num_processes={num_processes}", f"--process_id={i}", f"--cpu_devices={cpu_devices}"]
+        cmd = [
+          sys.executable,
+          "-m",
+          module,
+          *args,
+          "--jax_distributed",
+          f"--coordinator_address={address}",
+          f"--num_processes={num_processes}",
+          f"--process_id={i}",
+          f"--cpu_devices={cpu_devices}",
+        ]
         # A session of its own: the launcher, not the terminal, decides when a worker dies.
-        p = subprocess.Popen(cmd, env=child_env(cpu_devices, platform, i), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT,
-                             start_new_session=True, cwd=cwd)
+        p = subprocess.Popen(
+          cmd,
+          env=child_env(cpu_devices, platform, i),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,
+          cwd=cwd,
+        )
         procs.append(p)
         t = threading.Thread(target=_stream, args=(i, p.stdout, out, clues), daemon=True)
         t.start()
         threads.append(t)
-      out.write(f"[launch] {num_processes} workers on {address} ({platform}), pids {[p.pid for p in procs]}\n")
+      out.write(
+        f"[launch] {num_processes} workers on {address} ({platform}), pids {[p.pid for p in procs]}\n"
+      )
       out.flush()
       if on_start and not signals.got:
         on_start([p.pid for p in procs])
@@ -267,15 +306,19 @@ def launch(num_processes: int, args: list[str], module: str = "experiments.train
         if failed:
           first = failed[0]
           threads[first[0]].join(timeout=2)  # its last lines (why it failed) read to the end
-          out.write(f"[launch] {failure_line(first, procs, clues, address)}; stopping the others "
-                    f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n")
+          out.write(
+            f"[launch] {failure_line(first, procs, clues, address)}; stopping the others "
+            f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n"
+          )
           break
         if None not in codes:
           break
         time.sleep(0.1)
       if signals.got and not first:
-        out.write(f"[launch] received {signal.Signals(signals.got[0]).name}; stopping the workers "
-                  f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n")
+        out.write(
+          f"[launch] received {signal.Signals(signals.got[0]).name}; stopping the workers "
+          f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n"
+        )
       out.flush()
     finally:  # whatever happened above, no worker outlives launch()
       seen = len(signals.got)

@@ -1,5 +1,6 @@
 """Fault injection at a fixed point of a run (runtime.fail_worker/fail_step, fail_stage/fail_tick):
 the kill lands after a checkpoint this process has really saved."""
+
 import os
 import signal
 
@@ -22,6 +23,5 @@ def fail_now(log: RunLog, saved, step: int) -> None:
     log.wait()
     if saved is not None and saved not in ckpt_lib.restorable_steps(log.mgr):
       raise RuntimeError(f"runtime.fail_worker: checkpoint {saved} was not committed before the kill")
-  logging.warning("runtime.fail_worker: worker %d kills itself at local step %d", jax.process_index(),
-                  step)
+  logging.warning("runtime.fail_worker: worker %d kills itself at local step %d", jax.process_index(), step)
   os.kill(os.getpid(), signal.SIGKILL)

@@ -12,6 +12,7 @@ and found unusable, once an older one restored everywhere; its other newer steps
 deleted (another process's are its own business). When steps exist somewhere and no candidate
 restores everywhere, every process refuses (ResumeRefused) and nothing is deleted.
 """
+
 from absl import logging
 
 from ripples_jax.runlog import ResumeRefused, RunLog
@@ -26,19 +27,24 @@ def exchange(kv, name: str, me: int, n: int, value: str, timeout_s: float) -> li
   return [kv.blocking_key_value_get(f"{KEY}/{name}/{w}", int(timeout_s * 1000)) for w in range(n)]
 
 
-def restore_common(log: RunLog, kv, me: int, n: int, like, timeout_s: float, resumable: bool = True,
-                   what: str = "process"):
+def restore_common(
+  log: RunLog, kv, me: int, n: int, like, timeout_s: float, resumable: bool = True, what: str = "process"
+):
   """(step, state, cursor) from the newest step every process restores, or None (a fresh start:
   no process holds a checkpoint). `resumable=False`: an executor without mid-run checkpoints, which
   refuses a workdir holding any rather than start over them."""
   mine = log.committed()
-  held = [{int(v) for v in s.split() if v != "-"}
-          for s in exchange(kv, "held", me, n, " ".join(map(str, mine)) or "-", timeout_s)]
+  held = [
+    {int(v) for v in s.split() if v != "-"}
+    for s in exchange(kv, "held", me, n, " ".join(map(str, mine)) or "-", timeout_s)
+  ]
   anyone = any(held)
   if anyone and not resumable:
-    raise ResumeRefused(f"--workdir: {log.workdir!r} is not allowed: it holds checkpoints of an earlier run "
-                        f"({log.ckpt_dir}: {sorted(held[me]) or 'none'}) and this algorithm does not resume "
-                        "from them; nothing was deleted; use another --workdir or move its ckpt/ aside")
+    raise ResumeRefused(
+      f"--workdir: {log.workdir!r} is not allowed: it holds checkpoints of an earlier run "
+      f"({log.ckpt_dir}: {sorted(held[me]) or 'none'}) and this algorithm does not resume "
+      "from them; nothing was deleted; use another --workdir or move its ckpt/ aside"
+    )
   unusable, reasons = [], {}
   for r, step in enumerate(sorted(set.intersection(*held), reverse=True)):
     got = log.try_restore(step, like)
@@ -49,16 +55,22 @@ def restore_common(log: RunLog, kv, me: int, n: int, like, timeout_s: float, res
     if all(v == "ok" for v in verdicts):
       return log.resume_from(step, *got, unusable=unusable)
     bad = [w for w, v in enumerate(verdicts) if v != "ok"]
-    logging.warning("checkpoint %d: %s %s cannot restore it; trying the previous one every %s holds",
-                    step, what, bad, what)
+    logging.warning(
+      "checkpoint %d: %s %s cannot restore it; trying the previous one every %s holds", step, what, bad, what
+    )
   if anyone:
     listing = "; ".join(f"{what} {w}: {sorted(h) or 'none'}" for w, h in enumerate(held))
     changed = differences(log.saved_identity(mine[0]), log.identity) if mine else []
-    why = (f"the config changed ({'; '.join(changed)}) and its arrays do not fit this config" if changed
-           else f"no checkpoint every {what} can restore")
+    why = (
+      f"the config changed ({'; '.join(changed)}) and its arrays do not fit this config"
+      if changed
+      else f"no checkpoint every {what} can restore"
+    )
     here = f"; here {max(reasons)}: {reasons[max(reasons)]}" if reasons else ""
-    raise ResumeRefused(f"--workdir: {log.workdir!r} is not allowed: {why} ({listing}{here}); nothing was "
-                        f"deleted; rerun with the config that wrote them, move {log.workdir}/ckpt aside to "
-                        "start afresh, or use another --workdir")
+    raise ResumeRefused(
+      f"--workdir: {log.workdir!r} is not allowed: {why} ({listing}{here}); nothing was "
+      f"deleted; rerun with the config that wrote them, move {log.workdir}/ckpt aside to "
+      "start afresh, or use another --workdir"
+    )
   log.start_fresh()
   return None

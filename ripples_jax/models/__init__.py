@@ -8,6 +8,7 @@ closed over by the caller's jitted function.
   params, state = init_model(model, jax.random.key(0), x[:1])
   logits, state = apply_model(model, params, state, x, train=True)
 """
+
 import functools
 from typing import Any
 
@@ -21,14 +22,14 @@ from ripples_jax.models.simple import CNN1D, CNN2D, MLP
 MODEL_NAMES = ("mlp", "mlp_gelu", "cnn1d", "cnn2d", "resnet20", "resnet56")
 
 _BUILDERS = {
-    "mlp": MLP,
-    # Smooth activations: rounding differences stay rounding-sized along a trajectory (no ReLU kink
-    # to flip), so two orders of the same computation can be compared tightly (tests/test_runtime).
-    "mlp_gelu": functools.partial(MLP, activation=nn.gelu),
-    "cnn1d": CNN1D,
-    "cnn2d": CNN2D,
-    "resnet20": ResNet20,
-    "resnet56": ResNet56,
+  "mlp": MLP,
+  # Smooth activations: rounding differences stay rounding-sized along a trajectory (no ReLU kink
+  # to flip), so two orders of the same computation can be compared tightly (tests/test_runtime).
+  "mlp_gelu": functools.partial(MLP, activation=nn.gelu),
+  "cnn1d": CNN1D,
+  "cnn2d": CNN2D,
+  "resnet20": ResNet20,
+  "resnet56": ResNet56,
 }
 
 
@@ -50,8 +51,7 @@ def init_model(model: nn.Module, rng, sample_x) -> tuple[dict, dict]:
   return params, variables
 
 
-def apply_model(model: nn.Module, params, model_state: dict, x, train: bool
-                ) -> tuple[Any, dict]:
+def apply_model(model: nn.Module, params, model_state: dict, x, train: bool) -> tuple[Any, dict]:
   """Returns (logits, new_model_state). Pure, so it can be jitted and vmapped.
 
   In train mode with batch_stats, BatchNorm uses batch statistics and the running
@@ -71,6 +71,15 @@ def num_params(params) -> int:
 
 
 __all__ = [
-    "MODEL_NAMES", "build_model", "init_model", "apply_model", "num_params",
-    "MLP", "CNN1D", "CNN2D", "CifarResNet", "ResNet20", "ResNet56",
+  "MODEL_NAMES",
+  "build_model",
+  "init_model",
+  "apply_model",
+  "num_params",
+  "MLP",
+  "CNN1D",
+  "CNN2D",
+  "CifarResNet",
+  "ResNet20",
+  "ResNet56",
 ]

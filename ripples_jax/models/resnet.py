@@ -5,6 +5,7 @@ option A (as in the paper's CIFAR runs): identity, and where the shape changes,
 stride-2 subsampling plus zero-padded channels, so shortcuts add no parameters.
 ResNet-20 has 269,722 params (10 classes), the paper's "0.27M".
 """
+
 import functools
 
 import flax.linen as nn
@@ -12,8 +13,8 @@ import jax.numpy as jnp
 
 # He-normal init for convs, as in the paper; fan_in as in common PyTorch ports.
 _conv = functools.partial(
-    nn.Conv, kernel_size=(3, 3), padding="SAME", use_bias=False,
-    kernel_init=nn.initializers.he_normal())
+  nn.Conv, kernel_size=(3, 3), padding="SAME", use_bias=False, kernel_init=nn.initializers.he_normal()
+)
 # PyTorch's defaults (momentum 0.1 there == 0.9 here), to match reference runs.
 _bn = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
 
@@ -30,6 +31,7 @@ def _shortcut_a(x, features: int, stride: int):
 
 class BasicBlock(nn.Module):
   """conv-BN-ReLU-conv-BN, add shortcut, ReLU."""
+
   features: int
   stride: int = 1
 
@@ -44,6 +46,7 @@ class BasicBlock(nn.Module):
 
 class CifarResNet(nn.Module):
   """CIFAR ResNet of the given depth; depth must be 6n + 2 (20, 32, 44, 56, 110)."""
+
   num_classes: int
   depth: int = 20
   widths: tuple = (16, 32, 64)

@@ -2,6 +2,7 @@
 
 All take `train` in `__call__` (ignored here) so callers treat every model alike.
 """
+
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 class MLP(nn.Module):
   """Flattens the input, then dense layers with `activation` (ReLU) and a linear classifier."""
+
   num_classes: int
   hidden: Sequence[int] = (256, 256)
   activation: Callable = nn.relu
@@ -33,7 +35,7 @@ def conv1d_patches(x, kernel_size: int, stride: int):
   pad = max((out - 1) * stride + kernel_size - length, 0)
   x = jnp.pad(x, ((0, 0), (pad // 2, pad - pad // 2), (0, 0)))  # As SAME pads.
   span = (out - 1) * stride + 1
-  return jnp.concatenate([x[:, i:i + span:stride] for i in range(kernel_size)], axis=-1)
+  return jnp.concatenate([x[:, i : i + span : stride] for i in range(kernel_size)], axis=-1)
 
 
 class CNN1D(nn.Module):
@@ -48,6 +50,7 @@ class CNN1D(nn.Module):
   a batched matmul instead of a grouped conv, and on XLA:CPU it stays fast inside
   lax.scan, where an nn.Conv train step runs ~7x slower (measured, 8 workers).
   """
+
   num_classes: int
   features: Sequence[int] = (32, 32, 32)
   kernel_size: int = 5
@@ -70,6 +73,7 @@ class CNN2D(nn.Module):
   Works on 8x8x1 digits (~53K params) and 32x32x3 CIFAR (~0.55M params, nearly all
   in the first dense layer, which sees the flattened 8x8x64 map).
   """
+
   num_classes: int
   features: Sequence[int] = (32, 64)
   hidden: int = 128

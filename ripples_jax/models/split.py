@@ -28,6 +28,7 @@ the one with the most cuts at ResNet stage boundaries (before each stride-2
 block), then the smallest bottleneck. ResNet-20/56 at K=3 thus split exactly
 into the stem + stage 1, stage 2, stage 3 + head.
 """
+
 import functools
 import math
 from typing import Callable, Sequence
@@ -43,8 +44,12 @@ from ripples_jax.models.simple import conv1d_patches
 # Per-example input used for the cost estimate when none is given: each model's
 # natural dataset (MNIST-1D, 8x8 digits, CIFAR-10). Pass `sample_shape` otherwise.
 DEFAULT_SAMPLE_SHAPES = {
-    "mlp": (40, 1), "mlp_gelu": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1),
-    "resnet20": (32, 32, 3), "resnet56": (32, 32, 3),
+  "mlp": (40, 1),
+  "mlp_gelu": (40, 1),
+  "cnn1d": (40, 1),
+  "cnn2d": (8, 8, 1),
+  "resnet20": (32, 32, 3),
+  "resnet56": (32, 32, 3),
 }
 # A split may be this much more expensive than the best one to cut at ResNet stage boundaries.
 PREFERRED_CUT_SLACK = 0.1
@@ -55,10 +60,11 @@ PREFERRED_CUT_SLACK = 0.1
 
 class DenseUnit(nn.Module):
   """Flatten, Dense, the activation (ReLU; none on the head): an MLP layer, a CNN hidden layer or head."""
+
   features: int
   layer: str
-  relu: bool = True                  # False: no activation (the head)
-  activation: Callable = nn.relu     # the MLP's own (mlp_gelu: GELU)
+  relu: bool = True  # False: no activation (the head)
+  activation: Callable = nn.relu  # the MLP's own (mlp_gelu: GELU)
 
   @nn.compact
   def __call__(self, x, train: bool = False):
@@ -69,6 +75,7 @@ class DenseUnit(nn.Module):
 
 class Conv1DUnit(nn.Module):
   """One CNN1D conv: SAME patches + Dense (the model's im2col conv), ReLU."""
+
   features: int
   kernel_size: int
   stride: int
@@ -85,6 +92,7 @@ class Conv1DUnit(nn.Module):
 
 class Conv2DUnit(nn.Module):
   """One CNN2D stage: conv3x3, ReLU, maxpool 2."""
+
   features: int
   layer: str
 
@@ -99,6 +107,7 @@ class Conv2DUnit(nn.Module):
 
 class ResNetStem(nn.Module):
   """The CIFAR ResNet's first conv, BN, ReLU."""
+
   features: int
 
   @nn.compact
@@ -109,6 +118,7 @@ class ResNetStem(nn.Module):
 
 class ResNetBlock(nn.Module):
   """One BasicBlock of the ResNet, under its name in the unsplit model."""
+
   features: int
   stride: int
   layer: str
@@ -120,6 +130,7 @@ class ResNetBlock(nn.Module):
 
 class ResNetHead(nn.Module):
   """Global average pooling, then the classifier."""
+
   num_classes: int
 
   @nn.compact
@@ -130,6 +141,7 @@ class ResNetHead(nn.Module):
 
 class Stage(nn.Module):
   """Consecutive units applied in order; `train` goes to each."""
+
   units: Sequence[nn.Module]
 
   @nn.compact
@@ -152,16 +164,18 @@ def model_units(name: str, num_classes: int, **kw) -> list[nn.Module]:
   model = build_model(name, num_classes, **kw)
   if name in ("mlp", "mlp_gelu"):
     sizes = list(model.hidden) + [num_classes]
-    return [DenseUnit(h, f"Dense_{i}", relu=i < len(model.hidden), activation=model.activation)
-            for i, h in enumerate(sizes)]
+    return [
+      DenseUnit(h, f"Dense_{i}", relu=i < len(model.hidden), activation=model.activation)
+      for i, h in enumerate(sizes)
+    ]
   if name == "cnn1d":
-    convs = [Conv1DUnit(f, model.kernel_size, model.stride, f"Dense_{i}")
-             for i, f in enumerate(model.features)]
+    convs = [
+      Conv1DUnit(f, model.kernel_size, model.stride, f"Dense_{i}") for i, f in enumerate(model.features)
+    ]
     return convs + [DenseUnit(num_classes, f"Dense_{len(convs)}", relu=False)]
   if name == "cnn2d":
     convs = [Conv2DUnit(f, f"Conv_{i}") for i, f in enumerate(model.features)]
-    return convs + [DenseUnit(model.hidden, "Dense_0"),
-                    DenseUnit(num_classes, "Dense_1", relu=False)]
+    return convs + [DenseUnit(model.hidden, "Dense_0"), DenseUnit(num_classes, "Dense_1", relu=False)]
   if name in ("resnet20", "resnet56"):
     n = (model.depth - 2) // 6
     blocks = []
@@ -197,14 +211,14 @@ def unit_costs(units: Sequence[nn.Module], sample_shape: tuple) -> list[int]:
       return y
 
     with nn.intercept_methods(count):
-      x = jax.eval_shape(
-          lambda x, u=unit: u.init_with_output(jax.random.key(0), x, train=False)[0], x)
+      x = jax.eval_shape(lambda x, u=unit: u.init_with_output(jax.random.key(0), x, train=False)[0], x)
     costs.append(int(sum(macs)))
   return costs
 
 
-def partition(costs: Sequence[float], num_stages: int, preferred: Sequence[int] = (),
-              slack: float = PREFERRED_CUT_SLACK) -> list[tuple[int, int]]:
+def partition(
+  costs: Sequence[float], num_stages: int, preferred: Sequence[int] = (), slack: float = PREFERRED_CUT_SLACK
+) -> list[tuple[int, int]]:
   """Contiguous [start, stop) unit ranges for K stages; see the module doc for the rule.
 
   `preferred` are unit indices worth starting a stage at. Two dynamic programs
@@ -255,8 +269,9 @@ def _preferred_cuts(units) -> list[int]:
   return [i for i, u in enumerate(units) if isinstance(u, ResNetBlock) and u.stride > 1]
 
 
-def split_model(name: str, num_classes: int, num_stages: int, *,
-                sample_shape: tuple | None = None, **kw) -> list[Stage]:
+def split_model(
+  name: str, num_classes: int, num_stages: int, *, sample_shape: tuple | None = None, **kw
+) -> list[Stage]:
   """The model `name` as `num_stages` Stages, balanced by FLOPs (see module doc).
 
   `sample_shape` is one example's input shape for the cost estimate (default:
@@ -310,5 +325,4 @@ def params_from_model(name: str, model_params, stages_params) -> list[dict]:
 
 def params_to_model(stages_params) -> dict:
   """The inverse of `params_from_model`: the stages' layers merged under their model names."""
-  return {layer: tree for stage in stages_params for unit in stage.values()
-          for layer, tree in unit.items()}
+  return {layer: tree for stage in stages_params for unit in stage.values() for layer, tree in unit.items()}

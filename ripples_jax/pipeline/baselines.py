@@ -16,6 +16,7 @@ x_t is batch t (zeros once every batch is in, during a tick's drain), y_t the la
 t - offset, where `schedule_of(config)` gives offset = F_{K-1} and the drain (None for a whole-model
 step: one batch a step, offset and drain 0).
 """
+
 import functools
 
 import jax
@@ -44,8 +45,9 @@ def update_stages(optimizer, state, grads_K, model_state_K):
   new = []
   for st, g, ms in zip(state, grads_K, model_state_K):
     updates, opt_state = optimizer.update(g, st["opt_state"], st["params"])
-    new.append(dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
-                    model_state=ms))
+    new.append(
+      dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state, model_state=ms)
+    )
   return new
 
 
@@ -60,7 +62,8 @@ def make_bp_step(stages, optimizer):
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, x, y):
     (loss, (ms_K, acc)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        [st["params"] for st in state], [st["model_state"] for st in state], x, y)
+      [st["params"] for st in state], [st["model_state"] for st in state], x, y
+    )
     return update_stages(optimizer, state, grads, ms_K), (loss, acc)
 
   return step
@@ -103,10 +106,14 @@ def make_gpipe_step(stages, optimizer, microbatches: int):
 def make_eval(stages):
   @jax.jit
   def evaluate(state, x, y):
-    logits, _ = compose(stages, [st["params"] for st in state], [st["model_state"] for st in state], x,
-                        train=False)
-    return (jnp.mean(jnp.argmax(logits, -1) == y),
-            optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
+    logits, _ = compose(
+      stages, [st["params"] for st in state], [st["model_state"] for st in state], x, train=False
+    )
+    return (
+      jnp.mean(jnp.argmax(logits, -1) == y),
+      optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+    )
+
   return evaluate
 
 
@@ -122,15 +129,24 @@ def init_dni(stages, optimizer, predictor_opt, rng, sample_x, num_classes: int) 
   state = init_pipeline(stages, optimizer, method_schedule("bp", len(stages)), rng, sample_x)
   x = jnp.asarray(sample_x)
   for k, (stage, st) in enumerate(zip(stages, state)):
-    y = jax.eval_shape(lambda p, m, x: apply_model(stage, p, m, x, train=False)[0],
-                       st["params"], st["model_state"], x)
+    y = jax.eval_shape(
+      lambda p, m, x: apply_model(stage, p, m, x, train=False)[0], st["params"], st["model_state"], x
+    )
     if k < len(stages) - 1:
       d = int(np.prod(y.shape[1:]))
-      sg = {"kernel": jnp.zeros((d, d), y.dtype), "label_kernel": jnp.zeros((num_classes, d), y.dtype),
-            "bias": jnp.zeros((d,), y.dtype)}
-      st.update(sg=sg, sg_opt_state=predictor_opt.init(sg), last_out=jnp.zeros(y.shape, y.dtype),
-                last_true=jnp.zeros(y.shape, y.dtype), last_y=jnp.zeros(y.shape[0], jnp.int32),
-                has_last=jnp.array(False))
+      sg = {
+        "kernel": jnp.zeros((d, d), y.dtype),
+        "label_kernel": jnp.zeros((num_classes, d), y.dtype),
+        "bias": jnp.zeros((d,), y.dtype),
+      }
+      st.update(
+        sg=sg,
+        sg_opt_state=predictor_opt.init(sg),
+        last_out=jnp.zeros(y.shape, y.dtype),
+        last_true=jnp.zeros(y.shape, y.dtype),
+        last_y=jnp.zeros(y.shape[0], jnp.int32),
+        has_last=jnp.array(False),
+      )
     x = jnp.zeros(y.shape, y.dtype)
   return state
 
@@ -162,11 +178,14 @@ def make_dni_step(stages, optimizer, predictor_opt):
       logits, ms = apply_model(stages[K - 1], p, top["model_state"], x_in, train=True)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == y))
+
     (loss, (ms, acc)), (g_p, down) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        top["params"], ins[K - 1])
+      top["params"], ins[K - 1]
+    )
     updates, opt_state = optimizer.update(g_p, top["opt_state"], top["params"])
-    state[K - 1] = dict(top, params=optax.apply_updates(top["params"], updates), opt_state=opt_state,
-                        model_state=ms)
+    state[K - 1] = dict(
+      top, params=optax.apply_updates(top["params"], updates), opt_state=opt_state, model_state=ms
+    )
     for k in reversed(range(K - 1)):
       st = state[k]
       # Train the predictor on the pair that arrived: last iteration's output and its true gradient.
@@ -177,19 +196,33 @@ def make_dni_step(stages, optimizer, predictor_opt):
       def sg_loss(sg):
         err = _predict(sg, st["last_out"], st["last_y"]) - n * st["last_true"]
         return 0.5 * jnp.mean(jnp.sum(jnp.square(err).reshape(n, -1), axis=1))
+
       sg_grads = jax.grad(sg_loss)(st["sg"])
       sg_updates, sg_opt_state = predictor_opt.update(sg_grads, st["sg_opt_state"], st["sg"])
-      sg = jax.tree.map(lambda new, old: jnp.where(st["has_last"], new, old),
-                        optax.apply_updates(st["sg"], sg_updates), st["sg"])
+      sg = jax.tree.map(
+        lambda new, old: jnp.where(st["has_last"], new, old),
+        optax.apply_updates(st["sg"], sg_updates),
+        st["sg"],
+      )
       # Update the stage at once from the synthetic gradient of its output.
-      out, pullback = jax.vjp(lambda p, xi: apply_model(stages[k], p, st["model_state"], xi, train=True),
-                              st["params"], ins[k])
+      out, pullback = jax.vjp(
+        lambda p, xi: apply_model(stages[k], p, st["model_state"], xi, train=True), st["params"], ins[k]
+      )
       synthetic = _predict(sg, out[0], y) / out[0].shape[0]
       g_p, g_in = pullback((synthetic, jax.tree.map(jnp.zeros_like, out[1])))
       updates, opt_state = optimizer.update(g_p, st["opt_state"], st["params"])
-      state[k] = dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state,
-                      model_state=out[1], sg=sg, sg_opt_state=sg_opt_state, last_out=out[0],
-                      last_true=down, last_y=y, has_last=jnp.array(True))
+      state[k] = dict(
+        st,
+        params=optax.apply_updates(st["params"], updates),
+        opt_state=opt_state,
+        model_state=out[1],
+        sg=sg,
+        sg_opt_state=sg_opt_state,
+        last_out=out[0],
+        last_true=down,
+        last_y=y,
+        has_last=jnp.array(True),
+      )
       down = g_in
     return state, (loss, acc)
 
@@ -212,7 +245,7 @@ def schedule_of(config) -> Schedule | None:
 
 def _devices(config):
   """One device per stage with placement=per_stage (tick methods only), else None: one jitted tick."""
-  return jax.devices()[:config.num_stages] if config.placement == "per_stage" else None
+  return jax.devices()[: config.num_stages] if config.placement == "per_stage" else None
 
 
 def _per_batch(step):
@@ -253,10 +286,10 @@ def _tick_step(stages, optimizer, config, num_batches):
 
 # name: (init_fn, step_fn), in the order of config.DSP_METHODS and timing.METHODS.
 METHODS = {
-    "bp": (_init_whole, _bp_step),
-    "gpipe": (_init_whole, _gpipe_step),
-    "ddg": (_init_tick, _tick_step),
-    "fr": (_init_tick, _tick_step),
-    "dni": (_init_dni, _dni_step),
-    "dsp": (_init_tick, _tick_step),
+  "bp": (_init_whole, _bp_step),
+  "gpipe": (_init_whole, _gpipe_step),
+  "ddg": (_init_tick, _tick_step),
+  "fr": (_init_tick, _tick_step),
+  "dni": (_init_dni, _dni_step),
+  "dsp": (_init_tick, _tick_step),
 }

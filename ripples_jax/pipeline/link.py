@@ -14,12 +14,15 @@ receiver's piece is ignored (zeros of the shape), and the receiver gets the payl
 Ordering, the only thing that keeps the chain free of deadlock (a collective blocks until both ends
 arrive; gloo has no timeout once connected): on every link both ends issue the same sequence of
 transfers, and within a tick every stage handles its lower link before its upper one, so the chain
-resolves from stage 0 upwards (docs/design.md 4.5). The watchdog (distributed/coord.py) names a stage that died.
+resolves from stage 0 upwards (docs/design.md 4.5). The watchdog (distributed/coord.py) names a stage that
+died.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXIS = "link"
 _PERMS = {"up": [(0, 1)], "down": [(1, 0)], "swap": [(0, 1), (1, 0)]}
@@ -36,7 +39,7 @@ class Link:
   def __init__(self, j: int, me: int, shape, dtype):
     if me not in (j, j + 1):
       raise ValueError(f"stage {me} is not on link {j}")
-    self.j, self.side = j, me - j                  # side 0: the stage below, 1: the stage above
+    self.j, self.side = j, me - j  # side 0: the stage below, 1: the stage above
     self.shape, self.dtype = tuple(shape), jnp.dtype(dtype)
     self.mesh = Mesh(np.array([stage_device(j), stage_device(j + 1)]), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
@@ -49,8 +52,11 @@ class Link:
     if kind not in self._fns:
       perm = _PERMS[kind]
       # One program per kind; the receiver of a one-way transfer gets the payload, the sender zeros.
-      self._fns[kind] = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, AXIS, perm), mesh=self.mesh,
-                                              in_specs=P(AXIS), out_specs=P(AXIS)))
+      self._fns[kind] = jax.jit(
+        jax.shard_map(
+          lambda x: jax.lax.ppermute(x, AXIS, perm), mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS)
+        )
+      )
     return self._fns[kind]
 
   def _run(self, kind: str, mine):

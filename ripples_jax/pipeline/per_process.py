@@ -24,6 +24,7 @@ Invariants:
   Evaluation passes the test set up the stages after the same tick everywhere; its seconds are kept out
   of the training clock.
 """
+
 import collections
 import dataclasses
 import functools
@@ -39,17 +40,17 @@ from absl import logging
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from ripples_jax.errors import ConfigError
-from ripples_jax.distributed import resume as resume_lib
 from ripples_jax import setup as setup_lib
-from ripples_jax.models import apply_model
+from ripples_jax.distributed import coord
+from ripples_jax.distributed import resume as resume_lib
+from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.distributed.host import pin_threads
+from ripples_jax.distributed.markers import fail_now
+from ripples_jax.errors import ConfigError
+from ripples_jax.models import apply_model
 from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline.link import Link, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
-from ripples_jax.distributed import coord
-from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
-from ripples_jax.distributed.markers import fail_now
 
 
 def process_schedule(config) -> tick_lib.Schedule | None:
@@ -69,9 +70,10 @@ def process_schedule(config) -> tick_lib.Schedule | None:
 @dataclasses.dataclass
 class Loop:
   """Where this stage stands; (tick, time) is the checkpoint's cursor."""
-  tick: int = 0          # the next tick (gpipe: the next batch)
-  time: float = 0.0      # training seconds before it, evaluation excluded (carried over a resume)
-  eval_s: float = 0.0    # seconds spent evaluating (not training time)
+
+  tick: int = 0  # the next tick (gpipe: the next batch)
+  time: float = 0.0  # training seconds before it, evaluation excluded (carried over a resume)
+  eval_s: float = 0.0  # seconds spent evaluating (not training time)
 
 
 class Clock:
@@ -120,10 +122,12 @@ def compiled_memory(fn, args) -> dict | None:
 def _drop(fn, index: int):
   """fn with output `index` replaced by None: stage 0's dL/d(input) is not needed, and XLA then never
   computes it (single-process BP does not either)."""
+
   def wrapped(*args):
     out = list(fn(*args))
     out[index] = None
     return tuple(out)
+
   return wrapped
 
 
@@ -138,25 +142,36 @@ class Stage:
     self.clock = Clock()
     self.boundary_bytes = 0  # gpipe: the micro-batch boundary inputs it keeps during an iteration
     k, stage, sch = self.k, stages[self.k], self.schedule
-    full = tick_lib.init_pipeline(stages, optimizer, sch or tick_lib.method_schedule("bp", self.K),
-                                  jax.random.key(config.seed), sample_x)
+    full = tick_lib.init_pipeline(
+      stages, optimizer, sch or tick_lib.method_schedule("bp", self.K), jax.random.key(config.seed), sample_x
+    )
     st = full[k]
     if sch is None or (sch.mode == "residuals" and not self.last):
       # gpipe keeps its micro-batch inputs during an iteration only; residuals hold their input
       st = {key: v for key, v in st.items() if key != "in_ring"}
     if st["model_state"] and sch is not None and sch.mode == "fused":
-      raise ConfigError(f"mode: fused is not allowed with {config.model}: it has a model state "
-                        "(BatchNorm), whose batch statistics would mix the two batches of the fused call")
+      raise ConfigError(
+        f"mode: fused is not allowed with {config.model}: it has a model state "
+        "(BatchNorm), whose batch statistics would mix the two batches of the fused call"
+      )
     if st["model_state"] and config.chunks > 1:
-      raise ConfigError(f"chunks: {config.chunks} is not allowed with {config.model}: it has a model state "
-                        "(BatchNorm), whose batch statistics would be per chunk")
+      raise ConfigError(
+        f"chunks: {config.chunks} is not allowed with {config.model}: it has a model state "
+        "(BatchNorm), whose batch statistics would be per chunk"
+      )
     self.state = jax.device_put(st, self.device)
     # The shape of every boundary: stage j's input, for the training batch and for the test set.
     ins = [np.zeros(s["in_ring"].shape[1:], s["in_ring"].dtype) for s in full]
     test_in = [jax.ShapeDtypeStruct(test_x.shape, test_x.dtype)]
     for j in range(self.K - 1):
-      test_in.append(jax.eval_shape(lambda p, m, x, j=j: apply_model(stages[j], p, m, x, train=False)[0],
-                                    full[j]["params"], full[j]["model_state"], test_in[-1]))
+      test_in.append(
+        jax.eval_shape(
+          lambda p, m, x, j=j: apply_model(stages[j], p, m, x, train=False)[0],
+          full[j]["params"],
+          full[j]["model_state"],
+          test_in[-1],
+        )
+      )
     # Link j carries stage j + 1's input: the whole batch, GPipe's micro-batch, the test set.
     M = config.microbatches
     micro = lambda a: np.zeros((a.shape[0] // M,) + a.shape[1:], a.dtype)
@@ -168,8 +183,9 @@ class Stage:
     self.ring = collections.deque()
     if sch is not None and sch.mode == "residuals" and not self.last:
       # S_k placeholders (the warm-up's backwards are masked); the forward's vjp fixes the ring's shape.
-      _, pb, ms = self.res_fwd(self.state["params"], self.state["model_state"],
-                               jax.device_put(jnp.asarray(ins[k]), self.device))
+      _, pb, ms = self.res_fwd(
+        self.state["params"], self.state["model_state"], jax.device_put(jnp.asarray(ins[k]), self.device)
+      )
       self.ring.extend([(pb, ms)] * sch.staleness[k])
 
   def _compile_programs(self, stage, optimizer):
@@ -178,11 +194,13 @@ class Stage:
     first = k == 0
     if sch is not None:
       chunks = self.config.chunks if sch.mode == "residuals" else 1
-      bwd = lambda st, cot, labels, t: tick_lib.stage_backward(stage, optimizer, sch, k, st, cot, labels, t, n,
-                                                               chunks)
+      bwd = lambda st, cot, labels, t: tick_lib.stage_backward(
+        stage, optimizer, sch, k, st, cot, labels, t, n, chunks
+      )
       fused = lambda st, x, cot, t: tick_lib.stage_fused(stage, optimizer, sch, k, st, x, cot, t, n)
-      res_bwd = lambda st, pb, ms, cot, t: tick_lib.stage_backward_residuals(optimizer, sch, k, st, pb, ms,
-                                                                              cot, t, n)
+      res_bwd = lambda st, pb, ms, cot, t: tick_lib.stage_backward_residuals(
+        optimizer, sch, k, st, pb, ms, cot, t, n
+      )
       self.fwd = jax.jit(functools.partial(tick_lib.stage_forward, stage, sch, k))
       self.bwd = jax.jit(_drop(bwd, 1) if first else bwd)
       self.fused = jax.jit(_drop(fused, 2) if first else fused)
@@ -199,6 +217,7 @@ class Stage:
         logits, new_ms = apply_model(stage, p, ms, x, train=True)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
         return loss, (jnp.mean(jnp.argmax(logits, -1) == y), new_ms)
+
       (loss, (acc, new_ms)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(p, x)
       return (loss, acc, new_ms), g_p, g_x
 
@@ -226,7 +245,7 @@ class Stage:
     if k == 0:
       x_in = x_t
     elif f[k - 1] == 0:
-      x_in = self.link(self.lower.up)    # locked forward: this tick's output of the stage below
+      x_in = self.link(self.lower.up)  # locked forward: this tick's output of the stage below
     else:
       x_in = st["fwd_fifo"][0]
     metrics = y = g_x = None
@@ -243,7 +262,7 @@ class Stage:
         self.link(self.upper.up, y)
       cot = None if last else (self.link(self.upper.down) if b[k] == 0 else st["bwd_fifo"][0])
       if residuals:
-        pb, ms = self.ring.popleft()     # the forward of tick t - S_k
+        pb, ms = self.ring.popleft()  # the forward of tick t - S_k
         st, g_x = c.run("backward", self.res_bwd, st, pb, ms, cot, t)
       else:
         st, g_x, metrics = c.run("backward", self.bwd, st, cot, y_t, t)
@@ -331,8 +350,10 @@ class Stage:
       self.eval_upper.up(h)
       return None
     y = jax.device_put(y_test, self.device)
-    return (float(jnp.mean(jnp.argmax(h, -1) == y)),
-            float(optax.softmax_cross_entropy_with_integer_labels(h, y).mean()))
+    return (
+      float(jnp.mean(jnp.argmax(h, -1) == y)),
+      float(optax.softmax_cross_entropy_with_integer_labels(h, y).mean()),
+    )
 
   # -- what a checkpoint holds ----------------------------------------------------------------------------
 
@@ -372,14 +393,18 @@ def _per_process(K: int, device):
   mesh = Mesh(np.array([[stage_device(j)] for j in range(K)]), (WORKER, LOCAL))
   local = SingleDeviceSharding(device)
   # The saver thread hands host copies: back on the stage's device first.
-  return (jax.process_index(), lambda tree: jax.tree.map(lambda a: to_global(jax.device_put(a, local), mesh), tree),
-          lambda tree: jax.tree.map(lambda a: to_local(a, local), tree))
+  return (
+    jax.process_index(),
+    lambda tree: jax.tree.map(lambda a: to_global(jax.device_put(a, local), mesh), tree),
+    lambda tree: jax.tree.map(lambda a: to_local(a, local), tree),
+  )
 
 
 def _resume(sp: Stage, log: RunLog, kv) -> Loop:
   """The newest tick every stage can restore (a consistent cut; distributed.resume), or a fresh start."""
-  got = resume_lib.restore_common(log, kv, sp.k, sp.K, sp.pack(sp.state), sp.config.runtime.stall_timeout,
-                                  what="stage")
+  got = resume_lib.restore_common(
+    log, kv, sp.k, sp.K, sp.pack(sp.state), sp.config.runtime.stall_timeout, what="stage"
+  )
   if got is None:
     return Loop()
   sp.state = sp.unpack(got[1])
@@ -446,8 +471,11 @@ def _pad_straggler(sp: Stage, t: int) -> None:
   spent = sp.clock.take_compute()
   if c.slowdown <= 1:
     return
-  hit = (sp.k == c.straggler_stage if c.straggler_p == 0
-         else np.random.default_rng([c.seed, t, sp.k]).random() < c.straggler_p)
+  hit = (
+    sp.k == c.straggler_stage
+    if c.straggler_p == 0
+    else np.random.default_rng([c.seed, t, sp.k]).random() < c.straggler_p
+  )
   if hit:
     time.sleep((c.slowdown - 1) * spent)
 
@@ -457,16 +485,26 @@ def _timing(sp: Stage, warm: int) -> dict:
   ends = np.asarray(sp.clock.tick_ends)
   start = min(max(warm, len(ends) // 4), len(ends) - 2) if len(ends) > 2 else 0
   spacing = float((ends[-1] - ends[start]) / (len(ends) - 1 - start)) if len(ends) > 1 else float("nan")
-  return {"stage": sp.k, "median_s": sp.clock.medians(), "total_s": sp.clock.totals(),
-          "xla_memory": sp.clock.memory,
-          "ticks": len(ends), "iteration_s": spacing, "stored_bytes": sp.stored_bytes(sp.state)}
+  return {
+    "stage": sp.k,
+    "median_s": sp.clock.medians(),
+    "total_s": sp.clock.totals(),
+    "xla_memory": sp.clock.memory,
+    "ticks": len(ends),
+    "iteration_s": spacing,
+    "stored_bytes": sp.stored_bytes(sp.state),
+  }
 
 
 def _complete(sp: Stage, workdir: str, loop: Loop) -> dict:
   """A rerun of a finished run: every stage resumed from its final tick; nothing is run or rewritten
   (its summary.json holds the run's measurements; a rerun has none)."""
-  logging.info("stage %d: the run in %s is complete (tick %d): nothing to do; its summary.json is kept",
-               sp.k, workdir, loop.tick)
+  logging.info(
+    "stage %d: the run in %s is complete (tick %d): nothing to do; its summary.json is kept",
+    sp.k,
+    workdir,
+    loop.tick,
+  )
   path = os.path.join(workdir, "summary.json")
   if sp.last and os.path.exists(path):
     with open(path) as f:
@@ -478,7 +516,13 @@ def run(config, workdir: str) -> dict:
   """This process's stage of the pipeline (placement=per_process, run.EXECUTORS)."""
   p = setup_lib.build_pipeline(config)
   stages, optimizer, feed, data, num_batches, per_epoch = (
-      p.stages, p.optimizer, p.feed, p.data, p.num_batches, p.batches_per_epoch)
+    p.stages,
+    p.optimizer,
+    p.feed,
+    p.data,
+    p.num_batches,
+    p.batches_per_epoch,
+  )
   k, K = jax.process_index(), config.num_stages
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this stage: one line, coord.EXIT_TERM
   _pin(config, k)
@@ -486,16 +530,35 @@ def run(config, workdir: str) -> dict:
   kv = coord.client()
   sp = Stage(config, stages, optimizer, num_batches, feed.sample, data["x_test"])
   rt = config.runtime
-  run_ = {"num_batches": num_batches, "batches_per_epoch": per_epoch, "feed": feed,
-          "test": (data["x_test"], data["y_test"])}
-  with RunLog(workdir, config, num_batches, is_lead=sp.last, checkpoint_every=config.checkpoint_every,
-              checkpoint_keep=config.checkpoint_keep, per_process=_per_process(K, sp.device)) as log:
+  run_ = {
+    "num_batches": num_batches,
+    "batches_per_epoch": per_epoch,
+    "feed": feed,
+    "test": (data["x_test"], data["y_test"]),
+  }
+  with RunLog(
+    workdir,
+    config,
+    num_batches,
+    is_lead=sp.last,
+    checkpoint_every=config.checkpoint_every,
+    checkpoint_keep=config.checkpoint_keep,
+    per_process=_per_process(K, sp.device),
+  ) as log:
     loop = _resume(sp, log, kv)
     if loop.tick >= num_batches + (sp.schedule.drain_ticks() if sp.schedule else 0):
       return _complete(sp, workdir, loop)
     progress = {"ticks": loop.tick, "done": False}
-    watchdog = coord.Watchdog(kv, k, K, lambda: (progress["ticks"], progress["ticks"], progress["done"]),
-                              rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout, role="stage")
+    watchdog = coord.Watchdog(
+      kv,
+      k,
+      K,
+      lambda: (progress["ticks"], progress["ticks"], progress["done"]),
+      rt.heartbeat_s,
+      rt.heartbeat_timeout,
+      rt.stall_timeout,
+      role="stage",
+    )
     sigterm.watchdog = watchdog
     kv.wait_at_barrier(f"{coord.PREFIX}/pipe/start/{loop.tick}", int(rt.stall_timeout * 1000))
     transfer_s = sp.calibrate_links()  # before the clock starts: not training time
@@ -507,21 +570,34 @@ def run(config, workdir: str) -> dict:
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
       raise
     log.wait()
-    mine = dict(_timing(sp, warm=(sp.schedule.drain_ticks() if sp.schedule else 0) + 3), transfer_s=transfer_s)
+    mine = dict(
+      _timing(sp, warm=(sp.schedule.drain_ticks() if sp.schedule else 0) + 3), transfer_s=transfer_s
+    )
     kv.key_value_set(f"{coord.PREFIX}/pipe/timing/{k}", json.dumps(mine), allow_overwrite=True)
     flat, _ = ravel_pytree(sp.state["params"])
     os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
     np.save(os.path.join(workdir, "snapshots", f"final-{k}.npy"), np.asarray(flat))
     progress["done"] = True
-    timings = [json.loads(kv.blocking_key_value_get(f"{coord.PREFIX}/pipe/timing/{j}",
-                                                    int(rt.stall_timeout * 1000))) for j in range(K)]
+    timings = [
+      json.loads(kv.blocking_key_value_get(f"{coord.PREFIX}/pipe/timing/{j}", int(rt.stall_timeout * 1000)))
+      for j in range(K)
+    ]
     kv.wait_at_barrier(f"{coord.PREFIX}/pipe/end", int(10 * rt.stall_timeout * 1000))
     watchdog.stop()
     if not sp.last:
       return {"method": config.method, "stage": k, "workdir": workdir, "time": loop.time}
     return log.finish(
-        time=loop.time, worker_steps=[num_batches], method=config.method, num_stages=K,
-        mode=sp.schedule.mode if sp.schedule else "remat", placement="per_process", delay=config.delay,
-        epochs=config.num_epochs, num_batches=num_batches, eval_s=loop.eval_s,
-        iteration_s=max(s["iteration_s"] for s in timings), stages=timings,
-        staleness=list(sp.schedule.staleness) if sp.schedule else None)
+      time=loop.time,
+      worker_steps=[num_batches],
+      method=config.method,
+      num_stages=K,
+      mode=sp.schedule.mode if sp.schedule else "remat",
+      placement="per_process",
+      delay=config.delay,
+      epochs=config.num_epochs,
+      num_batches=num_batches,
+      eval_s=loop.eval_s,
+      iteration_s=max(s["iteration_s"] for s in timings),
+      stages=timings,
+      staleness=list(sp.schedule.staleness) if sp.schedule else None,
+    )

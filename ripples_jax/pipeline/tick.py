@@ -20,6 +20,7 @@ The same tick describes every method:
 GPipe (micro-batches, flush, rematerialisation), BP as one model and DNI are whole-model steps
 (baselines.py, which also holds the table of every method).
 """
+
 import dataclasses
 import functools
 
@@ -44,8 +45,9 @@ PLACEMENTS = ("one_device", "per_stage", "per_process")
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """Delays of the K-1 links (forward f, backward b) and what they imply."""
-  fwd_delays: tuple   # f_k for k < K-1
-  bwd_delays: tuple   # b_k for k < K-1
+
+  fwd_delays: tuple  # f_k for k < K-1
+  bwd_delays: tuple  # b_k for k < K-1
   mode: str = "recompute"
 
   @property
@@ -93,8 +95,12 @@ def init_pipeline(stages, optimizer, schedule: Schedule, rng, sample_x) -> list[
   for k, stage in enumerate(stages):
     params, model_state = init_model(stage, jax.random.fold_in(rng, k), x[:1])
     s = schedule.staleness[k]
-    st = {"params": params, "model_state": model_state, "opt_state": optimizer.init(params),
-          "in_ring": jnp.zeros((s + 1,) + x.shape, x.dtype)}
+    st = {
+      "params": params,
+      "model_state": model_state,
+      "opt_state": optimizer.init(params),
+      "in_ring": jnp.zeros((s + 1,) + x.shape, x.dtype),
+    }
     if schedule.mode == "stash":
       st["param_ring"] = jax.tree.map(lambda a: jnp.broadcast_to(a, (s + 1,) + a.shape), params)
     if k > 0 and schedule.fwd_delays[k - 1]:
@@ -130,8 +136,9 @@ def stage_forward(stage, schedule: Schedule, k: int, st: dict, x_in, t):
   return st, y
 
 
-def stage_backward(stage, optimizer, schedule: Schedule, k: int, st: dict, cotangent, labels, t,
-                   num_batches, chunks: int = 1):
+def stage_backward(
+  stage, optimizer, schedule: Schedule, k: int, st: dict, cotangent, labels, t, num_batches, chunks: int = 1
+):
   """Stage k's backward at tick t on the batch stored S_k ticks ago, then its update at once.
 
   `cotangent` is dL/d(output) from stage k+1 (None for the last stage, which uses `labels`). Returns
@@ -140,27 +147,31 @@ def stage_backward(stage, optimizer, schedule: Schedule, k: int, st: dict, cotan
   s = schedule.staleness[k]
   old = (t - s) % (s + 1)
   x_old = st["in_ring"][old]
-  params = (jax.tree.map(lambda r: r[old], st["param_ring"]) if schedule.mode == "stash"
-            else st["params"])
+  params = jax.tree.map(lambda r: r[old], st["param_ring"]) if schedule.mode == "stash" else st["params"]
 
   def fwd(p, x):
     return apply_model(stage, p, st["model_state"], x, train=True)
 
   if cotangent is None:  # last stage: loss and backward at once
+
     def loss_fn(p, x):
       logits, ms = fwd(p, x)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
       return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == labels))
+
     if chunks == 1:
       (loss, (new_ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-          params, x_old)
+        params, x_old
+      )
     else:  # the batch's mean loss as the mean of equal chunks' means (stage_forward_residuals)
       parts = []
       for xc, yc in zip(jnp.split(x_old, chunks), jnp.split(labels, chunks)):
+
         def chunk_loss(p, x, yc=yc):
           logits, ms = fwd(p, x)
           loss = optax.softmax_cross_entropy_with_integer_labels(logits, yc).mean() / chunks
           return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == yc) / chunks)
+
         parts.append(jax.value_and_grad(chunk_loss, argnums=(0, 1), has_aux=True)(params, xc))
       loss, acc = sum(l for (l, _), _ in parts), sum(a for (_, (_, a)), _ in parts)
       new_ms = parts[-1][0][1][0]
@@ -181,8 +192,12 @@ def apply_update(optimizer, schedule: Schedule, k: int, st: dict, g_p, new_ms, t
   valid = (batch >= 0) & (batch < num_batches)
   updates, opt_state = optimizer.update(g_p, st["opt_state"], st["params"])
   keep = lambda new, cur: jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, cur)
-  return dict(st, params=keep(optax.apply_updates(st["params"], updates), st["params"]),
-              opt_state=keep(opt_state, st["opt_state"]), model_state=keep(new_ms, st["model_state"]))
+  return dict(
+    st,
+    params=keep(optax.apply_updates(st["params"], updates), st["params"]),
+    opt_state=keep(opt_state, st["opt_state"]),
+    model_state=keep(new_ms, st["model_state"]),
+  )
 
 
 def stage_fused(stage, optimizer, schedule: Schedule, k: int, st: dict, x_in, cotangent, t, num_batches):
@@ -221,8 +236,9 @@ def stage_forward_residuals(stage, params, model_state, x_in, chunks: int = 1):
   return jnp.concatenate([y for y, _, _ in parts]), tuple(pb for _, pb, _ in parts), parts[-1][2]
 
 
-def stage_backward_residuals(optimizer, schedule: Schedule, k: int, st: dict, pullback, new_ms, cotangent,
-                             t, num_batches):
+def stage_backward_residuals(
+  optimizer, schedule: Schedule, k: int, st: dict, pullback, new_ms, cotangent, t, num_batches
+):
   """residuals mode: the backward of the batch whose forward left `pullback` S_k ticks ago (no
   recompute), then the update of the current parameters. Returns (state, dL/d(input))."""
   if isinstance(pullback, tuple):  # chunks: each chunk's share of the batch's error gradient
@@ -277,6 +293,7 @@ def make_tick(stages, optimizer, schedule: Schedule, num_batches: int, devices=N
         if b[k]:
           state[k]["bwd_fifo"] = push(state[k]["bwd_fifo"], put(grads_in[k + 1], k))
       return state, metrics
+
     return tick
 
   if devices is None:
@@ -298,9 +315,13 @@ def stored_bytes(state: list[dict]) -> list[dict]:
   size = lambda t: int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(t)))
   out = []
   for st in state:
-    out.append({"params": size(st["params"]), "inputs": size(st["in_ring"]),
-                "param_versions": size(st.get("param_ring", {})),
-                "fifos": size(st.get("fwd_fifo", [])) + size(st.get("bwd_fifo", [])),
-                "optimizer": size(st["opt_state"])})
+    out.append(
+      {
+        "params": size(st["params"]),
+        "inputs": size(st["in_ring"]),
+        "param_versions": size(st.get("param_ring", {})),
+        "fifos": size(st.get("fwd_fifo", [])) + size(st.get("bwd_fifo", [])),
+        "optimizer": size(st["opt_state"]),
+      }
+    )
   return out
-

@@ -26,6 +26,7 @@ a fixed straggler and random slowdowns all follow from the dependencies alone:
   times = simulate("dsp", F, B, 200, straggler_stage=1, slowdown=3.0)
   steady_spacing(times)           # = iteration time with the straggler
 """
+
 import time
 
 import jax
@@ -62,11 +63,11 @@ def backward_work(method, f, b, p, fused=False):
   and launches, not by the batch); unfused, the recompute is a second forward: 2 F_k + B_k.
   """
   if method == "ddg":
-    return b            # the stored graph: no recompute
+    return b  # the stored graph: no recompute
   if method == "fr":
-    return f + b        # inputs only: recompute the forward, then the backward
+    return f + b  # inputs only: recompute the forward, then the backward
   if method == "dni":
-    return b + p        # backward from the synthetic gradient, plus the predictor's own step
+    return b + p  # backward from the synthetic gradient, plus the predictor's own step
   if method == "dsp":
     return f + b if fused else 2 * f + b
   raise ValueError(f"{method!r} has no decoupled backward")
@@ -86,22 +87,21 @@ def gpipe_iteration(f, b, microbatches=4, remat=True):
     raise ValueError(f"microbatches must be >= 1, got {microbatches}")
   fm = f / m_count
   bm = (b + f) / m_count if remat else b / m_count
-  tf = np.zeros((k_count + 1, m_count + 1))   # row 0 / col 0: nothing upstream / before
+  tf = np.zeros((k_count + 1, m_count + 1))  # row 0 / col 0: nothing upstream / before
   for k in range(k_count):
     for m in range(m_count):
       tf[k + 1, m + 1] = max(tf[k, m + 1], tf[k + 1, m]) + fm[k]
   fwd_end = tf[1:, -1]
-  tb = np.zeros((k_count + 1, m_count + 1))   # row k_count: the loss, ready when the forward is done
+  tb = np.zeros((k_count + 1, m_count + 1))  # row k_count: the loss, ready when the forward is done
   tb[k_count, :] = fwd_end[-1]
   for k in reversed(range(k_count)):
-    tb[k, 0] = fwd_end[-1]                    # a stage starts backwards after every forward (flush)
+    tb[k, 0] = fwd_end[-1]  # a stage starts backwards after every forward (flush)
     for j in range(m_count):
       tb[k, j + 1] = max(tb[k + 1, j + 1], tb[k, j], fwd_end[k]) + bm[k]
   return float(tb[:k_count, -1].max())
 
 
-def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True,
-                   predictor_K=None) -> float:
+def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True, predictor_K=None) -> float:
   """Seconds per batch in steady state, equal or unequal stages."""
   _check_method(method)
   f, b, p = _stages(fwd_K, bwd_K, predictor_K)
@@ -119,8 +119,9 @@ def speedup_vs_bp(method, fwd_K, bwd_K, **kw) -> float:
   return iteration_time("bp", fwd_K, bwd_K) / iteration_time(method, fwd_K, bwd_K, **kw)
 
 
-def slowdown_factors(num_stages, num_iters, straggler_stage=None, slowdown=1.0, random_p=0.0,
-                     seed=0) -> np.ndarray:
+def slowdown_factors(
+  num_stages, num_iters, straggler_stage=None, slowdown=1.0, random_p=0.0, seed=0
+) -> np.ndarray:
   """[num_iters, K] multipliers of every stage's work per iteration.
 
   random_p > 0: every stage independently slowed by `slowdown` with probability random_p per
@@ -138,9 +139,20 @@ def slowdown_factors(num_stages, num_iters, straggler_stage=None, slowdown=1.0, 
   return out
 
 
-def simulate(method, fwd_K, bwd_K, num_iters, microbatches=4, fused=False, remat=True,
-             straggler_stage=None, slowdown=1.0, random_p=0.0, seed=0,
-             predictor_K=None) -> np.ndarray:
+def simulate(
+  method,
+  fwd_K,
+  bwd_K,
+  num_iters,
+  microbatches=4,
+  fused=False,
+  remat=True,
+  straggler_stage=None,
+  slowdown=1.0,
+  random_p=0.0,
+  seed=0,
+  predictor_K=None,
+) -> np.ndarray:
   """Cumulative completion time of each iteration, from a recurrence over iterations and stages.
 
   A stage's work of an iteration starts once its own previous work is done and its inputs arrived.
@@ -169,24 +181,24 @@ def simulate(method, fwd_K, bwd_K, num_iters, microbatches=4, fused=False, remat
   if method == "dsp":
     w = backward_work("dsp", f, b, p, fused)
     tick = np.zeros(k_count)
-    pad = np.full(1, -np.inf)                 # stage 0 reads the data, stage K-1 makes the loss: local
+    pad = np.full(1, -np.inf)  # stage 0 reads the data, stage K-1 makes the loss: local
     for t in range(n):
-      up = np.concatenate([pad, tick[:-1]])   # stage k-1's activations of tick t-1
+      up = np.concatenate([pad, tick[:-1]])  # stage k-1's activations of tick t-1
       down = np.concatenate([tick[1:], pad])  # stage k+1's error gradient of tick t-1
       tick = np.maximum(np.maximum(tick, up), down) + w * fac[t]
       out[t] = tick[-1]
     return out
   w = backward_work(method, f, b, p)
-  done = np.zeros(k_count)                    # when each stage finished its previous backward
+  done = np.zeros(k_count)  # when each stage finished its previous backward
   for t in range(n):
-    start = done.max()                        # one batch in flight: the global step
+    start = done.max()  # one batch in flight: the global step
     tf = np.empty(k_count)
     prev = start
     for k in range(k_count):
       tf[k] = max(prev, done[k]) + f[k] * fac[t, k]
       prev = tf[k]
-    loss = tf[-1]                             # as published, the parallel backward phase follows it
-    grad = np.append(done[1:], loss)          # stage k+1's delayed gradient; the last stage's is fresh
+    loss = tf[-1]  # as published, the parallel backward phase follows it
+    grad = np.append(done[1:], loss)  # stage k+1's delayed gradient; the last stage's is fresh
     done = np.maximum(np.maximum(tf, loss), grad) + w * fac[t]
     out[t] = done.max()
   return out
@@ -213,8 +225,12 @@ def straggler_report(fwd_K, bwd_K, num_iters=400, methods=METHODS, **kw) -> dict
   for m in ("bp",) + tuple(x for x in methods if x != "bp"):
     base = steady_spacing(simulate(m, fwd_K, bwd_K, num_iters, **none))
     slowed = steady_spacing(simulate(m, fwd_K, bwd_K, num_iters, **kw))
-    rows[m] = {"base": base, "slowed": slowed, "ratio": slowed / base,
-               "speedup": rows["bp"]["slowed"] / slowed if rows else 1.0}
+    rows[m] = {
+      "base": base,
+      "slowed": slowed,
+      "ratio": slowed / base,
+      "speedup": rows["bp"]["slowed"] / slowed if rows else 1.0,
+    }
   return {m: rows[m] for m in methods}
 
 
@@ -237,6 +253,7 @@ def measure_predictor_times(state, reps: int = 20) -> list[float]:
   """DNI: median seconds of each stage's synthetic-gradient work per iteration (the predictor's own
   training step on the stored output, and its prediction for the new output), 0 for the top stage."""
   from ripples_jax.pipeline.baselines import _predict
+
   out = []
   for st in state:
     if "sg" not in st:
@@ -246,6 +263,7 @@ def measure_predictor_times(state, reps: int = 20) -> list[float]:
     def work(sg, h, y, target):
       grads = jax.grad(lambda sg: 0.5 * jnp.mean(jnp.square(_predict(sg, h, y) - target)))(sg)
       return jax.tree.map(lambda a, g: a - 0.01 * g, sg, grads), _predict(sg, h, y)
+
     fn = jax.jit(work)
     args = (st["sg"], st["last_out"], st["last_y"], st["last_true"])
     out.append(time_interleaved({"p": lambda: fn(*args)}, reps=reps)["p"])
@@ -264,6 +282,7 @@ def measure_stage_times(stages, state, sample_x, reps: int = 20):
     def fb(p, x, stage=stage, ms=st["model_state"], y=y):
       out, pullback = jax.vjp(lambda p, x: apply_model(stage, p, ms, x, True)[0], p, x)
       return pullback(jnp.ones_like(out))
+
     fb = jax.jit(fb)
     med = time_interleaved({"f": lambda: f(st["params"], x), "fb": lambda: fb(st["params"], x)}, reps=reps)
     fwd_K.append(med["f"])
@@ -302,8 +321,9 @@ def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) ->
     return float(max(call(k, "fused") + f[k] + b[k] + link(k) for k in range(K)))
   if method == "gpipe":
     M = int(microbatches)
-    f_up = f + np.array(up + [0.0]) / M           # a micro-batch forward, then its activation up
-    b_down = b + np.array([0.0] + up) / M         # a micro-batch backward, then its gradient down
-    return float(gpipe_iteration(M * f_up, M * b_down, M, remat=False)
-                 + max(call(k, "update") for k in range(K)))
+    f_up = f + np.array(up + [0.0]) / M  # a micro-batch forward, then its activation up
+    b_down = b + np.array([0.0] + up) / M  # a micro-batch backward, then its gradient down
+    return float(
+      gpipe_iteration(M * f_up, M * b_down, M, remat=False) + max(call(k, "update") for k in range(K))
+    )
   raise ValueError(f"{method!r} does not run in the pipeline runtime")

@@ -6,6 +6,7 @@ batch so that every stage applies its update. Batch `done` = t + 1 - drain is re
 batches; a checkpoint is taken right after a record (no loss pending), with the loop's Loop as its
 metadata. Files are written only through RunLog.
 """
+
 import dataclasses
 import time
 
@@ -22,8 +23,9 @@ from ripples_jax.runlog import RunLog, make_workdir
 @dataclasses.dataclass
 class Loop:
   """Where the loop stands: the checkpoint's metadata (dataclasses.asdict saved, Loop(**d) restored)."""
-  tick: int = 0       # the next tick to run
-  time: float = 0.0   # training seconds before this tick (carried over a resume)
+
+  tick: int = 0  # the next tick to run
+  time: float = 0.0  # training seconds before this tick (carried over a resume)
 
 
 def _model_times(config, stages, state, sample):
@@ -34,12 +36,21 @@ def _model_times(config, stages, state, sample):
   kw = dict(microbatches=config.microbatches, fused=False)
   if config.method == "dni":
     kw["predictor_K"] = timing.measure_predictor_times(state)
-  out = {"fwd_K": fwd_K, "bwd_K": bwd_K, "kw": kw,
-         "iteration": timing.iteration_time(config.method, fwd_K, bwd_K, **kw),
-         "speedup": timing.speedup_vs_bp(config.method, fwd_K, bwd_K, **kw)}
-  logging.info("%s K=%d: per-stage forward %s ms, backward %s ms; modeled speedup over BP %.2f",
-               config.method, len(stages), np.round(1e3 * np.array(fwd_K), 3),
-               np.round(1e3 * np.array(bwd_K), 3), out["speedup"])
+  out = {
+    "fwd_K": fwd_K,
+    "bwd_K": bwd_K,
+    "kw": kw,
+    "iteration": timing.iteration_time(config.method, fwd_K, bwd_K, **kw),
+    "speedup": timing.speedup_vs_bp(config.method, fwd_K, bwd_K, **kw),
+  }
+  logging.info(
+    "%s K=%d: per-stage forward %s ms, backward %s ms; modeled speedup over BP %.2f",
+    config.method,
+    len(stages),
+    np.round(1e3 * np.array(fwd_K), 3),
+    np.round(1e3 * np.array(bwd_K), 3),
+    out["speedup"],
+  )
   return out
 
 
@@ -48,22 +59,36 @@ def _straggler(config, times):
   if config.slowdown <= 1:
     return None
   stage = config.straggler_stage if config.straggler_stage >= 0 else None
-  per_iter = lambda m: timing.simulate(m, times["fwd_K"], times["bwd_K"], 200, straggler_stage=stage,
-                                       slowdown=config.slowdown, random_p=config.straggler_p,
-                                       seed=config.seed, **times["kw"])
-  return {"slowed_iteration": float(np.diff(per_iter(config.method))[50:].mean()),
-          "bp_slowed_iteration": float(np.diff(per_iter("bp"))[50:].mean())}
+  per_iter = lambda m: timing.simulate(
+    m,
+    times["fwd_K"],
+    times["bwd_K"],
+    200,
+    straggler_stage=stage,
+    slowdown=config.slowdown,
+    random_p=config.straggler_p,
+    seed=config.seed,
+    **times["kw"],
+  )
+  return {
+    "slowed_iteration": float(np.diff(per_iter(config.method))[50:].mean()),
+    "bp_slowed_iteration": float(np.diff(per_iter("bp"))[50:].mean()),
+  }
 
 
 def _record(log, config, run, state, done, elapsed, losses):
   """One metrics line at batch `done`: the mean train loss since the last, test metrics every eval_every."""
   n = run["num_batches"]
-  scalars = {"epoch": done / run["batches_per_epoch"], "modeled_time": done * run["times"]["iteration"],
-             "train_loss": float(np.mean(np.asarray(jnp.stack(losses)))) if losses else float("nan")}
+  scalars = {
+    "epoch": done / run["batches_per_epoch"],
+    "modeled_time": done * run["times"]["iteration"],
+    "train_loss": float(np.mean(np.asarray(jnp.stack(losses)))) if losses else float("nan"),
+  }
   if done % config.eval_every == 0 or done == n:
     # The composed model on the test set's device (the stages may sit on one device each).
-    model = jax.device_put([{"params": st["params"], "model_state": st["model_state"]} for st in state],
-                           run["test"][0].sharding)
+    model = jax.device_put(
+      [{"params": st["params"], "model_state": st["model_state"]} for st in state], run["test"][0].sharding
+    )
     acc_test, loss_test = run["evaluate"](model, *run["test"])
     scalars.update(test_accuracy=float(acc_test), test_loss=float(loss_test))
   log.record(done, elapsed, **scalars)
@@ -96,13 +121,23 @@ def _setup(config):
   """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile."""
   p = setup_lib.build_pipeline(config)
   stages, optimizer, feed, data, num_batches, batches_per_epoch = (
-      p.stages, p.optimizer, p.feed, p.data, p.num_batches, p.batches_per_epoch)
+    p.stages,
+    p.optimizer,
+    p.feed,
+    p.data,
+    p.num_batches,
+    p.batches_per_epoch,
+  )
   init_fn, step_fn = baselines.METHODS[config.method]
   state = init_fn(stages, optimizer, config, jax.random.key(config.seed), feed.sample, data["num_classes"])
-  run = {"num_batches": num_batches, "batches_per_epoch": batches_per_epoch, "feed": feed,
-         "step": step_fn(stages, optimizer, config, num_batches),
-         "evaluate": baselines.make_eval(stages),
-         "test": jax.device_put((data["x_test"], data["y_test"]))}
+  run = {
+    "num_batches": num_batches,
+    "batches_per_epoch": batches_per_epoch,
+    "feed": feed,
+    "step": step_fn(stages, optimizer, config, num_batches),
+    "evaluate": baselines.make_eval(stages),
+    "test": jax.device_put((data["x_test"], data["y_test"])),
+  }
   return stages, state, run
 
 
@@ -122,10 +157,19 @@ def run(config, workdir: str | None = None) -> dict:
     state, seconds = _loop(log, config, run, state, cursor)
     schedule = baselines.schedule_of(config)
     return log.finish(
-        time=seconds, worker_steps=[n],
-        method=config.method, num_stages=config.num_stages, mode=config.mode, delay=config.delay,
-        epochs=config.num_epochs, num_batches=n, modeled_iteration=times["iteration"],
-        modeled_speedup_vs_bp=times["speedup"], stage_forward_s=times["fwd_K"],
-        stage_backward_s=times["bwd_K"], staleness=list(schedule.staleness) if schedule else None,
-        stored_bytes=tick.stored_bytes(state) if config.method != "dni" else None,
-        straggler=_straggler(config, times))
+      time=seconds,
+      worker_steps=[n],
+      method=config.method,
+      num_stages=config.num_stages,
+      mode=config.mode,
+      delay=config.delay,
+      epochs=config.num_epochs,
+      num_batches=n,
+      modeled_iteration=times["iteration"],
+      modeled_speedup_vs_bp=times["speedup"],
+      stage_forward_s=times["fwd_K"],
+      stage_backward_s=times["bwd_K"],
+      staleness=list(schedule.staleness) if schedule else None,
+      stored_bytes=tick.stored_bytes(state) if config.method != "dni" else None,
+      straggler=_straggler(config, times),
+    )

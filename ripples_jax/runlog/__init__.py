@@ -33,6 +33,7 @@ saved: <dir>`) and the progress line (progress.Progress).
     log.checkpoint(step, state, cursor={"round": 7})
     summary = log.finish(time=t, worker_steps=[...], conflicts=[...])
 """
+
 import contextlib
 import glob
 import json
@@ -48,18 +49,58 @@ from ripples_jax import checkpoint
 from ripples_jax.errors import ResumeRefused, StorageError
 from ripples_jax.progress import Progress
 from ripples_jax.runlog.events import TB_METRICS, EventWriter, hparams, tb_tag
-from ripples_jax.runlog.records import (SUMMARY_KEYS, archive, check_finite, count_lines, cut_records,
-                                        event_files, last_step, numbered, summary_table, to_python,
-                                        whole_records, write_json)
+from ripples_jax.runlog.records import (
+  SUMMARY_KEYS,
+  archive,
+  check_finite,
+  count_lines,
+  cut_records,
+  event_files,
+  last_step,
+  numbered,
+  summary_table,
+  to_python,
+  whole_records,
+  write_json,
+)
 from ripples_jax.runlog.saver import Saver
 from ripples_jax.runlog.storage import FULL, storage_failure, tensorstore_os_error
-from ripples_jax.runlog.workdir import (IDENTITY_FREE, WorkdirLock, differences, flat_config, identity,
-                                        make_workdir, newest_meta)
+from ripples_jax.runlog.workdir import (
+  IDENTITY_FREE,
+  WorkdirLock,
+  differences,
+  flat_config,
+  identity,
+  make_workdir,
+  newest_meta,
+)
 
-__all__ = ["RunLog", "ResumeRefused", "StorageError", "SUMMARY_KEYS", "IDENTITY_FREE", "archive", "check_finite",
-           "count_lines", "cut_records", "differences", "event_files", "flat_config", "hparams", "identity",
-           "last_step", "make_workdir", "newest_meta", "numbered", "summary_table", "tb_tag",
-           "tensorstore_os_error", "to_python", "whole_records", "write_json"]
+__all__ = [
+  "RunLog",
+  "ResumeRefused",
+  "StorageError",
+  "SUMMARY_KEYS",
+  "IDENTITY_FREE",
+  "archive",
+  "check_finite",
+  "count_lines",
+  "cut_records",
+  "differences",
+  "event_files",
+  "flat_config",
+  "hparams",
+  "identity",
+  "last_step",
+  "make_workdir",
+  "newest_meta",
+  "numbered",
+  "summary_table",
+  "tb_tag",
+  "tensorstore_os_error",
+  "to_python",
+  "whole_records",
+  "write_json",
+]
 
 
 def _verify(state, meta) -> None:
@@ -74,9 +115,18 @@ def _verify(state, meta) -> None:
 class RunLog:
   """A context manager over one run's files; see the module docstring."""
 
-  def __init__(self, workdir: str, config, total_steps: int, is_lead: bool | None = None,
-               checkpoint_every: int | None = None, checkpoint_keep: int | None = None,
-               tensorboard: bool = True, progress: bool = True, per_process=None):
+  def __init__(
+    self,
+    workdir: str,
+    config,
+    total_steps: int,
+    is_lead: bool | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_keep: int | None = None,
+    tensorboard: bool = True,
+    progress: bool = True,
+    per_process=None,
+  ):
     """per_process: (process, to_global, to_local): this process checkpoints its own state alone, in
     ckpt/<process>/ (the runtime's marker checkpoints: no barrier); to_global makes the arrays orbax
     writes from the local state, to_local takes them back."""
@@ -94,18 +144,19 @@ class RunLog:
     self.ckpt_dir = os.path.abspath(os.path.join(workdir, "ckpt"))
     if per_process is not None:
       self.ckpt_dir = os.path.join(self.ckpt_dir, str(per_process[0]))
-    self.mgr = (checkpoint.manager(self.ckpt_dir, keep, process=per_process and per_process[0])
-                if every else None)
+    self.mgr = (
+      checkpoint.manager(self.ckpt_dir, keep, process=per_process and per_process[0]) if every else None
+    )
     self.metrics_path = os.path.join(workdir, "metrics.jsonl")
     self.identity = identity(config)
-    self.last_ckpt = None   # the newest checkpoint step this run restored or saved
-    self.last = {}          # the newest value of every recorded key
+    self.last_ckpt = None  # the newest checkpoint step this run restored or saved
+    self.last = {}  # the newest value of every recorded key
     self._tensorboard = tensorboard
     self._file = self._tb = None
-    self._tb_purge = None           # restore(): the step the resumed run's events file purges from
-    self._tb_header = True          # whether the events file starts with the config (text, hparams)
-    self._rate_from = None          # (step, time) of the previous record: steps_per_s
-    self._saving = None             # a checkpoint step not yet announced as saved
+    self._tb_purge = None  # restore(): the step the resumed run's events file purges from
+    self._tb_header = True  # whether the events file starts with the config (text, hparams)
+    self._rate_from = None  # (step, time) of the previous record: steps_per_s
+    self._saving = None  # a checkpoint step not yet announced as saved
     self._warned_nonfinite = False
     self._progress = Progress(total_steps, config.log_every) if progress and self.is_lead else None
 
@@ -158,12 +209,17 @@ class RunLog:
     (step, reason), older = failed[0], len(failed) - 1
     saved = self.saved_identity(step)
     changed = differences(saved, self.identity) if saved else []
-    why = (f"the config changed ({'; '.join(changed)}) and its arrays do not fit this config"
-           if changed else "it does not read back")
+    why = (
+      f"the config changed ({'; '.join(changed)}) and its arrays do not fit this config"
+      if changed
+      else "it does not read back"
+    )
     rest = f" (nor do the {older} older ones)" if older else ""
-    return (f"--workdir: {self.workdir!r} is not allowed: its checkpoint {self.ckpt_dir}/{step}{rest} cannot "
-            f"be resumed: {why} ({reason}); nothing was deleted; rerun with the config that wrote it, or "
-            f"move {self.ckpt_dir} aside to start afresh, or use another --workdir")
+    return (
+      f"--workdir: {self.workdir!r} is not allowed: its checkpoint {self.ckpt_dir}/{step}{rest} cannot "
+      f"be resumed: {why} ({reason}); nothing was deleted; rerun with the config that wrote it, or "
+      f"move {self.ckpt_dir} aside to start afresh, or use another --workdir"
+    )
 
   def saved_identity(self, step: int) -> dict:
     """The config identity checkpoint `step` was written under ({} when its metadata does not read)."""
@@ -193,7 +249,9 @@ class RunLog:
     Returns (step, state, cursor)."""
     for bad in unusable:
       if bad > step:
-        logging.warning("deleting checkpoint %s/%d: it does not read back, and %d did", self.ckpt_dir, bad, step)
+        logging.warning(
+          "deleting checkpoint %s/%d: it does not read back, and %d did", self.ckpt_dir, bad, step
+        )
         self.mgr.delete(bad)
     self.set_aside([s for s in self.committed() if s > step])
     self.mgr.reload()
@@ -250,8 +308,10 @@ class RunLog:
       good = checkpoint.restorable_steps(self.mgr) if self.mgr is not None else []
       last = f"{self.ckpt_dir}/{good[0]}" if good else "none"
       fix = "free space" if reason in FULL else "make it writable"
-      raise StorageError(f"{what}: {reason}; the last good checkpoint is {last}; {fix} and run the same "
-                         "command again to resume") from None
+      raise StorageError(
+        f"{what}: {reason}; the last good checkpoint is {last}; {fix} and run the same "
+        "command again to resume"
+      ) from None
 
   def checkpoint(self, step: int, state, cursor: dict, force: bool = False) -> None:
     """Saves (state, cursor) at `step` every `checkpoint_every` steps (or when forced); collective
@@ -266,16 +326,28 @@ class RunLog:
       return self._checkpoint_in_background(step, state, cursor)
     sums, finite = checkpoint.fingerprint(state)
     if not finite:
-      logging.warning("step %d: the state holds a non-finite value; not checkpointed (the last good "
-                      "checkpoint stays %s)", step, self.describe_last())
+      logging.warning(
+        "step %d: the state holds a non-finite value; not checkpointed (the last good checkpoint stays %s)",
+        step,
+        self.describe_last(),
+      )
       return
     if self._file:
       self._file.flush()
     if self._tb is not None:
       self._tb.flush()
     # A deep copy now: orbax serialises the metadata in the background, after the loop moved on.
-    meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
-                                  "sums": sums, "metrics_lines": count_lines(self.metrics_path)}))
+    meta = json.loads(
+      json.dumps(
+        {
+          "cursor": cursor,
+          "last": self.last,
+          "identity": self.identity,
+          "sums": sums,
+          "metrics_lines": count_lines(self.metrics_path),
+        }
+      )
+    )
     with self._writing(f"{self.ckpt_dir}/{step}"):
       checkpoint.save(self.mgr, step, state, meta)  # raises a failure of the previous background write
     self._announce(final=True)  # orbax's save waited for the previous write: committed by now
@@ -288,8 +360,16 @@ class RunLog:
     self._saver.raise_error()
     if self._file:
       self._file.flush()
-    meta = json.loads(json.dumps({"cursor": cursor, "last": self.last, "identity": self.identity,
-                                  "metrics_lines": count_lines(self.metrics_path)}))
+    meta = json.loads(
+      json.dumps(
+        {
+          "cursor": cursor,
+          "last": self.last,
+          "identity": self.identity,
+          "metrics_lines": count_lines(self.metrics_path),
+        }
+      )
+    )
     self._saver.put(step, jax.device_get(state), meta)
     self.last_ckpt = step
 
@@ -351,8 +431,9 @@ class RunLog:
     now = record.get("time")
     if isinstance(now, (int, float)) and not isinstance(now, bool) and math.isfinite(now):
       if self._rate_from is not None and step > self._rate_from[0] and now > self._rate_from[1]:
-        self._tb.scalar(tb_tag("steps_per_s", simulated),
-                        (step - self._rate_from[0]) / (now - self._rate_from[1]), step)
+        self._tb.scalar(
+          tb_tag("steps_per_s", simulated), (step - self._rate_from[0]) / (now - self._rate_from[1]), step
+        )
       self._rate_from = (step, now)
     self._tb.flush()
 
@@ -389,13 +470,18 @@ class RunLog:
     worker_steps = [int(s) for s in np.asarray(worker_steps).reshape(-1)]
     c = self.config
     summary = {
-        "algorithm": getattr(c, "algorithm", getattr(c, "method", None)), "executor": c.get("executor"),
-        "num_workers": c.get("num_workers"), "num_steps": c.get("num_steps"),
-        "final_test_accuracy": self.last.get("test_accuracy"),
-        "final_worker_test_accuracy": self.last.get("worker_test_accuracy"),
-        "final_consensus_distance": self.last.get("consensus_distance"),
-        "final_train_loss": self.last.get("train_loss"), "time": time, "worker_steps": worker_steps,
-        "throughput": float(sum(worker_steps) / time) if time else None, "workdir": self.workdir,
+      "algorithm": getattr(c, "algorithm", getattr(c, "method", None)),
+      "executor": c.get("executor"),
+      "num_workers": c.get("num_workers"),
+      "num_steps": c.get("num_steps"),
+      "final_test_accuracy": self.last.get("test_accuracy"),
+      "final_worker_test_accuracy": self.last.get("worker_test_accuracy"),
+      "final_consensus_distance": self.last.get("consensus_distance"),
+      "final_train_loss": self.last.get("train_loss"),
+      "time": time,
+      "worker_steps": worker_steps,
+      "throughput": float(sum(worker_steps) / time) if time else None,
+      "workdir": self.workdir,
     }
     summary.update(extra)
     if self.is_lead:

@@ -6,6 +6,7 @@ A record is one line holding a JSON object with a "step". A resume keeps the lin
 record with one warning naming what was dropped. A fresh start in a used workdir moves the earlier
 run's files aside under the first free number (archive); nothing is overwritten.
 """
+
 import glob
 import json
 import math
@@ -13,9 +14,20 @@ import os
 
 import numpy as np
 
-SUMMARY_KEYS = ("algorithm", "executor", "num_workers", "num_steps", "final_test_accuracy",
-                "final_worker_test_accuracy", "final_consensus_distance", "final_train_loss", "time",
-                "worker_steps", "throughput", "workdir")
+SUMMARY_KEYS = (
+  "algorithm",
+  "executor",
+  "num_workers",
+  "num_steps",
+  "final_test_accuracy",
+  "final_worker_test_accuracy",
+  "final_consensus_distance",
+  "final_train_loss",
+  "time",
+  "worker_steps",
+  "throughput",
+  "workdir",
+)
 
 
 def to_python(v):
@@ -52,8 +64,9 @@ def archive(workdir: str) -> int | None:
   if not present and not events:
     return None
   k = 1
-  while (any(os.path.exists(os.path.join(workdir, numbered(n, k))) for n in names)
-         or os.path.exists(os.path.join(workdir, f"tensorboard.{k}"))):
+  while any(os.path.exists(os.path.join(workdir, numbered(n, k))) for n in names) or os.path.exists(
+    os.path.join(workdir, f"tensorboard.{k}")
+  ):
     k += 1
   for n in present:
     os.replace(os.path.join(workdir, n), os.path.join(workdir, numbered(n, k)))
@@ -112,8 +125,11 @@ def cut_records(path: str, n: int) -> str | None:
   bad line; the returned warning names what was dropped or is missing (None: nothing was)."""
   name = os.path.basename(path)
   if not os.path.exists(path):
-    return (f"{path} is missing: the checkpoint counted {n} records before it; the run goes on without "
-            "them" if n else None)
+    return (
+      f"{path} is missing: the checkpoint counted {n} records before it; the run goes on without them"
+      if n
+      else None
+    )
   with open(path, "rb") as f:
     lines = f.readlines()
   kept = whole_records(path, n)
@@ -128,8 +144,10 @@ def cut_records(path: str, n: int) -> str | None:
     lost = f"record {n} is" if len(lines) + 1 == n else f"records {len(lines) + 1}-{n} are"
     return f"{name} holds {len(lines)} of the {n} records the checkpoint counted: {lost} lost"
   bad = lines[len(kept)]
-  return (f"{name}: line {len(kept) + 1} is not a whole record ({bad[:60]!r}); kept the {len(kept)} records "
-          f"before it, dropped {min(n, len(lines)) - len(kept)} of the {n} the checkpoint counted")
+  return (
+    f"{name}: line {len(kept) + 1} is not a whole record ({bad[:60]!r}); kept the {len(kept)} records "
+    f"before it, dropped {min(n, len(lines)) - len(kept)} of the {n} the checkpoint counted"
+  )
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -139,8 +157,16 @@ def summary_table(rows: list[dict]) -> str:
   units = [u for u, on in (("time_s", not all(simulated)), ("virtual_s", any(simulated))) if on]
   head = ("algorithm", "workers", "steps", "test_acc", *units)
   times = lambda r, sim: [f"{r['time']:.1f}" if (u == "virtual_s") == sim else "-" for u in units]
-  lines = [head] + [(r["algorithm"], str(r["num_workers"]), str(r["num_steps"]),
-                     f"{100 * r['final_test_accuracy']:.2f}%", *times(r, sim)) for r, sim in zip(rows, simulated)]
+  lines = [head] + [
+    (
+      r["algorithm"],
+      str(r["num_workers"]),
+      str(r["num_steps"]),
+      f"{100 * r['final_test_accuracy']:.2f}%",
+      *times(r, sim),
+    )
+    for r, sim in zip(rows, simulated)
+  ]
   widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
   fmt = lambda l: "  ".join(s.ljust(w) for s, w in zip(l, widths))
   return "\n".join([fmt(lines[0]), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines[1:]])

@@ -4,6 +4,7 @@ The loop hands a host copy and goes on (a marker costs it a device-to-host copy 
 fails is raised in the loop's thread at its next put() or drain(). drain() returns once every item
 handed over has been written (or has failed), so what the loop reads after it is on disk.
 """
+
 import queue
 import threading
 

@@ -1,4 +1,5 @@
 """Writes the disk refuses (full, read-only, no permission), told apart from other failures."""
+
 import errno
 import os
 import re

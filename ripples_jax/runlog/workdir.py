@@ -15,6 +15,7 @@ file is only written while locked and emptied again when a write fails (a full d
 blocks later runs. A lock that names another host is refused (flock may not reach across hosts on a
 network file system; that host's pid cannot be checked from here).
 """
+
 import fcntl
 import json
 import os
@@ -29,12 +30,27 @@ from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError, StorageError
 # Keys a resumed run may change without becoming another run: logging, evaluation and checkpoint
 # cadence, where data is read from, and the runtime's failure detection. num_steps is not among them:
 # it sets the learning-rate schedule's horizon, so a longer run is a different run.
-IDENTITY_FREE = ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "data_dir",
-                 "target_accuracy", "runtime.heartbeat_s", "runtime.heartbeat_timeout",
-                 "runtime.stall_timeout", "runtime.checkpoint_keep", "runtime.checkpoint_every",
-                 "runtime.cache_size", "runtime.fail_worker", "runtime.fail_step", "runtime.fail_stage",
-                 "runtime.fail_tick", "runtime.pin_cores", "on_config_change",
-                 "profile_steps")
+IDENTITY_FREE = (
+  "log_every",
+  "eval_every",
+  "checkpoint_every",
+  "checkpoint_keep",
+  "data_dir",
+  "target_accuracy",
+  "runtime.heartbeat_s",
+  "runtime.heartbeat_timeout",
+  "runtime.stall_timeout",
+  "runtime.checkpoint_keep",
+  "runtime.checkpoint_every",
+  "runtime.cache_size",
+  "runtime.fail_worker",
+  "runtime.fail_step",
+  "runtime.fail_stage",
+  "runtime.fail_tick",
+  "runtime.pin_cores",
+  "on_config_change",
+  "profile_steps",
+)
 
 
 def flat_config(config) -> dict:
@@ -47,19 +63,24 @@ def flat_config(config) -> dict:
         walk(f"{prefix}{k}.", v)
       else:
         flat[prefix + k] = v
+
   walk("", config.to_dict())
   return dict(sorted(flat.items()))
 
 
 def identity(config) -> dict:
   """The config as flat {dotted key: JSON value}, without the keys a resume may change."""
-  return json.loads(json.dumps({k: v for k, v in flat_config(config).items() if k not in IDENTITY_FREE},
-                               default=str))
+  return json.loads(
+    json.dumps({k: v for k, v in flat_config(config).items() if k not in IDENTITY_FREE}, default=str)
+  )
 
 
 def differences(saved: dict, now: dict) -> list[str]:
-  return [f"{k} {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}"
-          for k in sorted(set(saved) | set(now)) if saved.get(k, "<unset>") != now.get(k, "<unset>")]
+  return [
+    f"{k} {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}"
+    for k in sorted(set(saved) | set(now))
+    if saved.get(k, "<unset>") != now.get(k, "<unset>")
+  ]
 
 
 def make_workdir(workdir: str | None, config=None) -> str:
@@ -137,12 +158,16 @@ def _check_identity(workdir: str, config) -> str:
     return workdir
   mode = config.get("on_config_change", "refuse")
   if mode not in ON_CONFIG_CHANGE:
-    raise ConfigError(f"config.on_config_change: {mode!r} is not allowed: one of {', '.join(ON_CONFIG_CHANGE)}")
+    raise ConfigError(
+      f"config.on_config_change: {mode!r} is not allowed: one of {', '.join(ON_CONFIG_CHANGE)}"
+    )
   now = identity(config)
   for where, meta in found:
     if "identity" not in meta:
-      raise ConfigError(f"--workdir: {workdir!r} is not allowed: {where} was written by an older version "
-                        "(no run identity); resume it with that version, or use another --workdir")
+      raise ConfigError(
+        f"--workdir: {workdir!r} is not allowed: {where} was written by an older version "
+        "(no run identity); resume it with that version, or use another --workdir"
+      )
   diffs = [(where, differences(meta["identity"], now)) for where, meta in found]
   diffs = [(where, d) for where, d in diffs if d]
   if not diffs:
@@ -153,16 +178,19 @@ def _check_identity(workdir: str, config) -> str:
     return workdir
   if mode == "new":
     if jax.process_count() > 1:
-      raise ConfigError("config.on_config_change: 'new' is not allowed with several processes: give a "
-                        "new --workdir")
+      raise ConfigError(
+        "config.on_config_change: 'new' is not allowed with several processes: give a new --workdir"
+      )
     k = 1
     while os.path.exists(os.path.join(workdir, f"run-{k}")):
       k += 1
     logging.warning("%s holds another run (%s): starting in %s/run-%d", workdir, "; ".join(diff), workdir, k)
     return _check_identity(os.path.join(workdir, f"run-{k}"), config)
-  raise ConfigError(f"--workdir: {workdir!r} is not allowed: its checkpoint {where} is another run "
-                    f"({'; '.join(diff)}); nothing was changed in it; rerun with that config, another "
-                    "--workdir, or --config.on_config_change=new (a fresh subfolder) or force (resume anyway)")
+  raise ConfigError(
+    f"--workdir: {workdir!r} is not allowed: its checkpoint {where} is another run "
+    f"({'; '.join(diff)}); nothing was changed in it; rerun with that config, another "
+    "--workdir, or --config.on_config_change=new (a fresh subfolder) or force (resume anyway)"
+  )
 
 
 class WorkdirLock:
@@ -196,8 +224,10 @@ class WorkdirLock:
     except OSError as e:
       # Never a half-written holder left behind: the file goes (the flock is still ours).
       self._unlink_and_close(fd)
-      raise StorageError(f"{self.path}: {e.strerror}; nothing of the run was changed; free space and run "
-                         "the same command again") from None
+      raise StorageError(
+        f"{self.path}: {e.strerror}; nothing of the run was changed; free space and run "
+        "the same command again"
+      ) from None
     self.fd = fd
 
   def _lock_the_file(self) -> int:
@@ -224,8 +254,10 @@ class WorkdirLock:
 
   def _in_use(self, holder) -> str:
     who = f"pid {holder[0]} on {holder[1]} since {holder[2]}" if holder else "another process (starting)"
-    return (f"--workdir: {os.path.dirname(self.path)!r} is not allowed: it is in use by {who} (one run per "
-            f"workdir; if that run is gone, delete {self.path})")
+    return (
+      f"--workdir: {os.path.dirname(self.path)!r} is not allowed: it is in use by {who} (one run per "
+      f"workdir; if that run is gone, delete {self.path})"
+    )
 
   def _unlink_and_close(self, fd: int) -> None:
     try:

@@ -1,14 +1,14 @@
 """executor=async: the asynchronous multi-process Ripples runtime on jax.distributed.
 
-  authority  the online Group Generator: one authority thread, per-worker queues in the coordination
-             service (schedule/online.py is the protocol, shared with the simulator)
-  preduce    P-Reduce between processes over a group's sub-mesh, one cached program per member set
-  coord      heartbeats and the watchdog, through the coordination service
-  worker     one process's worker loop, marker checkpoints (per worker, no barrier), eval snapshots
-  adpsgd     AD-PSGD: active workers average with a random passive one, served concurrently
-  summary    throughput, time split and accuracy over wall-clock time, from the run's files
-  trace      per-worker event traces and their Gantt chart
-  replay     the recorded event order through the single-process engine (what the runtime computed)
-  launcher   N local processes on 127.0.0.1, prefixed logs, fail-fast: names the first failing worker,
-             SIGTERM to the others (process 0 last), SIGKILL after a grace period
+authority  the online Group Generator: one authority thread, per-worker queues in the coordination
+           service (schedule/online.py is the protocol, shared with the simulator)
+preduce    P-Reduce between processes over a group's sub-mesh, one cached program per member set
+coord      heartbeats and the watchdog, through the coordination service
+worker     one process's worker loop, marker checkpoints (per worker, no barrier), eval snapshots
+adpsgd     AD-PSGD: active workers average with a random passive one, served concurrently
+summary    throughput, time split and accuracy over wall-clock time, from the run's files
+trace      per-worker event traces and their Gantt chart
+replay     the recorded event order through the single-process engine (what the runtime computed)
+launcher   N local processes on 127.0.0.1, prefixed logs, fail-fast: names the first failing worker,
+           SIGTERM to the others (process 0 last), SIGKILL after a grace period
 """

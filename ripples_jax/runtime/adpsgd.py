@@ -19,6 +19,7 @@ replay puts it between that step's start and apply, exactly the engine's AD-PSGD
 The run ends when every worker has taken num_steps steps; a passive worker keeps serving until every
 active one is done. Checkpoints: the final state only (no global order to put a marker in).
 """
+
 import os
 import queue
 import threading
@@ -28,9 +29,9 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import setup as setup_lib
+from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
-from ripples_jax.distributed import coord
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.authority import values_in_order
 from ripples_jax.runtime.worker import Loop, Worker, end_of_run, result, snapshot_path, watched
@@ -45,8 +46,8 @@ class Passive:
   def __init__(self, worker: Worker, loop: Loop, kv, trace, concurrent: bool):
     self.worker, self.loop, self.kv, self.trace = worker, loop, kv, trace
     self.lock = threading.Lock()
-    self.computing = None       # the local step in flight (between its start and its apply)
-    self.applied = 0            # local steps applied so far
+    self.computing = None  # the local step in flight (between its start and its apply)
+    self.applied = 0  # local steps applied so far
     self.inbox = queue.Queue()
     self.actives = list(range(1, worker.config.num_workers, 2))
     self.done = set()
@@ -87,7 +88,9 @@ class Passive:
       # Where it landed in this worker's order: inside a step (between its start and apply), or
       # after `applied` steps (the step's own trace line comes later, after its padding).
       where = {"during": self.computing} if self.computing is not None else {"after": self.applied}
-      self.trace.add(k="group", c=0, g=f"{a}.{value}", m=sorted((a, me)), t0=t0, t1=self.worker.now(), **where)
+      self.trace.add(
+        k="group", c=0, g=f"{a}.{value}", m=sorted((a, me)), t0=t0, t1=self.worker.now(), **where
+      )
     self.served += 1
     return True
 
@@ -127,15 +130,23 @@ def step(worker: Worker, loop: Loop, log: RunLog, trace, passive: Passive | None
   tc = time.perf_counter()
   worker.pad(t0, tc, loop.steps_done)  # the padded step computes until here; then its gradient lands
   with lock:
-    loop.state["flat"], loop.state["opt_state"] = worker.apply_fn(loop.state["flat"], loop.state["opt_state"],
-                                                                  grads, ms)
+    loop.state["flat"], loop.state["opt_state"] = worker.apply_fn(
+      loop.state["flat"], loop.state["opt_state"], grads, ms
+    )
     loop.state["flat"].block_until_ready()
     if passive is not None:
       passive.computing = None
       passive.applied += 1
   t1 = time.perf_counter()
-  trace.add(k="step", c=0, s=loop.steps_done, t0=t0 - worker.t_start, t1=t1 - worker.t_start,
-            c_end=tc - worker.t_start, loss=loss)
+  trace.add(
+    k="step",
+    c=0,
+    s=loop.steps_done,
+    t0=t0 - worker.t_start,
+    t1=t1 - worker.t_start,
+    c_end=tc - worker.t_start,
+    loss=loss,
+  )
   loop.steps_done += 1
   check_finite(loop.steps_done, log.describe_last(), train_loss=loss)
   log.progress(min(loop.steps_done, worker.config.num_steps), train_loss=loss)
@@ -150,16 +161,29 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   worker.warm_up()
-  with RunLog(workdir, config, config.num_steps, checkpoint_every=rt.checkpoint_every,
-              checkpoint_keep=rt.checkpoint_keep, per_process=(me, worker.to_global, worker.to_local)) as log:
+  with RunLog(
+    workdir,
+    config,
+    config.num_steps,
+    checkpoint_every=rt.checkpoint_every,
+    checkpoint_keep=rt.checkpoint_keep,
+    per_process=(me, worker.to_global, worker.to_local),
+  ) as log:
     # No mid-run markers: a fresh start, refused (nothing deleted) where an earlier run's final
     # checkpoints are.
     resume_lib.restore_common(log, kv, me, n, None, rt.stall_timeout, resumable=False, what="worker")
     loop = Loop(worker.fresh())
     trace = trace_lib.TraceWriter(workdir, me)
     progress = {"steps": 0, "events": 0, "done": False}
-    watchdog = coord.Watchdog(kv, me, n, lambda: (progress["steps"], progress["events"], progress["done"]),
-                              rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout)
+    watchdog = coord.Watchdog(
+      kv,
+      me,
+      n,
+      lambda: (progress["steps"], progress["events"], progress["done"]),
+      rt.heartbeat_s,
+      rt.heartbeat_timeout,
+      rt.stall_timeout,
+    )
     sigterm.watchdog = watchdog
     kv.wait_at_barrier(f"{coord.PREFIX}/start/0", int(rt.stall_timeout * 1000))
     worker.t_start = time.perf_counter()
@@ -178,7 +202,11 @@ def run(config, workdir: str) -> dict:
           passive.drain()
         if me % 2 == 1:
           average_with_passive(worker, loop, kv, trace, rng, sent)
-        if config.eval_every and loop.steps_done % config.eval_every == 0 and loop.steps_done < config.num_steps:
+        if (
+          config.eval_every
+          and loop.steps_done % config.eval_every == 0
+          and loop.steps_done < config.num_steps
+        ):
           ident = loop.steps_done // config.eval_every
           np.save(snapshot_path(workdir, f"eval{ident}", me), np.asarray(loop.state["flat"]))
           trace.add(k="mark", kind="eval", id=ident, c=0, t=worker.now(), s=loop.steps_done)

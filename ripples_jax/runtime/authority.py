@@ -13,6 +13,7 @@ A worker's `Feed` keeps a get of its next queue key outstanding in a thread, so 
 while the worker computes is already local when the step ends; with request-ahead it also sends its
 request when a step starts, so that only a round trip longer than the step is waited for.
 """
+
 import queue
 import threading
 import time
@@ -56,11 +57,13 @@ class Authority:
     self.posted = [0] * self.n
     self.inbox = queue.Queue()
     self.snapshots = {}
-    self.handled = []            # seconds spent handling each request (generation + posting)
+    self.handled = []  # seconds spent handling each request (generation + posting)
     self._seen = {}
     self._stop = threading.Event()
-    self._threads = [threading.Thread(target=self._listen, args=(w,), name=f"ripples-gg-listen-{w}",
-                                      daemon=True) for w in range(self.n)]
+    self._threads = [
+      threading.Thread(target=self._listen, args=(w,), name=f"ripples-gg-listen-{w}", daemon=True)
+      for w in range(self.n)
+    ]
     self._threads.append(threading.Thread(target=self._serve, name="ripples-gg", daemon=True))
     self.error = None
 
@@ -86,8 +89,9 @@ class Authority:
         continue
       self._seen[key] = value
       steps, started, step_time, last_gid = value.split()
-      self.service.report(int(key.rsplit("/", 1)[1]), float(started), float(step_time), int(steps),
-                          int(last_gid))
+      self.service.report(
+        int(key.rsplit("/", 1)[1]), float(started), float(step_time), int(steps), int(last_gid)
+      )
 
   def _serve(self) -> None:
     try:
@@ -125,11 +129,11 @@ class Feed:
   def __init__(self, kv, worker: int, now, ahead: bool = True):
     self.kv, self.me, self.now, self.ahead = kv, worker, now, ahead
     self.local = queue.Queue()
-    self.taken = 0          # entries this worker has consumed
+    self.taken = 0  # entries this worker has consumed
     self.requests = 0
-    self.asked = None       # (queue index, when sent) of the request in flight
-    self.rtts = []          # seconds from a request to its answer's arrival here
-    self.blocked = []       # seconds the worker waited for an answer after its step
+    self.asked = None  # (queue index, when sent) of the request in flight
+    self.rtts = []  # seconds from a request to its answer's arrival here
+    self.blocked = []  # seconds the worker waited for an answer after its step
     self._stop = threading.Event()
     self._reports = queue.Queue()
     threading.Thread(target=self._fetch, name="ripples-feed", daemon=True).start()
@@ -197,9 +201,18 @@ class LocalFeed:
   then its group of layout k, or STOP after the last step. Markers: every `eval_every` and
   `checkpoint_every` syncs, numbered from 1, the same points on every worker."""
 
-  def __init__(self, layouts, num_workers: int, worker: int, num_steps: int, eval_every: int,
-               checkpoint_every: int, resume_point: int = 0):
+  def __init__(
+    self,
+    layouts,
+    num_workers: int,
+    worker: int,
+    num_steps: int,
+    eval_every: int,
+    checkpoint_every: int,
+    resume_point: int = 0,
+  ):
     from ripples_jax.schedule.online import fixed_entry
+
     self._fixed = lambda k: fixed_entry(layouts, num_workers, worker, k)
     self.num_steps, self.every = num_steps, (("eval", eval_every), ("ckpt", checkpoint_every))
     self._gen = self._entries(resume_point)

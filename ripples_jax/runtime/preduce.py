@@ -7,11 +7,13 @@ processes outside the group do not take part, so disjoint groups run at the same
 NCCL on GPU). One compiled program per distinct member set, in a bounded LRU (the authors cache one
 communicator per member set, capped at ~60).
 """
+
 import collections
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ripples_jax.distributed.arrays import LOCAL, WORKER
 
@@ -21,7 +23,7 @@ class GroupAverager:
 
   def __init__(self, local_mesh: Mesh, devices_of: dict, cache_size: int = 64):
     self.local_mesh = local_mesh
-    self.devices_of = devices_of       # worker -> its devices, in local mesh order
+    self.devices_of = devices_of  # worker -> its devices, in local mesh order
     self.cache_size = cache_size
     self.cache = collections.OrderedDict()
     self.compiles = 0
@@ -55,4 +57,5 @@ class GroupAverager:
     out_D = fn(x_kxD)
     # Back to a local array, replicated over this worker's devices only.
     return jax.make_array_from_single_device_arrays(
-        (size,), NamedSharding(self.local_mesh, P()), [s.data for s in out_D.addressable_shards])
+      (size,), NamedSharding(self.local_mesh, P()), [s.data for s in out_D.addressable_shards]
+    )

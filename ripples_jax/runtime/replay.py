@@ -5,6 +5,7 @@ worker took its steps and joined its groups (the traces), the simulator's engine
 x_0 with the same batches, must end at the same parameters. The traces are merged into one order that
 respects every worker's own order and the global group order, then executed as timeline events.
 """
+
 import jax
 import numpy as np
 
@@ -76,8 +77,10 @@ def merged_events(traces: dict, num_workers: int) -> list:
   while ready:
     ready = [m for w in ready for m in advance(w)]
   if waiting:
-    raise ValueError(f"the traces contradict one global order: groups {sorted(waiting, key=str)[:5]} "
-                     "never had all their members")
+    raise ValueError(
+      f"the traces contradict one global order: groups {sorted(waiting, key=str)[:5]} "
+      "never had all their members"
+    )
   return out
 
 
@@ -97,10 +100,19 @@ def replay(config, workdir: str) -> dict:
     x, y = np.zeros(shape, data["x_train"].dtype), np.zeros(shape[:2], data["y_train"].dtype)
     started = np.flatnonzero(r["start"])
     if len(started):
-      idx = data_lib.batch_indices([shards[w] for w in started], config.batch_size, config.seed,
-                                   starts[started], workers=started)
+      idx = data_lib.batch_indices(
+        [shards[w] for w in started], config.batch_size, config.seed, starts[started], workers=started
+      )
       x[started], y[started] = data["x_train"][idx], data["y_train"][idx]
-    state, _ = round_fn(state, put(x), put(y), put(r["apply_src"]), put(r["gid"]), False,
-                        put(np.arange(n, dtype=np.int32)), put(r["start"]))
+    state, _ = round_fn(
+      state,
+      put(x),
+      put(y),
+      put(r["apply_src"]),
+      put(r["gid"]),
+      False,
+      put(np.arange(n, dtype=np.int32)),
+      put(r["start"]),
+    )
     starts += r["start"]
   return {"params": state["params"], "model_state": state["model_state"]}

@@ -5,6 +5,7 @@ each worker saved its flat state (snapshots/eval<id>-<worker>.npy; a marker is a
 the global order); the model evaluated is the workers' average there, timed at the last worker's
 arrival.
 """
+
 import os
 
 import jax
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ripples_jax import engine
-from ripples_jax.runtime import authority as authority_lib, trace as trace_lib
+from ripples_jax.runtime import authority as authority_lib
+from ripples_jax.runtime import trace as trace_lib
 
 
 def _stacked(unravel, flats):
@@ -23,8 +25,8 @@ def _stacked(unravel, flats):
 def eval_points(traces: dict, n: int) -> list:
   """[(id, time, worker steps by then, mean train loss since the previous point)] of the evaluation
   markers every worker reached: the time is the last worker's arrival there."""
-  marks, losses = {}, {}
-  for w, events in traces.items():
+  marks = {}
+  for events in traces.values():
     since = []
     for e in events:
       if e["k"] == "step":
@@ -33,8 +35,9 @@ def eval_points(traces: dict, n: int) -> list:
         t, s, seen, l = marks.get(e["id"], (0.0, 0, 0, []))
         marks[e["id"]] = (max(t, e["t"]), s + e["s"], seen + 1, l + since)
         since = []
-  return [(i, t, s, float(np.mean(l)) if l else None)
-          for i, (t, s, seen, l) in sorted(marks.items()) if seen == n]
+  return [
+    (i, t, s, float(np.mean(l)) if l else None) for i, (t, s, seen, l) in sorted(marks.items()) if seen == n
+  ]
 
 
 def window_throughput(traces: dict) -> tuple[float, float]:
@@ -57,16 +60,18 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
   x_test, y_test = jax.device_put((data["x_test"], data["y_test"]))
   records, time_to_target = [], None
   snap = os.path.join(workdir, "snapshots")
-  points = [(f"eval{i}", t, total, loss) for i, t, total, loss in eval_points(traces, n)
-            if all(os.path.exists(os.path.join(snap, f"eval{i}-{w}.npy")) for w in range(n))]
+  points = [
+    (f"eval{i}", t, total, loss)
+    for i, t, total, loss in eval_points(traces, n)
+    if all(os.path.exists(os.path.join(snap, f"eval{i}-{w}.npy")) for w in range(n))
+  ]
   points.append(("final", end, int(steps.sum()), None))
   for name, t, total, loss in points:
     flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in range(n)]
     ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
     record = {"step": total // n, "time": t, "worker_steps": total, "train_loss": loss, **ev}
     records.append(record)
-    if (time_to_target is None and config.target_accuracy
-        and ev["test_accuracy"] >= config.target_accuracy):
+    if time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy:
       time_to_target = t
 
   for r in records:  # the run's only records: metrics.jsonl was cut back to none on resume
@@ -79,14 +84,24 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
   blocked = [x for e in ends.values() for x in (e.get("blocked") or [])]
   throughput, window = window_throughput(traces)
   summary = log.finish(
-      time=end, worker_steps=steps, compute_time=split["compute"], wait_time=split["wait"],
-      comm_time=split["comm"], preduce_programs=[ends[w].get("compiles") for w in range(n)],
-      time_to_target=time_to_target, target_accuracy=config.target_accuracy,
-      step_time=config.runtime.step_time, slow_workers=list(config.hetero.slow_workers),
-      slowdown=config.hetero.slowdown, window_throughput=throughput, window_end=window,
-      requests=[ends[w].get("requests") for w in range(n)], request_rtt=authority_lib.percentiles(rtts),
-      authority_handling=authority_lib.percentiles(handled),
-      request_blocked=authority_lib.percentiles(blocked),
-      request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)])
+    time=end,
+    worker_steps=steps,
+    compute_time=split["compute"],
+    wait_time=split["wait"],
+    comm_time=split["comm"],
+    preduce_programs=[ends[w].get("compiles") for w in range(n)],
+    time_to_target=time_to_target,
+    target_accuracy=config.target_accuracy,
+    step_time=config.runtime.step_time,
+    slow_workers=list(config.hetero.slow_workers),
+    slowdown=config.hetero.slowdown,
+    window_throughput=throughput,
+    window_end=window,
+    requests=[ends[w].get("requests") for w in range(n)],
+    request_rtt=authority_lib.percentiles(rtts),
+    authority_handling=authority_lib.percentiles(handled),
+    request_blocked=authority_lib.percentiles(blocked),
+    request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)],
+  )
   trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
   return summary

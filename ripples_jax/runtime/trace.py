@@ -10,6 +10,7 @@ the number of checkpoint markers the worker had passed (a resume keeps the event
 A step is compute up to "c_end", then the padding and any injected slowdown (shown as compute). A
 group's wait is from this member's call to the last member's call; the rest is communication.
 """
+
 import glob
 import json
 import os
@@ -55,14 +56,14 @@ def load_traces(workdir: str) -> dict:
   """{worker: [events]} for every trace file in workdir."""
   out = {}
   for path in glob.glob(os.path.join(workdir, "trace-*.jsonl")):
-    out[int(os.path.basename(path)[len("trace-"):-len(".jsonl")])] = read_trace(path)
+    out[int(os.path.basename(path)[len("trace-") : -len(".jsonl")])] = read_trace(path)
   return dict(sorted(out.items()))
 
 
 def intervals(traces: dict) -> list:
   """(worker, kind, t0, t1) with kind compute / wait / comm, as timeline.Trace.intervals."""
   arrivals = {}
-  for w, events in traces.items():
+  for events in traces.values():
     for e in events:
       if e["k"] == "group":
         arrivals[e["g"]] = max(arrivals.get(e["g"], e["t0"]), e["t0"])
@@ -87,13 +88,20 @@ def time_split(traces: dict) -> dict:
   return split
 
 
-def write_gantt(workdir: str, path: str | None = None, title: str | None = None,
-                t_max: float | None = None) -> str:
+def write_gantt(
+  workdir: str, path: str | None = None, title: str | None = None, t_max: float | None = None
+) -> str:
   """Merges the traces of a run into DIR/gantt.png (the simulator's chart, in wall-clock time)."""
   traces = load_traces(workdir)
   if not traces:
     raise FileNotFoundError(f"{workdir}: no trace-<worker>.jsonl files")
   path = path or os.path.join(workdir, "gantt.png")
-  analysis.gantt(intervals(traces), max(traces) + 1, path, title or f"runtime trace: {workdir}", t_max,
-              xlabel="wall-clock time (s)")
+  analysis.gantt(
+    intervals(traces),
+    max(traces) + 1,
+    path,
+    title or f"runtime trace: {workdir}",
+    t_max,
+    xlabel="wall-clock time (s)",
+  )
   return path

@@ -12,6 +12,7 @@ authority's answer. No barrier inside the run: a checkpoint is a marker in the g
 worker saves at (its own orbax manager), and the saved states form a consistent cut. AD-PSGD has no
 authority and no global order (runtime/adpsgd.py).
 """
+
 import contextlib
 import dataclasses
 import functools
@@ -24,25 +25,27 @@ import numpy as np
 import optax
 from absl import logging
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ripples_jax import checkpoint as ckpt_lib
 from ripples_jax import data as data_lib
 from ripples_jax import engine
 from ripples_jax import setup as setup_lib
+from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
+from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
+from ripples_jax.distributed.markers import fail_now
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import authority as authority_lib
-from ripples_jax.distributed import coord
 from ripples_jax.runtime import summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
-from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runtime.preduce import GroupAverager
 from ripples_jax.schedule import make_group_generator, static_layouts
 from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, Cadence, Service, asks_ahead
 from ripples_jax.timeline import slow_at
+
 
 def snapshot_path(workdir: str, name, worker: int) -> str:
   return os.path.join(workdir, "snapshots", f"{name}-{worker}.npy")
@@ -69,21 +72,24 @@ def make_step_fns(model, optimizer, unravel, local_mesh: Mesh):
     return flat, opt_state
 
   grad_fn = jax.jit(grad, in_shardings=(rep, batch, batch), out_shardings=rep)
-  apply_fn = jax.jit(apply, in_shardings=(rep, rep, rep, rep), out_shardings=(rep, rep), donate_argnums=(0, 1))
+  apply_fn = jax.jit(
+    apply, in_shardings=(rep, rep, rep, rep), out_shardings=(rep, rep), donate_argnums=(0, 1)
+  )
   return grad_fn, apply_fn, rep, batch
 
 
 @dataclasses.dataclass
 class Loop:
   """This worker's loop state (its checkpoint's cursor and arrays)."""
-  state: dict                 # {"flat": D, "opt_state"} on this worker's devices
-  steps_done: int = 0         # this worker's local steps
-  last_gid: int = -1          # the newest group it executed (global sequence number)
-  epoch: int = 0              # checkpoint markers passed (trace events carry it: resume cuts there)
-  evals: int = 0              # evaluation markers passed (their snapshots are kept on resume)
-  syncs: int = 0              # group-or-none entries taken (a fixed schedule's position)
+
+  state: dict  # {"flat": D, "opt_state"} on this worker's devices
+  steps_done: int = 0  # this worker's local steps
+  last_gid: int = -1  # the newest group it executed (global sequence number)
+  epoch: int = 0  # checkpoint markers passed (trace events carry it: resume cuts there)
+  evals: int = 0  # evaluation markers passed (their snapshots are kept on resume)
+  syncs: int = 0  # group-or-none entries taken (a fixed schedule's position)
   last_step_time: float = 0.0  # its newest step's measured time (what its reports carry)
-  time: float = 0.0           # seconds of the run before this process started (resume)
+  time: float = 0.0  # seconds of the run before this process started (resume)
   resumed_at: int | None = None  # the checkpoint marker this process resumed from
   authority: dict | None = None  # process 0: the authority's state at that marker
 
@@ -101,7 +107,8 @@ class Worker:
     params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
     flat0, self.unravel = ravel_pytree({"params": params, "model_state": model_state})
     self.grad_fn, self.apply_fn, self.rep, self.batch_sharding = make_step_fns(
-        s.model, s.optimizer, self.unravel, self.local_mesh)
+      s.model, s.optimizer, self.unravel, self.local_mesh
+    )
     self.averager = GroupAverager(self.local_mesh, self.devices_of, self.rt.cache_size)
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
@@ -116,8 +123,10 @@ class Worker:
   def batch(self, step: int):
     c, s = self.config, self.s
     idx = data_lib.batch_indices([s.shards[self.me]], c.batch_size, c.seed, [step], workers=[self.me])[0]
-    return (jax.device_put(s.data["x_train"][idx], self.batch_sharding),
-            jax.device_put(s.data["y_train"][idx], self.batch_sharding))
+    return (
+      jax.device_put(s.data["x_train"][idx], self.batch_sharding),
+      jax.device_put(s.data["y_train"][idx], self.batch_sharding),
+    )
 
   def slowdown(self, step: int, t: float) -> float:
     """Injected heterogeneity (docs/design.md 3.5, 3.7): a step starting at run time t takes `slowdown` x."""
@@ -153,9 +162,15 @@ class Worker:
   # Checkpoints: this worker alone (RunLog per_process), as its row of (workers, ...) arrays.
   def pack(self, loop: Loop):
     exact = lambda a: np.asarray(a, np.float64).reshape(-1).view(np.int32)  # float64, bit for bit
-    local = {**loop.state, "steps_done": np.int32(loop.steps_done), "last_gid": np.int32(loop.last_gid),
-             "last_step_time": exact(loop.last_step_time)}
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self.rep), local)
+    local = {
+      **loop.state,
+      "steps_done": np.int32(loop.steps_done),
+      "last_gid": np.int32(loop.last_gid),
+      "last_step_time": exact(loop.last_step_time),
+    }
+    return jax.tree.map(
+      lambda a: jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self.rep), local
+    )
 
   def to_global(self, local):
     """This worker's state (on its devices or on the host) as its rows of (workers, ...) arrays."""
@@ -166,10 +181,18 @@ class Worker:
 
   def unpack(self, local, cursor: dict) -> Loop:
     f64 = lambda a: float(np.asarray(a).view(np.float64)[0])
-    return Loop({"flat": local["flat"], "opt_state": local["opt_state"]}, int(local["steps_done"]),
-                int(local["last_gid"]), cursor["mark"], cursor["evals"],
-                cursor["syncs"], f64(local["last_step_time"]), cursor["time"], resumed_at=cursor["mark"],
-                authority=cursor.get("authority"))
+    return Loop(
+      {"flat": local["flat"], "opt_state": local["opt_state"]},
+      int(local["steps_done"]),
+      int(local["last_gid"]),
+      cursor["mark"],
+      cursor["evals"],
+      cursor["syncs"],
+      f64(local["last_step_time"]),
+      cursor["time"],
+      resumed_at=cursor["mark"],
+      authority=cursor.get("authority"),
+    )
 
 
 def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
@@ -182,8 +205,9 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
     loop = Loop(worker.fresh())
   else:
     loop = worker.unpack(got[1], got[2])
-    logging.info("worker %d: resuming at checkpoint marker %d after %d local steps", me, loop.epoch,
-                 loop.steps_done)
+    logging.info(
+      "worker %d: resuming at checkpoint marker %d after %d local steps", me, loop.epoch, loop.steps_done
+    )
   for path in glob.glob(os.path.join(workdir, "snapshots", f"*-{me}.npy")):
     name = os.path.basename(path).rsplit("-", 1)[0]  # eval<id>: kept if the resumed run passed it
     if not name.startswith("eval") or int(name[4:]) > loop.evals:
@@ -199,8 +223,9 @@ def make_feed(worker: Worker, loop: Loop, kv):
     return authority_lib.Feed(kv, me, worker.now, asks_ahead(c))
   layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
   point = loop.syncs if loop.resumed_at is not None else 0
-  return authority_lib.LocalFeed(layouts, c.num_workers, me, c.num_steps, c.eval_every,
-                                 worker.rt.checkpoint_every, point)
+  return authority_lib.LocalFeed(
+    layouts, c.num_workers, me, c.num_steps, c.eval_every, worker.rt.checkpoint_every, point
+  )
 
 
 def make_authority(worker: Worker, loop: Loop, kv, estimate: float):
@@ -225,36 +250,67 @@ def run(config, workdir: str) -> dict:
   me = worker.me
   estimate = worker.warm_up()
   per_process = (me, worker.to_global, worker.to_local)
-  with RunLog(workdir, config, config.num_steps, checkpoint_every=rt.checkpoint_every,
-              checkpoint_keep=rt.checkpoint_keep, per_process=per_process) as log:
+  with RunLog(
+    workdir,
+    config,
+    config.num_steps,
+    checkpoint_every=rt.checkpoint_every,
+    checkpoint_keep=rt.checkpoint_keep,
+    per_process=per_process,
+  ) as log:
     loop = resume(worker, log, kv, workdir)
     loop.last_step_time = loop.last_step_time or estimate
     if rt.checkpoint_every:  # compiles the checkpoint fingerprint now, not at the first marker
       ckpt_lib.fingerprint(jax.device_put(jax.device_get(worker.pack(loop))))
-    trace = trace_lib.TraceWriter(workdir, me, keep_before_epoch=loop.epoch if loop.resumed_at is not None else None)
+    trace = trace_lib.TraceWriter(
+      workdir, me, keep_before_epoch=loop.epoch if loop.resumed_at is not None else None
+    )
     progress = {"steps": loop.steps_done, "events": 0, "done": False}
-    watchdog = coord.Watchdog(kv, me, n, lambda: (progress["steps"], progress["events"], progress["done"]),
-                              rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout)
+    watchdog = coord.Watchdog(
+      kv,
+      me,
+      n,
+      lambda: (progress["steps"], progress["events"], progress["done"]),
+      rt.heartbeat_s,
+      rt.heartbeat_timeout,
+      rt.stall_timeout,
+    )
     sigterm.watchdog = watchdog
     kv.wait_at_barrier(f"{coord.PREFIX}/start/{loop.epoch}", int(rt.stall_timeout * 1000))
     worker.t_start = time.perf_counter() - loop.time
-    authority = make_authority(worker, loop, kv, estimate).start() if me == 0 and config.algorithm in DYNAMIC else None
+    authority = (
+      make_authority(worker, loop, kv, estimate).start() if me == 0 and config.algorithm in DYNAMIC else None
+    )
     feed = make_feed(worker, loop, kv)
     watchdog.start()
     try:
       with watched(watchdog, trace, rt):
         run_loop(worker, loop, log, feed, authority, trace, progress, workdir)
-        end_of_run(worker, loop, log, kv, trace, progress, workdir,
-                   authority.service.state() if authority is not None else None,
-                   rtt=feed.rtts, blocked=feed.blocked, requests=feed.requests,
-                   handled=authority.handled if authority is not None else None)
+        end_of_run(
+          worker,
+          loop,
+          log,
+          kv,
+          trace,
+          progress,
+          workdir,
+          authority.service.state() if authority is not None else None,
+          rtt=feed.rtts,
+          blocked=feed.blocked,
+          requests=feed.requests,
+          handled=authority.handled if authority is not None else None,
+        )
     finally:
       feed.close()
       if authority is not None:
         authority.stop()
     watchdog.stop()
-    logging.info("worker %d: %d local steps, %d P-Reduce programs compiled", me, loop.steps_done,
-                 worker.averager.compiles)
+    logging.info(
+      "worker %d: %d local steps, %d P-Reduce programs compiled",
+      me,
+      loop.steps_done,
+      worker.averager.compiles,
+    )
     return result(worker, loop, log, workdir)
 
 
@@ -273,8 +329,17 @@ def watched(watchdog, trace, rt):
     trace.flush()
 
 
-def end_of_run(worker: Worker, loop: Loop, log: RunLog, kv, trace, progress, workdir: str,
-               authority_state: dict | None = None, **end) -> None:
+def end_of_run(
+  worker: Worker,
+  loop: Loop,
+  log: RunLog,
+  kv,
+  trace,
+  progress,
+  workdir: str,
+  authority_state: dict | None = None,
+  **end,
+) -> None:
   """Every worker, after its last step: the final checkpoint (marker epoch + 1, the same id on every
   worker; loadable), the final state file, the trace's end event, then the end barrier."""
   rt = worker.rt
@@ -282,7 +347,9 @@ def end_of_run(worker: Worker, loop: Loop, log: RunLog, kv, trace, progress, wor
     final = loop.epoch + 1
     log.checkpoint(final, worker.pack(loop), cursor(worker, loop, final, authority_state), force=True)
   np.save(snapshot_path(workdir, "final", worker.me), np.asarray(loop.state["flat"]))
-  trace.add(k="end", c=loop.epoch, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles, **end)
+  trace.add(
+    k="end", c=loop.epoch, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles, **end
+  )
   trace.flush()
   log.wait()
   progress["done"] = True
@@ -293,14 +360,23 @@ def result(worker: Worker, loop: Loop, log: RunLog, workdir: str) -> dict:
   """Process 0: the run's summary (evaluations, summary.json, Gantt); the others: their own counts."""
   config = worker.config
   if worker.me != 0:
-    return {"algorithm": config.algorithm, "executor": "async", "worker": worker.me,
-            "worker_steps": loop.steps_done, "workdir": workdir}
+    return {
+      "algorithm": config.algorithm,
+      "executor": "async",
+      "worker": worker.me,
+      "worker_steps": loop.steps_done,
+      "workdir": workdir,
+    }
   return summary_lib.summarize(config, workdir, worker.s, worker.unravel, log)
 
 
 def cursor(worker: Worker, loop: Loop, mark: int | None = None, authority: dict | None = None) -> dict:
-  out = {"mark": loop.epoch if mark is None else mark, "evals": loop.evals, "syncs": loop.syncs,
-         "time": worker.now()}
+  out = {
+    "mark": loop.epoch if mark is None else mark,
+    "evals": loop.evals,
+    "syncs": loop.syncs,
+    "time": worker.now(),
+  }
   if authority is not None:
     out["authority"] = authority
   return out
@@ -365,13 +441,21 @@ def run_step(worker: Worker, loop: Loop, log: RunLog, feed, trace) -> None:
   loss = float(loss)  # blocks: the step's real time is what the padding and the reports need
   tc = time.perf_counter()
   worker.pad(t0, tc, loop.steps_done)  # the padded step computes until here; then its gradient lands
-  loop.state["flat"], loop.state["opt_state"] = worker.apply_fn(loop.state["flat"], loop.state["opt_state"],
-                                                                grads, ms)
+  loop.state["flat"], loop.state["opt_state"] = worker.apply_fn(
+    loop.state["flat"], loop.state["opt_state"], grads, ms
+  )
   loop.state["flat"].block_until_ready()
   t1 = time.perf_counter()
   loop.last_step_time = t1 - t0
-  trace.add(k="step", c=loop.epoch, s=loop.steps_done, t0=t0 - worker.t_start, t1=t1 - worker.t_start,
-            c_end=tc - worker.t_start, loss=loss)
+  trace.add(
+    k="step",
+    c=loop.epoch,
+    s=loop.steps_done,
+    t0=t0 - worker.t_start,
+    t1=t1 - worker.t_start,
+    c_end=tc - worker.t_start,
+    loss=loss,
+  )
   loop.steps_done += 1
   # Stops this worker; its peers' watchdogs then stop theirs.
   check_finite(loop.steps_done, log.describe_last(), train_loss=loss)

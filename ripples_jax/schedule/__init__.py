@@ -4,6 +4,7 @@ A schedule says what happens in each round; the engine makes it happen. For the 
 round is (which workers step, which layout averages), where the layout is an index into the schedule's
 fixed tuple of layouts so that the jitted round never sees a Python constant change.
 """
+
 import dataclasses
 
 import numpy as np
@@ -13,8 +14,17 @@ from ripples_jax.schedule import group_gen
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
 
 # Every algorithm runs in the simulator (executor=sim); the lockstep executor runs the periodic ones.
-ALGORITHMS = ("allreduce", "ps_sync", "ps_async", "adpsgd", "dpsgd", "ripples_static", "ripples_random",
-              "ripples_division", "ripples_smart")
+ALGORITHMS = (
+  "allreduce",
+  "ps_sync",
+  "ps_async",
+  "adpsgd",
+  "dpsgd",
+  "ripples_static",
+  "ripples_random",
+  "ripples_division",
+  "ripples_smart",
+)
 LOCKSTEP_ALGORITHMS = ("allreduce", "ripples_static")
 STATIC_LAYOUTS = ("node", "hypercube")
 
@@ -22,12 +32,13 @@ STATIC_LAYOUTS = ("node", "hypercube")
 @dataclasses.dataclass(frozen=True)
 class Round:
   step_mask: np.ndarray  # bool[n]: workers that take a local step this round
-  layout_idx: int        # index into Schedule.layouts: the groups that average after the step
+  layout_idx: int  # index into Schedule.layouts: the groups that average after the step
 
 
 @dataclasses.dataclass(frozen=True)
 class PeriodicSchedule:
   """Every worker steps every round; round t averages with layouts[t % period]."""
+
   num_workers: int
   layouts: tuple[Layout, ...]
 
@@ -69,5 +80,6 @@ def make_schedule(config) -> PeriodicSchedule:
     return PeriodicSchedule(n, allreduce_layouts(n))
   if config.algorithm == "ripples_static":
     return PeriodicSchedule(n, static_layouts(config))
-  raise ValueError(f"config.algorithm: {config.algorithm!r} is not allowed: one of "
-                   f"{', '.join(LOCKSTEP_ALGORITHMS)}")
+  raise ValueError(
+    f"config.algorithm: {config.algorithm!r} is not allowed: one of {', '.join(LOCKSTEP_ALGORITHMS)}"
+  )

@@ -1,4 +1,5 @@
-"""Dynamic Group Generators and the Group Buffer (docs/design.md 3.2, 3.7). Host-side, deterministic under a seed.
+"""Dynamic Group Generators and the Group Buffer (docs/design.md 3.2, 3.7). Host-side, deterministic under
+a seed.
 
 The Group Buffer is one global, ordered list of groups. Every worker executes the groups that contain
 it in that global order, one per local step, and a group runs when all its members have reached it, so
@@ -7,6 +8,7 @@ groups to the buffer when a worker that is ready has nothing left to execute (sc
 protocol around it). A generator is `request(worker, view)`; one with hidden state also has
 `state()`/`load(state)` (JSON), so a resumed authority continues it.
 """
+
 import dataclasses
 from typing import Callable, Sequence
 
@@ -17,10 +19,10 @@ from ripples_jax.collectives import Layout
 
 @dataclasses.dataclass
 class Group:
-  gid: int                   # position in the global buffer
+  gid: int  # position in the global buffer
   members: tuple[int, ...]
   created: float
-  request: int               # the GG request that made it (groups of one request form one batch)
+  request: int  # the GG request that made it (groups of one request form one batch)
   arrived: set = dataclasses.field(default_factory=set)
 
 
@@ -62,11 +64,12 @@ class GroupBuffer:
 @dataclasses.dataclass
 class GGView:
   """What a generator may look at when asked for groups (all of it is host-side clock state)."""
+
   now: float
   buffer: GroupBuffer
-  started_at: np.ndarray                  # when each worker started its current compute
-  estimates: np.ndarray                   # the agreed estimate of each worker's step time
-  iteration: Callable[[int], int]         # iterations the worker has completed
+  started_at: np.ndarray  # when each worker started its current compute
+  estimates: np.ndarray  # the agreed estimate of each worker's step time
+  iteration: Callable[[int], int]  # iterations the worker has completed
 
 
 class Fixed:
@@ -80,6 +83,7 @@ class Fixed:
 class _Generator:
   """A generator with a numpy Generator as its hidden state (saved and loaded as JSON). Its groups do
   not depend on when a request is handled, so a worker may send its request ahead (`ask_ahead`)."""
+
   ask_ahead = True
 
   def __init__(self, rng: np.random.Generator):
@@ -105,7 +109,8 @@ class random_gg(_Generator):
 
 
 def division_sizes(num_workers: int, group_size: int) -> list[int]:
-  """ceil(n / k) groups whose sizes differ by at most one (8 into 3s: 3,3,2; 16: 3,3,3,3,2,2): no singleton."""
+  """ceil(n / k) groups whose sizes differ by at most one (8 into 3s: 3,3,2; 16: 3,3,3,3,2,2): no
+  singleton."""
   count = -(-num_workers // group_size)
   base, extra = divmod(num_workers, count)
   return [base + 1] * extra + [base] * (count - extra)
@@ -122,7 +127,7 @@ class division_gg(_Generator):
   def __call__(self, worker: int, view: GGView) -> None:
     perm, s = self.rng.permutation(self.n), 0
     for size in self.sizes:
-      view.buffer.append(perm[s:s + size].tolist(), view.now)
+      view.buffer.append(perm[s : s + size].tolist(), view.now)
       s += size
 
 
@@ -137,6 +142,7 @@ class smart_gg:
   `max_gap` times in a row: then it takes the soonest workers whatever their distance, which bounds
   how far any worker drifts from the rest.
   """
+
   ask_ahead = False  # its groups are about who is ready together: asked when the worker is ready
 
   def __init__(self, num_workers: int, group_size: int, tolerance: float = 0.5, max_gap: int = 4):

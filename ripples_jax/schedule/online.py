@@ -1,4 +1,5 @@
-"""The online Group Generator protocol (docs/design.md 3.7): one implementation for the simulator and the runtime.
+"""The online Group Generator protocol (docs/design.md 3.7): one implementation for the simulator and the
+runtime.
 
 One authority (the `Service`) holds the Group Buffer and the generator's state. Every worker owns a
 queue of entries that only the authority appends to:
@@ -12,7 +13,8 @@ request carrying its measured step time and waits for its next entry. With reque
 *starts* sends the request for the entry after that step at once, so the round trip overlaps the
 step. Only for generators whose groups do not depend on when they are made (Random GG, Group
 Division): Smart GG groups the workers that are ready together, so its requests are sent when ready
-(sent ahead, a request would be decided on the speeds before a straggler's first slow step). The authority generates groups
+(sent ahead, a request would be decided on the speeds before a straggler's first slow step). The authority
+generates groups
 on these actual arrivals and appends each group to all its members' queues under one global sequence
 number (gid); markers and STOP go to every queue at once.
 
@@ -29,6 +31,7 @@ entry after a worker's k-th step (its group in layout k mod period, or NONE), th
 executors. Static GG thereby means the authors' schedule: a worker's k-th sync is its group of the
 k-th layout, whenever it gets there (asynchronous across groups, lockstep within one).
 """
+
 import dataclasses
 
 import numpy as np
@@ -39,7 +42,7 @@ GROUP, NONE, MARK, STOP = "G", "N", "M", "S"
 DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart")
 FIXED = ("allreduce", "ripples_static")
 RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd",)  # what executor=async runs
-ADPSGD_PASSIVE = ("concurrent", "blocking")        # runtime.adpsgd_passive
+ADPSGD_PASSIVE = ("concurrent", "blocking")  # runtime.adpsgd_passive
 
 
 def encode(entry: tuple) -> str:
@@ -63,14 +66,16 @@ def decode(text: str) -> tuple:
 @dataclasses.dataclass
 class Cadence:
   """When the authority inserts markers and STOP, in worker steps started (all workers together)."""
-  total_steps: int                 # STOP once this many steps have started
-  eval_every: int = 0              # an ("M", "eval", k) marker every this many steps (0: none)
-  checkpoint_every: int = 0        # an ("M", "ckpt", k) marker every this many steps (0: none)
+
+  total_steps: int  # STOP once this many steps have started
+  eval_every: int = 0  # an ("M", "eval", k) marker every this many steps (0: none)
+  checkpoint_every: int = 0  # an ("M", "ckpt", k) marker every this many steps (0: none)
 
 
 def asks_ahead(config) -> bool:
   """Whether workers send their requests when a step starts (see the module docstring)."""
   from ripples_jax.schedule import make_group_generator
+
   gg = make_group_generator(config, np.random.default_rng(0))
   return bool(config.schedule.request_ahead and getattr(gg, "ask_ahead", False))
 
@@ -83,13 +88,13 @@ class Service:
     self.gg = gg
     self.cadence = cadence
     self.buffer = GroupBuffer(n)
-    self.entries = [[] for _ in range(n)]   # every entry ever appended to each queue, in order
-    self.started_at = np.zeros(n)            # when each worker last reported starting a step
+    self.entries = [[] for _ in range(n)]  # every entry ever appended to each queue, in order
+    self.started_at = np.zeros(n)  # when each worker last reported starting a step
     self.estimates = np.full(n, float(estimate))  # each worker's newest measured step time
-    self.steps = np.zeros(n, np.int64)       # steps each worker has started (its reports)
-    self.marks = {"eval": 0, "ckpt": 0}      # markers inserted so far, per kind
+    self.steps = np.zeros(n, np.int64)  # steps each worker has started (its reports)
+    self.marks = {"eval": 0, "ckpt": 0}  # markers inserted so far, per kind
     self.stopped = False
-    self.gid0 = 0                            # global sequence numbers continue across a resume
+    self.gid0 = 0  # global sequence numbers continue across a resume
     self.view = GGView(0.0, self.buffer, self.started_at, self.estimates, lambda j: int(self.steps[j]))
 
   # -- what workers tell the authority -----------------------------------------------------------
@@ -148,9 +153,13 @@ class Service:
 
   def state(self) -> dict:
     """What a resumed authority needs (JSON): the sequence numbers, markers, steps, generator state."""
-    return {"gid": self.gid0 + len(self.buffer.groups), "marks": dict(self.marks),
-            "steps": self.steps.tolist(), "estimates": self.estimates.tolist(),
-            "gg": self.gg.state() if hasattr(self.gg, "state") else None}
+    return {
+      "gid": self.gid0 + len(self.buffer.groups),
+      "marks": dict(self.marks),
+      "steps": self.steps.tolist(),
+      "estimates": self.estimates.tolist(),
+      "gg": self.gg.state() if hasattr(self.gg, "state") else None,
+    }
 
   def load(self, state: dict) -> None:
     """Continues from `state` with empty queues (every worker resumes at the same marker)."""

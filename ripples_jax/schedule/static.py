@@ -4,6 +4,7 @@ A periodic schedule is just a tuple of layouts; round t uses layouts[t % len(lay
 covers all workers (groups of one are explicit), so the engine's step has one fixed set of layouts and
 the round only carries an index.
 """
+
 from ripples_jax.collectives import Layout, canonical_layout
 
 
@@ -35,7 +36,7 @@ def static_gg_layouts(n: int, workers_per_node: int = 4) -> tuple[Layout, ...]:
       if m < 3:
         continue
       rest = [node[(r + j) % m] for j in range(2, m)]
-      groups += [rest[i:i + 2] for i in range(0, len(rest), 2)]
+      groups += [rest[i : i + 2] for i in range(0, len(rest), 2)]
     # A node smaller than the leader index contributes its (r mod m) worker, which may then also sit
     # in a pair; keep the inter group and drop that worker from its pair.
     lead = set(groups[0])
