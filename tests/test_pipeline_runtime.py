@@ -3,8 +3,6 @@ runtime (pipeline/per_process.py) against the single-process tick: numerics, a k
 
 import os
 import signal
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +15,7 @@ from configs import dsp as dsp_config
 from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline import train as pipeline_train
 from ripples_jax.pipeline.baselines import compose, schedule_of
+from tests.fakes import start_directly
 from tests.test_pipeline_dsp import B, mlp_stages
 from tests.test_runtime import launch_bounded
 
@@ -130,36 +129,7 @@ def test_two_process_pipeline_equals_the_single_process_tick(tmp_path, method, m
 def start_stages_directly(args):
   """Both stage processes without the launcher (as on a cluster), so that nothing but the survivor's
   own watchdog can stop it; returns the Popen objects, stderr merged into stdout."""
-  from ripples_jax.distributed.launcher import child_env, free_port
-
-  address = f"127.0.0.1:{free_port()}"
-  procs = []
-  for k in range(2):
-    env = child_env(1, "cpu", k)
-    env.pop("RIPPLES_LAUNCHER_PID", None)
-    cmd = [
-      sys.executable,
-      "-m",
-      "experiments.train_dsp",
-      *args,
-      "--jax_distributed",
-      f"--coordinator_address={address}",
-      "--num_processes=2",
-      f"--process_id={k}",
-      "--cpu_devices=1",
-    ]
-    procs.append(
-      subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-      )
-    )
-  return procs
+  return start_directly(2, "experiments.train_dsp", args)
 
 
 @pytest.mark.slow

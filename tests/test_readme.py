@@ -1,4 +1,4 @@
-"""Every `python -m <module>` command in README.md and WORKSPACE.md names a module that exists."""
+"""Every `python -m <module>` command in README.md, WORKSPACE.md and docs/ names a module that exists."""
 
 import importlib.util
 import os
@@ -7,7 +7,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ("README.md", "WORKSPACE.md")
+DOCS = ("README.md", "WORKSPACE.md", "docs/usage.md", "docs/design.md")
 
 
 def commands():

@@ -6,51 +6,17 @@ with exit 74 on a read-only ckpt/ instead of hanging. Real processes: all slow."
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
+from tests.fakes import start_directly
 from tests.test_pipeline_runtime import pipeline_config
 from tests.test_runtime import MODEL, assert_replay_matches, launch_bounded, make_config, run_args
 from tests.test_workdir import corrupt, tree_digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
-
-
-def start_directly(n, module, args):
-  """n processes of `module` without the launcher (as on a cluster): nothing stops a hung one."""
-  from ripples_jax.distributed.launcher import child_env, free_port
-
-  address = f"127.0.0.1:{free_port()}"
-  procs = []
-  for k in range(n):
-    env = child_env(1, "cpu", k)
-    env.pop("RIPPLES_LAUNCHER_PID", None)
-    cmd = [
-      sys.executable,
-      "-m",
-      module,
-      *args,
-      "--jax_distributed",
-      f"--coordinator_address={address}",
-      f"--num_processes={n}",
-      f"--process_id={k}",
-      "--cpu_devices=1",
-    ]
-    procs.append(
-      subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-      )
-    )
-  return procs
 
 
 def finish(procs, timeout_s):
@@ -152,6 +118,9 @@ def test_a_corrupt_newest_marker_in_one_worker_falls_back_and_deletes_nothing_el
   assert len(resumed) == 1 and resumed.pop() < bad, out[-3000:]
   assert f"checkpoint {bad}: worker [2] cannot restore it" in out, out[-3000:]
   assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
+  # Only what was tried and found unusable is reported so: worker 2's corrupt marker, nothing else.
+  unreadable = [l for l in out.splitlines() if "does not read back" in l]
+  assert len(unreadable) == 1 and f"ckpt/2/{bad} does not read back" in unreadable[0], unreadable
   # Worker 2 deleted only the marker it tried and found corrupt; the others' newer markers were set
   # aside byte for byte, never deleted.
   aside = {w: tree_digest(os.path.join(workdir, "ckpt.superseded", str(w))) for w in (0, 1)}

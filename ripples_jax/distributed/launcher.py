@@ -234,6 +234,49 @@ def port_refusal(port: int, problem: int) -> str:
   return f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)}"
 
 
+def _start(i: int, n: int, module: str, args, address: str, cpu_devices: int, platform: str, cwd):
+  """Worker i: `python -m module args` with the coordinator flags, in a session of its own (the
+  launcher, not the terminal, decides when a worker dies)."""
+  cmd = [
+    sys.executable,
+    "-m",
+    module,
+    *args,
+    "--jax_distributed",
+    f"--coordinator_address={address}",
+    f"--num_processes={n}",
+    f"--process_id={i}",
+    f"--cpu_devices={cpu_devices}",
+  ]
+  return subprocess.Popen(
+    cmd,
+    env=child_env(cpu_devices, platform, i),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    start_new_session=True,
+    cwd=cwd,
+  )
+
+
+def _watch(procs, threads, signals, clues, address: str, grace_s: float, out):
+  """Polls every child every 0.1 s until all succeed, one fails ((worker, code): named in one line) or
+  a signal arrives; returns the first failure or None."""
+  while not signals.got:
+    codes = [p.poll() for p in procs]  # every child, every time
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    if failed:
+      threads[failed[0][0]].join(timeout=2)  # its last lines (why it failed) read to the end
+      out.write(
+        f"[launch] {failure_line(failed[0], procs, clues, address)}; stopping the others "
+        f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n"
+      )
+      return failed[0]
+    if None not in codes:
+      return None
+    time.sleep(0.1)
+  return None
+
+
 def launch(
   num_processes: int,
   args: list[str],
@@ -270,50 +313,16 @@ def launch(
       for i in range(num_processes):
         if signals.got:
           break
-        cmd = [
-          sys.executable,
-          "-m",
-          module,
-          *args,
-          "--jax_distributed",
-          f"--coordinator_address={address}",
-          f"--num_processes={num_processes}",
-          f"--process_id={i}",
-          f"--cpu_devices={cpu_devices}",
-        ]
-        # A session of its own: the launcher, not the terminal, decides when a worker dies.
-        p = subprocess.Popen(
-          cmd,
-          env=child_env(cpu_devices, platform, i),
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          start_new_session=True,
-          cwd=cwd,
-        )
-        procs.append(p)
-        t = threading.Thread(target=_stream, args=(i, p.stdout, out, clues), daemon=True)
-        t.start()
-        threads.append(t)
+        procs.append(_start(i, num_processes, module, args, address, cpu_devices, platform, cwd))
+        threads.append(threading.Thread(target=_stream, args=(i, procs[-1].stdout, out, clues), daemon=True))
+        threads[-1].start()
       out.write(
         f"[launch] {num_processes} workers on {address} ({platform}), pids {[p.pid for p in procs]}\n"
       )
       out.flush()
       if on_start and not signals.got:
         on_start([p.pid for p in procs])
-      while not signals.got:
-        codes = [p.poll() for p in procs]  # every child, every time
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-          first = failed[0]
-          threads[first[0]].join(timeout=2)  # its last lines (why it failed) read to the end
-          out.write(
-            f"[launch] {failure_line(first, procs, clues, address)}; stopping the others "
-            f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n"
-          )
-          break
-        if None not in codes:
-          break
-        time.sleep(0.1)
+      first = _watch(procs, threads, signals, clues, address, grace_s, out)
       if signals.got and not first:
         out.write(
           f"[launch] received {signal.Signals(signals.got[0]).name}; stopping the workers "

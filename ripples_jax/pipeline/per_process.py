@@ -413,30 +413,30 @@ def _resume(sp: Stage, log: RunLog, kv) -> Loop:
   return loop
 
 
-def _record(sp: Stage, log: RunLog, run: dict, loop: Loop, done: int, losses: list) -> None:
+def _record(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, clock, loop: Loop, done: int, losses: list):
   """At a logged batch: the evaluation (every stage, at eval points), the lead's record."""
-  config, n = sp.config, run["num_batches"]
-  scalars = {"epoch": done / run["batches_per_epoch"]}
+  config, n = sp.config, p.num_batches
+  scalars = {"epoch": done / p.batches_per_epoch}
   if done % config.eval_every == 0 or done == n:
     t0 = time.perf_counter()
-    got = sp.evaluate(sp.state, *run["test"])
+    got = sp.evaluate(sp.state, p.data["x_test"], p.data["y_test"])
     loop.eval_s += time.perf_counter() - t0
     if got is not None:
       scalars.update(test_accuracy=got[0], test_loss=got[1])
   if sp.last:
     scalars["train_loss"] = float(np.mean([float(l) for l in losses])) if losses else float("nan")
-  log.record(done, run["clock"](), **scalars)
+  log.record(done, clock(), **scalars)
 
 
-def _loop(sp: Stage, log: RunLog, run: dict, loop: Loop, progress: dict) -> None:
+def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progress: dict) -> None:
   """Ticks (gpipe: batches) from loop.tick to the end of the drain."""
-  config, n, feed = sp.config, run["num_batches"], run["feed"]
+  config, n, feed = sp.config, p.num_batches, p.feed
   sch = sp.schedule
   drain = sch.drain_ticks() if sch else 0
   offset = sch.offsets[-1] if sch else 0  # the last stage works on batch t - offset
   rt, losses = config.runtime, []
   t_start, eval_before = time.perf_counter() - loop.time, loop.eval_s  # loop.time is net of evaluation
-  run["clock"] = lambda: time.perf_counter() - t_start - (loop.eval_s - eval_before)
+  clock = lambda: time.perf_counter() - t_start - (loop.eval_s - eval_before)
   saved = None
   for t in range(loop.tick, n + drain):
     if sp.k == rt.fail_stage and t == rt.fail_tick:
@@ -448,20 +448,20 @@ def _loop(sp: Stage, log: RunLog, run: dict, loop: Loop, progress: dict) -> None
     else:
       sp.state, metrics = sp.tick(sp.state, x_t, y_t, t)
     _pad_straggler(sp, t)
-    sp.clock.tick_ends.append(run["clock"]())
+    sp.clock.tick_ends.append(clock())
     progress["ticks"] = t + 1
     if metrics is not None and 0 <= t - offset < n:
       losses.append(metrics[0])
     done = t + 1 - drain  # batches whose updates every stage has applied
     if done > 0 and (done % config.log_every == 0 or done == n):
-      _record(sp, log, run, loop, done, losses)
+      _record(sp, log, p, clock, loop, done, losses)
       losses = []
-      loop.tick, loop.time = t + 1, run["clock"]()
+      loop.tick, loop.time = t + 1, clock()
       log.checkpoint(done, sp.pack(sp.state), dataclasses.asdict(loop), force=done == n)
       saved = done if config.checkpoint_every and done % config.checkpoint_every == 0 else saved
     elif done > 0:
       log.progress(done)
-  loop.tick, loop.time = n + drain, run["clock"]()
+  loop.tick, loop.time = n + drain, clock()
 
 
 def _pad_straggler(sp: Stage, t: int) -> None:
@@ -515,38 +515,25 @@ def _complete(sp: Stage, workdir: str, loop: Loop) -> dict:
 def run(config, workdir: str) -> dict:
   """This process's stage of the pipeline (placement=per_process, run.EXECUTORS)."""
   p = setup_lib.build_pipeline(config)
-  stages, optimizer, feed, data, num_batches, per_epoch = (
-    p.stages,
-    p.optimizer,
-    p.feed,
-    p.data,
-    p.num_batches,
-    p.batches_per_epoch,
-  )
   k, K = jax.process_index(), config.num_stages
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this stage: one line, coord.EXIT_TERM
   _pin(config, k)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
-  sp = Stage(config, stages, optimizer, num_batches, feed.sample, data["x_test"])
+  sp = Stage(config, p.stages, p.optimizer, p.num_batches, p.feed.sample, p.data["x_test"])
   rt = config.runtime
-  run_ = {
-    "num_batches": num_batches,
-    "batches_per_epoch": per_epoch,
-    "feed": feed,
-    "test": (data["x_test"], data["y_test"]),
-  }
+  drain = sp.schedule.drain_ticks() if sp.schedule else 0
   with RunLog(
     workdir,
     config,
-    num_batches,
+    p.num_batches,
     is_lead=sp.last,
     checkpoint_every=config.checkpoint_every,
     checkpoint_keep=config.checkpoint_keep,
     per_process=_per_process(K, sp.device),
   ) as log:
     loop = _resume(sp, log, kv)
-    if loop.tick >= num_batches + (sp.schedule.drain_ticks() if sp.schedule else 0):
+    if loop.tick >= p.num_batches + drain:
       return _complete(sp, workdir, loop)
     progress = {"ticks": loop.tick, "done": False}
     watchdog = coord.Watchdog(
@@ -564,40 +551,52 @@ def run(config, workdir: str) -> dict:
     transfer_s = sp.calibrate_links()  # before the clock starts: not training time
     watchdog.start()
     try:
-      _loop(sp, log, run_, loop, progress)
+      _loop(sp, log, p, loop, progress)
     except Exception:
       # A transfer may fail (rather than hang) when the neighbour died: let the watchdog name it first.
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
       raise
     log.wait()
-    mine = dict(
-      _timing(sp, warm=(sp.schedule.drain_ticks() if sp.schedule else 0) + 3), transfer_s=transfer_s
+    timings = _exchange_timings(
+      sp, kv, dict(_timing(sp, warm=drain + 3), transfer_s=transfer_s), workdir, progress
     )
-    kv.key_value_set(f"{coord.PREFIX}/pipe/timing/{k}", json.dumps(mine), allow_overwrite=True)
-    flat, _ = ravel_pytree(sp.state["params"])
-    os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
-    np.save(os.path.join(workdir, "snapshots", f"final-{k}.npy"), np.asarray(flat))
-    progress["done"] = True
-    timings = [
-      json.loads(kv.blocking_key_value_get(f"{coord.PREFIX}/pipe/timing/{j}", int(rt.stall_timeout * 1000)))
-      for j in range(K)
-    ]
-    kv.wait_at_barrier(f"{coord.PREFIX}/pipe/end", int(10 * rt.stall_timeout * 1000))
     watchdog.stop()
-    if not sp.last:
-      return {"method": config.method, "stage": k, "workdir": workdir, "time": loop.time}
-    return log.finish(
-      time=loop.time,
-      worker_steps=[num_batches],
-      method=config.method,
-      num_stages=K,
-      mode=sp.schedule.mode if sp.schedule else "remat",
-      placement="per_process",
-      delay=config.delay,
-      epochs=config.num_epochs,
-      num_batches=num_batches,
-      eval_s=loop.eval_s,
-      iteration_s=max(s["iteration_s"] for s in timings),
-      stages=timings,
-      staleness=list(sp.schedule.staleness) if sp.schedule else None,
-    )
+    return _summary(sp, log, p, loop, timings, workdir)
+
+
+def _exchange_timings(sp: Stage, kv, mine: dict, workdir: str, progress: dict) -> list:
+  """After the last tick: this stage's final parameters and measured costs out, every stage's costs
+  back (the lead's summary holds them all), then the end barrier."""
+  rt, k = sp.config.runtime, sp.k
+  kv.key_value_set(f"{coord.PREFIX}/pipe/timing/{k}", json.dumps(mine), allow_overwrite=True)
+  flat, _ = ravel_pytree(sp.state["params"])
+  os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
+  np.save(os.path.join(workdir, "snapshots", f"final-{k}.npy"), np.asarray(flat))
+  progress["done"] = True
+  timings = [
+    json.loads(kv.blocking_key_value_get(f"{coord.PREFIX}/pipe/timing/{j}", int(rt.stall_timeout * 1000)))
+    for j in range(sp.K)
+  ]
+  kv.wait_at_barrier(f"{coord.PREFIX}/pipe/end", int(10 * rt.stall_timeout * 1000))
+  return timings
+
+
+def _summary(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, timings: list, workdir: str):
+  config = sp.config
+  if not sp.last:
+    return {"method": config.method, "stage": sp.k, "workdir": workdir, "time": loop.time}
+  return log.finish(
+    time=loop.time,
+    worker_steps=[p.num_batches],
+    method=config.method,
+    num_stages=sp.K,
+    mode=sp.schedule.mode if sp.schedule else "remat",
+    placement="per_process",
+    delay=config.delay,
+    epochs=config.num_epochs,
+    num_batches=p.num_batches,
+    eval_s=loop.eval_s,
+    iteration_s=max(s["iteration_s"] for s in timings),
+    stages=timings,
+    staleness=list(sp.schedule.staleness) if sp.schedule else None,
+  )

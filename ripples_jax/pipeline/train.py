@@ -120,25 +120,19 @@ def _loop(log, config, run, state, cursor: Loop):
 def _setup(config):
   """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile."""
   p = setup_lib.build_pipeline(config)
-  stages, optimizer, feed, data, num_batches, batches_per_epoch = (
-    p.stages,
-    p.optimizer,
-    p.feed,
-    p.data,
-    p.num_batches,
-    p.batches_per_epoch,
-  )
   init_fn, step_fn = baselines.METHODS[config.method]
-  state = init_fn(stages, optimizer, config, jax.random.key(config.seed), feed.sample, data["num_classes"])
+  state = init_fn(
+    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
+  )
   run = {
-    "num_batches": num_batches,
-    "batches_per_epoch": batches_per_epoch,
-    "feed": feed,
-    "step": step_fn(stages, optimizer, config, num_batches),
-    "evaluate": baselines.make_eval(stages),
-    "test": jax.device_put((data["x_test"], data["y_test"])),
+    "num_batches": p.num_batches,
+    "batches_per_epoch": p.batches_per_epoch,
+    "feed": p.feed,
+    "step": step_fn(p.stages, p.optimizer, config, p.num_batches),
+    "evaluate": baselines.make_eval(p.stages),
+    "test": jax.device_put((p.data["x_test"], p.data["y_test"])),
   }
-  return stages, state, run
+  return p.stages, state, run
 
 
 def run(config, workdir: str | None = None) -> dict:
