@@ -42,38 +42,8 @@ def exited(pid: int) -> bool:
 
 def start_directly(n, module, args):
   """n processes of `module` without the launcher (as on a cluster): nothing stops a hung one."""
-  import subprocess
-  import sys
-
-  from ripples_jax.distributed.launcher import child_env, free_port
+  from ripples_jax.distributed.launcher import free_port, start_worker
 
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
   address = f"127.0.0.1:{free_port()}"
-  procs = []
-  for k in range(n):
-    env = child_env(1, "cpu", k)
-    env.pop("RIPPLES_LAUNCHER_PID", None)
-    cmd = [
-      sys.executable,
-      "-m",
-      module,
-      *args,
-      "--jax_distributed",
-      f"--coordinator_address={address}",
-      f"--num_processes={n}",
-      f"--process_id={k}",
-      "--cpu_devices=1",
-    ]
-    procs.append(
-      subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-      )
-    )
-  return procs
+  return [start_worker(k, n, module, args, address, cwd=root, launched=False) for k in range(n)]

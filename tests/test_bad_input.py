@@ -323,8 +323,8 @@ def test_pack_checks_every_loader():
 
 def test_cifar10_pickles_are_flagged_as_code():
   assert "runs whatever code" in cifar10.__doc__ and "trust" in cifar10.__doc__
-  readme = open(os.path.join(ROOT, "README.md")).read()
-  assert "loading one runs any code it holds" in readme
+  usage = open(os.path.join(ROOT, "docs", "usage.md")).read()  # where config.data_dir is documented
+  assert "loading one runs any code it holds" in usage
 
 
 # -- the entry points' handlers: disk full (case 7) and the NaN stop (case 12) ----------------------------

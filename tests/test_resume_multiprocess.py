@@ -119,8 +119,10 @@ def test_a_corrupt_newest_marker_in_one_worker_falls_back_and_deletes_nothing_el
   assert f"checkpoint {bad}: worker [2] cannot restore it" in out, out[-3000:]
   assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
   # Only what was tried and found unusable is reported so: worker 2's corrupt marker, nothing else.
-  unreadable = [l for l in out.splitlines() if "does not read back" in l]
+  unreadable = [l for l in out.splitlines() if "does not read back (" in l]
   assert len(unreadable) == 1 and f"ckpt/2/{bad} does not read back" in unreadable[0], unreadable
+  deleted = [l for l in out.splitlines() if "deleting checkpoint" in l]
+  assert len(deleted) == 1 and f"ckpt/2/{bad}: it does not read back" in deleted[0], deleted
   # Worker 2 deleted only the marker it tried and found corrupt; the others' newer markers were set
   # aside byte for byte, never deleted.
   aside = {w: tree_digest(os.path.join(workdir, "ckpt.superseded", str(w))) for w in (0, 1)}

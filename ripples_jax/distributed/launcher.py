@@ -234,9 +234,20 @@ def port_refusal(port: int, problem: int) -> str:
   return f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)}"
 
 
-def _start(i: int, n: int, module: str, args, address: str, cpu_devices: int, platform: str, cwd):
+def start_worker(
+  i: int,
+  n: int,
+  module: str,
+  args,
+  address: str,
+  cpu_devices: int = 1,
+  platform: str = "cpu",
+  cwd=None,
+  launched: bool = True,
+):
   """Worker i: `python -m module args` with the coordinator flags, in a session of its own (the
-  launcher, not the terminal, decides when a worker dies)."""
+  launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe.
+  launched=False: a process on its own, as on a cluster (no launcher whose death it follows)."""
   cmd = [
     sys.executable,
     "-m",
@@ -248,13 +259,11 @@ def _start(i: int, n: int, module: str, args, address: str, cpu_devices: int, pl
     f"--process_id={i}",
     f"--cpu_devices={cpu_devices}",
   ]
+  env = child_env(cpu_devices, platform, i)
+  if not launched:
+    env.pop(coord.LAUNCHER_PID_ENV, None)
   return subprocess.Popen(
-    cmd,
-    env=child_env(cpu_devices, platform, i),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    start_new_session=True,
-    cwd=cwd,
+    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
   )
 
 
@@ -313,7 +322,7 @@ def launch(
       for i in range(num_processes):
         if signals.got:
           break
-        procs.append(_start(i, num_processes, module, args, address, cpu_devices, platform, cwd))
+        procs.append(start_worker(i, num_processes, module, args, address, cpu_devices, platform, cwd))
         threads.append(threading.Thread(target=_stream, args=(i, procs[-1].stdout, out, clues), daemon=True))
         threads[-1].start()
       out.write(

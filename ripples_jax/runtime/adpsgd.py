@@ -31,10 +31,19 @@ from absl import logging
 from ripples_jax import setup as setup_lib
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
-from ripples_jax.runlog import RunLog, check_finite, make_workdir
+from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.authority import values_in_order
-from ripples_jax.runtime.worker import Loop, Worker, end_of_run, result, snapshot_path, watched
+from ripples_jax.runtime.worker import (
+  Loop,
+  Worker,
+  end_of_run,
+  end_step,
+  result,
+  snapshot_path,
+  watch,
+  watched,
+)
 
 DONE = "done"
 
@@ -137,19 +146,7 @@ def step(worker: Worker, loop: Loop, log: RunLog, trace, passive: Passive | None
     if passive is not None:
       passive.computing = None
       passive.applied += 1
-  t1 = time.perf_counter()
-  trace.add(
-    k="step",
-    c=0,
-    s=loop.steps_done,
-    t0=t0 - worker.t_start,
-    t1=t1 - worker.t_start,
-    c_end=tc - worker.t_start,
-    loss=loss,
-  )
-  loop.steps_done += 1
-  check_finite(loop.steps_done, log.describe_last(), train_loss=loss)
-  log.progress(min(loop.steps_done, worker.config.num_steps), train_loss=loss)
+  end_step(worker, loop, log, trace, 0, (t0, tc, time.perf_counter()), loss)
 
 
 def run(config, workdir: str) -> dict:
@@ -161,30 +158,13 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   worker.warm_up()
-  with RunLog(
-    workdir,
-    config,
-    config.num_steps,
-    checkpoint_every=rt.checkpoint_every,
-    checkpoint_keep=rt.checkpoint_keep,
-    per_process=(me, worker.to_global, worker.to_local),
-  ) as log:
+  with worker.run_log(workdir) as log:
     # No mid-run markers: a fresh start, refused (nothing deleted) where an earlier run's final
     # checkpoints are.
     resume_lib.restore_common(log, kv, me, n, None, rt.stall_timeout, resumable=False, what="worker")
     loop = Loop(worker.fresh())
     trace = trace_lib.TraceWriter(workdir, me)
-    progress = {"steps": 0, "events": 0, "done": False}
-    watchdog = coord.Watchdog(
-      kv,
-      me,
-      n,
-      lambda: (progress["steps"], progress["events"], progress["done"]),
-      rt.heartbeat_s,
-      rt.heartbeat_timeout,
-      rt.stall_timeout,
-    )
-    sigterm.watchdog = watchdog
+    progress, watchdog = watch(kv, me, n, rt, sigterm, steps=0)
     kv.wait_at_barrier(f"{coord.PREFIX}/start/0", int(rt.stall_timeout * 1000))
     worker.t_start = time.perf_counter()
     os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)

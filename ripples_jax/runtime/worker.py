@@ -172,6 +172,18 @@ class Worker:
       lambda a: jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self.rep), local
     )
 
+  def run_log(self, workdir: str) -> RunLog:
+    """This worker's RunLog: its marker checkpoints alone, in ckpt/<worker>/ (per_process)."""
+    rt = self.rt
+    return RunLog(
+      workdir,
+      self.config,
+      self.config.num_steps,
+      checkpoint_every=rt.checkpoint_every,
+      checkpoint_keep=rt.checkpoint_keep,
+      per_process=(self.me, self.to_global, self.to_local),
+    )
+
   def to_global(self, local):
     """This worker's state (on its devices or on the host) as its rows of (workers, ...) arrays."""
     return jax.tree.map(lambda a: to_global(jax.device_put(a, self.rep), self.global_mesh), local)
@@ -249,15 +261,7 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   estimate = worker.warm_up()
-  per_process = (me, worker.to_global, worker.to_local)
-  with RunLog(
-    workdir,
-    config,
-    config.num_steps,
-    checkpoint_every=rt.checkpoint_every,
-    checkpoint_keep=rt.checkpoint_keep,
-    per_process=per_process,
-  ) as log:
+  with worker.run_log(workdir) as log:
     loop = resume(worker, log, kv, workdir)
     loop.last_step_time = loop.last_step_time or estimate
     if rt.checkpoint_every:  # compiles the checkpoint fingerprint now, not at the first marker
@@ -265,17 +269,7 @@ def run(config, workdir: str) -> dict:
     trace = trace_lib.TraceWriter(
       workdir, me, keep_before_epoch=loop.epoch if loop.resumed_at is not None else None
     )
-    progress = {"steps": loop.steps_done, "events": 0, "done": False}
-    watchdog = coord.Watchdog(
-      kv,
-      me,
-      n,
-      lambda: (progress["steps"], progress["events"], progress["done"]),
-      rt.heartbeat_s,
-      rt.heartbeat_timeout,
-      rt.stall_timeout,
-    )
-    sigterm.watchdog = watchdog
+    progress, watchdog = watch(kv, me, n, rt, sigterm, steps=loop.steps_done)
     kv.wait_at_barrier(f"{coord.PREFIX}/start/{loop.epoch}", int(rt.stall_timeout * 1000))
     worker.t_start = time.perf_counter() - loop.time
     authority = (
@@ -312,6 +306,23 @@ def run(config, workdir: str) -> dict:
       worker.averager.compiles,
     )
     return result(worker, loop, log, workdir)
+
+
+def watch(kv, me: int, n: int, rt, sigterm, steps: int = 0):
+  """(progress, watchdog): what this worker's heartbeats report (local steps, queue entries taken,
+  done) and the watchdog that beats them; SIGTERM then says every worker's last step."""
+  progress = {"steps": steps, "events": 0, "done": False}
+  watchdog = coord.Watchdog(
+    kv,
+    me,
+    n,
+    lambda: (progress["steps"], progress["events"], progress["done"]),
+    rt.heartbeat_s,
+    rt.heartbeat_timeout,
+    rt.stall_timeout,
+  )
+  sigterm.watchdog = watchdog
+  return progress, watchdog
 
 
 @contextlib.contextmanager
@@ -447,16 +458,14 @@ def run_step(worker: Worker, loop: Loop, log: RunLog, feed, trace) -> None:
   loop.state["flat"].block_until_ready()
   t1 = time.perf_counter()
   loop.last_step_time = t1 - t0
-  trace.add(
-    k="step",
-    c=loop.epoch,
-    s=loop.steps_done,
-    t0=t0 - worker.t_start,
-    t1=t1 - worker.t_start,
-    c_end=tc - worker.t_start,
-    loss=loss,
-  )
+  end_step(worker, loop, log, trace, loop.epoch, (t0, tc, t1), loss)
+
+
+def end_step(worker: Worker, loop: Loop, log: RunLog, trace, epoch: int, times, loss: float) -> None:
+  """A finished local step: its trace line (start, end of compute, end), the count, the NaN stop (it
+  stops this worker; its peers' watchdogs then stop theirs) and the progress line."""
+  t0, tc, t1 = (t - worker.t_start for t in times)
+  trace.add(k="step", c=epoch, s=loop.steps_done, t0=t0, t1=t1, c_end=tc, loss=loss)
   loop.steps_done += 1
-  # Stops this worker; its peers' watchdogs then stop theirs.
   check_finite(loop.steps_done, log.describe_last(), train_loss=loss)
   log.progress(min(loop.steps_done, worker.config.num_steps), train_loss=loss)
