@@ -46,4 +46,4 @@ def start_directly(n, module, args):
 
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   address = f"127.0.0.1:{free_port()}"
-  return [start_worker(k, n, module, args, address, cwd=root, launched=False) for k in range(n)]
+  return [start_worker(k, n, module, args, address, cwd=root, launched=False, text=True) for k in range(n)]

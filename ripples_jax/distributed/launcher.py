@@ -244,10 +244,12 @@ def start_worker(
   platform: str = "cpu",
   cwd=None,
   launched: bool = True,
+  text: bool = False,
 ):
   """Worker i: `python -m module args` with the coordinator flags, in a session of its own (the
-  launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe.
-  launched=False: a process on its own, as on a cluster (no launcher whose death it follows)."""
+  launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe (bytes, or
+  str with `text`). launched=False: a process on its own, as on a cluster (no launcher whose death it
+  follows)."""
   cmd = [
     sys.executable,
     "-m",
@@ -263,7 +265,7 @@ def start_worker(
   if not launched:
     env.pop(coord.LAUNCHER_PID_ENV, None)
   return subprocess.Popen(
-    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd, text=text
   )
 
 
