@@ -28,7 +28,10 @@ def get_config(arg=None):
     steps=4000,
   )
   c = ml_collections.ConfigDict()
-  c.algorithm = arg.algorithm  # allreduce | ripples_static
+  # spmd: allreduce | ripples_static; sim: those and ps_sync | ps_async | adpsgd | dpsgd | ripples_random |
+  # ripples_division | ripples_smart; async: allreduce | ripples_static | ripples_random | ripples_division |
+  # ripples_smart | adpsgd
+  c.algorithm = arg.algorithm
   c.executor = arg.executor  # spmd: lockstep on the device mesh | sim: event-driven, virtual time
   # | async: one process per worker (experiments.launch, --jax_distributed)
   c.num_workers = arg.num_workers
@@ -52,7 +55,7 @@ def get_config(arg=None):
   c.schedule.layout = arg.layout  # node (the authors' Static GG) | hypercube
   c.schedule.workers_per_node = 4
   c.schedule.hypercube_group_size = 2
-  c.schedule.group_size = 3  # Random GG, Group Division, Smart GG
+  c.schedule.group_size = min(3, arg.num_workers)  # Random GG, Group Division, Smart GG
   c.schedule.smart_tolerance = 0.5  # Smart GG: sync with workers ready within this x own step time
   c.schedule.smart_max_gap = 4  # Smart GG: at most this many skipped syncs in a row
   c.schedule.request_ahead = True  # online GG: request the next group when a step starts (overlap)

@@ -18,6 +18,8 @@ Everything else is importable from its module (README.md's Layout section).
 
 import importlib
 
+__version__ = "0.1.0"  # pyproject.toml's version (tests/test_packaging.py checks they agree)
+
 _EXPORTS = {
   "train_and_evaluate": "ripples_jax.run",
   "load": "ripples_jax.run",

@@ -100,11 +100,7 @@ def validate_train_config(
       _fail("profile_steps", config.profile_steps, "'a:b' with 0 <= a < b (steps [a, b) are traced), or ''")
     if config.executor != "spmd":
       _fail("profile_steps", config.profile_steps, f"'' with executor={config.executor} (profiling: spmd)")
-  _one_of(
-    config,
-    "algorithm",
-    {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS, "async": RUNTIME_ALGORITHMS}[config.executor],
-  )
+  _check_algorithm(config)
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "data_sharding", DATA_SHARDINGS)
@@ -138,6 +134,23 @@ def validate_train_config(
   if "on_config_change" in config:
     _one_of(config, "on_config_change", ON_CONFIG_CHANGE)
   _check_schedule(config, n)
+
+
+# Which executors run which algorithm: an algorithm another executor runs is named with that executor.
+ALGORITHMS_OF = {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS, "async": RUNTIME_ALGORITHMS}
+
+
+def _check_algorithm(config):
+  here, value = ALGORITHMS_OF[config.executor], config.algorithm
+  if value in here:
+    return
+  elsewhere = [e for e, algs in ALGORITHMS_OF.items() if value in algs]
+  if elsewhere:
+    needs = " or ".join(f"executor={e}" for e in elsewhere)
+    _fail(
+      "algorithm", value, f"one of {', '.join(here)} with executor={config.executor}; {value} needs {needs}"
+    )
+  _fail("algorithm", value, "one of " + ", ".join(here))
 
 
 def _check_runtime(config):

@@ -899,3 +899,16 @@ def test_the_platform_is_detected_and_each_gpu_worker_gets_its_own_gpu(monkeypat
   assert resolve_platform("tpu") == "tpu"
   env = child_env(4, "cpu", 0)
   assert env["JAX_PLATFORMS"] == "cpu" and "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]
+
+
+def test_an_entry_point_outside_a_checkout_is_the_shipped_one(monkeypatch):
+  import importlib.util
+
+  from ripples_jax.distributed import launcher as launcher_lib
+
+  assert launcher_lib.resolve_module("experiments.train_dsp") == "experiments.train_dsp"  # a checkout
+  # As installed: no top-level experiments package; ripples_jax.experiments ships the entry points.
+  shipped = {"ripples_jax.experiments.train_dsp"}
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in shipped else None)
+  assert launcher_lib.resolve_module("experiments.train_dsp") == "ripples_jax.experiments.train_dsp"
+  assert launcher_lib.resolve_module("my_project.train") == "my_project.train"

@@ -229,3 +229,12 @@ def test_config_paths_fall_back_to_the_shipped_configs(tmp_path, monkeypatch):
   (tmp_path / "configs").mkdir()
   (tmp_path / "configs" / "dsp.py").write_text("")
   assert common_flags.shipped_configs(["prog", "--config=configs/dsp.py"])[1] == "--config=configs/dsp.py"
+
+
+def test_the_version_is_the_one_pyproject_declares():
+  import tomllib
+
+  import ripples_jax
+
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    assert ripples_jax.__version__ == tomllib.load(f)["project"]["version"]

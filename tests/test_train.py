@@ -149,7 +149,13 @@ BAD_SIM = [
     "config.algorithm: 'gossip' is not allowed: one of allreduce, ps_sync, "
     "ps_async, adpsgd, dpsgd, ripples_static, ripples_random, ripples_division, ripples_smart",
   ),
-  ("", "algorithm", "adpsgd", "config.algorithm: 'adpsgd' is not allowed: one of allreduce, ripples_static"),
+  (
+    "",
+    "algorithm",
+    "adpsgd",
+    "config.algorithm: 'adpsgd' is not allowed: one of allreduce, ripples_static with executor=spmd; "
+    "adpsgd needs executor=sim or executor=async",
+  ),
 ]
 
 
@@ -160,7 +166,8 @@ BAD_SIM += [
     "algorithm",
     "ps_sync",
     "config.algorithm: 'ps_sync' is not allowed: one of allreduce, "
-    "ripples_static, ripples_random, ripples_division, ripples_smart, adpsgd",
+    "ripples_static, ripples_random, ripples_division, ripples_smart, adpsgd with executor=async; "
+    "ps_sync needs executor=sim",
   ),
   (
     "executor=async,num_workers=4",
@@ -266,3 +273,13 @@ def test_profile_steps_write_a_trace(tmp_path):
   config.profile_steps, config.checkpoint_every = "2:4", 0
   run.train_and_evaluate(config, str(tmp_path))
   assert glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+
+
+def test_the_default_group_size_fits_a_small_run():
+  """Random GG, Group Division and Smart GG default to groups of 3, or of every worker when fewer."""
+  from ripples_jax.config import validate_train_config
+
+  for n, want in ((2, 2), (3, 3), (16, 3)):
+    config = default_config.get_config(f"executor=async,num_workers={n},algorithm=ripples_division")
+    assert config.schedule.group_size == want
+    validate_train_config(config, num_devices=n, num_processes=n, local_devices=1)

@@ -23,6 +23,7 @@ CPU cores is one warning line, and the job runs.
 """
 
 import errno
+import importlib.util
 import math
 import os
 import re
@@ -234,6 +235,19 @@ def port_refusal(port: int, problem: int) -> str:
   return f"127.0.0.1:{port} cannot be bound: {os.strerror(problem)}"
 
 
+def resolve_module(module: str) -> str:
+  """The entry point to run: `experiments.X` outside a checkout (no top-level `experiments` package to
+  import) is the installed package's `ripples_jax.experiments.X`, which ships the same entry points."""
+  if module.startswith("experiments.") and importlib.util.find_spec("experiments") is None:
+    shipped = f"ripples_jax.{module}"
+    try:
+      if importlib.util.find_spec(shipped) is not None:
+        return shipped
+    except ModuleNotFoundError:  # no ripples_jax.experiments either: the module's own error will say
+      pass
+  return module
+
+
 def start_worker(
   i: int,
   n: int,
@@ -316,7 +330,7 @@ def launch(
       f"running anyway\n"
     )
   address = f"127.0.0.1:{port or free_port()}"
-  platform = resolve_platform(platform)
+  platform, module = resolve_platform(platform), resolve_module(module)
   procs, threads, clues = [], [], _Clues()
   first = None  # (worker, exit code) of the first failure
   with _Signals() as signals:
