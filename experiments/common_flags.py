@@ -105,6 +105,8 @@ def parse_flags(argv: list[str]) -> list[str]:
   """app.run's flags_parser: absl's parse, with every bad flag, config file, --config.* override, stray
   argument or unusable --workdir reported as one line (exit 2) before main runs."""
   argv = shipped_configs(argv)
+  wants_help = [a for a in argv[1:] if a in HELP_FLAGS]
+  argv = [a for a in argv if a not in HELP_FLAGS]
   try:
     rest = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001  ml_collections raises KeyError, AttributeError, IOError, ...
@@ -121,9 +123,38 @@ def parse_flags(argv: list[str]) -> list[str]:
         config.lock()
       except Exception as e:  # noqa: BLE001
         fail(describe_flag_error(e, argv))
+  if wants_help:
+    print(describe_entry_point())
+    sys.exit(0)
   check_cpu_devices(CPU_DEVICES.value)
   check_workdir(WORKDIR.value)
   return rest
+
+
+HELP_FLAGS = ("--help", "-h", "--helpshort", "-?")
+
+
+def describe_entry_point() -> str:
+  """--help: the entry point's docstring, its flags (this module's and its own), and every field of
+  its config (the variant given with --config, if any) with the value it has."""
+  main = sys.modules["__main__"]
+  lines = [(main.__doc__ or "").strip(), "", "Flags:"]
+  seen = set()
+  for module in (main, sys.modules[__name__]):
+    for f in flags.FLAGS.get_key_flags_for_module(module):
+      if f.name not in seen and f.name != _CONFIG_NAME:
+        seen.add(f.name)
+        default = "" if "default" in f.help else f" (default: {f.default!r})"
+        lines.append(f"  --{f.name}: {f.help}{default}")
+  if _CONFIG_NAME in flags.FLAGS:
+    lines += [
+      f"  --{_CONFIG_NAME}: a file under configs/ with ':k=v,...' variant arguments "
+      f"(default: {_default_config}); each field below is set with --config.<key>=<value>",
+      "",
+      "Config fields (their values in this config; the config file's comments say what each means):",
+    ]
+    lines += [f"  --config.{k}={v!r}" for k, v in runlog.flat_config(flags.FLAGS[_CONFIG_NAME].value).items()]
+  return "\n".join(lines)
 
 
 def check_cpu_devices(count: int) -> None:

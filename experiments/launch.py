@@ -44,6 +44,10 @@ _KINDS = {"int": "an integer", "float": "a number"}
 def parse_flags(argv: list[str]) -> list[str]:
   """app.run's flags_parser: absl's parse, with a flag error as one line and exit code 2 (app.run would
   print its usage hint and exit 1: other bad input exits 2). --help still prints the help."""
+  if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
+    own = "\n".join(f"  --{h.name}: {flags.FLAGS[h.name].help} (default: {h.default!r})" for h in _OWN)
+    print(f"{__doc__.strip()}\n\nFlags (the entry point's own go after --; its --help lists them):\n{own}")
+    sys.exit(0)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

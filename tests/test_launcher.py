@@ -521,6 +521,34 @@ def test_launcher_help_still_prints_the_flags():
     timeout=60,
   )
   assert "--num_processes: Worker processes to start." in r.stdout and "error:" not in r.stderr, r
+  assert r.returncode == 0, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "module,config", [("experiments.train", "configs/default.py"), ("experiments.train_dsp", "configs/dsp.py")]
+)
+def test_entry_point_help_lists_its_flags_and_every_config_field(module, config):
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      module,
+      "--help",
+      "--config.num_steps=7" if "dsp" not in module else "--config.delay=2",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 0 and "error:" not in r.stderr, r
+  assert "--workdir: Output folder" in r.stdout and "--jax_distributed: " in r.stdout, r.stdout
+  assert f"(default: {config})" in r.stdout
+  # Every field, with the value this command line gives it.
+  want = "--config.num_steps=7" if "dsp" not in module else "--config.delay=2"
+  assert f"  {want}" in r.stdout.splitlines(), r.stdout
+  assert "  --config.optimizer.lr=" in r.stdout
 
 
 @pytest.mark.slow
