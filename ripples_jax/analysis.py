@@ -185,3 +185,97 @@ def spectral_gap_figure(table: dict, path: str, n: int) -> None:
     "group size g",
     "spectral gap 1 - lambda_2(E[W^T W])",
   )
+
+
+# -- comparing runs (experiments/compare.py) --------------------------------------------------------
+
+
+def read_run(workdir: str, target: float | None = None) -> dict:
+  """A run's summary.json and its accuracy curve [(time, test accuracy)] from metrics.jsonl; time to
+  `target` (default: the config's target_accuracy) is the first evaluation at or above it, None when
+  no evaluation reached it. Raises FileNotFoundError naming the missing file."""
+  import json
+
+  paths = {name: os.path.join(workdir, name) for name in ("summary.json", "metrics.jsonl", "config.json")}
+  for name in ("summary.json", "metrics.jsonl"):
+    if not os.path.exists(paths[name]):
+      raise FileNotFoundError(f"{paths[name]}: no such file (a finished run's folder holds it)")
+  with open(paths["summary.json"]) as f:
+    summary = json.load(f)
+  curve = []
+  with open(paths["metrics.jsonl"]) as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get("test_accuracy") is not None:
+        curve.append((r["time"], r["test_accuracy"]))
+  if target is None and os.path.exists(paths["config.json"]):
+    with open(paths["config.json"]) as f:
+      target = json.load(f).get("target_accuracy") or None
+  reached = [i for i, (_, acc) in enumerate(curve) if target is not None and acc >= target]
+  name = summary.get("algorithm") or summary.get("method")
+  return {
+    "name": name,
+    "workdir": workdir,
+    "summary": summary,
+    "curve": curve,
+    "target": target,
+    "time_to_target": curve[reached[0]][0] if reached else None,
+    # Reached at the first evaluation: the crossing is somewhere before it, not at it.
+    "crossed": bool(reached) and reached[0] > 0,
+  }
+
+
+def compare_table(runs: list[dict]) -> str:
+  """One row per run: name, workers, steps, final accuracy, time (wall s or virtual s), evaluations,
+  time to target."""
+  from ripples_jax.tables import markdown_table
+
+  rows = []
+  for r in runs:
+    s = r["summary"]
+    unit = "virtual s" if s.get("executor") == "sim" else "s"
+    ttt = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.2f} {unit}"
+    if r["time_to_target"] is not None and not r["crossed"]:
+      ttt = f"<= {ttt} (at the first evaluation)"
+    target = "-" if r["target"] is None else f"{100 * r['target']:.0f}%"
+    rows.append(
+      [
+        r["name"],
+        s.get("num_workers", s.get("num_stages")),
+        s.get("num_steps", s.get("num_batches")),
+        f"{100 * s['final_test_accuracy']:.2f}%",
+        f"{s['time']:.2f} {unit}",
+        len(r["curve"]),
+        target,
+        ttt,
+      ]
+    )
+  head = ["run", "workers", "steps", "test accuracy", "time", "evaluations", "target", "time to target"]
+  return markdown_table(head, rows)
+
+
+def compare_plot(runs: list[dict], path: str) -> None:
+  """Accuracy against time (virtual or wall seconds) of every run, one panel per time unit."""
+  panels = {}
+  for r in runs:
+    unit = "virtual time (s)" if r["summary"].get("executor") == "sim" else "wall time (s)"
+    label = f"{r['name']} ({os.path.basename(os.path.normpath(r['workdir']))})"
+    panels.setdefault(unit, {})[label] = r["curve"]
+  targets = {r["target"] for r in runs}
+  target = targets.pop() if len(targets) == 1 else None
+  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+  for ax, (unit, curves) in zip(axes[0], panels.items()):
+    for label, points in curves.items():
+      if points:
+        t, acc = zip(*points)
+        ax.plot(t, [100 * a for a in acc], marker=".", label=label)
+    if target is not None:
+      ax.axhline(100 * target, color="gray", linestyle="--", linewidth=1, label=f"target {100 * target:.0f}%")
+    ax.set_xlabel(unit)
+    ax.set_ylabel("test accuracy of the averaged model (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+  fig.suptitle("accuracy against time")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -206,7 +206,9 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
     starts += r["start"][:n]
     cur.round, cur.applied = i + 1, cur.applied + len(r["applied"])
     step = cur.applied // n
-    if step >= cur.next_log or cur.applied >= total:
+    # A record at every log_every and every eval_every step, whichever comes first: evaluations do not
+    # wait for a log point.
+    if step >= cur.next_log or step >= cur.next_eval or cur.applied >= total:
       record(config, cur, log, evaluate, state, step, r["time"], losses, final=cur.applied >= total)
       losses = []
       if next_ckpt is not None and step >= next_ckpt:  # right after a record: no loss is pending

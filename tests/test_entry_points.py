@@ -259,3 +259,54 @@ def test_ledger(tmp_path):
   assert (tmp_path / "tta.md").stat().st_size > 0 and (tmp_path / "tta_homogeneous.png").exists()
   table = ledger.verdict_table(out, {"scenarios": got}, 0.0)
   assert len(table.rows) == len(ledger.CLAIMS) and all(r[-1] for r in table.rows)
+
+
+def fake_run(path, algorithm, executor, points, target=0.8):
+  """A finished run's folder: summary.json, config.json and metrics.jsonl with (time, accuracy) evals."""
+  os.makedirs(path)
+  summary = {
+    "algorithm": algorithm,
+    "executor": executor,
+    "num_workers": 4,
+    "num_steps": 10 * len(points),
+    "final_test_accuracy": points[-1][1],
+    "time": points[-1][0],
+  }
+  json.dump(summary, open(os.path.join(path, "summary.json"), "w"))
+  json.dump({"target_accuracy": target}, open(os.path.join(path, "config.json"), "w"))
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for i, (t, acc) in enumerate(points):
+      f.write(json.dumps({"step": 10 * i, "time": t}) + "\n")  # a log record: no evaluation
+      f.write(json.dumps({"step": 10 * i + 5, "time": t, "test_accuracy": acc}) + "\n")
+
+
+def test_compare_reads_curves_and_times_to_target(tmp_path):
+  from ripples_jax import analysis
+
+  fake_run(tmp_path / "a", "ripples_smart", "sim", [(1.0, 0.5), (2.0, 0.85), (3.0, 0.9)])
+  fake_run(tmp_path / "b", "allreduce", "sim", [(4.0, 0.81)])
+  fake_run(tmp_path / "c", "adpsgd", "async", [(1.0, 0.1), (2.0, 0.2)])
+  runs = [analysis.read_run(str(tmp_path / d)) for d in "abc"]
+  assert [r["curve"] for r in runs][0] == [(1.0, 0.5), (2.0, 0.85), (3.0, 0.9)]
+  assert [r["time_to_target"] for r in runs] == [2.0, 4.0, None]
+  rows = analysis.compare_table(runs).splitlines()[2:]
+  assert rows[0].endswith("| 3 | 80% | 2.00 virtual s |")
+  assert rows[1].endswith("| <= 4.00 virtual s (at the first evaluation) |")  # no crossing seen
+  assert rows[2].endswith("| 2 | 80% | - |") and "2.00 s" in rows[2]  # wall seconds
+  analysis.compare_plot(runs, str(tmp_path / "cmp.png"))
+  assert os.path.getsize(tmp_path / "cmp.png") > 10_000
+
+
+@pytest.mark.slow
+def test_compare_entry_point(tmp_path):
+  fake_run(tmp_path / "a", "ripples_smart", "sim", [(1.0, 0.5), (2.0, 0.85)])
+  out = run("experiments.compare", str(tmp_path / "a"), f"--plot={tmp_path / 'c.png'}", tmp_path=tmp_path)
+  assert "| ripples_smart | 4 | 20 | 85.00% |" in out and os.path.exists(tmp_path / "c.png")
+  bad = subprocess.run(
+    [sys.executable, "-m", "experiments.compare", str(tmp_path / "missing")],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1, bad

@@ -341,3 +341,12 @@ def test_ledger_tta_merges_into_the_stored_results(tmp_path):
     ledger.tta(
       str(tmp_path), seeds=1, steps=2, target=0.5, scenarios=("homogeneous",), algorithms=(), merge=True
     )
+
+
+def test_evaluations_come_at_eval_every_whatever_log_every(tmp_path):
+  """eval_every=2 with log_every=4: an evaluation at every second step, not only at log records."""
+  config = _small_config("allreduce", log_every=4, eval_every=2, num_steps=8)
+  sim.simulate_and_train(config, str(tmp_path))
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in records if "test_accuracy" in r] == [2, 4, 6, 8]
+  assert all("train_loss" in r for r in records)
