@@ -116,7 +116,8 @@ def load(workdir: str, step: int | None = None) -> dict:
   """The trained model back from a run's folder, on this process's first device (any device count).
 
   Returns {"config", "step", "executor", "params" (per worker, leading worker axis), "params_avg" (the
-  workers' average: the model the run evaluates), "model_state" (per worker), "model_state_avg"}; a
+  workers' average: the model the run evaluates), "model_state" (per worker), "model_state_avg",
+  "apply" (x, worker=None) -> logits, "evaluate" (x, y, worker=None) -> {"accuracy", "loss"}}; a
   simulated parameter server's model is its server slot. `step` picks a checkpoint (default: the
   newest that reads back and matches its fingerprint). Ripples executors only (spmd, sim, async).
   """
@@ -156,14 +157,46 @@ def load(workdir: str, step: int | None = None) -> dict:
 
 
 def _model(config, step, params, model_state) -> dict:
+  params_avg = jax.tree.map(lambda a: a.mean(0), params)
+  model_state_avg = jax.tree.map(lambda a: a.mean(0), model_state)
+  module = {}  # the flax module, built on the first call (it needs the dataset's class count)
+
+  def apply(x, worker: int | None = None):
+    """Logits of the averaged model (the one the run evaluates), or of one worker's, on a batch x."""
+    from ripples_jax import data as data_lib
+    from ripples_jax.models import apply_model, build_model
+
+    if not module:
+      num_classes = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
+      module["m"] = build_model(config.model, num_classes["num_classes"])
+    p, ms = (
+      (params_avg, model_state_avg)
+      if worker is None
+      else jax.tree.map(lambda a: a[worker], (params, model_state))
+    )
+    return apply_model(module["m"], p, ms, jax.numpy.asarray(x), train=False)[0]
+
+  def evaluate(x, y, worker: int | None = None) -> dict:
+    """{"accuracy", "loss"} of that model on (x, y)."""
+    import optax
+
+    logits = apply(x, worker)
+    y = jax.numpy.asarray(y)
+    return {
+      "accuracy": float(jax.numpy.mean(jax.numpy.argmax(logits, -1) == y)),
+      "loss": float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()),
+    }
+
   return {
     "config": config,
     "step": step,
     "executor": config.executor,
     "params": params,
-    "params_avg": jax.tree.map(lambda a: a.mean(0), params),
+    "params_avg": params_avg,
     "model_state": model_state,
-    "model_state_avg": jax.tree.map(lambda a: a.mean(0), model_state),
+    "model_state_avg": model_state_avg,
+    "apply": apply,
+    "evaluate": evaluate,
   }
 
 

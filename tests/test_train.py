@@ -263,6 +263,17 @@ def test_in_process_run_learns_and_writes_metrics(tmp_path):
   logits = s.model.apply({"params": model["params_avg"], **model["model_state_avg"]}, s.data["x_test"])
   acc = float((logits.argmax(-1) == s.data["y_test"]).mean())
   assert abs(acc - summary["final_test_accuracy"]) < 1e-6
+  # The model is callable: apply and evaluate give the same numbers, for the average and for a worker.
+  got = model["evaluate"](s.data["x_test"], s.data["y_test"])
+  assert abs(got["accuracy"] - summary["final_test_accuracy"]) < 1e-6 and got["loss"] > 0
+  np.testing.assert_allclose(model["apply"](s.data["x_test"][:5]), logits[:5], rtol=1e-5, atol=1e-6)
+  w3 = jax.tree.map(lambda a: a[3], {"params": model["params"], **model["model_state"]})
+  np.testing.assert_allclose(
+    model["apply"](s.data["x_test"][:5], worker=3),
+    s.model.apply(w3, s.data["x_test"][:5]),
+    rtol=1e-5,
+    atol=1e-6,
+  )
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a.mean(0), b, rtol=1e-6), model["params"], model["params_avg"]
   )
