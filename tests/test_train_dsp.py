@@ -155,3 +155,16 @@ def test_bad_stage_count_stops_before_compile(tmp_path):
     "error: config.num_stages: 9 is not allowed: cnn1d splits into at most 4 stages"
   )
   assert not (tmp_path / "x").exists()
+
+
+def test_evaluations_come_at_eval_every_whatever_log_every(tmp_path):
+  from ripples_jax import run
+
+  config = dsp_config.get_config("method=dsp,num_stages=2,dataset=synthetic,model=mlp,epochs=1")
+  config.log_every, config.eval_every, config.checkpoint_every = 6, 4, 0
+  run.train_and_evaluate(config, str(tmp_path))
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  evals = [r["step"] for r in records if "test_accuracy" in r]
+  n = records[-1]["step"]
+  assert evals == sorted({*range(4, n + 1, 4), n}), evals
+  assert {r["step"] for r in records} == {*range(6, n + 1, 6), *evals}

@@ -453,7 +453,7 @@ def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progre
     if metrics is not None and 0 <= t - offset < n:
       losses.append(metrics[0])
     done = t + 1 - drain  # batches whose updates every stage has applied
-    if done > 0 and (done % config.log_every == 0 or done == n):
+    if done > 0 and (done % config.log_every == 0 or done % config.eval_every == 0 or done == n):
       _record(sp, log, p, clock, loop, done, losses)
       losses = []
       loop.tick, loop.time = t + 1, clock()

@@ -3,8 +3,8 @@
 Every method runs the same loop (baselines.METHODS): tick t feeds batch t to stage 0 and the labels of
 batch t - F_{K-1} to the last stage; a method with link delays runs `drain` more ticks after the last
 batch so that every stage applies its update. Batch `done` = t + 1 - drain is recorded every log_every
-batches; a checkpoint is taken right after a record (no loss pending), with the loop's Loop as its
-metadata. Files are written only through RunLog.
+and every eval_every batches (an evaluation at the latter); a checkpoint is taken right after a record
+(no loss pending), with the loop's Loop as its metadata. Files are written only through RunLog.
 """
 
 import dataclasses
@@ -106,7 +106,7 @@ def _loop(log, config, run, state, cursor: Loop):
     done = t + 1 - drain  # batches whose updates every stage has applied
     if 0 <= t - offset < n:
       losses.append(loss)
-    if done > 0 and (done % config.log_every == 0 or done == n):
+    if done > 0 and (done % config.log_every == 0 or done % config.eval_every == 0 or done == n):
       _record(log, config, run, state, done, time.time() - t0, losses)
       losses = []
       # Right after a record, so no loss is pending; the tick carries the pipeline's fill state.
