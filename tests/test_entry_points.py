@@ -1,5 +1,6 @@
 """Every benchmark's run() in-process at tiny sizes, and one short end-to-end run of every reproduction
-entry point (flax-examples style; those start a process and are marked slow)."""
+entry point (flax-examples style; those start a process and are marked slow, as are the benchmarks whose
+tiny run still takes several seconds)."""
 
 import json
 import math
@@ -43,6 +44,7 @@ def test_bench_collectives():
   assert "| 1K | gg_intra | 4 |" in str(table) and "| 1K | hypercube2 | 2 |" in str(table)
 
 
+@pytest.mark.slow  # a benchmark's run at tiny sizes: seconds of timing loops
 def test_bench_engine():
   from benchmarks import bench_engine
 
@@ -62,6 +64,7 @@ def test_bench_timeline():
   assert positive(table.column("clock events/s")) and positive(table.column("packing events/s"))
 
 
+@pytest.mark.slow  # a benchmark's run at tiny sizes: seconds of timing loops
 def test_bench_dsp():
   from benchmarks import bench_dsp
 
@@ -72,6 +75,7 @@ def test_bench_dsp():
   assert float(table.column("DSP equal, fused")[0]) == pytest.approx(2.0)  # K, without a bubble
 
 
+@pytest.mark.slow  # a benchmark's run at tiny sizes: seconds of timing loops
 def test_bench_checkpoint():
   from benchmarks import bench_checkpoint
 
