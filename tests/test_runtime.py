@@ -318,3 +318,22 @@ def test_launcher_leaves_no_process_behind_on_ctrl_c(tmp_path):
   for pid in pids:
     with pytest.raises(ProcessLookupError):
       os.kill(pid, 0)
+
+
+def test_the_leads_progress_counts_the_runs_steps_not_its_own():
+  """Process 0 of a dynamic-generator run shows every worker's steps / n: its own reach num_steps
+  before a slow worker's do, and its ETA would reach 0 early."""
+  import types
+
+  from ripples_jax.runtime import worker as worker_lib
+
+  shown = []
+  log = types.SimpleNamespace(describe_last=lambda: "none", progress=lambda step, **kw: shown.append(step))
+  trace = types.SimpleNamespace(add=lambda **kw: None)
+  config = types.SimpleNamespace(num_steps=300)
+  w = types.SimpleNamespace(t_start=0.0, config=config, run_steps=lambda: 120)
+  loop = types.SimpleNamespace(steps_done=200)
+  worker_lib.end_step(w, loop, log, trace, 0, (1.0, 1.5, 2.0), 0.5)
+  w.run_steps = None  # every other process, and fixed schedules: its own steps
+  worker_lib.end_step(w, loop, log, trace, 0, (2.0, 2.5, 3.0), 0.5)
+  assert shown == [120, 202] and loop.steps_done == 202

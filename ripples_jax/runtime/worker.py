@@ -113,6 +113,9 @@ class Worker:
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
     self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
+    # Process 0 of a dynamic-generator run: the run's steps (every worker's started steps / n, from the
+    # authority), which its progress line counts; its own steps reach num_steps before a slow worker's.
+    self.run_steps = None
 
   def now(self) -> float:
     return time.perf_counter() - self.t_start
@@ -275,6 +278,8 @@ def run(config, workdir: str) -> dict:
     authority = (
       make_authority(worker, loop, kv, estimate).start() if me == 0 and config.algorithm in DYNAMIC else None
     )
+    if authority is not None:
+      worker.run_steps = lambda: int(authority.service.steps.sum()) // n
     feed = make_feed(worker, loop, kv)
     watchdog.start()
     try:
@@ -468,4 +473,5 @@ def end_step(worker: Worker, loop: Loop, log: RunLog, trace, epoch: int, times, 
   trace.add(k="step", c=epoch, s=loop.steps_done, t0=t0, t1=t1, c_end=tc, loss=loss)
   loop.steps_done += 1
   check_finite(loop.steps_done, log.describe_last(), train_loss=loss)
-  log.progress(min(loop.steps_done, worker.config.num_steps), train_loss=loss)
+  shown = loop.steps_done if worker.run_steps is None else worker.run_steps()
+  log.progress(min(shown, worker.config.num_steps), train_loss=loss)
