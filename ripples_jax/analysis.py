@@ -13,10 +13,10 @@ COLORS = {"compute": "#4C72B0", "wait": "#DD8452", "comm": "#55A868"}
 
 
 def accuracy_vs_time(
-  panels: dict, path: str, title: str, xlabel: str = "virtual time (s)", target: float | None = None
+  panels: dict, path: str, title: str, xlabel: str | dict = "virtual time (s)", target: float | None = None
 ) -> None:
-  """panels: {panel title: {label: [(virtual seconds, test accuracy), ...]}}; one subplot per panel;
-  `target` (a fraction) is drawn as a dashed line."""
+  """panels: {panel title: {label: [(seconds, test accuracy), ...]}}; one subplot per panel, its x label
+  `xlabel` (or xlabel[panel title]); `target` (a fraction) is drawn as a dashed line."""
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
   for ax, (name, curves) in zip(axes[0], panels.items()):
     for label, points in curves.items():
@@ -26,10 +26,13 @@ def accuracy_vs_time(
     if target is not None:
       ax.axhline(100 * target, color="gray", linestyle="--", linewidth=1, label=f"target {100 * target:.0f}%")
     ax.set_title(name)
-    ax.set_xlabel(xlabel)
+    ax.set_xlabel(xlabel[name] if isinstance(xlabel, dict) else xlabel)
     ax.set_ylabel("test accuracy of the averaged model (%)")
     ax.grid(alpha=0.3)
-  axes[0][-1].legend(fontsize=8, loc="lower right")
+  # One legend when every panel holds the same curves, else one per panel.
+  same = len({tuple(curves) for curves in panels.values()}) == 1
+  for ax in axes[0][-1:] if same else axes[0]:
+    ax.legend(fontsize=8, loc="lower right")
   fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -263,19 +266,6 @@ def compare_plot(runs: list[dict], path: str) -> None:
     panels.setdefault(unit, {})[label] = r["curve"]
   targets = {r["target"] for r in runs}
   target = targets.pop() if len(targets) == 1 else None
-  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
-  for ax, (unit, curves) in zip(axes[0], panels.items()):
-    for label, points in curves.items():
-      if points:
-        t, acc = zip(*points)
-        ax.plot(t, [100 * a for a in acc], marker=".", label=label)
-    if target is not None:
-      ax.axhline(100 * target, color="gray", linestyle="--", linewidth=1, label=f"target {100 * target:.0f}%")
-    ax.set_xlabel(unit)
-    ax.set_ylabel("test accuracy of the averaged model (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-  fig.suptitle("accuracy against time")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  accuracy_vs_time(
+    panels, path, "accuracy against time", xlabel={unit: unit for unit in panels}, target=target
+  )
