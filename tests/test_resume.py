@@ -193,9 +193,15 @@ def test_a_second_run_in_the_same_workdir_refuses_and_the_first_is_unharmed(tmp_
     while not os.path.exists(os.path.join(wd, ".lock")):
       assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
       time.sleep(0.05)
-    second = subprocess.run(
-      command("experiments.train", wd, args), cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    # Freeze the first run while the second starts: it holds the lock the whole time, however fast it
+    # would otherwise finish (on a slow machine its 400 steps can end before the second run has imported).
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+      second = subprocess.run(
+        command("experiments.train", wd, args), cwd=ROOT, capture_output=True, text=True, timeout=120
+      )
+    finally:
+      os.kill(first.pid, signal.SIGCONT)
     assert second.returncode != 0 and "Traceback" not in second.stderr
     assert (
       second.stderr.strip()
