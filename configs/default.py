@@ -34,8 +34,8 @@ def get_config(arg=None):
   c.algorithm = arg.algorithm
   c.executor = arg.executor  # spmd: lockstep on the device mesh | sim: event-driven, virtual time
   # | async: one process per worker (experiments.launch, --jax_distributed)
-  c.num_workers = arg.num_workers
-  c.seed = 0
+  c.num_workers = arg.num_workers  # data-parallel workers (async: one process each)
+  c.seed = 0  # parameters, data order and the simulated clock
 
   c.dataset = arg.dataset  # mnist1d | digits | cifar10 | synthetic
   c.data_dir = ""  # cifar10: the local batches; mnist1d: cache dir ("" = default)
@@ -45,16 +45,16 @@ def get_config(arg=None):
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "momentum"  # sgd | momentum | nesterov | adam
-  c.optimizer.lr = 0.1
-  c.optimizer.momentum = 0.9
-  c.optimizer.weight_decay = 5e-4
+  c.optimizer.lr = 0.1  # peak step size (after warm-up)
+  c.optimizer.momentum = 0.9  # momentum and nesterov
+  c.optimizer.weight_decay = 5e-4  # L2, added to the gradient
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
-  c.optimizer.warmup_steps = 50
+  c.optimizer.warmup_steps = 50  # linear warm-up from 0
 
   c.schedule = ml_collections.ConfigDict()
   c.schedule.layout = arg.layout  # node (the authors' Static GG) | hypercube
-  c.schedule.workers_per_node = 4
-  c.schedule.hypercube_group_size = 2
+  c.schedule.workers_per_node = 4  # Static GG, layout=node: workers per node (intra-node groups)
+  c.schedule.hypercube_group_size = 2  # Static GG, layout=hypercube: group size (num_workers a power of it)
   c.schedule.group_size = min(3, arg.num_workers)  # Random GG, Group Division, Smart GG
   c.schedule.smart_tolerance = 0.5  # Smart GG: sync with workers ready within this x own step time
   c.schedule.smart_max_gap = 4  # Smart GG: at most this many skipped syncs in a row
@@ -75,9 +75,11 @@ def get_config(arg=None):
   c.timeline.ps_bandwidth = 1.25e9  # the parameter server's link
   c.timeline.model_bytes = 0.0  # 0: the model's real float32 bytes
   c.timeline.request_rtt = 0.0  # seconds a request to the Group Generator takes to be answered
-  c.timeline.adpsgd_serial = True  # AD-PSGD's cost parts (timeline.AdpsgdCost): a passive worker serves
-  c.timeline.adpsgd_fixed_cost = 0.0  # one average at a time; seconds added to every average; the
-  c.timeline.adpsgd_passive_blocks = False  # passive worker's compute pauses while it serves
+  c.timeline.adpsgd_serial = (
+    True  # AD-PSGD (timeline.AdpsgdCost): a passive worker serves one average at a time
+  )
+  c.timeline.adpsgd_fixed_cost = 0.0  # AD-PSGD: seconds added to every average
+  c.timeline.adpsgd_passive_blocks = False  # AD-PSGD: the passive worker's compute pauses while it serves
   c.time_budget = 0.0  # virtual seconds; 0: run num_steps x num_workers worker steps
   c.target_accuracy = 0.0  # summary.json reports time_to_target when set
 
@@ -87,20 +89,21 @@ def get_config(arg=None):
   c.runtime.warmup_steps = 3  # timed steps before the run: the first step-time estimate
   c.runtime.adpsgd_passive = "concurrent"  # AD-PSGD's passive side: concurrent (a communication
   # thread, as published) | blocking (between its own steps)
-  c.runtime.heartbeat_s = 1.0
+  c.runtime.heartbeat_s = 1.0  # seconds between a worker's heartbeats
   c.runtime.heartbeat_timeout = 15.0  # no heartbeat from a worker for this long: it is lost
   c.runtime.stall_timeout = 40.0  # no worker completes anything for this long: the run is stuck
   c.runtime.checkpoint_every = 80  # a checkpoint marker every this many steps per worker (0: none)
-  c.runtime.checkpoint_keep = 3
+  c.runtime.checkpoint_keep = 3  # markers kept per worker
   c.runtime.cache_size = 64  # compiled P-Reduce programs kept (one per member set)
-  c.runtime.fail_worker = -1  # fault injection: this worker SIGKILLs itself before local step
-  c.runtime.fail_step = 0  #   fail_step, once its newest checkpoint has committed (-1: never)
+  c.runtime.fail_worker = -1  # fault injection: this worker SIGKILLs itself (-1: none) before its local
+  # step fail_step, once its newest checkpoint has committed
+  c.runtime.fail_step = 0  # fault injection: the local step before which fail_worker dies
 
-  c.num_steps = arg.steps
-  c.log_every = 50
-  c.eval_every = 500
+  c.num_steps = arg.steps  # steps per worker
+  c.log_every = 50  # steps between log records (metrics.jsonl, TensorBoard)
+  c.eval_every = 500  # steps between evaluations of the averaged model
   c.checkpoint_every = 1000  # steps between orbax checkpoints (0: none); a rerun resumes
-  c.checkpoint_keep = 2
+  c.checkpoint_keep = 2  # checkpoints kept
   c.profile_steps = ""  # "a:b": a jax.profiler trace of steps [a, b) in WORKDIR/profile (spmd)
   c.on_config_change = "refuse"  # a rerun whose workdir holds another config: refuse | new | force
   return c

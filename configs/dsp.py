@@ -52,47 +52,48 @@ def get_config(arg=None):
   # order, faster per example on a CPU (cache)
   c.placement = "one_device"  # one_device | per_stage (one stage per device) | per_process
   # (stage k in process k: experiments.launch --module=experiments.train_dsp)
-  c.seed = 0
+  c.seed = 0  # parameters and data order
 
-  c.dataset = arg.dataset
-  c.data_dir = ""
-  c.model = arg.model
-  c.batch_size = 64
+  c.dataset = arg.dataset  # mnist1d | digits | cifar10 | synthetic
+  c.data_dir = ""  # cifar10: the local batches; mnist1d: cache dir ("" = default)
+  c.model = arg.model  # mlp | cnn1d | cnn2d | resnet20 | resnet56, split into num_stages
+  c.batch_size = 64  # per pipeline step
   # dataset=synthetic (benchmarks): Gaussian classes of this shape, e.g. CIFAR-shaped (32, 32, 3).
   c.synthetic = ml_collections.ConfigDict()
-  c.synthetic.input_shape = (16,)
-  c.synthetic.num_classes = 4
-  c.synthetic.num_train = 512
-  c.synthetic.num_test = 128
+  c.synthetic.input_shape = (16,)  # dataset=synthetic: one example's shape
+  c.synthetic.num_classes = 4  # dataset=synthetic: classes
+  c.synthetic.num_train = 512  # dataset=synthetic: training examples
+  c.synthetic.num_test = 128  # dataset=synthetic: test examples
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "momentum"
+  c.optimizer.name = "momentum"  # sgd | momentum | nesterov | adam
   c.optimizer.lr = 0.02  # the staleness bound grows with step size: 0.05 diverges at K=4
-  c.optimizer.momentum = 0.9
-  c.optimizer.weight_decay = 5e-4
-  c.optimizer.lr_schedule = "cosine"
-  c.optimizer.warmup_steps = 50
+  c.optimizer.momentum = 0.9  # momentum and nesterov
+  c.optimizer.weight_decay = 5e-4  # L2, added to the gradient
+  c.optimizer.lr_schedule = "cosine"  # constant | cosine
+  c.optimizer.warmup_steps = 50  # linear warm-up from 0
   c.dni_lr = 0.01  # DNI: the synthetic-gradient predictors' step size (plain SGD)
 
   # The straggler experiment of the timing model: stage `straggler_stage` slowed by `slowdown`
   # (or every stage with probability `straggler_p` per iteration).
   c.straggler_stage = -1
-  c.slowdown = 1.0
-  c.straggler_p = 0.0
+  c.slowdown = 1.0  # the straggler stage's step takes this many times longer
+  c.straggler_p = 0.0  # or: every stage slowed with this probability per iteration
 
   # placement=per_process: the watchdog (a dead stage is named), core pinning, fault injection.
   c.runtime = ml_collections.ConfigDict()
   c.runtime.pin_cores = True  # stage k on core k mod the cores this process may use
-  c.runtime.heartbeat_s = 1.0
-  c.runtime.heartbeat_timeout = 15.0
-  c.runtime.stall_timeout = 60.0
-  c.runtime.fail_stage = -1  # fault injection: this stage SIGKILLs itself before tick fail_tick,
-  c.runtime.fail_tick = 0  #   once its newest checkpoint has committed (-1: never)
+  c.runtime.heartbeat_s = 1.0  # per_process: seconds between a stage's heartbeats
+  c.runtime.heartbeat_timeout = 15.0  # per_process: no heartbeat from a stage for this long: it is lost
+  c.runtime.stall_timeout = 60.0  # per_process: no stage completes a tick for this long: the run is stuck
+  c.runtime.fail_stage = -1  # fault injection: this stage SIGKILLs itself (-1: none) before tick
+  # fail_tick, once its newest checkpoint has committed
+  c.runtime.fail_tick = 0  # fault injection: the tick before which fail_stage dies
 
-  c.num_epochs = arg.epochs
+  c.num_epochs = arg.epochs  # passes over the training set
   c.log_every = 50  # batches
-  c.eval_every = 500
+  c.eval_every = 500  # batches between evaluations
   c.checkpoint_every = 2000  # batches between orbax checkpoints (0: none); a rerun resumes
-  c.checkpoint_keep = 2
+  c.checkpoint_keep = 2  # checkpoints kept
   c.on_config_change = "refuse"  # a rerun whose workdir holds another config: refuse | new | force
   return c

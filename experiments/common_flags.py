@@ -21,7 +21,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from ripples_jax import runlog
+from ripples_jax import config_doc, runlog
 from ripples_jax.data import DatasetError
 from ripples_jax.distributed.host import init_distributed, quiet_library_logs, use_cpu_devices
 from ripples_jax.errors import ConfigError
@@ -124,7 +124,7 @@ def parse_flags(argv: list[str]) -> list[str]:
       except Exception as e:  # noqa: BLE001
         fail(describe_flag_error(e, argv))
   if wants_help:
-    print(describe_entry_point())
+    print(describe_entry_point(argv))
     sys.exit(0)
   check_cpu_devices(CPU_DEVICES.value)
   check_workdir(WORKDIR.value)
@@ -134,9 +134,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 HELP_FLAGS = ("--help", "-h", "--helpshort", "-?")
 
 
-def describe_entry_point() -> str:
+def describe_entry_point(argv=()) -> str:
   """--help: the entry point's docstring, its flags (this module's and its own), and every field of
-  its config (the variant given with --config, if any) with the value it has."""
+  its config (the variant given with --config, if any) with the value it has and, for a shipped
+  config, what the validator allows (config_doc)."""
   main = sys.modules["__main__"]
   lines = [(main.__doc__ or "").strip(), "", "Flags:"]
   seen = set()
@@ -151,10 +152,24 @@ def describe_entry_point() -> str:
       f"  --{_CONFIG_NAME}: a file under configs/ with ':k=v,...' variant arguments "
       f"(default: {_default_config}); each field below is set with --config.<key>=<value>",
       "",
-      "Config fields (their values in this config; the config file's comments say what each means):",
+      "Config fields (their values in this config, then what is allowed; meanings: docs/config.md or "
+      "python -m experiments.config_doc):",
     ]
-    lines += [f"  --config.{k}={v!r}" for k, v in runlog.flat_config(flags.FLAGS[_CONFIG_NAME].value).items()]
+    allowed = _shipped_allowed(_config_spec(argv))
+    for k, v in runlog.flat_config(flags.FLAGS[_CONFIG_NAME].value).items():
+      lines.append(f"  --config.{k}={v!r}" + (f"  ({allowed[k]})" if k in allowed else ""))
   return "\n".join(lines)
+
+
+def _shipped_allowed(spec: str) -> dict:
+  """config_doc.summaries for a config file shipped in configs/, else {} (a user's own file)."""
+  path = os.path.abspath(spec.split(":", 1)[0])
+  module = f"configs.{os.path.splitext(os.path.basename(path))[0]}"
+  if module not in config_doc.VARIANTS or os.path.dirname(path) != os.path.abspath(
+    os.path.join(_ROOT, "configs")
+  ):
+    return {}
+  return config_doc.summaries(module)
 
 
 def check_cpu_devices(count: int) -> None:

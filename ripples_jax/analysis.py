@@ -39,16 +39,30 @@ def accuracy_vs_time(
   plt.close(fig)
 
 
-def gantt(
-  intervals,
-  num_workers: int,
-  path: str,
-  title: str,
-  t_max: float | None = None,
-  xlabel: str = "virtual time (s)",
-) -> None:
-  """One row per worker: compute, waiting for a group, communicating (timeline.Trace.intervals)."""
-  fig, ax = plt.subplots(figsize=(11, 0.32 * num_workers + 1.5))
+# A chart of more steps than this per worker is unreadable as bars: gantt draws a window of WINDOW_STEPS
+# of them and, below, every worker's utilisation over the whole run.
+LONG_STEPS = 300
+WINDOW_STEPS = 40
+UTIL_BINS = 120
+
+
+def utilisation(intervals, num_workers: int, t_end: float, bins: int = UTIL_BINS) -> dict:
+  """{kind: [num_workers, bins] array}: the fraction of each of `bins` equal spans of [0, t_end] each
+  worker spent in each kind (timeline.Trace.intervals' (worker, kind, t0, t1))."""
+  edges = np.linspace(0.0, t_end, bins + 1)
+  out = {k: np.zeros((num_workers, bins)) for k in COLORS}
+  width = t_end / bins
+  for w, kind, t0, t1 in intervals:
+    lo, hi = max(t0, 0.0), min(t1, t_end)
+    if hi <= lo or kind not in out:
+      continue
+    first, last = int(lo // width), min(int(hi // width), bins - 1)
+    for b in range(first, last + 1):  # the overlap with each span it touches
+      out[kind][w, b] += max(0.0, min(hi, edges[b + 1]) - max(lo, edges[b]))
+  return {k: v / width for k, v in out.items()}
+
+
+def _bars(ax, intervals, num_workers, t_max):
   for kind, color in COLORS.items():
     bars = {}
     for w, k, t0, t1 in intervals:
@@ -58,16 +72,66 @@ def gantt(
       ax.broken_barh(spans, (w - 0.4, 0.8), color=color, label=kind if w == min(bars) else None)
   ax.set_yticks(range(num_workers))
   ax.set_ylabel("worker")
-  ax.set_xlabel(xlabel)
   ax.invert_yaxis()
   if t_max:
     ax.set_xlim(0, t_max)
   handles, labels = ax.get_legend_handles_labels()
   ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=3)
-  ax.set_title(title)
+
+
+def gantt_window(intervals) -> float | None:
+  """The window a long run's chart shows (seconds from 0 that hold WINDOW_STEPS steps of the worker
+  that did most), or None when every worker's steps fit as bars (at most LONG_STEPS)."""
+  starts = {}
+  for w, kind, t0, _ in intervals:
+    if kind == "compute":
+      starts.setdefault(w, []).append(t0)
+  if not starts or max(len(v) for v in starts.values()) <= LONG_STEPS:
+    return None
+  busiest = sorted(max(starts.values(), key=len))
+  return busiest[WINDOW_STEPS]
+
+
+def gantt(
+  intervals,
+  num_workers: int,
+  path: str,
+  title: str,
+  t_max: float | None = None,
+  xlabel: str = "virtual time (s)",
+) -> int:
+  """One row per worker: compute, waiting for a group, communicating (timeline.Trace.intervals).
+
+  A long run (gantt_window; no t_max given) gets two panels: the bars of its first seconds, and each
+  worker's share of time computing over the whole run (a heat map, UTIL_BINS spans). Returns the
+  number of panels drawn."""
+  window = gantt_window(intervals) if t_max is None else None
+  if window is None:
+    fig, ax = plt.subplots(figsize=(11, 0.32 * num_workers + 1.5))
+    _bars(ax, intervals, num_workers, t_max)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    panels = 1
+  else:
+    t_end = max(t1 for _, _, _, t1 in intervals)
+    fig, (ax, heat) = plt.subplots(2, 1, figsize=(11, 2 * (0.32 * num_workers + 1.2) + 0.6))
+    _bars(ax, intervals, num_workers, window)
+    ax.set_xlabel(f"{xlabel}: the first {window:.3g} s of {t_end:.4g} s")
+    ax.set_title(title)
+    share = utilisation(intervals, num_workers, t_end)["compute"]
+    image = heat.imshow(
+      share, aspect="auto", cmap="viridis", vmin=0, vmax=1, extent=(0, t_end, num_workers - 0.5, -0.5)
+    )
+    heat.set_yticks(range(num_workers))
+    heat.set_ylabel("worker")
+    heat.set_xlabel(f"{xlabel} (the whole run, {UTIL_BINS} spans)")
+    heat.set_title("share of each span spent computing", fontsize=10)
+    fig.colorbar(image, ax=heat, fraction=0.03, pad=0.01)
+    panels = 2
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+  return panels
 
 
 def lines(series: dict, path: str, title: str, xlabel: str, ylabel: str, vlines=()) -> None:

@@ -63,12 +63,39 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
 
+# While not None, every check a validator makes on a key is noted here as (key, allowed): the config
+# reference (config_doc) is read off the validators themselves, so it lists what they enforce.
+_notes: list | None = None
+
+
+def noting_checks(validate, config, *args, **kwargs) -> list:
+  """Runs `validate(config, ...)` and returns the (key, allowed) of every check it made, in order."""
+  global _notes
+  _notes = []
+  try:
+    validate(config, *args, **kwargs)
+    return _notes
+  finally:
+    _notes = None
+
+
+def _note(key, allowed):
+  if _notes is not None:
+    _notes.append((key, allowed))
+
 
 def _fail(key, value, allowed):
   raise ConfigError(f"config.{key}: {value!r} is not allowed: {allowed}")
 
 
+def _bool(config, key):
+  _note(key, "True or False")
+  if not isinstance(_get(config, key), bool):
+    _fail(key, _get(config, key), "True or False")
+
+
 def _one_of(config, key, allowed):
+  _note(key, "one of " + ", ".join(map(str, allowed)))
   value = _get(config, key)
   if value not in allowed:
     _fail(key, value, "one of " + ", ".join(map(str, allowed)))
@@ -81,6 +108,7 @@ def _get(config, key):
 
 
 def _positive_int(config, key):
+  _note(key, "a positive integer")
   value = _get(config, key)
   if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
     _fail(key, value, "a positive integer")
@@ -91,6 +119,8 @@ def validate_train_config(
 ) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train config."""
   _one_of(config, "executor", EXECUTORS)
+  _note("profile_steps", "'' or 'a:b' with 0 <= a < b (steps [a, b) traced; executor=spmd)")
+  _note("data_dir", "a path; dataset=cifar10 needs the directory holding data_batch_1..5 and test_batch")
   if config.get("profile_steps"):
     from ripples_jax.profiling import parse
 
@@ -142,6 +172,7 @@ ALGORITHMS_OF = {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS, "async": RUNTIM
 
 def _check_algorithm(config):
   here, value = ALGORITHMS_OF[config.executor], config.algorithm
+  _note("algorithm", "one of " + ", ".join(here))
   if value in here:
     return
   elsewhere = [e for e, algs in ALGORITHMS_OF.items() if value in algs]
@@ -182,14 +213,12 @@ def _check_runtime(config):
 
 
 def _check_optimizer(config):
-  opt = config.optimizer
   _one_of(config, "optimizer.name", OPTIMIZERS)
   _one_of(config, "optimizer.lr_schedule", LR_SCHEDULES)
   _number(config, "optimizer.lr", lambda v: v > 0, "a finite number > 0")
   _number(config, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
   _number(config, "optimizer.weight_decay", lambda v: v >= 0, "a number >= 0")
-  if isinstance(opt.warmup_steps, bool) or not isinstance(opt.warmup_steps, int) or opt.warmup_steps < 0:
-    _fail("optimizer.warmup_steps", opt.warmup_steps, "an integer >= 0")
+  _int_in(config, "optimizer.warmup_steps", 0, 10**9, "an integer >= 0")
 
 
 def _check_schedule(config, n):
@@ -208,10 +237,8 @@ def _check_schedule(config, n):
         _fail("num_workers", n, f"a power of schedule.hypercube_group_size={g} for the hypercube layout")
   if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
     _int_in(config, "schedule.group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
-  if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart") and not isinstance(
-    s.request_ahead, bool
-  ):
-    _fail("schedule.request_ahead", s.request_ahead, "True or False")
+  if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
+    _bool(config, "schedule.request_ahead")
   if config.algorithm == "ripples_smart":
     _number(config, "schedule.smart_tolerance", lambda v: v > 0, "a number > 0 (a fraction of a step time)")
     _int_in(config, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0")
@@ -231,8 +258,7 @@ def _check_schedule(config, n):
     _number(config, "timeline.request_rtt", lambda v: v >= 0, "seconds >= 0")
     _number(config, "timeline.adpsgd_fixed_cost", lambda v: v >= 0, "seconds >= 0")
     for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
-      if not isinstance(config.timeline[key], bool):
-        _fail(f"timeline.{key}", config.timeline[key], "True or False")
+      _bool(config, f"timeline.{key}")
     _number(
       config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)"
     )
@@ -245,16 +271,15 @@ def _check_schedule(config, n):
   else:  # the lockstep executor has no clock: heterogeneity would be silently ignored
     for key, off in _HETERO_OFF.items():
       value = config.hetero[key]
+      _note(f"hetero.{key}", f"{off!r} (off: hetero.* needs executor=sim or async)")
       if (tuple(value) if isinstance(value, (list, tuple)) else value) != off:
-        _fail(
-          f"hetero.{key}",
-          value,
-          f"{off!r} (off) with executor={config.executor}: hetero.* needs executor=sim or executor=async",
-        )
+        needs = "hetero.* needs executor=sim or executor=async"
+        _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: {needs}")
 
 
 def _number(config, key, ok, allowed):
   """A finite int or float for which ok(value) holds."""
+  _note(key, allowed)
   value = _get(config, key)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     _fail(key, value, allowed)
@@ -266,6 +291,7 @@ def _number(config, key, ok, allowed):
 
 
 def _int_in(config, key, lo, hi, allowed):
+  _note(key, allowed)
   value = _get(config, key)
   if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
     _fail(key, value, allowed)
@@ -308,6 +334,8 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
       )
     for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
       _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
+    _bool(config, "runtime.pin_cores")
+    _int_in(config, "runtime.fail_tick", 0, 10**9, "an integer >= 0")
     _int_in(
       config,
       "runtime.fail_stage",

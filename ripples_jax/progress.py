@@ -8,6 +8,11 @@ or one past its end (clamped to the total) stays quiet, and a step reported twic
 
 A log line written while the bar is on the terminal clears the bar first (clear_bar(), called by the
 console filter, host.quiet_library_logs); the next update draws it again below the line.
+
+In a Jupyter kernel (its stderr is ipykernel's OutStream, not a terminal) the bar is drawn too: a run
+started from a notebook has no absl handler on the root logger, so log lines would show nothing there.
+The notebook's output area overwrites a line on a carriage return but shows escape sequences as text,
+so there the bar is padded with spaces instead of erased with ESC[K.
 """
 
 import collections
@@ -24,6 +29,11 @@ _REDRAW_S = 0.2  # the terminal bar is redrawn at most this often (and at the en
 _drawn = None  # the Progress whose bar is on the terminal's last line now
 
 
+def in_notebook(stream) -> bool:
+  """True for a Jupyter kernel's output stream (ipykernel.iostream.OutStream)."""
+  return type(stream).__module__.startswith("ipykernel")
+
+
 def clear_bar() -> None:
   """Erases the bar on the terminal (if one is drawn) so that a log line starts on a clean line."""
   bar = _drawn
@@ -35,7 +45,9 @@ class Progress:
   def __init__(self, total: int, log_every: int = 50, stream=None, clock=time.monotonic, start: int = 0):
     self.total, self.log_every = total, max(1, int(log_every))
     self.stream = stream or sys.stderr
-    self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+    self.notebook = in_notebook(self.stream)
+    self.tty = self.notebook or (hasattr(self.stream, "isatty") and self.stream.isatty())
+    self._width = 0  # of the last drawing, which a notebook drawing pads over
     self.clock = clock
     self.resume_at(start)
 
@@ -100,7 +112,12 @@ class Progress:
     self._last_draw, self._pending_redraw = now, False
     filled = int(30 * min(self.step, self.total) / max(1, self.total))
     bar = "#" * filled + "." * (30 - filled)
-    self.stream.write(f"\r[{bar}] {self.describe(**info)}\033[K")
+    text = f"[{bar}] {self.describe(**info)}"
+    if self.notebook:
+      self.stream.write(f"\r{text.ljust(self._width)}")
+      self._width = len(text)
+    else:
+      self.stream.write(f"\r{text}\033[K")
     if self.step >= self.total:
       self.stream.write("\n")
       _drawn = None
@@ -110,7 +127,8 @@ class Progress:
 
   def _erase(self) -> None:
     global _drawn
-    self.stream.write("\r\033[K")
+    self.stream.write(f"\r{' ' * self._width}\r" if self.notebook else "\r\033[K")
+    self._width = 0
     self.stream.flush()
     self._pending_redraw = True
     _drawn = None

@@ -4,8 +4,10 @@ repeated progress lines, units in the result table, and a short real run that pr
 import io
 import logging as std_logging
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import pytest
 from absl import logging
@@ -24,6 +26,7 @@ def console(capfd):
   handler = logging.get_absl_handler()
   root = std_logging.getLogger()
   old_level, attached = root.level, handler in root.handlers
+  old_format = handler.python_handler.formatter
   if not attached:
     root.addHandler(handler)
   root.setLevel(std_logging.INFO)
@@ -38,6 +41,7 @@ def console(capfd):
     yield text, f
   finally:
     handler.removeFilter(f)
+    handler.setFormatter(old_format)
     if not attached:
       root.removeHandler(handler)
     root.setLevel(old_level)
@@ -50,6 +54,19 @@ def log_from(path: str, code: str) -> None:
 
 def library_file(module: str) -> str:
   return __import__(module, fromlist=["_"]).__file__
+
+
+def test_our_lines_carry_a_short_prefix_without_the_thread_id(console):
+  text, _ = console
+  logging.info("checkpoint %d saved", 100)
+  logging.warning("slow worker")
+  lines = text().splitlines()
+  here = os.path.basename(__file__)
+  assert re.fullmatch(rf"I\d{{4}} \d\d:\d\d:\d\d\.\d{{3}} {here}:\d+\] checkpoint 100 saved", lines[-2]), (
+    lines
+  )
+  assert re.fullmatch(rf"W\d{{4}} \d\d:\d\d:\d\d\.\d{{3}} {here}:\d+\] slow worker", lines[-1]), lines
+  assert str(threading.get_native_id()) not in lines[-1] and str(threading.get_ident()) not in lines[-1]
 
 
 def test_filter_drops_library_info_and_keeps_ours(console):
@@ -146,6 +163,25 @@ def test_a_log_line_clears_the_bar_first():
   assert out.getvalue().endswith("\r\x1b[K") and progress._drawn is None
   p.close()  # the bar is not drawn: nothing to end
   assert out.getvalue().endswith("\r\x1b[K")
+
+
+NotebookStream = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})
+
+
+def test_in_a_notebook_the_bar_is_drawn_without_escape_sequences():
+  """A Jupyter kernel's stderr is no terminal, and a notebook run has no absl handler to show log lines:
+  the bar is drawn there too, padded over the previous drawing (the output area shows ESC as text)."""
+  out = NotebookStream()
+  p = Progress(10, stream=out, clock=Clock())
+  assert p.tty and p.notebook
+  for step in range(1, 11):
+    p.clock.t += 1.0
+    p.update(step, loss=12345.678 if step == 5 else 1.0)
+  drawings = out.getvalue().split("\r")[1:]
+  assert "\x1b" not in out.getvalue() and out.getvalue().endswith("\n")
+  assert [d.split("] ")[1].split()[0] for d in drawings] == [f"{s}/10" for s in range(1, 11)]
+  assert all(len(b) >= len(a.rstrip()) for a, b in zip(drawings, drawings[1:]))  # the last one covered
+  assert not Progress(10, stream=io.StringIO()).tty
 
 
 def test_the_result_table_names_its_time_unit():

@@ -21,6 +21,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": examples}}).execute()
   text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
   assert "the returned state equals the loaded one: True" in text, text[-2000:]
+  assert "] 150/150 " in text  # the progress bar, drawn in the notebook's output
   assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
   assert "| ripples_smart | 8 | 150 |" in text and (tmp_path / "compare.png").stat().st_size > 0
   # Figures inline: the plot cells carry an image output (Jupyter's inline backend, not Agg).

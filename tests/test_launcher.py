@@ -160,7 +160,12 @@ def fake_worker(argv):
   parser = argparse.ArgumentParser()
   parser.add_argument("--process_id", type=int)
   parser.add_argument("--fake", default="")
+  parser.add_argument("--gloo_lines", type=int, default=0)  # lines as gloo prints them per connection
   a, _ = parser.parse_known_args(argv)
+  for k in range(a.gloo_lines):
+    print(
+      f"[Gloo] Rank {a.process_id} is connected to 1 peer ranks. Expected number of connected peer ranks is : {k}"
+    )
   plan = dict(item.split(":", 1) for item in a.fake.split(",") if item)
   action = plan.get(str(a.process_id), "wait")
   if action == "ignore":
@@ -478,6 +483,34 @@ def test_more_workers_than_cores_is_one_warning_and_the_job_runs(monkeypatch):
   out = Out()
   assert launch(2, args, module=FAKE, out=out, cwd=ROOT, grace_s=5) == 0, out.text()
   assert not [l for l in out.lines if "warning" in l], out.text()
+
+
+def test_each_workers_first_gloo_line_shows_and_the_rest_are_counted():
+  from ripples_jax.distributed.launcher import _LibraryLines
+
+  shown = _LibraryLines(verbose=False)
+  lines = [(w, f"[Gloo] Rank {w} is connected to 1 peer ranks.\n") for _ in range(3) for w in (0, 1)]
+  assert [shown.show(w, t) for w, t in lines] == [True, True, False, False, False, False]
+  assert shown.hidden == 4 and shown.show(0, "step 10/100\n") and shown.show(1, "[w] [Gloo] quoted\n")
+  loud = _LibraryLines(verbose=True)
+  assert all(loud.show(w, t) for w, t in lines) and loud.hidden == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True])
+def test_gloo_connection_lines_are_hidden_unless_verbose_libraries(verbose):
+  args = ["--fake=0:exit:0:0,1:exit:0:0", "--gloo_lines=5"] + (["--verbose_libraries"] if verbose else [])
+  out = Out()
+  assert launch(2, args, module=FAKE, out=out, cwd=ROOT, grace_s=5) == 0, out.text()
+  gloo = [l for l in out.lines if "[Gloo]" in l]
+  hidden = [l for l in out.lines if "gloo connection lines hidden" in l]
+  if verbose:
+    assert len(gloo) == 10 and not hidden, out.text()
+  else:
+    assert sorted(l.split()[0] for l in gloo) == ["[w0]", "[w1]"] and all(
+      "peer ranks is : 0" in l for l in gloo
+    )
+    assert hidden == ["[launch] 8 more gloo connection lines hidden (--verbose_libraries shows them)"]
 
 
 OWN_FLAGS = "--num_processes, --cpu_devices, --platform, --grace_s, --module, --port"

@@ -4,6 +4,7 @@ import logging as std_logging
 import os
 import socket
 import sysconfig
+import time
 
 import jax
 from absl import logging
@@ -191,10 +192,23 @@ class LibraryFilter(std_logging.Filter):
     return True
 
 
+class ConsoleFormatter(std_logging.Formatter):
+  """absl's prefix without its thread id and microseconds: `I1201 11:26:34.123 file.py:12] message`
+  (absl's is `I1201 11:26:34.123456 140556851072 file.py:12] message`)."""
+
+  def format(self, record: std_logging.LogRecord) -> str:
+    t = time.localtime(record.created)
+    level = logging.converter.get_initial_for_level(record.levelno)
+    stamp = f"{t.tm_mon:02d}{t.tm_mday:02d} {time.strftime('%H:%M:%S', t)}.{int(record.msecs):03d}"
+    return f"{level}{stamp} {record.filename}:{record.lineno}] {super().format(record)}"
+
+
 def quiet_library_logs(verbose: bool = False) -> LibraryFilter:
-  """Installs LibraryFilter on absl's handler (the console of every entry point; replaces an earlier
-  one). verbose=True (--verbose_libraries) lets every line through, tracebacks included."""
+  """Installs LibraryFilter and ConsoleFormatter on absl's handler (the console of every entry point;
+  replaces an earlier filter). verbose=True (--verbose_libraries) lets every line through, tracebacks
+  included."""
   handler = logging.get_absl_handler()
+  handler.setFormatter(ConsoleFormatter())
   for f in list(handler.filters):
     if isinstance(f, LibraryFilter):
       handler.removeFilter(f)

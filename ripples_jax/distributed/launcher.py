@@ -18,6 +18,10 @@ The coordinator is 127.0.0.1:<port>, a free port unless one is given; process 0'
 binds that loopback address only, and so do gloo's listeners (the CPU collectives) in every worker
 (host.init_distributed).
 
+gloo prints a line per peer for every group a worker connects (C++, on the worker's stderr): each
+worker's first such line shows (its collectives are up) and the rest are counted into one line at the
+end, unless the entry point's --verbose_libraries is among the arguments.
+
 Bad input (launch's arguments) raises ValueError before anything starts; more workers than this process's
 CPU cores is one warning line, and the job runs.
 """
@@ -109,12 +113,34 @@ class _Clues:
       self.intruder = task
 
 
-def _stream(i: int, pipe, out, clues: _Clues) -> None:
+GLOO_LINE = re.compile(r"^\[Gloo\] ")
+VERBOSE_FLAG = re.compile(r"^--verbose_libraries(=(true|True|1|yes))?$")
+
+
+class _LibraryLines:
+  """Which worker lines reach the console: all when verbose, else each worker's first gloo line only."""
+
+  def __init__(self, verbose: bool):
+    self.verbose, self.seen, self.hidden, self.lock = verbose, set(), 0, threading.Lock()
+
+  def show(self, worker: int, text: str) -> bool:
+    if self.verbose or not GLOO_LINE.match(text):
+      return True
+    with self.lock:  # one reader thread per worker
+      if worker not in self.seen:
+        self.seen.add(worker)
+        return True
+      self.hidden += 1
+      return False
+
+
+def _stream(i: int, pipe, out, clues: _Clues, shown: _LibraryLines) -> None:
   for line in iter(pipe.readline, b""):
     text = line.decode(errors="replace")
     clues.read(i, text)
-    out.write(f"[w{i}] {text}")
-    out.flush()
+    if shown.show(i, text):
+      out.write(f"[w{i}] {text}")
+      out.flush()
   pipe.close()
 
 
@@ -332,6 +358,7 @@ def launch(
   address = f"127.0.0.1:{port or free_port()}"
   platform, module = resolve_platform(platform), resolve_module(module)
   procs, threads, clues = [], [], _Clues()
+  shown = _LibraryLines(any(VERBOSE_FLAG.match(a) for a in args))
   first = None  # (worker, exit code) of the first failure
   with _Signals() as signals:
     try:
@@ -339,7 +366,9 @@ def launch(
         if signals.got:
           break
         procs.append(start_worker(i, num_processes, module, args, address, cpu_devices, platform, cwd))
-        threads.append(threading.Thread(target=_stream, args=(i, procs[-1].stdout, out, clues), daemon=True))
+        threads.append(
+          threading.Thread(target=_stream, args=(i, procs[-1].stdout, out, clues, shown), daemon=True)
+        )
         threads[-1].start()
       out.write(
         f"[launch] {num_processes} workers on {address} ({platform}), pids {[p.pid for p in procs]}\n"
@@ -360,6 +389,8 @@ def launch(
   for t in threads:
     t.join(timeout=5)
   codes = [p.returncode for p in procs]
+  if shown.hidden:
+    out.write(f"[launch] {shown.hidden} more gloo connection lines hidden (--verbose_libraries shows them)\n")
   out.write(f"[launch] exit codes: {codes}\n")
   out.flush()
   if first:
