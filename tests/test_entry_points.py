@@ -232,6 +232,18 @@ def test_spectral_gap_matches_the_closed_form():
   assert table["hypercube (radix g)"][4] == pytest.approx(0.5)
 
 
+def test_the_passive_wait_figure_counts_only_workers_that_can_wait():
+  """AD-PSGD with a slow passive worker 0: the figure is the active workers' wait; the other passive
+  worker (2) serves from a thread and never waits, and averaging it in would halve the figure."""
+  from benchmarks import bench_online
+
+  assert bench_online.waiting_workers(4, slow=(0,)) == [1, 3]
+  assert bench_online.waiting_workers(6, slow=(3,)) == [1, 5]
+  traces = {w: [{"k": "step", "t0": 0.0, "t1": 10.0}] for w in range(4)}
+  r = {"traces": traces, "wait_time": [0.0, 2.0, 0.0, 2.0]}
+  assert bench_online.wait_fraction(r, bench_online.waiting_workers(4, slow=(0,))) == pytest.approx(0.2)
+
+
 @pytest.mark.slow
 def test_bench_online(tmp_path):
   from benchmarks import bench_online

@@ -181,3 +181,21 @@ def test_the_slow_worker_moves_on_the_clock():
     (2,),
     (3,),
   ]
+
+
+def test_a_request_carries_the_step_time_the_generator_plans_with():
+  """The start report travels from a thread and may arrive after the request it precedes: the
+  request itself carries the worker's newest step time, and the authority plans with it."""
+  kv, n = FakeKV(), 3
+  service = Service(n, group_gen.smart_gg(n, 2, tolerance=0.5, max_gap=1), estimate=1.0)
+  authority = Authority(kv, service, lambda: 0.0, poll_s=0.005).start()
+  try:
+    feed = Feed(kv, 1, lambda: 0.0, ahead=False)
+    feed.step_time = 0.25  # as report() sets it; its report is not sent at all here
+    feed._request(0.0)
+    entry = feed.next(10.0)
+    assert entry[0] in (GROUP, NONE) and service.estimates[1] == 0.25
+    assert kv.store["ripples/req/1/0"].split()[2] == "0.25"
+    assert service.estimates[0] == service.estimates[2] == 1.0
+  finally:
+    authority.stop()

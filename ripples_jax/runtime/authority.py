@@ -2,7 +2,9 @@
 
 Transport (the jax.distributed key-value store; no server of ours):
   ripples/q/<w>/<j>      entry j of worker w's queue (online.encode), written once by the authority
-  ripples/req/<w>/<r>    worker w's r-th request: "<queue index it asks for> <when it is ready>"
+  ripples/req/<w>/<r>    worker w's r-th request: "<queue index it asks for> <when it is ready>
+                         <its newest step time>" (the step time rides on the request: the start
+                         report is sent from a thread and may arrive after it)
   ripples/started/<w>    "<steps started> <started at> <last step time> <last gid>", overwritten by w
 The authority (a thread of process 0, as the paper's GG is one service) wakes on requests (one
 listener thread per worker, blocked in a get of that worker's next request key) and otherwise polls
@@ -78,8 +80,8 @@ class Authority:
   def _listen(self, w: int) -> None:
     try:
       for value in values_in_order(self.kv, f"{PREFIX}/req/{w}", self._stop):
-        want, ready_at = value.split()
-        self.inbox.put((w, int(want), float(ready_at)))
+        want, ready_at, step_time = value.split()
+        self.inbox.put((w, int(want), float(ready_at), float(step_time)))
     except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
       return
 
@@ -97,13 +99,13 @@ class Authority:
     try:
       while not self._stop.is_set():
         try:
-          w, want, ready_at = self.inbox.get(timeout=self.poll_s)
+          w, want, ready_at, step_time = self.inbox.get(timeout=self.poll_s)
         except queue.Empty:
           w = None
         t0 = time.perf_counter()
         self._reports()  # the freshest starts and step times before generating (Smart GG reads them)
         if w is not None:
-          self.service.request(w, want, ready_at)
+          self.service.request(w, want, ready_at, step_time)
         for kind, ident in self.service.tick():
           if kind == "ckpt":
             self.snapshots[ident] = self.service.state()
@@ -134,6 +136,7 @@ class Feed:
     self.asked = None  # (queue index, when sent) of the request in flight
     self.rtts = []  # seconds from a request to its answer's arrival here
     self.blocked = []  # seconds the worker waited for an answer after its step
+    self.step_time = 0.0  # its newest reported step time, which each request carries
     self._stop = threading.Event()
     self._reports = queue.Queue()
     threading.Thread(target=self._fetch, name="ripples-feed", daemon=True).start()
@@ -160,13 +163,15 @@ class Feed:
         return
 
   def _request(self, ready_at: float) -> None:
-    self.kv.key_value_set(f"{PREFIX}/req/{self.me}/{self.requests}", f"{self.taken} {ready_at!r}")
+    value = f"{self.taken} {ready_at!r} {self.step_time!r}"
+    self.kv.key_value_set(f"{PREFIX}/req/{self.me}/{self.requests}", value)
     self.requests += 1
     self.asked = (self.taken, time.perf_counter())
 
   def report(self, steps: int, started_at: float, step_time: float, last_gid: int) -> None:
     """A step starts: tell the authority (from a thread, overlapped with the step); with request-ahead
     and nothing queued, ask for the entry after this step now."""
+    self.step_time = float(step_time)
     self._reports.put(f"{steps} {started_at!r} {step_time!r} {last_gid}")
     if self.ahead and self.asked is None and self.local.empty():
       self._request(started_at + step_time)

@@ -108,9 +108,12 @@ class Service:
     self.steps[worker] = max(self.steps[worker], steps)
     self.buffer.done(worker, last_gid - self.gid0)
 
-  def request(self, worker: int, want: int, now: float) -> bool:
+  def request(self, worker: int, want: int, now: float, step_time: float = 0.0) -> bool:
     """Worker asks for entry `want` of its queue (which is empty), being ready at `now` (a request
-    sent ahead: when it expects to be). Returns whether anything was generated for it."""
+    sent ahead: when it expects to be), its newest step taking `step_time` (0: not given). Returns
+    whether anything was generated for it."""
+    if step_time > 0:  # what Smart GG plans with: the request's own, however late the report comes
+      self.estimates[worker] = step_time
     if want < len(self.entries[worker]):
       return False  # something was appended while the request travelled: the worker takes that
     self.buffer.requests += 1
