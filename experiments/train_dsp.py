@@ -15,7 +15,7 @@ import os
 
 from absl import app
 
-from ripples_jax import run
+from ripples_jax import run, runlog
 
 from . import common_flags
 
@@ -29,17 +29,7 @@ def main(argv):
   if "stage" in s:  # a pipeline stage process other than the last (the run's lead) prints its own line
     print(f"method={s['method']} stage={s['stage']} done time={s['time']:.1f}s")
     return
-  if s.get("placement") == "per_process":
-    print(
-      f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
-      f"iteration={1e3 * s['iteration_s']:.1f}ms time={s['time']:.1f}s"
-    )
-    print(f"run files: {os.path.abspath(s['workdir'])}")
-    return
-  print(
-    f"method={s['method']} K={s['num_stages']} final_test_accuracy={100 * s['final_test_accuracy']:.2f}% "
-    f"modeled_speedup_vs_bp={s['modeled_speedup_vs_bp']:.2f} time={s['time']:.1f}s"
-  )
+  print(runlog.pipeline_table([s]))  # the layout of experiments.train's table
   print(f"run files: {os.path.abspath(s['workdir'])}")
 
 

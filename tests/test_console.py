@@ -200,6 +200,31 @@ def test_the_result_table_names_its_time_unit():
   assert both[2].split()[-2:] == ["12.3", "-"] and both[3].split()[-2:] == ["-", "12.3"]
 
 
+def test_the_pipeline_table_has_train_tables_layout():
+  one = {"method": "dsp", "num_stages": 4, "num_batches": 62, "final_test_accuracy": 0.9051, "time": 27.04}
+  rows = [
+    {**one, "modeled_speedup_vs_bp": 1.484},
+    {**one, "num_stages": 2, "iteration_s": 0.00281, "modeled_speedup_vs_bp": float("nan")},
+  ]
+  lines = runlog.pipeline_table(rows).splitlines()
+  assert lines[0].split() == [
+    "method",
+    "stages",
+    "batches",
+    "test_acc",
+    "time_s",
+    "iteration_ms",
+    "modeled_vs_bp",
+  ]
+  assert set(lines[1]) == {"-", " "}
+  assert lines[2].split() == ["dsp", "4", "62", "90.51%", "27.0", "-", "1.48"]
+  assert lines[3].split() == ["dsp", "2", "62", "90.51%", "27.0", "2.8", "-"]
+  assert (
+    runlog.summary_table([{**one, "algorithm": "allreduce", "num_workers": 8, "num_steps": 9}]).count("\n")
+    == 2
+  )
+
+
 def is_progress(line: str) -> bool:
   return "progress.py" in line and "] step " in line
 

@@ -167,6 +167,37 @@ def summary_table(rows: list[dict]) -> str:
     )
     for r, sim in zip(rows, simulated)
   ]
-  widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-  fmt = lambda l: "  ".join(s.ljust(w) for s, w in zip(l, widths))
+  return text_table(lines)
+
+
+def pipeline_table(rows: list[dict]) -> str:
+  """summary_table's layout for pipeline runs: method, stages, batches, test accuracy, time_s, and the
+  measured time per iteration (one process per stage) or the timing model's speedup over BP ('-' when
+  a run has neither)."""
+
+  def fmt(value, spec):
+    return "-" if value is None or value != value else format(value, spec)  # None or NaN
+
+  head = ("method", "stages", "batches", "test_acc", "time_s", "iteration_ms", "modeled_vs_bp")
+  lines = [head]
+  for r in rows:
+    iteration = r.get("iteration_s")
+    lines.append(
+      (
+        r["method"],
+        str(r["num_stages"]),
+        str(r.get("num_batches", "-")),
+        f"{100 * r['final_test_accuracy']:.2f}%",
+        f"{r['time']:.1f}",
+        fmt(None if iteration is None else 1e3 * iteration, ".1f"),
+        fmt(r.get("modeled_speedup_vs_bp"), ".2f"),
+      )
+    )
+  return text_table(lines)
+
+
+def text_table(lines: list) -> str:
+  """Rows of strings (the first is the header) as left-aligned columns under a dashed rule."""
+  widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
+  fmt = lambda l: "  ".join(s.ljust(w) for s, w in zip(l, widths)).rstrip()
   return "\n".join([fmt(lines[0]), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines[1:]])
