@@ -94,7 +94,10 @@ def get_config(arg=None):
   c.runtime.stall_timeout = 40.0  # no worker completes anything for this long: the run is stuck
   c.runtime.checkpoint_every = 80  # a checkpoint marker every this many steps per worker (0: none)
   c.runtime.checkpoint_keep = 3  # markers kept per worker
-  c.runtime.cache_size = 64  # compiled P-Reduce programs kept (one per member set)
+  c.runtime.preduce = "auto"  # P-Reduce: group (one collective per member set, cached) | pairs
+  # (pairwise exchanges: at most num_workers - 1 programs) | auto (pairs when the generator's member sets
+  # per worker exceed cache_size)
+  c.runtime.cache_size = 64  # compiled P-Reduce programs kept with preduce=group (one per member set)
   c.runtime.fail_worker = -1  # fault injection: this worker SIGKILLs itself (-1: none) before its local
   # step fail_step, once its newest checkpoint has committed
   c.runtime.fail_step = 0  # fault injection: the local step before which fail_worker dies

@@ -20,7 +20,7 @@ from ripples_jax.optim import LR_SCHEDULES, OPTIMIZERS
 from ripples_jax.pipeline.tick import MODES, PLACEMENTS
 from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
-from ripples_jax.schedule.online import ADPSGD_PASSIVE, RUNTIME_ALGORITHMS
+from ripples_jax.schedule.online import ADPSGD_PASSIVE, PREDUCE_MODES, RUNTIME_ALGORITHMS
 
 EXECUTORS = ("spmd", "sim", "async")  # a Ripples config's executor (run.EXECUTORS holds them all)
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
@@ -198,6 +198,7 @@ def _check_runtime(config):
   )
   _int_in(config, "runtime.fail_step", 0, 10**9, "an integer >= 0")
   _one_of(config, "runtime.adpsgd_passive", ADPSGD_PASSIVE)
+  _one_of(config, "runtime.preduce", PREDUCE_MODES)
   _number(config, "runtime.step_time", lambda v: v >= 0, "seconds >= 0 (0: no padding)")
   _number(config, "runtime.heartbeat_s", lambda v: v > 0, "seconds > 0")
   _number(config, "runtime.heartbeat_timeout", lambda v: v > 0, "seconds > 0")

@@ -245,6 +245,19 @@ def test_the_passive_wait_figure_counts_only_workers_that_can_wait():
 
 
 @pytest.mark.slow
+def test_bench_preduce_pairs_are_exact_and_bounded(tmp_path):
+  from benchmarks import bench_preduce
+
+  n = 5
+  out = bench_preduce.run(str(tmp_path), num_processes=n, rounds=16, size=1000)
+  for mode in bench_preduce.MODES:
+    assert out[mode]["members_agree_bitwise"] and out[mode]["max_abs_error"] < 1e-6, out
+  assert out["pairs"]["compiles_max"] <= n - 1  # compiled on first use: at most one per partner
+  assert out["pairs_ahead"]["compiles_max"] == n - 1 and out["pairs_ahead"]["compiles_second_half"] == 0
+  assert out["group"]["compiles_max"] > n - 1  # 5 workers in groups of 3 and 2: more member sets than pairs
+
+
+@pytest.mark.slow
 def test_bench_online(tmp_path):
   from benchmarks import bench_online
 

@@ -217,6 +217,28 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
 
 
 @pytest.mark.slow
+def test_pairwise_preduce_replays_through_the_engine_with_bounded_programs(tmp_path):
+  """runtime.preduce=pairs: groups of 3 averaged by pairwise exchanges compute what the engine's group
+  mean computes, with at most n-1 pair programs per worker, compiled before the run."""
+  workdir, n, steps = str(tmp_path / "run"), 4, 24
+  extra = ["--config.runtime.preduce=pairs", "--config.runtime.step_time=0.01"]
+  code, out = launch_bounded(n, run_args(workdir, "ripples_random", n, steps, extra))
+  assert code == 0, out[-3000:]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert summary["preduce"] == "pairs" and all(c <= n - 1 for c in summary["group_compiles"]), summary
+  assert "3 pair programs compiled ahead" in out
+  sizes = {
+    len(e["m"]) for events in trace_lib.load_traces(workdir).values() for e in events if e["k"] == "group"
+  }
+  assert 3 in sizes  # groups of three, not only pairs
+  assert (
+    summary["authority"]["requests"] > 0
+    and summary["authority"]["p99_ms"] >= summary["authority"]["median_ms"]
+  )
+  assert_replay_matches(make_config("ripples_random", n, steps, MODEL), workdir, tmp_path)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["concurrent", "blocking"])
 def test_adpsgd_passive_side_replays_through_the_engine(tmp_path, mode):
   """AD-PSGD as published: the passive worker's averages land while it computes (between a step's

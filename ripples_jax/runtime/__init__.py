@@ -2,7 +2,8 @@
 
 authority  the online Group Generator: one authority thread, per-worker queues in the coordination
            service (schedule/online.py is the protocol, shared with the simulator)
-preduce    P-Reduce between processes over a group's sub-mesh, one cached program per member set
+preduce    P-Reduce between processes: one cached program per member set, or pairwise exchanges
+           (at most n-1 programs per worker)
 coord      heartbeats and the watchdog, through the coordination service
 worker     one process's worker loop, marker checkpoints (per worker, no barrier), eval snapshots
 adpsgd     AD-PSGD: active workers average with a random passive one, served concurrently

@@ -1,14 +1,29 @@
 """P-Reduce between processes: a jitted collective over the sub-mesh of one group's devices.
 
 Each worker process holds its state as one flat buffer D (the authors' P-Reduce flattens every
-variable into one buffer too), replicated over its local devices. A group's members build a global
-(k, D) array over the (k, local devices) mesh of their devices and run psum / k over the worker axis;
-processes outside the group do not take part, so disjoint groups run at the same time (gloo on CPU,
-NCCL on GPU). One compiled program per distinct member set, in a bounded LRU (the authors cache one
-communicator per member set, capped at ~60).
+variable into one buffer too), replicated over its local devices. Processes outside a group do not
+take part, so disjoint groups run at the same time (gloo on CPU, NCCL on GPU). Two ways to average:
+
+- GroupAverager: the group's members build a global (k, D) array over the (k, local devices) mesh of
+  their devices and run psum / k over the worker axis: one collective, but one compiled program (and
+  on CPU one gloo context, on GPU one NCCL communicator) per distinct member set, in a bounded LRU (the
+  authors cache one communicator per member set, capped at ~60). A generator that draws from C(n-1,
+  g-1) member sets per worker (Random, Division, Smart GG at n=16: 105) compiles without end.
+- PairAverager: each member exchanges its buffer with every other member, one pair at a time (an
+  all_gather over the pair's mesh), and averages the k buffers locally in member order. At most n-1
+  pair programs (and contexts) per worker, whatever the groups, so set-up is bounded; the price is
+  k-1 exchanges of D per member instead of one k-way reduction. The pairs run in one global order
+  (sorted (i, j) within the group, groups in the global order of their ids): every member executes a
+  subsequence of it, so the smallest pending pair always has both its members there and no cycle of
+  waits can form. Every member sums the same k buffers in the same order: their means are equal.
+
+`choose` picks one for a run (runtime.preduce=auto: pairs exactly when the generator's member sets per
+worker exceed the cache). docs/design.md 3.9 has the measured costs.
 """
 
 import collections
+import math
+import time
 
 import jax
 import numpy as np
@@ -16,23 +31,61 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ripples_jax.distributed.arrays import LOCAL, WORKER
+from ripples_jax.schedule.online import DYNAMIC
 
 
-class GroupAverager:
+def member_sets_per_worker(config) -> int:
+  """How many distinct groups containing one worker the run's generator can form (an upper bound)."""
+  n = config.num_workers
+  if config.algorithm in DYNAMIC:  # groups of 2 .. group_size (Division and Smart GG form smaller ones)
+    return sum(math.comb(n - 1, s - 1) for s in range(2, config.schedule.group_size + 1))
+  return n  # All-Reduce: one set; Static GG: one per layout, a few
+
+
+def choose(config) -> str:
+  """'group' or 'pairs' for this run."""
+  mode = config.runtime.preduce
+  if mode != "auto":
+    return mode
+  return "pairs" if member_sets_per_worker(config) > config.runtime.cache_size else "group"
+
+
+class _Averager:
+  def __init__(self, local_mesh: Mesh, devices_of: dict):
+    self.local_mesh = local_mesh
+    self.devices_of = devices_of  # worker -> its devices, in local mesh order
+    self.compiles = 0  # programs compiled (each first run also sets up its connection)
+    self.setup_s = 0.0  # seconds in the first call of each program: compile and connection set-up
+
+  def _local(self, out, shape):
+    """A collective's replicated output as a local array on this worker's devices."""
+    return jax.make_array_from_single_device_arrays(
+      shape, NamedSharding(self.local_mesh, P()), [s.data for s in out.addressable_shards]
+    )
+
+  def _timed_first(self, fn, x, first: bool):
+    if not first:
+      return fn(x)
+    t0 = time.perf_counter()
+    out = fn(x)
+    out.block_until_ready()
+    self.setup_s += time.perf_counter() - t0
+    return out
+
+
+class GroupAverager(_Averager):
   """average(members, flat_D) -> the members' mean of flat_D; call it on every member, in one order."""
 
   def __init__(self, local_mesh: Mesh, devices_of: dict, cache_size: int = 64):
-    self.local_mesh = local_mesh
-    self.devices_of = devices_of  # worker -> its devices, in local mesh order
+    super().__init__(local_mesh, devices_of)
     self.cache_size = cache_size
     self.cache = collections.OrderedDict()
-    self.compiles = 0
 
   def _program(self, members: tuple):
     key = members  # the buffer size is the worker's state size, fixed for the run
     if key in self.cache:
       self.cache.move_to_end(key)
-      return self.cache[key]
+      return self.cache[key], False
     mesh = Mesh(np.array([self.devices_of[m] for m in members]), (WORKER, LOCAL))
     k = len(members)
 
@@ -42,20 +95,78 @@ class GroupAverager:
     # check_vma=False: the output is replicated over both axes after the psum (every device holds the
     # same mean), which the varying-axes check cannot see through the reshape.
     fn = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=P(WORKER), out_specs=P(), check_vma=False))
-    in_sharding = NamedSharding(mesh, P(WORKER))
-    self.cache[key] = (fn, in_sharding)
+    self.cache[key] = (fn, NamedSharding(mesh, P(WORKER)))
     self.compiles += 1
     if len(self.cache) > self.cache_size:
       self.cache.popitem(last=False)
-    return self.cache[key]
+    return self.cache[key], True
 
   def average(self, members: tuple, flat_D: jax.Array) -> jax.Array:
     size = flat_D.shape[0]
-    fn, sharding = self._program(tuple(members))
+    (fn, sharding), first = self._program(tuple(members))
     pieces = [s.data[None] for s in flat_D.addressable_shards]  # (1, D) on each local device
     x_kxD = jax.make_array_from_single_device_arrays((len(members), size), sharding, pieces)
-    out_D = fn(x_kxD)
-    # Back to a local array, replicated over this worker's devices only.
-    return jax.make_array_from_single_device_arrays(
-      (size,), NamedSharding(self.local_mesh, P()), [s.data for s in out_D.addressable_shards]
-    )
+    return self._local(self._timed_first(fn, x_kxD, first), (size,))
+
+
+class PairAverager(_Averager):
+  """average(members, flat_D) from pairwise exchanges: at most n-1 programs per worker (module doc)."""
+
+  def __init__(self, local_mesh: Mesh, devices_of: dict, me: int):
+    super().__init__(local_mesh, devices_of)
+    self.me = me
+    self.cache = {}  # the pair (i, j), i < j -> (program, input sharding)
+    self._ran = set()  # programs run at least once (their connection is set up)
+    self._means = {}  # k -> the jitted local mean of k buffers
+    self.precompile_s = 0.0
+
+  def _program(self, pair: tuple, like=None):
+    """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given."""
+    if pair in self.cache:
+      return self.cache[pair], self.cache[pair][0] not in self._ran
+    mesh = Mesh(np.array([self.devices_of[m] for m in pair]), (WORKER, LOCAL))
+    gather = lambda x_1xD: jax.lax.all_gather(x_1xD, WORKER, axis=0, tiled=True)  # (2, D) on both
+    fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(WORKER), out_specs=P(), check_vma=False))
+    sharding = NamedSharding(mesh, P(WORKER))
+    if like is not None:  # compiling needs no peer: only the first run connects (gloo, NCCL)
+      fn = fn.lower(jax.ShapeDtypeStruct((2, *like.shape), like.dtype, sharding=sharding)).compile()
+    self.cache[pair] = (fn, sharding)
+    self.compiles += 1
+    return self.cache[pair], True
+
+  def precompile(self, like) -> float:
+    """Compiles the n-1 pair programs this worker can need, before the run (off its critical path);
+    returns the seconds it took. Their first runs still set up each pair's connection."""
+    t0 = time.perf_counter()
+    for other in self.devices_of:
+      if other != self.me:
+        self._program(tuple(sorted((self.me, other))), like)
+    return time.perf_counter() - t0
+
+  def _mean(self, k: int):
+    if k not in self._means:  # a left-to-right sum in member order: the same on every member
+      self._means[k] = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / k)
+    return self._means[k]
+
+  def average(self, members: tuple, flat_D: jax.Array) -> jax.Array:
+    size, ordered = flat_D.shape[0], sorted(members)
+    pieces = [s.data[None] for s in flat_D.addressable_shards]
+    buffers = {self.me: flat_D}
+    for a in range(len(ordered)):  # the group's pairs in sorted order; this worker's only
+      for b in range(a + 1, len(ordered)):
+        pair = (ordered[a], ordered[b])
+        if self.me not in pair:
+          continue
+        (fn, sharding), first = self._program(pair)
+        x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)
+        both = self._local(self._timed_first(fn, x_2xD, first), (2, size))
+        self._ran.add(fn)
+        other = pair[1] if pair[0] == self.me else pair[0]
+        buffers[other] = both[pair.index(other)]
+    return self._mean(len(ordered))(*(buffers[m] for m in ordered))
+
+
+def make_averager(config, local_mesh: Mesh, devices_of: dict, me: int):
+  if choose(config) == "pairs":
+    return PairAverager(local_mesh, devices_of, me)
+  return GroupAverager(local_mesh, devices_of, config.runtime.cache_size)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ripples_jax import engine
 from ripples_jax.runtime import authority as authority_lib
+from ripples_jax.runtime import preduce as preduce_lib
 from ripples_jax.runtime import trace as trace_lib
 
 
@@ -90,6 +91,13 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
     wait_time=split["wait"],
     comm_time=split["comm"],
     preduce_programs=[ends[w].get("compiles") for w in range(n)],
+    # P-Reduce programs compiled per worker, and the seconds of their first runs (compile, unless
+    # compiled ahead, and connection set-up) over the run's time.
+    group_compiles=[ends[w].get("compiles") for w in range(n)],
+    group_setup_s=[ends[w].get("setup_s") for w in range(n)],
+    group_setup_share=max((ends[w].get("setup_s") or 0.0) for w in range(n)) / end if end else None,
+    preduce=preduce_lib.choose(config),
+    authority={"requests": len(handled), **authority_lib.percentiles(handled)} if handled else None,
     time_to_target=time_to_target,
     target_accuracy=config.target_accuracy,
     step_time=config.runtime.step_time,

@@ -41,7 +41,7 @@ from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.runtime.preduce import GroupAverager
+from ripples_jax.runtime.preduce import make_averager
 from ripples_jax.schedule import make_group_generator, static_layouts
 from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, Cadence, Service, asks_ahead
 from ripples_jax.timeline import slow_at
@@ -109,7 +109,7 @@ class Worker:
     self.grad_fn, self.apply_fn, self.rep, self.batch_sharding = make_step_fns(
       s.model, s.optimizer, self.unravel, self.local_mesh
     )
-    self.averager = GroupAverager(self.local_mesh, self.devices_of, self.rt.cache_size)
+    self.averager = make_averager(config, self.local_mesh, self.devices_of, self.me)
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
     self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
@@ -264,6 +264,11 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   estimate = worker.warm_up()
+  if hasattr(worker.averager, "precompile"):  # pairs: every program this worker can need, before the run
+    like = jax.ShapeDtypeStruct(worker._flat0.shape, worker._flat0.dtype)
+    logging.info(
+      "worker %d: %d pair programs compiled ahead in %.2f s", me, n - 1, worker.averager.precompile(like)
+    )
   with worker.run_log(workdir) as log:
     loop = resume(worker, log, kv, workdir)
     loop.last_step_time = loop.last_step_time or estimate
@@ -305,10 +310,11 @@ def run(config, workdir: str) -> dict:
         authority.stop()
     watchdog.stop()
     logging.info(
-      "worker %d: %d local steps, %d P-Reduce programs compiled",
+      "worker %d: %d local steps, %d P-Reduce programs compiled, %.2f s in their first runs",
       me,
       loop.steps_done,
       worker.averager.compiles,
+      worker.averager.setup_s,
     )
     return result(worker, loop, log, workdir)
 
@@ -364,7 +370,13 @@ def end_of_run(
     log.checkpoint(final, worker.pack(loop), cursor(worker, loop, final, authority_state), force=True)
   np.save(snapshot_path(workdir, "final", worker.me), np.asarray(loop.state["flat"]))
   trace.add(
-    k="end", c=loop.epoch, t=worker.now(), s=loop.steps_done, compiles=worker.averager.compiles, **end
+    k="end",
+    c=loop.epoch,
+    t=worker.now(),
+    s=loop.steps_done,
+    compiles=worker.averager.compiles,
+    setup_s=worker.averager.setup_s,
+    **end,
   )
   trace.flush()
   log.wait()

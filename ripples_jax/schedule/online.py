@@ -43,6 +43,7 @@ DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart")
 FIXED = ("allreduce", "ripples_static")
 RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd",)  # what executor=async runs
 ADPSGD_PASSIVE = ("concurrent", "blocking")  # runtime.adpsgd_passive
+PREDUCE_MODES = ("auto", "group", "pairs")  # runtime.preduce (runtime/preduce.py)
 
 
 def encode(entry: tuple) -> str:
