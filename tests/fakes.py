@@ -20,6 +20,10 @@ class FakeKV:
       self.store[key] = value
       self.cond.notify_all()
 
+  def key_value_delete(self, key):
+    with self.cond:
+      self.store.pop(key, None)
+
   def key_value_dir_get(self, prefix):
     with self.cond:
       return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]

@@ -32,9 +32,19 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
   gg = schedule_lib.make_group_generator(config_for(algorithm, n, group_size), np.random.default_rng(seed))
   t0 = time.perf_counter()
   service = Service(n, gg, Cadence(steps * n, eval_every=3 * n, checkpoint_every=5 * n), estimate=1e-3)
+  made, append = [], service.buffer.append  # every group, though the authority trims its list
+
+  def recording(members, now):
+    g = append(members, now)
+    if g is not None:
+      made.append(g)
+    return g
+
+  service.buffer.append = recording
   authority = Authority(kv, service, lambda: time.perf_counter() - t0, poll_s=0.005).start()
   barriers, lock = {}, threading.Lock()
   executed, done_steps, errors = {w: [] for w in range(n)}, [0] * n, []
+  taken = {w: [] for w in range(n)}  # every entry each worker's queue gave it
   speed = [rng.choice([0.5e-3, 1e-3, 3e-3]) for _ in range(n)]
 
   def worker(w):
@@ -46,8 +56,10 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
         time.sleep(speed[w] * my_rng.uniform(0.2, 3.0))
         done_steps[w] += 1
         entry = feed.next(10.0)
+        taken[w].append(entry)
         while entry[0] == MARK:
           entry = feed.next(10.0)
+          taken[w].append(entry)
         if entry[0] == STOP:
           break
         if entry[0] == GROUP:
@@ -69,31 +81,36 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
   authority.stop()
   assert not any(t.is_alive() for t in threads), "a worker never finished: deadlock"
   assert not errors, errors
-  return service, executed, done_steps
+  return service, executed, done_steps, taken, made, kv
 
 
 @pytest.mark.parametrize("algorithm", DYNAMIC)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_online_protocol_under_random_speeds_and_arrivals(algorithm, seed):
   n, steps = 7, 30
-  service, executed, done = run_threads(algorithm, n, steps, seed)
+  service, executed, done, taken, made, kv = run_threads(algorithm, n, steps, seed)
   assert sum(done) >= steps * n  # STOP came only once the steps were done
   for w in range(n):
-    queue = service.entries[w]
+    queue = taken[w]
     mine = [e[1] for e in queue if e[0] == GROUP]
     assert executed[w] == mine[: len(executed[w])]  # a prefix of its part of the global order
     assert len(executed[w]) <= done[w]  # one group per local step, at most
     assert queue[-1] == (STOP,)
     # every worker's queue holds the markers, in the same order
-    assert [e for e in queue if e[0] == MARK] == [e for e in service.entries[0] if e[0] == MARK]
-  gids = [e[1] for q in service.entries for e in q if e[0] == GROUP]
-  assert sorted(set(gids)) == list(range(len(service.buffer.groups)))  # one global sequence
+    assert [e for e in queue if e[0] == MARK] == [e for e in taken[0] if e[0] == MARK]
+  gids = [e[1] for q in taken.values() for e in q if e[0] == GROUP]
+  assert sorted(set(gids)) == list(range(service.buffer.count)) == [g.gid for g in made]  # one sequence
+  # Bounded: the service kept no posted entry nor dispatched group, and the store holds only the
+  # start reports and each queue's last batch (STOP, never deleted): no request, no read batch.
+  assert all(not e for e in service.entries) and not service.buffer.groups
+  keys = sorted(kv.store)
+  assert len(keys) <= 2 * n and not [k for k in keys if "/req/" in k], keys
   if algorithm == "ripples_division":  # each request's division covers every worker, no singleton
     by_request = {}
-    for g in service.buffer.groups:
+    for g in made:
       by_request.setdefault(g.request, []).extend(g.members)
     assert all(sorted(m) == list(range(n)) for m in by_request.values())
-    assert {len(g.members) for g in service.buffer.groups} == {2, 3}  # 7 into 3s: 3, 2, 2
+    assert {len(g.members) for g in made} == {2, 3}  # 7 into 3s: 3, 2, 2
 
 
 def test_a_request_is_answered_and_a_pending_group_is_taken_first():
@@ -195,7 +212,7 @@ def test_a_request_carries_the_step_time_the_generator_plans_with():
     feed._request(0.0)
     entry = feed.next(10.0)
     assert entry[0] in (GROUP, NONE) and service.estimates[1] == 0.25
-    assert kv.store["ripples/req/1/0"].split()[2] == "0.25"
+    assert "ripples/req/1/0" not in kv.store  # read, then deleted
     assert service.estimates[0] == service.estimates[2] == 1.0
   finally:
     authority.stop()

@@ -454,7 +454,7 @@ def mark(worker: Worker, loop: Loop, log: RunLog, authority, trace, entry, workd
     np.save(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
     return None
   loop.epoch = ident
-  snap = authority.snapshots.get(ident) if authority is not None else None
+  snap = authority.take_snapshot(ident) if authority is not None else None
   log.checkpoint(ident, worker.pack(loop), cursor(worker, loop, ident, snap), force=True)
   trace.flush()
   return ident

@@ -31,7 +31,8 @@ class GroupBuffer:
 
   def __init__(self, num_workers: int):
     self.n = num_workers
-    self.groups: list[Group] = []
+    self.groups: list[Group] = []  # the groups since `first` (forget() drops the dispatched ones)
+    self.first = 0  # the gid of groups[0]
     self.queues: list[list[Group]] = [[] for _ in range(num_workers)]
     self.conflicts = np.zeros(num_workers, np.int64)  # groups created while the worker had one pending
     self.requests = 0
@@ -41,7 +42,7 @@ class GroupBuffer:
     members = tuple(sorted(int(m) for m in members))
     if len(members) < 2:
       return None  # a group of one is a no-op
-    g = Group(len(self.groups), members, now, self.requests)
+    g = Group(self.first + len(self.groups), members, now, self.requests)
     self.groups.append(g)
     for m in members:
       if self.queues[m]:
@@ -59,6 +60,16 @@ class GroupBuffer:
 
   def pending(self, worker: int) -> bool:
     return bool(self.queues[worker])
+
+  @property
+  def count(self) -> int:
+    """Groups ever appended."""
+    return self.first + len(self.groups)
+
+  def forget(self) -> None:
+    """Drops the global list (a long-running service's memory); the per-worker pending queues stay."""
+    self.first += len(self.groups)
+    self.groups = []
 
 
 @dataclasses.dataclass

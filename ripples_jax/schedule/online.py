@@ -89,7 +89,8 @@ class Service:
     self.gg = gg
     self.cadence = cadence
     self.buffer = GroupBuffer(n)
-    self.entries = [[] for _ in range(n)]  # every entry ever appended to each queue, in order
+    self.entries = [[] for _ in range(n)]  # each queue's entries from index base[w] on, in order
+    self.base = [0] * n  # entries before this index of each queue were trimmed (trim())
     self.started_at = np.zeros(n)  # when each worker last reported starting a step
     self.estimates = np.full(n, float(estimate))  # each worker's newest measured step time
     self.steps = np.zeros(n, np.int64)  # steps each worker has started (its reports)
@@ -115,7 +116,7 @@ class Service:
     whether anything was generated for it."""
     if step_time > 0:  # what Smart GG plans with: the request's own, however late the report comes
       self.estimates[worker] = step_time
-    if want < len(self.entries[worker]):
+    if want < self.appended(worker):
       return False  # something was appended while the request travelled: the worker takes that
     self.buffer.requests += 1
     self.view.now = now
@@ -125,9 +126,21 @@ class Service:
     for g in self.buffer.groups[before:]:
       for m in g.members:
         self.entries[m].append((GROUP, self.gid0 + g.gid, g.members))
-    if want >= len(self.entries[worker]):
+    if want >= self.appended(worker):
       self.entries[worker].append((NONE,))
     return True
+
+  def appended(self, worker: int) -> int:
+    """Entries ever appended to the worker's queue."""
+    return self.base[worker] + len(self.entries[worker])
+
+  def trim(self, upto) -> None:
+    """Forgets each queue's entries before index upto[w] (the authority has posted them) and the Group
+    Buffer's global list: a long run's state stays bounded. The simulator never trims."""
+    for w, u in enumerate(upto):
+      del self.entries[w][: u - self.base[w]]
+      self.base[w] = u
+    self.buffer.forget()
 
   def tick(self) -> list:
     """Markers and STOP due by the steps reported so far; returns the (kind, id) markers inserted."""
@@ -158,7 +171,7 @@ class Service:
   def state(self) -> dict:
     """What a resumed authority needs (JSON): the sequence numbers, markers, steps, generator state."""
     return {
-      "gid": self.gid0 + len(self.buffer.groups),
+      "gid": self.gid0 + self.buffer.count,
       "marks": dict(self.marks),
       "steps": self.steps.tolist(),
       "estimates": self.estimates.tolist(),

@@ -1,0 +1,112 @@
+r"""The runtime at 16 and 32 processes: group set-up, and Ripples against All-Reduce, side by side.
+
+  python -m benchmarks.bench_scale --json_out=results/scale/scale.json
+
+Every row is a real run of experiments.train under the local launcher (MLP on MNIST-1D, every step padded
+to --step_time so that the processes leave this machine's cores unsaturated: each row reports its CPU
+use, the children's CPU seconds over wall seconds x cores). Parts (--parts):
+  setup      Random GG and Smart GG at 16 and 32 processes, homogeneous: P-Reduce programs compiled per
+             worker (runtime.preduce=auto picks pairs there: n-1 programs, all compiled before the run),
+             and the seconds of their first runs (connection set-up) as a share of the run's time.
+  straggler  16 processes, worker 3 5x slower: Smart GG over All-Reduce (the limit is 4.75: All-Reduce
+             runs at the slow worker's pace, Smart GG at (15 + 1/5) / 16 of full speed); homogeneous:
+             Static GG and Group Division over All-Reduce.
+Throughput is summary.json's window_throughput (worker steps per second while every worker runs).
+"""
+
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+from benchmarks.bench_online import run_one
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("out", "/tmp/bench_scale", "Every run's folder goes here.")
+  flags.DEFINE_string("json_out", "", "Also write the figures here.")
+  flags.DEFINE_float("step_time", 0.5, "Seconds every step is padded to.")
+  flags.DEFINE_integer("steps", 100, "Steps per worker (All-Reduce with the straggler: ar_steps).")
+  flags.DEFINE_integer("ar_steps", 24, "All-Reduce's steps when the straggler sets its pace.")
+  flags.DEFINE_list("parts", ["setup", "straggler"], "Parts to run.")
+  flags.DEFINE_list("sizes", ["16", "32"], "Process counts of the setup part.")
+
+
+def measured(out_dir, name, n, algorithm, steps, step_time, extra=()) -> dict:
+  """One run, with its CPU use (children's CPU seconds over wall seconds x cores)."""
+  import time
+
+  before, t0 = os.times(), time.monotonic()
+  r = run_one(out_dir, name, n, algorithm, steps, step_time, extra)
+  after, wall = os.times(), time.monotonic() - t0
+  cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+  r["cpu_use"] = cpu / (wall * (os.cpu_count() or 1))
+  r["launch_wall_s"] = wall
+  return r
+
+
+def setup_row(r, n) -> dict:
+  return {
+    "preduce": r.get("preduce"),
+    "group_compiles_max": max(r["group_compiles"]),
+    "group_setup_share": r["group_setup_share"],
+    "group_setup_s_max": max(r["group_setup_s"]),
+    "time_s": r["time"],
+    "throughput": r["window_throughput"],
+    "cpu_use": r["cpu_use"],
+    "authority": r.get("authority"),
+    "bound": n - 1,
+  }
+
+
+def run(out_dir, parts, sizes, step_time, steps, ar_steps) -> dict:
+  out = {"step_time": step_time, "steps": steps, "cores": os.cpu_count()}
+  if "setup" in parts:
+    out["setup"] = {}
+    for n in sizes:
+      for algorithm in ("ripples_random", "ripples_smart"):
+        r = measured(out_dir, f"setup{n}", n, algorithm, steps, step_time)
+        out["setup"][f"{n}/{algorithm}"] = setup_row(r, n)
+  if "straggler" in parts:
+    n, rows = 16, {}
+    slow = ["--config.hetero.slow_workers=(3,)", "--config.hetero.slowdown=5"]
+    ar5 = measured(out_dir, "slow5", n, "allreduce", ar_steps, step_time, slow)
+    smart5 = measured(out_dir, "slow5", n, "ripples_smart", steps, step_time, slow)
+    limit = (n - 1 + 1 / 5) / n * 5  # Smart GG's rate (15 full + 1 at 1/5) over All-Reduce's (16 at 1/5)
+    rows["slow5/ripples_smart"] = {
+      "ratio": smart5["window_throughput"] / ar5["window_throughput"],
+      "limit": limit,
+      "cpu_use": [ar5["cpu_use"], smart5["cpu_use"]],
+    }
+    rows["slow5/ripples_smart"]["of_limit"] = rows["slow5/ripples_smart"]["ratio"] / limit
+    ar = measured(out_dir, "homogeneous", n, "allreduce", steps, step_time)
+    for algorithm in ("ripples_static", "ripples_division"):
+      r = measured(out_dir, "homogeneous", n, algorithm, steps, step_time)
+      rows[f"homogeneous/{algorithm}"] = {
+        "ratio": r["window_throughput"] / ar["window_throughput"],
+        "cpu_use": [ar["cpu_use"], r["cpu_use"]],
+        "group_compiles_max": max(r["group_compiles"]),
+      }
+    out["straggler"] = rows
+  return out
+
+
+def main(argv):
+  del argv
+  result = run(
+    FLAGS.out, FLAGS.parts, [int(s) for s in FLAGS.sizes], FLAGS.step_time, FLAGS.steps, FLAGS.ar_steps
+  )
+  text = json.dumps(result, indent=1, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o))
+  print(text)
+  if FLAGS.json_out:
+    os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
+    with open(FLAGS.json_out, "w") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
