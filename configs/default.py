@@ -58,7 +58,8 @@ def get_config(arg=None):
   c.schedule.group_size = min(3, arg.num_workers)  # Random GG, Group Division, Smart GG
   c.schedule.smart_tolerance = 0.5  # Smart GG: sync with workers ready within this x own step time
   c.schedule.smart_max_gap = 4  # Smart GG: at most this many skipped syncs in a row
-  c.schedule.request_ahead = True  # online GG: request the next group when a step starts (overlap)
+  c.schedule.request_ahead = True  # online GG: request the next group when a step starts (Random,
+  # Division), or one measured round trip before it ends (Smart GG, in the runtime)
   c.preduce_impl = "auto"  # auto | collective (one worker per device) | segment
 
   # executor=sim and async: heterogeneity and the clock (docs/design.md 3.5, 3.1; async plans with the clock).

@@ -7,11 +7,20 @@ import os
 class FakeKV:
   """The coordination service's key-value store, in memory, thread-safe, with blocking gets."""
 
-  def __init__(self):
+  def __init__(self, processes: int = 1):
     import threading
 
     self.store = {}
     self.cond = threading.Condition()
+    self.processes, self.barriers = processes, {}
+
+  def wait_at_barrier(self, name, timeout_ms):
+    """Every one of `processes` threads calls it once per name."""
+    import threading
+
+    with self.cond:
+      barrier = self.barriers.setdefault(name, threading.Barrier(self.processes))
+    barrier.wait(timeout_ms / 1000)
 
   def key_value_set(self, key, value, allow_overwrite=False):
     with self.cond:

@@ -216,3 +216,35 @@ def test_a_request_carries_the_step_time_the_generator_plans_with():
     assert service.estimates[0] == service.estimates[2] == 1.0
   finally:
     authority.stop()
+
+
+def test_a_smart_gg_feed_asks_one_round_trip_before_its_step_ends():
+  """Smart GG plans with who is ready when, so it is asked at the end of a step; with `lead` the
+  request leaves one measured round trip (p90 + 2 ms) before that, and says when the step will end."""
+  for lead in (True, False):
+    kv = FakeKV()
+    feed = Feed(kv, 0, lambda: 0.0, ahead=False, lead=lead)
+    feed.rtts = [0.010] * 5  # measured round trips: the lead is 12 ms
+    t0 = time.perf_counter()
+    feed.report(1, 5.0, 0.2, -1)  # a step started at run time 5.0; the last one took 0.2 s
+    deadline = t0 + 0.5
+    while "ripples/req/0/0" not in kv.store and time.perf_counter() < deadline:
+      time.sleep(0.002)
+    sent = time.perf_counter() - t0
+    if lead:
+      assert 0.17 < sent < 0.25, sent
+      assert kv.store["ripples/req/0/0"].split()[:2] == ["0", "5.2"]
+    else:
+      assert "ripples/req/0/0" not in kv.store  # no lead: asked only when the step has ended
+    feed.close()
+  # A step that ends before its lead request went asks at once, once.
+  kv = FakeKV()
+  feed = Feed(kv, 0, lambda: 1.0, ahead=False, lead=True)
+  feed.rtts = [0.010] * 5
+  feed.report(1, 0.0, 0.3, -1)
+  kv.key_value_set("ripples/q/0/0", "N")  # an answer is there already (someone else's request)
+  time.sleep(0.05)  # fetched into the local queue
+  assert feed.next(1.0) == (NONE,)
+  time.sleep(0.35)
+  assert not [k for k in kv.store if "/req/" in k]  # the timer was cancelled: no stray request
+  feed.close()

@@ -43,3 +43,31 @@ def test_one_entry_per_local_step_however_many_are_queued(monkeypatch):
   assert loop.syncs == 4 and loop.last_gid == 2
   resumed, _ = run([g[0], g[1], (STOP,)], resumed=True, monkeypatch=monkeypatch)
   assert resumed == [(0, 1), "step", (0, 2), "step"]  # a resumed worker takes its entry first
+
+
+def test_resumed_workers_share_one_clock():
+  """Each worker saved its marker at its own run time (here 10.0 .. 10.3 s); after the start barrier
+  every worker's clock reads the latest of them, so Smart GG and the moving straggler compare equal
+  clocks. A fresh run starts every clock at 0."""
+  import threading
+  import time
+
+  from tests.fakes import FakeKV
+
+  for saved, expect in (([10.0, 10.1, 10.3], 10.3), ([0.0, 0.0, 0.0], 0.0)):
+    kv, starts = FakeKV(processes=3), {}
+    epoch = 4 if expect else 0
+
+    def worker(w, saved=saved, kv=kv, epoch=epoch, starts=starts):
+      time.sleep(0.05 * w)  # they reach the barrier at different moments
+      starts[w] = worker_lib.start_clock(kv, w, 3, epoch, saved[w], 5000)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(10)
+    now = time.perf_counter()
+    clocks = [now - starts[w] for w in range(3)]
+    assert max(clocks) - min(clocks) < 0.02, clocks  # one clock, up to the barrier's release
+    assert abs(min(clocks) - expect) < 0.5, (clocks, expect)

@@ -235,7 +235,8 @@ def make_feed(worker: Worker, loop: Loop, kv):
   """The queue this worker reads: the authority's (dynamic generators) or the fixed schedule's."""
   c, me = worker.config, worker.me
   if c.algorithm in DYNAMIC:
-    return authority_lib.Feed(kv, me, worker.now, asks_ahead(c))
+    ahead = asks_ahead(c)  # Random GG, Group Division: at a step's start; Smart GG: just before its end
+    return authority_lib.Feed(kv, me, worker.now, ahead, lead=bool(c.schedule.request_ahead) and not ahead)
   layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
   point = loop.syncs if loop.resumed_at is not None else 0
   return authority_lib.LocalFeed(
@@ -278,8 +279,7 @@ def run(config, workdir: str) -> dict:
       workdir, me, keep_before_epoch=loop.epoch if loop.resumed_at is not None else None
     )
     progress, watchdog = watch(kv, me, n, rt, sigterm, steps=loop.steps_done)
-    kv.wait_at_barrier(f"{coord.PREFIX}/start/{loop.epoch}", int(rt.stall_timeout * 1000))
-    worker.t_start = time.perf_counter() - loop.time
+    worker.t_start = start_clock(kv, me, n, loop.epoch, loop.time, int(rt.stall_timeout * 1000))
     authority = (
       make_authority(worker, loop, kv, estimate).start() if me == 0 and config.algorithm in DYNAMIC else None
     )
@@ -317,6 +317,23 @@ def run(config, workdir: str) -> dict:
       worker.averager.setup_s,
     )
     return result(worker, loop, log, workdir)
+
+
+def start_clock(kv, me: int, n: int, epoch: int, own_time: float, timeout_ms: int) -> float:
+  """The start barrier, and the perf_counter value at which the run's clock reads 0 on this worker.
+
+  A resumed worker saved its marker at its own moment, so the workers' saved run times differ (by up
+  to a slow step). Smart GG and the moving straggler compare the workers' times, so every worker
+  resumes the one clock: the latest saved time, at the barrier's release."""
+  key, fresh = f"{coord.PREFIX}/clock/{epoch}", epoch == 0 and own_time == 0.0  # fresh: all or none
+  if not fresh:
+    kv.key_value_set(f"{key}/{me}", repr(float(own_time)), allow_overwrite=True)
+  kv.wait_at_barrier(f"{coord.PREFIX}/start/{epoch}", timeout_ms)
+  released = time.perf_counter()  # the same instant on every worker, up to the barrier's release skew
+  if fresh:  # every clock starts at 0
+    return released
+  times = [float(kv.blocking_key_value_get(f"{key}/{w}", timeout_ms)) for w in range(n)]
+  return released - max(times)
 
 
 def watch(kv, me: int, n: int, rt, sigterm, steps: int = 0):
