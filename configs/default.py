@@ -76,6 +76,9 @@ def get_config(arg=None):
   c.timeline.ps_bandwidth = 1.25e9  # the parameter server's link
   c.timeline.model_bytes = 0.0  # 0: the model's real float32 bytes
   c.timeline.request_rtt = 0.0  # seconds a request to the Group Generator takes to be answered
+  c.timeline.authority_service = 0.0  # seconds of the authority's work per request (one FIFO server)
+  c.timeline.group_setup = 0.0  # seconds a group pays the first time it meets a member set / pair
+  c.timeline.setup_unit = "group"  # group (runtime.preduce=group) | pair (runtime.preduce=pairs)
   c.timeline.adpsgd_serial = (
     True  # AD-PSGD (timeline.AdpsgdCost): a passive worker serves one average at a time
   )

@@ -257,6 +257,9 @@ def _check_schedule(config, n):
     _number(config, "hetero.jitter", lambda v: v >= 0, "a lognormal sigma >= 0")
     _number(config, "hetero.rotate_every", lambda v: v >= 0, "seconds >= 0 (0: the slow workers stay)")
     _number(config, "timeline.request_rtt", lambda v: v >= 0, "seconds >= 0")
+    _number(config, "timeline.authority_service", lambda v: v >= 0, "seconds >= 0")
+    _number(config, "timeline.group_setup", lambda v: v >= 0, "seconds >= 0")
+    _one_of(config, "timeline.setup_unit", ("group", "pair"))
     _number(config, "timeline.adpsgd_fixed_cost", lambda v: v >= 0, "seconds >= 0")
     for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
       _bool(config, f"timeline.{key}")

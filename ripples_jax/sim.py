@@ -141,6 +141,9 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
     config.timeline.request_rtt,
     config.schedule.request_ahead,
     adpsgd_cost(config),
+    timeline.AuthorityCost(
+      config.timeline.authority_service, config.timeline.group_setup, config.timeline.setup_unit
+    ),
   )
   logging.info(
     "%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, %.0f model bytes",

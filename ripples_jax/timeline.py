@@ -17,6 +17,7 @@ Events are tuples (time, kind, a, b):
 
 import dataclasses
 import heapq
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -139,12 +140,14 @@ def simulate(
   rtt: float = 0.0,
   ahead: bool = True,
   adpsgd_cost: "AdpsgdCost | None" = None,
+  server: "AuthorityCost | None" = None,
 ) -> Trace:
   """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out.
 
   `rtt`: seconds a request to the Group Generator takes to be answered (the online protocol); `ahead`:
   a worker requests its next group when its step starts (schedule.request_ahead); `adpsgd_cost`: the
-  AD-PSGD cost model's parts (AdpsgdCost; default: as published)."""
+  AD-PSGD cost model's parts (AdpsgdCost; default: as published); `server`: what the runtime's
+  authority and group set-up cost (AuthorityCost; default: nothing)."""
   budget = time_budget or float("inf")
   if algorithm in SYNC_ALGORITHMS:
     return _simulate_sync(algorithm, speed, net, total_steps, budget)
@@ -154,8 +157,24 @@ def simulate(
   elif algorithm == "ps_async":
     _ps_async(clock, net)
   else:
-    _group_buffer(clock, net, gg, rtt, ahead and getattr(gg, "ask_ahead", False))
+    _group_buffer(clock, net, gg, rtt, ahead and getattr(gg, "ask_ahead", False), server or AuthorityCost())
   return clock.finish()
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthorityCost:
+  """What the runtime pays for the Group Generator and for groups, beyond the round trip:
+    service     seconds of the authority's work per request; it is one server (requests queue, FIFO),
+                so a busy authority delays answers (measured: benchmarks.bench_authority, busy_s /
+                requests)
+    setup       seconds a group pays the first time it meets a member set (setup_unit=group: its
+                members; pair: each pair of them, runtime.preduce=pairs), the P-Reduce program's first
+                run (measured: summary.json's group_setup_s / group_compiles)
+  Zero (the default) charges nothing, as before."""
+
+  service: float = 0.0
+  setup: float = 0.0
+  setup_unit: str = "group"
 
 
 def _simulate_sync(algorithm, speed, net, total_steps, budget) -> Trace:
@@ -257,7 +276,9 @@ class _Clock:
     return self.trace
 
 
-def _group_buffer(clock: _Clock, net: Network, gg, rtt: float, ahead: bool = True) -> None:
+def _group_buffer(
+  clock: _Clock, net: Network, gg, rtt: float, ahead: bool = True, server: AuthorityCost = AuthorityCost()
+) -> None:
   """Ripples as the online protocol (schedule/online.py): per local step a worker takes the head of
   its queue; with an empty queue it asks the Group Generator, whose answer arrives `rtt` seconds after
   the request (handled at its midpoint). With `ahead` (generators whose groups do not depend on when
@@ -274,6 +295,8 @@ def _group_buffer(clock: _Clock, net: Network, gg, rtt: float, ahead: bool = Tru
   blocked = [None] * n  # since when a worker waits for its answer
   groups = {}  # gid -> [members, arrived set, arrival times]
   clock.trace.buffer = service.buffer if service else None
+  busy_until = [0.0]  # the authority serves one request at a time
+  met = set()  # member sets (or pairs) whose set-up has been paid
 
   def start(w):
     if service is not None:  # what a worker's start report tells the generator (instant here)
@@ -285,7 +308,21 @@ def _group_buffer(clock: _Clock, net: Network, gg, rtt: float, ahead: bool = Tru
 
   def ask(w, ready_at):
     asked[w] = pos[w]
-    clock.at(clock.now + rtt / 2, handle, w, pos[w], ready_at)
+    if server.service:
+      clock.at(clock.now + rtt / 2, queue_at_authority, w, pos[w], ready_at)
+    else:
+      clock.at(clock.now + rtt / 2, handle, w, pos[w], ready_at)
+
+  def queue_at_authority(w, want, ready_at):  # FIFO: served once the requests before it are
+    begin = max(clock.now, busy_until[0])
+    busy_until[0] = begin + server.service
+    clock.at(busy_until[0], handle, w, want, ready_at)
+
+  def setup_cost(members) -> float:
+    units = [tuple(members)] if server.setup_unit == "group" else list(itertools.combinations(members, 2))
+    new = [u for u in units if u not in met]
+    met.update(new)
+    return server.setup * len(new)
 
   def on_finish(w):
     clock.applied(w, w)
@@ -326,7 +363,7 @@ def _group_buffer(clock: _Clock, net: Network, gg, rtt: float, ahead: bool = Tru
     g[1].add(w)
     g[2][w] = clock.now
     if len(g[1]) == len(members):
-      d = net.allreduce(len(members))
+      d = net.allreduce(len(members)) + (setup_cost(members) if server.setup else 0.0)
       for m in members:
         clock.interval(m, WAIT, g[2][m], clock.now)
         clock.interval(m, COMM, clock.now, clock.now + d)

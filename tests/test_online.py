@@ -248,3 +248,35 @@ def test_a_smart_gg_feed_asks_one_round_trip_before_its_step_ends():
   time.sleep(0.35)
   assert not [k for k in kv.store if "/req/" in k]  # the timer was cancelled: no stray request
   feed.close()
+
+
+def simulated(algorithm, n=8, steps=2000, cost=None, budget=0.0):
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
+  config.schedule.workers_per_node = n  # Static GG: one group of every worker
+  speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
+  gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
+  return timeline.simulate(algorithm, speed, net, steps, time_budget=budget, gg=gg, server=cost)
+
+
+def test_the_simulated_authority_is_one_fifo_server():
+  """With a service time per request the authority serves at most 1 / service requests a second, and
+  answers late once requests queue; at zero it costs nothing (the run is the same one)."""
+  free = simulated("ripples_random")
+  same = simulated("ripples_random", cost=timeline.AuthorityCost())
+  assert free.end_time == same.end_time and np.array_equal(free.worker_steps, same.worker_steps)
+  busy = simulated("ripples_random", cost=timeline.AuthorityCost(service=0.02))
+  assert busy.requests <= busy.end_time / 0.02 + 1  # one server
+  assert busy.end_time > 1.2 * free.end_time  # ~125 requests a second asked, 50 served: it saturates
+  light = simulated("ripples_random", cost=timeline.AuthorityCost(service=1e-5))
+  assert light.end_time < 1.01 * free.end_time
+
+
+def test_group_set_up_is_paid_once_per_member_set_or_pair():
+  """Static GG with one group of all 4 workers meets one member set: 1 s of set-up once; counted by
+  pairs, 6 of them."""
+  base = simulated("ripples_static", n=4, steps=400)
+  once = simulated("ripples_static", n=4, steps=400, cost=timeline.AuthorityCost(setup=1.0))
+  by_pair = timeline.AuthorityCost(setup=1.0, setup_unit="pair")
+  pairs = simulated("ripples_static", n=4, steps=400, cost=by_pair)
+  assert once.end_time - base.end_time == pytest.approx(1.0)
+  assert pairs.end_time - base.end_time == pytest.approx(6.0)
