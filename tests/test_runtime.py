@@ -226,7 +226,8 @@ def test_pairwise_preduce_replays_through_the_engine_with_bounded_programs(tmp_p
   assert code == 0, out[-3000:]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert summary["preduce"] == "pairs" and all(c <= n - 1 for c in summary["group_compiles"]), summary
-  assert "3 pair programs compiled ahead" in out
+  assert "3 pair programs compiled ahead" in out and "connected in" in out
+  assert all(s == 0.0 for s in summary["group_setup_s"])  # compiled and connected before the run
   sizes = {
     len(e["m"]) for events in trace_lib.load_traces(workdir).values() for e in events if e["k"] == "group"
   }

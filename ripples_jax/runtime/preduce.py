@@ -55,7 +55,8 @@ class _Averager:
     self.local_mesh = local_mesh
     self.devices_of = devices_of  # worker -> its devices, in local mesh order
     self.compiles = 0  # programs compiled (each first run also sets up its connection)
-    self.setup_s = 0.0  # seconds in the first call of each program: compile and connection set-up
+    self.setup_s = 0.0  # seconds in the first call of each program in the run: compile and connection
+    self.ahead_s = 0.0  # seconds compiling and connecting before the run (PairAverager)
 
   def _local(self, out, shape):
     """A collective's replicated output as a local array on this worker's devices."""
@@ -134,6 +135,26 @@ class PairAverager(_Averager):
     self.compiles += 1
     return self.cache[pair], True
 
+  def connect_all(self, flat_D: jax.Array) -> float:
+    """Runs every pair program once, before the run, so that no group pays a pair's connection set-up
+    (gloo's context, NCCL's communicator) inside the run. Every process must call it: the pairs go in
+    the n-1 rounds of a round-robin tournament (round_robin), each round a set of disjoint pairs, so
+    every worker meets its partners in one global order and no cycle of waits can form. Returns the
+    seconds it took."""
+    t0 = time.perf_counter()
+    size, me = flat_D.shape[0], self.me
+    pieces = [s.data[None] for s in flat_D.addressable_shards]
+    for pairs in round_robin(len(self.devices_of)):
+      pair = next((p for p in pairs if me in p), None)
+      if pair is None:  # an odd count: this worker sits this round out
+        continue
+      (fn, sharding), _ = self._program(pair)
+      x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)
+      fn(x_2xD).block_until_ready()
+      self._ran.add(fn)
+    self.ahead_s += time.perf_counter() - t0
+    return time.perf_counter() - t0
+
   def precompile(self, like) -> float:
     """Compiles the n-1 pair programs this worker can need, before the run (off its critical path);
     returns the seconds it took. Their first runs still set up each pair's connection."""
@@ -141,6 +162,7 @@ class PairAverager(_Averager):
     for other in self.devices_of:
       if other != self.me:
         self._program(tuple(sorted((self.me, other))), like)
+    self.ahead_s += time.perf_counter() - t0
     return time.perf_counter() - t0
 
   def _mean(self, k: int):
@@ -164,6 +186,17 @@ class PairAverager(_Averager):
         other = pair[1] if pair[0] == self.me else pair[0]
         buffers[other] = both[pair.index(other)]
     return self._mean(len(ordered))(*(buffers[m] for m in ordered))
+
+
+def round_robin(n: int) -> list:
+  """The circle method: n-1 rounds (n rounds for odd n) of disjoint pairs (i, j), i < j, in which every
+  pair of range(n) meets exactly once."""
+  m = n + n % 2  # odd n: a phantom worker m-1, whose partner sits the round out
+  rounds = []
+  for r in range(m - 1):
+    pairs = [(r, m - 1)] + [((r + k) % (m - 1), (r - k) % (m - 1)) for k in range(1, m // 2)]
+    rounds.append([tuple(sorted(p)) for p in pairs if max(p) < n])
+  return rounds
 
 
 def make_averager(config, local_mesh: Mesh, devices_of: dict, me: int):

@@ -95,6 +95,7 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
     # compiled ahead, and connection set-up) over the run's time.
     group_compiles=[ends[w].get("compiles") for w in range(n)],
     group_setup_s=[ends[w].get("setup_s") for w in range(n)],
+    group_ahead_s=[ends[w].get("ahead_s") for w in range(n)],  # compiled and connected before the run
     group_setup_share=max((ends[w].get("setup_s") or 0.0) for w in range(n)) / end if end else None,
     preduce=preduce_lib.choose(config),
     authority={"requests": len(handled), **authority_lib.percentiles(handled)} if handled else None,

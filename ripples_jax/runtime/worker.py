@@ -265,10 +265,16 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   estimate = worker.warm_up()
-  if hasattr(worker.averager, "precompile"):  # pairs: every program this worker can need, before the run
+  if hasattr(worker.averager, "precompile"):  # pairs: every program and connection, before the run
     like = jax.ShapeDtypeStruct(worker._flat0.shape, worker._flat0.dtype)
+    compiled = worker.averager.precompile(like)
+    connected = worker.averager.connect_all(worker.fresh()["flat"])
     logging.info(
-      "worker %d: %d pair programs compiled ahead in %.2f s", me, n - 1, worker.averager.precompile(like)
+      "worker %d: %d pair programs compiled ahead in %.2f s, connected in %.2f s",
+      me,
+      n - 1,
+      compiled,
+      connected,
     )
   with worker.run_log(workdir) as log:
     loop = resume(worker, log, kv, workdir)
@@ -393,6 +399,7 @@ def end_of_run(
     s=loop.steps_done,
     compiles=worker.averager.compiles,
     setup_s=worker.averager.setup_s,
+    ahead_s=worker.averager.ahead_s,
     **end,
   )
   trace.flush()
