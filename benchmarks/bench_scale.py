@@ -11,6 +11,8 @@ use, the children's CPU seconds over wall seconds x cores). Parts (--parts):
   straggler  16 processes, worker 3 5x slower: Smart GG over All-Reduce (the limit is 4.75: All-Reduce
              runs at the slow worker's pace, Smart GG at (15 + 1/5) / 16 of full speed); homogeneous:
              Static GG and Group Division over All-Reduce.
+  predict    8 and 16 processes, All-Reduce and Smart GG, homogeneous and with worker 3 5x slower: the
+             simulator's throughput fed with each run's measured costs (predicted) against the run's.
 Throughput is summary.json's window_throughput (worker steps per second while every worker runs).
 """
 
@@ -31,7 +33,7 @@ def define_flags() -> None:
   flags.DEFINE_float("step_time", 0.5, "Seconds every step is padded to.")
   flags.DEFINE_integer("steps", 100, "Steps per worker (All-Reduce with the straggler: ar_steps).")
   flags.DEFINE_integer("ar_steps", 24, "All-Reduce's steps when the straggler sets its pace.")
-  flags.DEFINE_list("parts", ["setup", "straggler"], "Parts to run.")
+  flags.DEFINE_list("parts", ["setup", "straggler", "predict"], "Parts to run.")
   flags.DEFINE_list("sizes", ["16", "32"], "Process counts of the setup part.")
 
 
@@ -59,6 +61,54 @@ def setup_row(r, n) -> dict:
     "cpu_use": r["cpu_use"],
     "authority": r.get("authority"),
     "bound": n - 1,
+  }
+
+
+def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=()) -> dict:
+  """The simulator's throughput for a run, fed with what that run measured: its unslowed step time and
+  jitter, request round trip, the authority's service time per request (busy seconds / requests; its
+  queueing is the simulator's), and the group time as a ring latency (bench_online.fit_alpha). Set-up
+  is not charged: the pairs are compiled and connected before the run (its group_setup_s is 0)."""
+  from benchmarks.bench_online import fit_alpha
+  from configs import default as default_config
+  from ripples_jax import schedule as schedule_lib
+  from ripples_jax import sim, timeline
+
+  slow_ids = set(slow)
+  t = np.array(
+    [
+      e["t1"] - e["t0"]
+      for w, ev in r["traces"].items()
+      for e in ev
+      if e["k"] == "step" and int(w) not in slow_ids
+    ]
+  )
+  base, jitter = float(np.median(t)), float(np.std(np.log(t)))
+  rtt = (r.get("request_rtt") or {}).get("median_ms") or 0.0
+  authority = r.get("authority") or {}
+  service = authority.get("busy_s", 0.0) / authority["requests"] if authority.get("requests") else 0.0
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
+  config.hetero.slow_workers, config.hetero.slowdown, config.hetero.jitter = tuple(slow), slowdown, jitter
+  config.schedule.workers_per_node = max(1, n // 2)
+  config.timeline.alpha = fit_alpha([r])
+  speed, net = sim.build_clock(config, model_bytes=0.0, base_time=base)
+  gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
+  cost = timeline.AuthorityCost(service=service)
+  trace = timeline.simulate(
+    algorithm, speed, net, 4000 * n, time_budget=120.0, gg=gg, rtt=rtt / 1e3, server=cost
+  )
+  throughput = trace.worker_steps.sum() / trace.end_time
+  return {
+    "measured": r["window_throughput"],
+    "predicted": float(throughput),
+    "error": float(throughput / r["window_throughput"] - 1),
+    "fed": {
+      "base_s": base,
+      "jitter": jitter,
+      "rtt_ms": rtt,
+      "service_ms": 1e3 * service,
+      "alpha_s": config.timeline.alpha,
+    },
   }
 
 
@@ -91,6 +141,19 @@ def run(out_dir, parts, sizes, step_time, steps, ar_steps) -> dict:
         "group_compiles_max": max(r["group_compiles"]),
       }
     out["straggler"] = rows
+  if "predict" in parts:
+    rows, slow = {}, ["--config.hetero.slow_workers=(3,)", "--config.hetero.slowdown=5"]
+    for n in (8, 16):
+      for name, algorithm, extra, k, s in (
+        ("homogeneous", "allreduce", (), steps, 1.0),
+        ("homogeneous", "ripples_smart", (), steps, 1.0),
+        ("slow5", "allreduce", slow, ar_steps, 5.0),
+        ("slow5", "ripples_smart", slow, steps, 5.0),
+      ):
+        r = measured(out_dir, f"predict{n}-{name}", n, algorithm, k, step_time, extra)
+        p = predicted(r, n, algorithm, s, (3,) if s > 1 else ())
+        rows[f"{n}/{name}/{algorithm}"] = {**p, "cpu_use": r["cpu_use"]}
+    out["predict"] = rows
   return out
 
 

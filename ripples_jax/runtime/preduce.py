@@ -18,7 +18,7 @@ take part, so disjoint groups run at the same time (gloo on CPU, NCCL on GPU). T
   waits can form. Every member sums the same k buffers in the same order: their means are equal.
 
 `choose` picks one for a run (runtime.preduce=auto: pairs exactly when the generator's member sets per
-worker exceed the cache). docs/design.md 3.9 has the measured costs.
+worker exceed the cache). docs/design.md 3.9 describes it; WORKSPACE.md section 16 has the measured costs.
 """
 
 import collections

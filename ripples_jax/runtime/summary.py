@@ -98,7 +98,13 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
     group_ahead_s=[ends[w].get("ahead_s") for w in range(n)],  # compiled and connected before the run
     group_setup_share=max((ends[w].get("setup_s") or 0.0) for w in range(n)) / end if end else None,
     preduce=preduce_lib.choose(config),
-    authority={"requests": len(handled), **authority_lib.percentiles(handled)} if handled else None,
+    authority={
+      "requests": len(handled),
+      "busy_s": ends[0].get("authority_busy_s"),
+      **authority_lib.percentiles(handled),
+    }
+    if handled
+    else None,
     time_to_target=time_to_target,
     target_accuracy=config.target_accuracy,
     step_time=config.runtime.step_time,

@@ -309,6 +309,7 @@ def run(config, workdir: str) -> dict:
           blocked=feed.blocked,
           requests=feed.requests,
           handled=authority.handled if authority is not None else None,
+          authority_busy_s=authority.busy_s if authority is not None else None,
         )
     finally:
       feed.close()
