@@ -258,6 +258,36 @@ def test_bench_preduce_pairs_are_exact_and_bounded(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_authority_keeps_the_store_and_its_state_bounded(tmp_path):
+  from benchmarks import bench_authority
+
+  n = 6
+  row = bench_authority.run(
+    n, steps=600, step_time=0.0, algorithm="ripples_random", clients=1, out_dir=str(tmp_path)
+  )
+  assert row["worker_steps"] >= 600 and row["requests"] > 0 and row["requests_per_s"] > 0
+  assert row["store_keys_after"] <= 2 * n  # start reports and final batches: no request, no read batch
+  assert row["service_state"] == {
+    **row["service_state"],
+    "entries_kept": 0,
+    "groups_kept": 0,
+    "snapshots_kept": 0,
+  }
+  assert row["service_state"]["groups_made"] > 0
+
+
+@pytest.mark.slow
+def test_bench_scale_measures_and_predicts_a_run(tmp_path):
+  from benchmarks import bench_scale
+
+  r = bench_scale.measured(str(tmp_path), "tiny", 2, "ripples_smart", 12, 0.05)
+  row = bench_scale.setup_row(r, 2)
+  assert row["group_compiles_max"] <= 1 and 0 < row["cpu_use"] <= 1.5 and row["authority"]["requests"] > 0
+  p = bench_scale.predicted(r, 2, "ripples_smart")
+  assert p["predicted"] > 0 and abs(p["error"]) < 1.0 and p["fed"]["service_ms"] > 0
+
+
+@pytest.mark.slow
 def test_bench_online(tmp_path):
   from benchmarks import bench_online
 
