@@ -14,7 +14,6 @@ and what the field means, read off the code that owns each part.
 import ast
 import importlib
 import io
-import os
 import tokenize
 
 import ml_collections
@@ -22,8 +21,6 @@ import ml_collections
 from ripples_jax import config as config_lib
 from ripples_jax.pipeline.tick import PLACEMENTS
 from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_variants():
@@ -54,6 +51,14 @@ VARIANTS = {
 }
 
 
+def config_module(name: str):
+  """configs.<x> from a checkout, or ripples_jax.configs.<x> where the package is installed."""
+  try:
+    return importlib.import_module(name)
+  except ModuleNotFoundError:
+    return importlib.import_module(f"ripples_jax.{name}")
+
+
 def _validate(validate, c, kwargs):
   placement = kwargs.pop("placement", None)
   if placement:
@@ -64,7 +69,7 @@ def _validate(validate, c, kwargs):
 def allowed_values(module: str) -> dict:
   """{key: [(allowed, [condition, ...]), ...]} over the module's variants, in the order checked."""
   validate, variants = VARIANTS[module]
-  get_config = importlib.import_module(module).get_config
+  get_config = config_module(module).get_config
   seen = {}
   for condition, arg, kwargs in variants():
     for key, allowed in dict.fromkeys(_validate(validate, get_config(arg), dict(kwargs))):
@@ -155,9 +160,9 @@ def summaries(module: str) -> dict:
 def reference(module: str) -> str:
   """The markdown table of one config module: field, default, allowed (and where), meaning."""
   allowed = summaries(module)
-  meaning = field_comments(os.path.join(ROOT, *module.split(".")) + ".py")
+  meaning = field_comments(config_module(module).__file__)
   rows = ["| field | default | allowed | meaning |", "|---|---|---|---|"]
-  values = dict(_flatten(importlib.import_module(module).get_config()))
+  values = dict(_flatten(config_module(module).get_config()))
   order = list(meaning) + sorted(set(values) - set(meaning))  # the file's order
   for key, value in ((k, values[k]) for k in order if k in values):
     text = allowed.get(key, "")
@@ -177,6 +182,6 @@ def document() -> str:
     "a bad value is refused in one line before anything compiles.",
   ]
   for module in VARIANTS:
-    doc = (importlib.import_module(module).__doc__ or "").strip().splitlines()[0]
+    doc = (config_module(module).__doc__ or "").strip().splitlines()[0]
     parts += ["", f"## {module.replace('.', '/')}.py", "", doc, "", reference(module)]
   return "\n".join(parts) + "\n"
