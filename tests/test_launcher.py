@@ -579,7 +579,12 @@ def test_entry_point_help_lists_its_flags_and_every_config_field(module, config)
   assert "--workdir: Output folder" in r.stdout and "--jax_distributed: " in r.stdout, r.stdout
   assert f"(default: {config})" in r.stdout
   # Every field, with the value this command line gives it.
-  want = "--config.num_steps=7" if "dsp" not in module else "--config.delay=2"
+  # ... and what the validator allows (config_doc), after it.
+  want = (
+    "--config.num_steps=7  (a positive integer)"
+    if "dsp" not in module
+    else "--config.delay=2  (an integer number of ticks in [0, 64])"
+  )
   assert f"  {want}" in r.stdout.splitlines(), r.stdout
   assert "  --config.optimizer.lr=" in r.stdout
 

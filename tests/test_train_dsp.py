@@ -38,7 +38,9 @@ def test_entry_point_runs_and_writes_outputs(tmp_path, method):
     timeout=600,
   )
   assert out.returncode == 0, out.stderr[-3000:]
-  assert f"method={method} K=2" in out.stdout
+  table = out.stdout.splitlines()
+  head = next(i for i, l in enumerate(table) if l.split()[:2] == ["method", "stages"])
+  assert table[head + 2].split()[:2] == [method, "2"], out.stdout  # the result table's row
   summary = json.load(open(workdir / "summary.json"))
   assert summary["num_batches"] == 512 // 32
   assert 0 <= summary["final_test_accuracy"] <= 1 and summary["modeled_speedup_vs_bp"] > 0
