@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from benchmarks.timing import print_json
+
 
 def _service(n: int, steps: int, algorithm: str):
   from configs import default as default_config
@@ -168,12 +170,7 @@ def main(argv) -> None:
   a = p.parse_args(argv)
   rows = [run(int(n), a.steps, a.step_time, a.algorithm, a.clients, a.out_dir) for n in a.workers.split(",")]
   result = {"algorithm": a.algorithm, "steps": a.steps, "step_time": a.step_time, "clients": a.clients}
-  text = json.dumps({**result, "rows": rows}, indent=1)
-  print(text)
-  if a.json_out:
-    os.makedirs(os.path.dirname(a.json_out) or ".", exist_ok=True)
-    with open(a.json_out, "w") as f:
-      f.write(text + "\n")
+  print_json({**result, "rows": rows}, a.json_out)
 
 
 if __name__ == "__main__":

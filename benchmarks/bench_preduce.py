@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from benchmarks.timing import print_json
+
 MODES = ("group", "pairs", "pairs_ahead")  # pairs_ahead: compiled and connected before the rounds
 
 
@@ -166,12 +168,7 @@ def main(argv) -> None:
   p.add_argument("--json_out", default="")
   a = p.parse_args(argv)
   result = run(a.out_dir, a.num_processes, a.rounds, a.size, a.group_size)
-  text = json.dumps(result, indent=1)
-  print(text)
-  if a.json_out:
-    os.makedirs(os.path.dirname(a.json_out) or ".", exist_ok=True)
-    with open(a.json_out, "w") as f:
-      f.write(text + "\n")
+  print_json(result, a.json_out)
 
 
 if __name__ == "__main__":

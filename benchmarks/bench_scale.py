@@ -16,13 +16,13 @@ use, the children's CPU seconds over wall seconds x cores). Parts (--parts):
 Throughput is summary.json's window_throughput (worker steps per second while every worker runs).
 """
 
-import json
 import os
 
 import numpy as np
 from absl import app, flags
 
 from benchmarks.bench_online import run_one
+from benchmarks.timing import print_json
 
 FLAGS = flags.FLAGS
 
@@ -162,12 +162,7 @@ def main(argv):
   result = run(
     FLAGS.out, FLAGS.parts, [int(s) for s in FLAGS.sizes], FLAGS.step_time, FLAGS.steps, FLAGS.ar_steps
   )
-  text = json.dumps(result, indent=1, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o))
-  print(text)
-  if FLAGS.json_out:
-    os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
-    with open(FLAGS.json_out, "w") as f:
-      f.write(text + "\n")
+  print_json(result, FLAGS.json_out)
 
 
 if __name__ == "__main__":

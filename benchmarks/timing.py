@@ -1,5 +1,7 @@
 """Side-by-side timing on a noisy shared machine: interleave the variants, report medians and ratios."""
 
+import json
+import os
 import time
 
 from ripples_jax.pipeline.timing import time_interleaved  # noqa: F401  (one definition, shared)
@@ -11,3 +13,13 @@ def compile_seconds(jitted, *args) -> float:
   t = time.perf_counter()
   jitted.lower(*args).compile()
   return time.perf_counter() - t
+
+
+def print_json(result, path: str = "") -> None:
+  """Prints a benchmark's figures as JSON and, given a path, writes the same text there (arrays as lists)."""
+  text = json.dumps(result, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+  print(text)
+  if path:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+      f.write(text + "\n")
