@@ -43,7 +43,7 @@ def serve(kv, n: int, steps: int, algorithm: str, out: str) -> None:
   service = _service(n, steps, algorithm)
   kv.wait_at_barrier("bench/start", 120_000)
   t0, cpu0 = time.perf_counter(), time.process_time()
-  authority = authority_lib.Authority(kv, service, lambda: time.perf_counter() - t0, poll_s=0.005).start()
+  authority = authority_lib.Authority(kv, service, poll_s=0.005).start()
   ckpt = 0
   while not (service.stopped and all(p == service.appended(w) for w, p in enumerate(authority.posted))):
     time.sleep(0.01)

@@ -63,7 +63,7 @@ def run_one(out_dir, name, n, algorithm, steps, step_time, extra=()) -> dict:
     *extra,
   ]
   with open(os.path.join(workdir, "launch.log"), "w") as log:
-    code = launch(n, args, out=log, grace_s=10)
+    code = launch(n, args, out=log, grace_s=10, coordinator=True)  # executor=async: and its coordinator
   if code:
     raise RuntimeError(f"{name}/{algorithm} failed with exit code {code}: see {workdir}/launch.log")
   with open(os.path.join(workdir, "summary.json")) as f:

@@ -52,7 +52,9 @@ def run_one(
     else []
   )
   with open(os.path.join(workdir, "launch.log"), "w") as log:
-    code = launch(num_processes, [cfg, f"--workdir={workdir}", *hetero, *args], out=log, grace_s=10)
+    code = launch(
+      num_processes, [cfg, f"--workdir={workdir}", *hetero, *args], out=log, grace_s=10, coordinator=True
+    )
   if code:
     raise RuntimeError(f"{algorithm} at {slowdown}x failed with exit code {code}: see {workdir}/launch.log")
   with open(os.path.join(workdir, "summary.json")) as f:

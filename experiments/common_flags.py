@@ -12,7 +12,6 @@ EXIT_IO (74, sysexits' EX_IOERR) when the file system fails under a running run 
 """
 
 import errno
-import importlib.util
 import os
 import sys
 import tempfile
@@ -25,6 +24,10 @@ from ripples_jax import config_doc, runlog
 from ripples_jax.data import DatasetError
 from ripples_jax.distributed.host import init_distributed, quiet_library_logs, use_cpu_devices
 from ripples_jax.errors import ConfigError
+
+from .config_args import config_spec, shipped_configs
+from .config_args import load_config as _load_config
+from .config_args import overrides as _overrides
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -114,7 +117,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   if len(rest) > 1:
     fail(
       f"{rest[1]!r}: a positional argument is not allowed: flags only, e.g. "
-      f"--config={_config_spec(argv)}:k=v,... or --config.key=value"
+      f"--config={config_spec(argv, _default_config)}:k=v,... or --config.key=value"
     )
   if _CONFIG_NAME in flags.FLAGS:
     config = flags.FLAGS[_CONFIG_NAME].value
@@ -155,7 +158,7 @@ def describe_entry_point(argv=()) -> str:
       "Config fields (their values in this config, then what is allowed; meanings: docs/config.md or "
       "python -m experiments.config_doc):",
     ]
-    allowed = _shipped_allowed(_config_spec(argv))
+    allowed = _shipped_allowed(config_spec(argv, _default_config))
     for k, v in runlog.flat_config(flags.FLAGS[_CONFIG_NAME].value).items():
       lines.append(f"  --config.{k}={v!r}" + (f"  ({allowed[k]})" if k in allowed else ""))
   return "\n".join(lines)
@@ -179,54 +182,6 @@ def check_cpu_devices(count: int) -> None:
     fail(f"--cpu_devices={count} is not allowed: at least 1 CPU device per process")
 
 
-def shipped_configs(argv: list[str]) -> list[str]:
-  """`--config=configs/<file>[:k=v]` names the configs shipped beside these entry points when no such
-  file exists from here (an installed package run from any folder: `ripples-train --config=...`)."""
-  shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
-  out = []
-  for arg in argv:
-    for prefix in (f"--{_CONFIG_NAME}=", f"-{_CONFIG_NAME}="):
-      if arg.startswith(prefix):
-        path, sep, variant = arg[len(prefix) :].partition(":")
-        name = path[len("configs/") :] if path.startswith("configs/") else None
-        if name and not os.path.exists(path) and os.path.isfile(os.path.join(shipped, name)):
-          arg = prefix + os.path.normpath(os.path.join(shipped, name)) + sep + variant
-    out.append(arg)
-  return out
-
-
-def _config_spec(argv) -> str:
-  """The --config value on the command line (the last one), or this entry point's default."""
-  spec = _default_config or "configs/default.py"
-  for i, arg in enumerate(argv):
-    for prefix in (f"--{_CONFIG_NAME}=", f"-{_CONFIG_NAME}="):
-      if arg.startswith(prefix):
-        spec = arg[len(prefix) :]
-    if arg in (f"--{_CONFIG_NAME}", f"-{_CONFIG_NAME}") and i + 1 < len(argv):
-      spec = argv[i + 1]
-  return spec
-
-
-def _overrides(argv):
-  """[(dotted key, value text)] of every --config.key=value (or --config.key value, --[no]config.key)."""
-  out = []
-  for i, arg in enumerate(argv):
-    for prefix, implied in (
-      (f"--{_CONFIG_NAME}.", None),
-      (f"-{_CONFIG_NAME}.", None),
-      (f"--no{_CONFIG_NAME}.", "False"),
-    ):
-      if arg.startswith(prefix):
-        key, eq, value = arg[len(prefix) :].partition("=")
-        if not eq:
-          value = implied or (
-            argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "True"
-          )
-        out.append((key, value))
-        break
-  return out
-
-
 def _chain(e):
   """e and every exception it was raised from or during, outermost first."""
   seen = []
@@ -245,7 +200,7 @@ def describe_flag_error(e: BaseException, argv) -> str:
   config_errors = [x for x in chain if isinstance(x, ConfigError)]
   if config_errors:  # a bad :k=v variant (parse_arg); ml_collections re-raises it wrapped
     return str(config_errors[-1])
-  spec = _config_spec(argv)
+  spec = config_spec(argv, _default_config)
   path = spec.split(":", 1)[0]
   if not os.path.isfile(path):
     what = "a folder" if os.path.isdir(path) else "no such file"
@@ -291,15 +246,6 @@ def describe_flag_error(e: BaseException, argv) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
   root = chain[-1]
   return f"command line {' '.join(argv[1:])!r} is not allowed: {type(root).__name__}: {root}"
-
-
-def _load_config(spec: str):
-  """get_config(arg) of 'file.py[:arg]', as ml_collections calls it (without the overrides)."""
-  path, colon, arg = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("_config_for_error_message", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if colon else module.get_config()
 
 
 def check_workdir(workdir: str | None) -> None:

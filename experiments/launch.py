@@ -5,15 +5,18 @@ r"""Runs N worker processes of experiments.train on this machine (the asynchrono
       --config.hetero.slow_workers='(3,)' --config.hetero.slowdown=2 --workdir=runs/async
 
 Everything after `--` goes to the entry point (--module, default experiments.train), which each child
-runs with --jax_distributed and the coordinator on 127.0.0.1 and a free port (--port to choose one);
-the coordination service and gloo's listeners (the CPU collectives) are on loopback only. Logs are
-prefixed [w<id>]. The first worker to exit non-zero is named (or the cause its last lines show: a
-stalled worker its watchdog named, an unknown process that registered at the coordinator) and the
-others are stopped (SIGTERM, then SIGKILL after --grace_s); so are all on SIGTERM, SIGINT or SIGHUP to
-the launcher. The exit code is that worker's (128 + k for signal k), or 128 + k after signal k to the
-launcher. Bad input (a flag that does not parse, or a value that cannot run) is one line on stderr and
-exit code 2, before anything starts; more workers than CPU cores is one warning line. On a cluster, run
-experiments.train with --jax_distributed once per host/GPU instead (README).
+runs with --jax_distributed and the coordinator on 127.0.0.1 and a free port (--port to choose one).
+An executor=async run gets one more process, its coordinator (process 0, log prefix [c]: it hosts the
+coordination service, the Group Generator and the run's records, and trains nothing); --num_processes
+counts the workers. The coordination service and gloo's listeners (the CPU collectives) are on
+loopback only. Logs are prefixed [w<id>]. The first process to exit non-zero is named (or the cause its
+last lines show: a stalled worker its watchdog named, an unknown process that registered at the
+coordinator) and the others are stopped (SIGTERM, then SIGKILL after --grace_s); so are all on
+SIGTERM, SIGINT or SIGHUP to the launcher. The exit code is that process's (128 + k for signal k), or
+128 + k after signal k to the launcher. Bad input (a flag that does not parse, or a value that cannot
+run) is one line on stderr and exit code 2, before anything starts; more workers than CPU cores is one
+warning line. On a cluster, run experiments.train with --jax_distributed once per host/GPU instead,
+plus one coordinator process for executor=async (README).
 """
 
 import re
@@ -22,6 +25,8 @@ import sys
 from absl import app, flags
 
 from ripples_jax.distributed.launcher import launch
+
+from . import config_args
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 4, "Worker processes to start.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices per process.")
@@ -80,6 +85,7 @@ def main(argv):
       _PLATFORM.value,
       _GRACE.value,
       port=_PORT.value,
+      coordinator=config_args.runs_async(_MODULE.value, argv[1:]),
     )
   except ValueError as e:  # bad input, found before anything starts
     sys.stderr.write(f"error: {e}\n")

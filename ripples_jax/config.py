@@ -148,12 +148,14 @@ def validate_train_config(
     _fail("data_dir", config.data_dir, "cifar10 needs the directory holding data_batch_1..5 and test_batch")
 
   if config.executor == "async":
-    if n != num_processes:
+    if n != num_processes - 1:
       _fail(
         "num_workers",
         n,
-        f"the number of processes ({num_processes}) with executor=async (one "
-        "process per worker: experiments.launch --num_processes, or --jax_distributed on a cluster)",
+        f"the number of worker processes ({num_processes - 1} of {num_processes}: process 0 is the "
+        "coordinator) with executor=async (one process per worker and a coordinator: "
+        "experiments.launch --num_processes=<workers> starts both; on a cluster, --jax_distributed "
+        "with num_workers + 1 processes)",
       )
     local = local_devices or 1
     if config.batch_size % local:

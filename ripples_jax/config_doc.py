@@ -30,7 +30,7 @@ def _train_variants():
       layouts = ("node", "hypercube") if algorithm == "ripples_static" else ("node",)
       for layout in layouts:
         arg = f"executor={executor},algorithm={algorithm},num_workers={n},layout={layout}"
-        kwargs = {"num_devices": 8, "num_processes": n if executor == "async" else 1}
+        kwargs = {"num_devices": 8, "num_processes": n + 1 if executor == "async" else 1}
         yield {"executor": executor, "algorithm": algorithm, "layout": layout}, arg, kwargs
 
 

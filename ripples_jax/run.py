@@ -4,6 +4,8 @@
   sim                   the discrete-event clock, then exact numerics (sim.py)
   async                 one process per worker on jax.distributed: Ripples (runtime/worker.py)
   async/adpsgd          the same runtime, AD-PSGD's active and passive workers (runtime/adpsgd.py)
+  async/coordinator     process 0 of either: hosts the service and the authority, trains nothing
+                        (runtime/coordinator.py)
   pipeline              DSP and its baselines in one process (pipeline/train.py)
   pipeline/per_process  one process per stage (pipeline/per_process.py)
 Executors are peers: none imports another; each writes its files through runlog.RunLog and builds its
@@ -27,18 +29,26 @@ EXECUTORS = {
   "sim": ("ripples_jax.sim", "run"),
   "async": ("ripples_jax.runtime.worker", "run"),
   "async/adpsgd": ("ripples_jax.runtime.adpsgd", "run"),
+  "async/coordinator": ("ripples_jax.runtime.coordinator", "run"),
   "pipeline": ("ripples_jax.pipeline.train", "run"),
   "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
 }
 
 
 def executor_of(config) -> str:
-  """The EXECUTORS key of a config."""
+  """The EXECUTORS key of a config's workers (an async run's process 0 is its coordinator:
+  process_executor)."""
   if "method" in config:  # configs/dsp.py
     return "pipeline/per_process" if config.placement == "per_process" else "pipeline"
   if config.executor == "async" and config.algorithm == "adpsgd":
     return "async/adpsgd"
   return config.executor
+
+
+def process_executor(config) -> str:
+  """The EXECUTORS key this process runs: executor_of, but async/coordinator on an async run's process 0."""
+  name = executor_of(config)
+  return "async/coordinator" if name.startswith("async") and jax.process_index() == 0 else name
 
 
 def validate(config) -> None:
@@ -60,13 +70,13 @@ def train_and_evaluate(config, workdir: str | None = None, return_state: bool = 
   returns.
   """
   validate(config)
-  name = executor_of(config)
+  name = process_executor(config)
   if return_state and name.startswith("pipeline"):
     raise ConfigError(
       "return_state=True is not allowed with a pipeline config: load() reads Ripples runs "
       "(spmd, sim, async); the pipeline's final parameters are in WORKDIR/snapshots or ckpt"
     )
-  if return_state and name != "async" and not config.checkpoint_every:
+  if return_state and not name.startswith("async") and not config.checkpoint_every:
     raise ConfigError(
       f"config.checkpoint_every: {config.checkpoint_every} is not allowed with "
       "return_state=True: a positive number of steps (the state comes back from the final "

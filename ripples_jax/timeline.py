@@ -399,7 +399,10 @@ class AdpsgdCost:
 
 
 def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdCost = AdpsgdCost()) -> None:
-  """AD-PSGD: active (odd) workers average with a random passive (even) one after every step.
+  """AD-PSGD in Lian et al.'s order: as an active (odd) worker's step starts, its communication
+  thread averages it with a random passive (even) worker while it computes its gradient on the
+  parameters it read; the gradient is applied to the averaged model once both are done (START, AVG,
+  APPLY), so an average costs the active worker only what it outlasts the compute.
 
   The passive side never waits: its averaging lands through its communication channel while it
   computes (with cost.serial, requests to one passive worker serialise, first come first served; with
@@ -410,19 +413,15 @@ def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdC
   passive = np.arange(0, n, 2)
   channel_free = np.zeros(n)
   paused = np.zeros(n)  # seconds a passive worker's current step has been paused by averages
+  landed = np.ones(n, bool)  # whether an active worker's average for its current step has landed
+  held = np.zeros(n, bool)  # its compute ended before the average did: the apply waits for it
+  ended = np.zeros(n)  # when its compute ended
+  window = {}  # active worker -> (begin, end) of its average in flight
   clock.trace.pairs = []
 
-  def on_finish(w):
-    if paused[w] > 0:  # the step is not done: it lost this long to the averages it served
-      d, paused[w] = paused[w], 0.0
-      clock.interval(w, COMM, clock.now, clock.now + d)
-      clock.at(clock.now + d, on_finish, w)
-      return
-    clock.applied(w, w)
-    if clock.stopped:
-      return
+  def start(w):
+    clock.start_compute(w, on_finish)
     if w % 2 == 0:
-      clock.start_compute(w, on_finish)
       return
     j = int(rng.choice(passive))
     begin = max(clock.now, channel_free[j]) if cost.serial else clock.now
@@ -430,17 +429,38 @@ def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdC
     channel_free[j] = max(channel_free[j], begin + d)
     if cost.passive_blocks:
       paused[j] += d
-    clock.interval(w, WAIT, clock.now, begin)
-    clock.interval(w, COMM, begin, begin + d)
     clock.trace.pairs.append((w, j))
+    landed[w], window[w] = False, (begin, begin + d)
     clock.at(begin + d, pair_end, w, j)
+
+  def on_finish(w):
+    if paused[w] > 0:  # the step is not done: it lost this long to the averages it served
+      d, paused[w] = paused[w], 0.0
+      clock.interval(w, COMM, clock.now, clock.now + d)
+      clock.at(clock.now + d, on_finish, w)
+      return
+    if not landed[w]:  # the gradient is applied to the averaged model: wait for the average
+      held[w], ended[w] = True, clock.now
+      return
+    apply(w)
 
   def pair_end(w, j):
     clock.emit(AVG, (j, w))
-    clock.start_compute(w, on_finish)
+    landed[w] = True
+    if held[w]:  # the compute ended first: what of the average outlasted it shows
+      held[w] = False
+      begin, end = window[w]
+      clock.interval(w, WAIT, ended[w], max(ended[w], begin))
+      clock.interval(w, COMM, max(ended[w], begin), end)
+      apply(w)
+
+  def apply(w):
+    clock.applied(w, w)
+    if not clock.stopped:
+      start(w)
 
   for w in range(n):
-    clock.start_compute(w, on_finish)
+    start(w)
   clock.run()
 
 

@@ -53,10 +53,17 @@ def exited(pid: int) -> bool:
     return True
 
 
-def start_directly(n, module, args):
-  """n processes of `module` without the launcher (as on a cluster): nothing stops a hung one."""
+def start_directly(n, module, args, coordinator=False):
+  """n processes of `module` without the launcher (as on a cluster): nothing stops a hung one. With
+  `coordinator` (an executor=async run), n workers and the coordinator first: n + 1 processes."""
   from ripples_jax.distributed.launcher import free_port, start_worker
 
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   address = f"127.0.0.1:{free_port()}"
-  return [start_worker(k, n, module, args, address, cwd=root, launched=False, text=True) for k in range(n)]
+  total = n + int(coordinator)
+  return [
+    start_worker(
+      k, total, module, args, address, cwd=root, launched=False, text=True, coordinator=coordinator
+    )
+    for k in range(total)
+  ]

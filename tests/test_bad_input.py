@@ -20,6 +20,7 @@ from ripples_jax import data
 from ripples_jax.config import ConfigError, parse_arg, validate_dsp_config, validate_train_config
 from ripples_jax.data import cifar10
 from ripples_jax.data import mnist1d as m1d
+from tests.test_train import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN, INF = float("nan"), float("inf")
@@ -119,9 +120,10 @@ CROSS = [
 )
 def test_train_config_refuses(arg, key, value, allowed):
   config = default_config.get_config(arg)
+  n = processes(config)
   config.update_from_flattened_dict({key: value})
   with pytest.raises(ConfigError) as e:
-    validate_train_config(config, num_devices=8)
+    validate_train_config(config, num_devices=8, num_processes=n)
   assert str(e.value) == f"config.{key}: {value!r} is not allowed: {allowed}"
 
 
@@ -141,7 +143,7 @@ def test_every_float_key_is_checked_for_nan_and_inf():
         config = default_config.get_config(arg)
         config.update_from_flattened_dict({key: bad})
         with pytest.raises(ConfigError, match=f"config.{key}: {bad!r} is not allowed"):
-          validate_train_config(config, num_devices=8)
+          validate_train_config(config, num_devices=8, num_processes=processes(config))
 
 
 @pytest.mark.parametrize(
@@ -165,7 +167,7 @@ def test_hetero_is_fine_with_the_clocked_executors():
   for arg in ("executor=sim", "executor=async,num_workers=1,algorithm=allreduce"):
     config = default_config.get_config(arg)
     config.hetero.slowdown, config.hetero.slow_workers = 5.0, (0,)
-    validate_train_config(config, num_devices=8)
+    validate_train_config(config, num_devices=8, num_processes=processes(config))
 
 
 # -- the workdir (case 5) --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from experiments.config_args import runs_async
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.launcher import describe, launch
 from tests.fakes import FakeKV, exited
@@ -90,6 +91,7 @@ def launch_thread(n, args, timeout_s=60, **kwargs):
     started.set()
 
   kwargs.setdefault("cwd", ROOT)
+  kwargs.setdefault("coordinator", runs_async(kwargs.get("module", "experiments.train"), args))
   t = threading.Thread(
     target=lambda: result.setdefault("code", launch(n, args, out=out, on_start=on_start, **kwargs)),
     daemon=True,
@@ -380,6 +382,46 @@ def test_the_failure_line_names_the_cause_the_workers_printed():
   )
 
 
+def test_with_a_coordinator_the_lines_name_workers_by_their_index_not_their_process():
+  """An async run: process 0 is the coordinator, process i worker i - 1. Its watchdog beats nothing,
+  watches every worker and names them; a worker that loses the coordinator's service names it."""
+  from ripples_jax.distributed.launcher import Roles, _Clues, failure_line
+
+  kv, logs, exits = FakeKV(), [], []
+  dogs = [
+    coord.Watchdog(kv, w, 2, lambda w=w: (w, 1, False), 1.0, 5.0, 1000.0, logs.append, exits.append)
+    for w in range(2)
+  ]
+  boss = coord.Watchdog(kv, None, 2, lambda: (0, 0, False), 1.0, 5.0, 1000.0, logs.append, exits.append)
+  beat([*dogs, boss], 1.0)
+  beat([dogs[0], boss], 1.5)
+  beat([boss], 6.2)  # worker 1 stopped beating at 1.0 (worker 0 at 1.5: still within 5 s)
+  assert exits == [coord.EXIT_LOST] and logs[0].startswith("coordinator: worker(s) [1] lost"), logs
+  assert "hb/None" not in str(kv.store) and coord.lost_named(logs[0]) == [1]
+  lost_service = (
+    "worker 0: lost contact with the coordination service (hosted by the coordinator's process): gone; "
+    "last completed step per worker: w0:1 w1:1; exiting"
+  )
+  assert coord.lost_named(lost_service) == [coord.COORDINATOR]
+  roles = Roles(2, coordinator=True)
+  assert [roles.name(i) for i in range(3)] == ["coordinator", "worker 0", "worker 1"]
+  assert [roles.prefix(i) for i in range(3)] == ["[c]", "[w0]", "[w1]"]
+  procs = [_Proc(coord.EXIT_LOST), _Proc(coord.EXIT_LOST), _Proc(None)]
+  clues = _Clues()
+  clues.read(0, logs[0])
+  assert failure_line((0, coord.EXIT_LOST), procs, clues, "127.0.0.1:5", roles) == (
+    "worker 1 (still running: stalled) is lost: coordinator's watchdog named it, then coordinator "
+    "exited with 75 (it lost a peer)"
+  )
+  clues.read(1, lost_service)
+  procs[0] = _Proc(-9)
+  assert failure_line((1, coord.EXIT_LOST), procs, clues, "127.0.0.1:5", roles) == (
+    "coordinator (exited with -9 (SIGKILL)) is lost: worker 0's watchdog named it, then worker 0 "
+    "exited with 75 (it lost a peer)"
+  )
+  assert roles.codes([0, 143, -9]) == "coordinator 0, workers [143, -9]"
+
+
 def test_sigterm_stops_a_worker_once_with_one_line():
   logs, exits = [], []
   stop = coord.SigtermStop(1, logs.append, exits.append)
@@ -649,11 +691,12 @@ def is_loopback(ip) -> bool:
 @pytest.mark.slow
 def test_worker_lost_during_start_up_is_named(tmp_path):
   """Worker 1 is killed once jax.distributed has connected, before any heartbeat: worker 0 would wait
-  for it (topology exchange, first collective); the launcher names worker 1 and stops worker 0."""
+  for it (topology exchange, first collective); the launcher names worker 1 and stops worker 0 and
+  the coordinator (process 0: pids[0]; worker w is pids[w + 1])."""
   out, pids, finish = launch_thread(2, real_args(tmp_path / "run", 2), grace_s=10, timeout_s=90)
   try:
     out.wait_for(r"^\[w1\] \[Gloo\] Rank 1 is connected", 60)  # printed (C++) once connected
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[1 + 1], signal.SIGKILL)
     killed = time.monotonic()
     named = out.wait_for(r"^\[launch\] worker \d exited", 60)
     assert time.monotonic() - killed < 60
@@ -664,7 +707,8 @@ def test_worker_lost_during_start_up_is_named(tmp_path):
   assert named.startswith("[launch] worker 1 exited with -9 (SIGKILL); stopping the others"), text
   # Worker 0 stops on the launcher's SIGTERM: with one line (143) once in the worker loop's set-up,
   # by the signal's default action (-15) before it.
-  assert code == 128 + signal.SIGKILL and re.search(r"exit codes: \[(143|-15), -9\]", text), text
+  assert code == 128 + signal.SIGKILL, text
+  assert re.search(r"exit codes: coordinator (143|-15), workers \[(143|-15), -9\]", text), text
   assert all(exited(p) for p in pids)
 
 
@@ -684,7 +728,7 @@ def test_sigterm_to_the_launcher_leaves_no_worker_and_the_coordinator_is_on_loop
   assert addresses and all(is_loopback(a) for a in addresses), (port, addresses)
   assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
   stopped = [l for l in rest.splitlines() if "received SIGTERM (stopped by the launcher" in l]
-  assert len(stopped) == 2 and "exit codes: [143, 143]" in rest, rest[-3000:]
+  assert len(stopped) == 3 and "exit codes: coordinator 143, workers [143, 143]" in rest, rest[-3000:]
   assert all(exited(p) for p in pids), rest[-3000:]
 
 
@@ -744,7 +788,7 @@ def test_no_worker_listens_off_loopback_where_the_host_name_resolves_to_a_networ
       proc.kill()
     kill_all(pids)
   assert all(held.values()), held  # gloo's listener in each
-  assert port in [p for _, p in held[pids[0]]], held  # the coordination service
+  assert port in [p for _, p in held[pids[0]]], held  # the coordination service, in the coordinator
   assert all(is_loopback(a) for sockets in held.values() for a, _ in sockets), held
   assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
 
@@ -757,7 +801,7 @@ def test_a_stalled_worker_is_named_not_the_peers_that_gave_up_on_it(tmp_path):
   try:
     out.wait_for(r"\[Gloo\] Rank \d is connected", 120)
     time.sleep(3)  # past the start barrier: the watchdogs beat
-    os.kill(pids[1], signal.SIGSTOP)
+    os.kill(pids[1 + 1], signal.SIGSTOP)  # worker 1 (pids[0] is the coordinator)
     code = finish()
   finally:
     for p in pids:
@@ -789,7 +833,8 @@ def test_an_unknown_process_registering_at_the_coordinator_is_named_not_worker_0
   """Any local user can connect to the (unauthenticated) coordination service and register as one of the
   tasks; the service then aborts every worker, worker 0 among the first. The launcher's line says so."""
   out, pids, finish = launch_thread(2, real_args(tmp_path / "run", 2), grace_s=10, timeout_s=120)
-  address = re.search(r"workers on (127\.0\.0\.1:\d+)", out.wait_for(r"^\[launch\] 2 workers on", 5)).group(1)
+  started = out.wait_for(r"^\[launch\] 2 workers and a coordinator on", 5)
+  address = re.search(r" on (127\.0\.0\.1:\d+)", started).group(1)
   intruder = None
   try:
     out.wait_for(r"\[Gloo\] Rank \d is connected", 90)
@@ -820,7 +865,7 @@ def test_sigterm_to_a_worker_is_one_line_and_stops_the_job(tmp_path):
   try:
     out.wait_for(r"\[Gloo\]", 90)
     time.sleep(2)  # past the start barrier: the watchdog beats
-    os.kill(pids[1], signal.SIGTERM)
+    os.kill(pids[1 + 1], signal.SIGTERM)  # worker 1
     code = finish()
   finally:
     kill_all(pids)
@@ -828,17 +873,18 @@ def test_sigterm_to_a_worker_is_one_line_and_stops_the_job(tmp_path):
   line = [l for l in text.splitlines() if "worker 1: received SIGTERM" in l]
   assert len(line) == 1 and "last completed step per worker: w0:" in line[0], text[-3000:]
   assert "[launch] worker 1 exited with 143 (it was stopped by SIGTERM)" in text, text[-3000:]
-  assert code == coord.EXIT_TERM and "exit codes: [143, 143]" in text, text[-3000:]
+  assert code == coord.EXIT_TERM and "exit codes: coordinator 143, workers [143, 143]" in text, text[-3000:]
   assert all(exited(p) for p in pids)
 
 
 @pytest.mark.slow
 def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
   """As on a cluster (one process per host, nobody stopping the others): worker 2 dies mid-run; each
-  survivor's watchdog names it within runtime.heartbeat_timeout (5 s), process 0 exiting last."""
+  survivor's watchdog names it within runtime.heartbeat_timeout (5 s), the coordinator (process 0)
+  exiting last."""
   from ripples_jax.distributed.launcher import child_env, free_port
 
-  n, port = 3, free_port()
+  n, port = 3, free_port()  # 3 workers: processes 1..3
   env = child_env(1, "cpu")
   del env[coord.LAUNCHER_PID_ENV]
   procs = [
@@ -849,7 +895,7 @@ def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
         "experiments.train",
         "--jax_distributed",
         f"--coordinator_address=127.0.0.1:{port}",
-        f"--num_processes={n}",
+        f"--num_processes={n + 1}",
         f"--process_id={i}",
         "--cpu_devices=1",
         *real_args(tmp_path / "run", n),
@@ -861,7 +907,7 @@ def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
       text=True,
       start_new_session=True,
     )
-    for i in range(n)
+    for i in range(n + 1)
   ]
   outs = [[] for _ in procs]
   readers = [
@@ -871,10 +917,10 @@ def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
     t.start()
   try:
     deadline = time.monotonic() + 90
-    while not any("[Gloo]" in l for l in outs[2]) and time.monotonic() < deadline:
+    while not any("[Gloo]" in l for l in outs[3]) and time.monotonic() < deadline:
       time.sleep(0.1)
     time.sleep(3)  # past the start barrier: the watchdogs beat
-    procs[2].kill()
+    procs[3].kill()  # worker 2
     killed = time.monotonic()
     codes = [p.wait(timeout=60) for p in procs]
     elapsed = time.monotonic() - killed
@@ -883,12 +929,10 @@ def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
   for t in readers:
     t.join(5)
   text = ["".join(o) for o in outs]
-  assert codes == [coord.EXIT_LOST, coord.EXIT_LOST, -9], (codes, text[0][-2000:], text[1][-2000:])
+  assert codes == [coord.EXIT_LOST] * 3 + [-9], (codes, text[0][-2000:], text[1][-2000:])
   assert elapsed < 30, elapsed
-  for w in (0, 1):
-    assert re.search(
-      rf"worker {w}: worker\(s\) \[2\] lost: no heartbeat for 5 s; last completed step", text[w]
-    )
+  for who, out in zip(("coordinator", "worker 0", "worker 1"), text):
+    assert re.search(rf"{who}: worker\(s\) \[2\] lost: no heartbeat for 5 s; last completed step", out), out
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
     return g
 
   service.buffer.append = recording
-  authority = Authority(kv, service, lambda: time.perf_counter() - t0, poll_s=0.005).start()
+  authority = Authority(kv, service, poll_s=0.005).start()
   barriers, lock = {}, threading.Lock()
   executed, done_steps, errors = {w: [] for w in range(n)}, [0] * n, []
   taken = {w: [] for w in range(n)}  # every entry each worker's queue gave it
@@ -205,7 +205,7 @@ def test_a_request_carries_the_step_time_the_generator_plans_with():
   request itself carries the worker's newest step time, and the authority plans with it."""
   kv, n = FakeKV(), 3
   service = Service(n, group_gen.smart_gg(n, 2, tolerance=0.5, max_gap=1), estimate=1.0)
-  authority = Authority(kv, service, lambda: 0.0, poll_s=0.005).start()
+  authority = Authority(kv, service, poll_s=0.005).start()
   try:
     feed = Feed(kv, 1, lambda: 0.0, ahead=False)
     feed.step_time = 0.25  # as report() sets it; its report is not sent at all here

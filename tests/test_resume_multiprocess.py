@@ -72,7 +72,7 @@ def test_async_rerun_with_another_config_is_refused_and_keeps_every_file(killed_
   assert kept(workdir) == before
 
 
-def test_a_read_only_ckpt_ends_every_process_with_74_and_keeps_every_file(killed_async_run):
+def test_a_read_only_ckpt_ends_every_worker_with_74_and_keeps_every_file(killed_async_run):
   workdir, args = killed_async_run
   ckpt = os.path.join(workdir, "ckpt")
   before = tree_digest(ckpt)
@@ -80,14 +80,19 @@ def test_a_read_only_ckpt_ends_every_process_with_74_and_keeps_every_file(killed
     pytest.skip("needs root (mount) for a read-only bind mount")
   try:
     subprocess.run(["mount", "-o", "remount,bind,ro", ckpt], check=True)
-    codes, outs, seconds = finish(start_directly(2, "experiments.train", args), timeout_s=120)
+    codes, outs, seconds = finish(
+      start_directly(2, "experiments.train", args, coordinator=True), timeout_s=120
+    )
   finally:
     subprocess.run(["umount", "-l", ckpt])
-  assert codes == [74, 74], [o[-2000:] for o in outs]
-  for out in outs:
+  # The workers, which write ckpt/, exit 74; the coordinator (it writes no checkpoint) then names them
+  # lost and exits 75.
+  assert codes == [75, 74, 74], [o[-2000:] for o in outs]
+  for out in outs[1:]:
     errors = [l for l in out.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "Read-only file system" in errors[0] and "make it writable" in errors[0], out
-  print(f"read-only ckpt: every process exited 74 in {seconds:.1f} s from its start")
+  assert "coordinator: worker(s) [0, 1] lost" in outs[0], outs[0][-2000:]
+  print(f"read-only ckpt: every process exited in {seconds:.1f} s from its start")
   assert seconds < 60, seconds  # start-up (~15 s here) and the resume included; no hang
   # The resumed run got as far as its first marker; its records after the checkpoint are cut again by
   # the next resume. The checkpoints are as they were.

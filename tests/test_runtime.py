@@ -13,6 +13,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from configs import default as default_config
+from experiments.config_args import runs_async
 from ripples_jax import timeline
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.launcher import launch
@@ -130,7 +131,17 @@ def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="exp
 
   t = threading.Thread(
     target=lambda: result.setdefault(
-      "code", launch(n, args, module=module, out=out, on_start=started, cwd=ROOT, grace_s=grace_s)
+      "code",
+      launch(
+        n,
+        args,
+        module=module,
+        out=out,
+        on_start=started,
+        cwd=ROOT,
+        grace_s=grace_s,
+        coordinator=runs_async(module, args),  # as experiments.launch does
+      ),
     ),
     daemon=True,
   )
@@ -200,6 +211,18 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
   for f in ("gantt.png", "metrics.jsonl", "trace-0.jsonl", "trace-1.jsonl"):
     assert os.path.exists(os.path.join(workdir, f))
   assert "[w0]" in out and "[w1]" in out  # the launcher prefixes each worker's log
+  # Process 0 is the coordinator: it trains nothing and holds no checkpoint; the run's files are the
+  # two workers' (by worker index), its summary and the Group Generator's snapshots are the coordinator's.
+  lines = out.splitlines()
+  assert any(l.startswith("[c] ") and "ripples_smart" in l for l in lines), out[-3000:]  # its summary table
+  assert not any(l.startswith("[c] ") and "local steps" in l for l in lines), out[-3000:]
+  assert sorted(os.listdir(os.path.join(workdir, "ckpt"))) == ["0", "1"]
+  assert sorted(f for f in os.listdir(workdir) if f.startswith("trace-")) == [
+    "trace-0.jsonl",
+    "trace-1.jsonl",
+  ]
+  assert len(summary["worker_steps"]) == 2 and summary["authority"]["requests"] > 0
+  assert os.listdir(os.path.join(workdir, "authority"))
   assert_replay_matches(make_config("ripples_smart", 2, 24, MODEL), workdir, tmp_path)
   # The run ends with a loadable checkpoint: each worker's final state, on this single process.
   from ripples_jax import run
@@ -252,11 +275,31 @@ def test_adpsgd_passive_side_replays_through_the_engine(tmp_path, mode):
     ),
   )
   assert code == 0, out[-3000:]
-  passive = [e for e in trace_lib.load_traces(workdir)[0] if e["k"] == "group"]
+  traces = trace_lib.load_traces(workdir)
+  passive = [e for e in traces[0] if e["k"] == "group"]
   during = sum("during" in e for e in passive)
   assert len(passive) == 20 and (during > 5 if mode == "concurrent" else during == 0), passive
-  err = replay_error(make_config("adpsgd", 2, 20, MODEL), workdir)
+  # The active side in Lian et al.'s order: each step's average is "during" it, started with the step
+  # (overlapping the gradient) and done before the step ends (the gradient goes to the average).
+  steps = {e["s"]: e for e in traces[1] if e["k"] == "step"}
+  own = [e for e in traces[1] if e["k"] == "group"]
+  assert len(own) == 20 and all(e.get("own") and e["during"] in steps for e in own), own
+  assert all(steps[e["during"]]["t0"] <= e["t0"] and e["t1"] <= steps[e["during"]]["t1"] for e in own)
+  config = make_config("adpsgd", 2, 20, MODEL)
+  err = replay_error(config, workdir)
   assert max(err) < 1e-5, err
+  # A control: the same traces read in the other order (the active worker's gradient applied before
+  # its average) are another computation, which the replay tells apart.
+  after = {e.pop("during"): e for e in own if e.pop("own")}
+  traces[1] = [
+    x for e in traces[1] if e not in own for x in ([e, after[e["s"]]] if e["k"] == "step" else [e])
+  ]
+  other = tmp_path / "apply_first"
+  other.mkdir()
+  for w, events in traces.items():
+    (other / f"trace-{w}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+  first = replay_error(config, workdir, str(other))
+  assert min(first) > 10 * max(err) and min(first) > 1e-5, (err, first)
 
 
 @pytest.mark.slow
@@ -273,7 +316,7 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
   def watch_worker_2(pids):
     def watch():
       deadline = time.monotonic() + 180
-      while time.monotonic() < deadline and not exited(pids[2]):
+      while time.monotonic() < deadline and not exited(pids[1 + 2]):  # process 0: the coordinator
         time.sleep(0.05)
       died["at"] = time.monotonic()
 
@@ -284,14 +327,14 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
   elapsed = time.monotonic() - died["at"]
   assert elapsed < 60, f"the other workers took {elapsed:.0f} s to exit"
   assert "worker 2 kills itself at local step 50" in out, out[-3000:]
-  # The launcher names worker 2 at once and stops the others (SIGTERM, process 0 last); each says why,
-  # with every worker's last completed step. (Without the launcher their watchdogs name worker 2 and
-  # exit 75: tests/test_launcher.py.)
+  # The launcher names worker 2 at once and stops the others (SIGTERM, the coordinator last); each
+  # says why, with every worker's last completed step. (Without the launcher their watchdogs name
+  # worker 2 and exit 75: tests/test_launcher.py.)
   assert "[launch] worker 2 exited with -9 (SIGKILL); stopping the others" in out, out[-3000:]
   stopped = [l for l in out.splitlines() if "received SIGTERM (stopped by the launcher" in l]
-  assert len(stopped) == 3, out[-3000:]
+  assert len(stopped) == 4 and sum("[c] coordinator: " in l for l in stopped) == 1, out[-3000:]
   assert "last completed step per worker" in stopped[0]
-  assert "exit codes: [143, 143, -9, 143]" in out
+  assert "exit codes: coordinator 143, workers [143, 143, -9, 143]" in out
 
   code, out = launch_bounded(n, args)
   assert code == 0, out[-3000:]
@@ -343,20 +386,45 @@ def test_launcher_leaves_no_process_behind_on_ctrl_c(tmp_path):
       os.kill(pid, 0)
 
 
-def test_the_leads_progress_counts_the_runs_steps_not_its_own():
-  """Process 0 of a dynamic-generator run shows every worker's steps / n: its own reach num_steps
-  before a slow worker's do, and its ETA would reach 0 early."""
+def test_the_coordinators_progress_counts_the_runs_steps():
+  """The coordinator's progress line: every worker's steps / n (the authority's count of started steps
+  with a dynamic generator, the heartbeats' completed steps otherwise), capped at num_steps."""
   import types
 
-  from ripples_jax.runtime import worker as worker_lib
+  from ripples_jax.runtime import coordinator
+
+  class Once:  # follow's stop event: one round, then stop
+    def __init__(self):
+      self.calls = 0
+
+    def wait(self, _):
+      self.calls += 1
+      return self.calls > 1
 
   shown = []
-  log = types.SimpleNamespace(describe_last=lambda: "none", progress=lambda step, **kw: shown.append(step))
-  trace = types.SimpleNamespace(add=lambda **kw: None)
-  config = types.SimpleNamespace(num_steps=300)
-  w = types.SimpleNamespace(t_start=0.0, config=config, run_steps=lambda: 120)
-  loop = types.SimpleNamespace(steps_done=200)
-  worker_lib.end_step(w, loop, log, trace, 0, (1.0, 1.5, 2.0), 0.5)
-  w.run_steps = None  # every other process, and fixed schedules: its own steps
-  worker_lib.end_step(w, loop, log, trace, 0, (2.0, 2.5, 3.0), 0.5)
-  assert shown == [120, 202] and loop.steps_done == 202
+  log = types.SimpleNamespace(progress=lambda step, **kw: shown.append(step))
+  watchdog = types.SimpleNamespace(n=4, steps={0: 10, 1: 20, 2: 30, 3: 41})
+  coordinator.follow(log, watchdog, None, 300, Once())
+  authority = types.SimpleNamespace(service=types.SimpleNamespace(steps=np.array([100, 200, 300, 400])))
+  coordinator.follow(log, watchdog, authority, 300, Once())
+  authority.service.steps[3] = 1000
+  coordinator.follow(log, watchdog, authority, 300, Once())
+  assert shown == [25, 250, 300]
+
+
+def test_the_coordinators_authority_snapshots_are_whole_and_bounded(tmp_path):
+  """authority/<c>.json is written whole (no temporary file left), read back as saved, and removed
+  once every worker has passed marker c + checkpoint_keep; a missing one is one clear error."""
+  from ripples_jax.runtime import coordinator
+
+  workdir = str(tmp_path)
+  for c in range(1, 8):
+    coordinator.save_snapshot(workdir, c, {"gid": 10 * c, "marks": {"ckpt": c}})
+  assert coordinator.load_snapshot(workdir, 3) == {"gid": 30, "marks": {"ckpt": 3}}
+  coordinator.trim_snapshots(workdir, epochs=[6, 5, 7], keep=2)  # the slowest passed 5: 3.. resumable
+  assert sorted(os.listdir(tmp_path / "authority")) == [f"{c}.json" for c in range(3, 8)]
+  coordinator.save_snapshot(workdir, "final", {"gid": 99})
+  coordinator.trim_snapshots(workdir, epochs=[9, 9, 9], keep=2)
+  assert sorted(os.listdir(tmp_path / "authority")) == ["7.json", "final.json"]
+  with pytest.raises(FileNotFoundError, match=r"authority/3.json: the Group Generator's state at checkpoint"):
+    coordinator.load_snapshot(workdir, 3)

@@ -170,12 +170,13 @@ BAD_SIM += [
     "ps_sync needs executor=sim",
   ),
   (
-    "executor=async,num_workers=4",
+    ASYNC,  # validated with its 2 processes (a worker and the coordinator)
     "num_workers",
     4,
-    "config.num_workers: 4 is not allowed: the number "
-    "of processes (1) with executor=async (one process per worker: experiments.launch --num_processes, "
-    "or --jax_distributed on a cluster)",
+    "config.num_workers: 4 is not allowed: the number of worker processes (1 of 2: process 0 is the "
+    "coordinator) with executor=async (one process per worker and a coordinator: experiments.launch "
+    "--num_processes=<workers> starts both; on a cluster, --jax_distributed with num_workers + 1 "
+    "processes)",
   ),
   (
     ASYNC,
@@ -223,10 +224,16 @@ def test_validation_of_simulation_keys(arg, key, value, message):
   set_and_check(default_config.get_config(arg), key, value, message)
 
 
+def processes(config) -> int:
+  """The processes a config runs in: its workers and the coordinator (async), else one."""
+  return config.num_workers + 1 if config.executor == "async" else 1
+
+
 def set_and_check(config, key, value, message):
+  n = processes(config)  # the job's, before the bad value
   config.update_from_flattened_dict({key: value})
   with pytest.raises(ConfigError) as e:
-    validate_train_config(config, num_devices=8)
+    validate_train_config(config, num_devices=8, num_processes=n)
   assert str(e.value) == message
 
 
@@ -293,4 +300,4 @@ def test_the_default_group_size_fits_a_small_run():
   for n, want in ((2, 2), (3, 3), (16, 3)):
     config = default_config.get_config(f"executor=async,num_workers={n},algorithm=ripples_division")
     assert config.schedule.group_size == want
-    validate_train_config(config, num_devices=n, num_processes=n, local_devices=1)
+    validate_train_config(config, num_devices=n + 1, num_processes=n + 1, local_devices=1)

@@ -17,6 +17,11 @@ and the local launcher; collectives_host, where gloo's listeners go.
 
 What a worker's last lines say about a failure, for the local launcher: lost_named (the workers a
 watchdog named) and intruder_task (a task id registered by a process nobody started as a worker).
+
+Roles: in an executor=async run, process 0 is the coordinator (COORDINATOR): it hosts the coordination
+service and the Group Generator's authority and trains nothing; worker w is process w + 1
+(worker_process). Its watchdog watches every worker and exits last. Elsewhere (the pipeline) process k
+is stage k and process 0 hosts the service.
 """
 
 import ctypes
@@ -34,6 +39,17 @@ PREFIX = "ripples"
 EXIT_LOST = 75  # a peer was lost: distinct from crashes (1) and bad input (2); resume to go on
 EXIT_TERM = 143  # stopped by SIGTERM: 128 + 15, what a shell reports for a SIGTERM death; resume to go on
 LAUNCHER_PID_ENV = "RIPPLES_LAUNCHER_PID"  # set by the local launcher: its workers stop when it dies
+COORDINATOR = "coordinator"  # process 0 of an executor=async run (its watchdog's name in exit lines)
+
+
+def worker_process(worker: int) -> int:
+  """The process id of worker `worker` in an executor=async run (process 0 is the coordinator)."""
+  return worker + 1
+
+
+def worker_of(process: int) -> int:
+  """The worker a process of an executor=async run is (-1: the coordinator)."""
+  return process - 1
 
 
 def client():
@@ -70,6 +86,9 @@ class Watchdog:
 
   The heartbeat value is "<beat counter> <completed steps> <completed events> <done flag>". A counter,
   not a timestamp, so hosts need not share a clock: only changes are compared, on the local clock.
+  worker=None: the coordinator's, which beats nothing and watches all `num_workers`. `hosts_service`
+  (default: worker 0) makes this process exit after its peers when it fires (_outlive_peers);
+  `service_host` names who hosts the service in the lost-contact line.
   """
 
   def __init__(
@@ -84,9 +103,13 @@ class Watchdog:
     log=None,
     exit_fn=os._exit,
     role: str = "worker",
+    hosts_service: bool | None = None,
+    service_host: str = "worker 0",
   ):
     self.kv, self.worker, self.n = kv, worker, num_workers
     self.role = role  # what the exit line calls a process: worker, or stage (pipeline)
+    self.hosts_service = worker == 0 if hosts_service is None else hosts_service
+    self.service_host = service_host
     self.progress = progress  # () -> (completed steps, completed events, done)
     self.interval, self.timeout, self.stall_timeout = interval_s, timeout_s, stall_timeout_s
     self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -125,16 +148,19 @@ class Watchdog:
         raise
       except Exception as e:  # noqa: BLE001  the service itself is gone (its host process died)
         if time.monotonic() - self._contact > self.timeout:
-          self._lost(f"lost contact with the coordination service (hosted by worker 0's process): {e}", [0])
+          host = COORDINATOR if self.service_host == f"the {COORDINATOR}" else 0
+          why = f"lost contact with the coordination service (hosted by {self.service_host}'s process)"
+          self._lost(f"{why}: {e}", [host])
 
   def check(self, now: float) -> None:
     if self.fired:
       return
     steps, events, done = self.progress()
     self._beat += 1
-    self.kv.key_value_set(
-      f"{PREFIX}/hb/{self.worker}", f"{self._beat} {steps} {events} {int(done)}", allow_overwrite=True
-    )
+    if self.worker is not None:
+      self.kv.key_value_set(
+        f"{PREFIX}/hb/{self.worker}", f"{self._beat} {steps} {events} {int(done)}", allow_overwrite=True
+      )
     values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
     self._contact = now
     for w in range(self.n):
@@ -180,7 +206,8 @@ class Watchdog:
         for w in range(self.n):
           if (value := values.get(f"{PREFIX}/hb/{w}")) is not None:
             self.steps[w] = int(value.split()[1])
-        self.steps[self.worker] = int(self.progress()[0])
+        if self.worker is not None:
+          self.steps[self.worker] = int(self.progress()[0])
       except Exception:  # noqa: BLE001
         pass
 
@@ -194,8 +221,10 @@ class Watchdog:
         return
       self.fired = True
     last = " ".join(f"w{w}:{self.steps[w]}" for w in range(self.n))
-    _say(self.log, f"{self.role} {self.worker}: {why}; last completed step per {self.role}: {last}; exiting")
-    if self.worker == 0:
+    me = COORDINATOR if self.worker is None else f"{self.role} {self.worker}"
+    role = "worker" if self.worker is None else self.role
+    _say(self.log, f"{me}: {why}; last completed step per {role}: {last}; exiting")
+    if self.hosts_service:
       self._outlive_peers(set(lost))
     self.exit_fn(code)
 
@@ -215,23 +244,33 @@ class Watchdog:
         value = values.get(f"{PREFIX}/hb/{w}")
         if value is not None and value != self.seen[w][0]:
           self.seen[w] = (value, now)
-      alive = [w for w in range(1, self.n) if w not in lost and now - self.seen[w][1] < 2.5 * self.interval]
+      alive = [
+        w
+        for w in range(self.n)
+        if w != self.worker and w not in lost and now - self.seen[w][1] < 2.5 * self.interval
+      ]
       if not alive:
         return
 
 
 # The watchdog's exit lines (Watchdog.check, _run) and the worker(s) each one names.
+_WHO = r"^(?:(?:worker|stage) \d+|coordinator)"
 _LOST_LINES = (
-  re.compile(r"^(?:worker|stage) \d+: (?:worker|stage)\(s\) \[([\d, ]+)\] lost: no heartbeat"),
-  re.compile(r"^(?:worker|stage) \d+: no progress for .*; (?:worker|stage) (\d+) stalled first"),
-  re.compile(r"^(?:worker|stage) \d+: lost contact with the coordination service \(hosted by worker (0)'s"),
+  re.compile(_WHO + r": (?:worker|stage)\(s\) \[([\d, ]+)\] lost: no heartbeat"),
+  re.compile(_WHO + r": no progress for .*; (?:worker|stage) (\d+) stalled first"),
+  re.compile(
+    _WHO + r": lost contact with the coordination service \(hosted by (?:worker (0)|the (coordinator))'s"
+  ),
 )
 
 
-def lost_named(line: str) -> list[int]:
-  """The worker(s) a watchdog's exit line names as lost or stalled first; [] for any other line."""
+def lost_named(line: str) -> list:
+  """The worker(s) a watchdog's exit line names as lost or stalled first (ints; COORDINATOR for the
+  coordinator); [] for any other line."""
   for pattern in _LOST_LINES:
     if m := pattern.search(line):
+      if m.lastindex and m.lastindex > 1 and m.group(2):
+        return [COORDINATOR]
       return [int(w) for w in m.group(1).split(",")]
   return []
 
@@ -259,12 +298,13 @@ class SigtermStop:
   launcher dies, even by SIGKILL (PR_SET_PDEATHSIG), so no worker outlives it.
   """
 
-  def __init__(self, worker: int | None = None, log=None, exit_fn=os._exit):
-    if worker is None:
+  def __init__(self, worker: int | None = None, log=None, exit_fn=os._exit, name: str | None = None):
+    if worker is None and name is None:
       from jax._src import distributed
 
       worker = distributed.global_state.process_id
     self.worker = worker
+    self.name = name or f"worker {worker}"  # what its start-up exit line calls this process
     self.watchdog = None
     self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     self.exit_fn = exit_fn
@@ -306,7 +346,7 @@ class SigtermStop:
     if self.watchdog is not None:
       self.watchdog.terminate(why)  # exits, unless the watchdog is already exiting (lost peer)
     else:
-      _say(self.log, f"worker {self.worker}: {why} during start-up; exiting")
+      _say(self.log, f"{self.name}: {why} during start-up; exiting")
       self.exit_fn(EXIT_TERM)
 
 

@@ -72,14 +72,18 @@ def resolve_platform(platform: str) -> str:
   return "cuda" if local_gpus() else "cpu"
 
 
-def child_env(cpu_devices: int, platform: str, index: int = 0) -> dict:
+def child_env(cpu_devices: int, platform: str, index: int = 0, coordinator: bool = False) -> dict:
   """The environment of worker `index`: forced CPU devices, JAX_PLATFORMS, and on cuda one GPU each
-  (worker i sees GPU i mod the host's GPU count: several workers may share one when there are fewer)."""
+  (worker i sees GPU i mod the host's GPU count: several workers may share one when there are fewer).
+  The coordinator (which trains nothing, but takes part in the devices' start-up exchange) shares
+  GPU 0 without preallocating its memory."""
   env = dict(os.environ)
   if platform == "cuda":
     gpus = local_gpus()
     if gpus:
       env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+    if coordinator:
+      env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
   if platform:
@@ -134,12 +138,44 @@ class _LibraryLines:
       return False
 
 
-def _stream(i: int, pipe, out, clues: _Clues, shown: _LibraryLines) -> None:
+class Roles:
+  """Who each launched process is: process i is worker i, or, with a coordinator (an executor=async
+  run), process 0 is the coordinator and process i is worker i - 1."""
+
+  def __init__(self, num_workers: int, coordinator: bool):
+    self.n, self.coordinator = num_workers, coordinator
+    self.total = num_workers + int(coordinator)
+
+  def name(self, i: int) -> str:
+    if self.coordinator:
+      return coord.COORDINATOR if i == 0 else f"worker {i - 1}"
+    return f"worker {i}"
+
+  def prefix(self, i: int) -> str:
+    if self.coordinator:
+      return "[c]" if i == 0 else f"[w{i - 1}]"
+    return f"[w{i}]"
+
+  def process(self, named) -> int | None:
+    """The process index of a watchdog's named peer (a worker id, or coord.COORDINATOR)."""
+    if named == coord.COORDINATOR:
+      return 0 if self.coordinator else None
+    i = int(named) + int(self.coordinator)
+    return i if i < self.total else None
+
+  def codes(self, codes: list) -> str:
+    if self.coordinator:
+      return f"coordinator {codes[0]}, workers {codes[1:]}"
+    return str(codes)
+
+
+def _stream(i: int, pipe, out, clues: _Clues, shown: _LibraryLines, prefix: str | None = None) -> None:
+  prefix = prefix or f"[w{i}]"
   for line in iter(pipe.readline, b""):
     text = line.decode(errors="replace")
     clues.read(i, text)
     if shown.show(i, text):
-      out.write(f"[w{i}] {text}")
+      out.write(f"{prefix} {text}")
       out.flush()
   pipe.close()
 
@@ -153,30 +189,32 @@ def _signal_group(p, sig) -> None:
     pass
 
 
-def failure_line(first: tuple, procs, clues: _Clues, address: str) -> str:
-  """The launcher's line on the first failure (worker, exit code), naming the cause the workers' output
-  shows: an unknown task registered at the coordinator, a lost worker (when the first to fail exited
-  with coord.EXIT_LOST), else just that worker."""
+def failure_line(first: tuple, procs, clues: _Clues, address: str, roles: Roles | None = None) -> str:
+  """The launcher's line on the first failure (process, exit code), naming the cause the workers'
+  output shows: an unknown task registered at the coordinator, a lost worker (when the first to fail
+  exited with coord.EXIT_LOST), else just that process."""
+  roles = roles or Roles(len(procs), False)
   worker, code = first
-  failed = f"worker {worker} exited with {describe(code)}"
+  failed = f"{roles.name(worker)} exited with {describe(code)}"
   if clues.intruder is not None:
     return (
       f"an unknown process registered at the coordinator {address} as task {clues.intruder} (not a "
       f"worker of this launcher: the coordination service is unauthenticated, any local user can "
       f"connect; README) and the service aborted the workers: {failed}"
     )
-  lost = [w for w in clues.lost.get(worker, []) if w < len(procs)] if code == coord.EXIT_LOST else []
+  named = clues.lost.get(worker, []) if code == coord.EXIT_LOST else []
+  lost = [i for i in (roles.process(w) for w in named) if i is not None and i < len(procs)]
   if not lost:
     return failed
   states = ", ".join(
-    f"{w} (still running: stalled)"
-    if procs[w].poll() is None
-    else f"{w} (exited with {describe(procs[w].returncode)})"
-    for w in lost
+    f"{roles.name(i)} (still running: stalled)"
+    if procs[i].poll() is None
+    else f"{roles.name(i)} (exited with {describe(procs[i].returncode)})"
+    for i in lost
   )
   many = len(lost) > 1
   return (
-    f"{'workers' if many else 'worker'} {states} {'are' if many else 'is'} lost: worker {worker}'s "
+    f"{states} {'are' if many else 'is'} lost: {roles.name(worker)}'s "
     f"watchdog named {'them' if many else 'it'}, then {failed}"
   )
 
@@ -285,11 +323,12 @@ def start_worker(
   cwd=None,
   launched: bool = True,
   text: bool = False,
+  coordinator: bool = False,
 ):
-  """Worker i: `python -m module args` with the coordinator flags, in a session of its own (the
+  """Process i of n: `python -m module args` with the coordinator flags, in a session of its own (the
   launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe (bytes, or
   str with `text`). launched=False: a process on its own, as on a cluster (no launcher whose death it
-  follows)."""
+  follows). coordinator=True: process 0 is an async run's coordinator, process i worker i - 1."""
   cmd = [
     sys.executable,
     "-m",
@@ -301,7 +340,7 @@ def start_worker(
     f"--process_id={i}",
     f"--cpu_devices={cpu_devices}",
   ]
-  env = child_env(cpu_devices, platform, i)
+  env = child_env(cpu_devices, platform, max(i - int(coordinator), 0), coordinator and i == 0)
   if not launched:
     env.pop(coord.LAUNCHER_PID_ENV, None)
   return subprocess.Popen(
@@ -309,7 +348,7 @@ def start_worker(
   )
 
 
-def _watch(procs, threads, signals, clues, address: str, grace_s: float, out):
+def _watch(procs, threads, signals, clues, address: str, grace_s: float, out, roles=None):
   """Polls every child every 0.1 s until all succeed, one fails ((worker, code): named in one line) or
   a signal arrives; returns the first failure or None."""
   while not signals.got:
@@ -318,7 +357,7 @@ def _watch(procs, threads, signals, clues, address: str, grace_s: float, out):
     if failed:
       threads[failed[0][0]].join(timeout=2)  # its last lines (why it failed) read to the end
       out.write(
-        f"[launch] {failure_line(failed[0], procs, clues, address)}; stopping the others "
+        f"[launch] {failure_line(failed[0], procs, clues, address, roles)}; stopping the others "
         f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n"
       )
       return failed[0]
@@ -339,9 +378,11 @@ def launch(
   on_start=None,
   cwd=None,
   port: int = 0,
+  coordinator: bool = False,
 ) -> int:
-  """Runs `python -m module args --jax_distributed ...` N times; returns the first non-zero exit code
-  (a signal's -k as 128 + k), 128 + k after signal k to the launcher, 0 when every worker succeeds.
+  """Runs `python -m module args --jax_distributed ...` N times (N + 1 with `coordinator`: an
+  executor=async run's process 0, which trains nothing); returns the first non-zero exit code (a
+  signal's -k as 128 + k), 128 + k after signal k to the launcher, 0 when every process succeeds.
 
   Raises ValueError, before starting anything, for arguments that cannot run (check_args): fewer than
   1 process or CPU device, a negative or non-finite grace period, a port outside 0..65535 or one that
@@ -358,25 +399,31 @@ def launch(
   address = f"127.0.0.1:{port or free_port()}"
   platform, module = resolve_platform(platform), resolve_module(module)
   procs, threads, clues = [], [], _Clues()
+  roles = Roles(num_processes, coordinator)
   shown = _LibraryLines(any(VERBOSE_FLAG.match(a) for a in args))
   first = None  # (worker, exit code) of the first failure
   with _Signals() as signals:
     try:
-      for i in range(num_processes):
+      for i in range(roles.total):
         if signals.got:
           break
-        procs.append(start_worker(i, num_processes, module, args, address, cpu_devices, platform, cwd))
+        procs.append(
+          start_worker(
+            i, roles.total, module, args, address, cpu_devices, platform, cwd, coordinator=coordinator
+          )
+        )
         threads.append(
-          threading.Thread(target=_stream, args=(i, procs[-1].stdout, out, clues, shown), daemon=True)
+          threading.Thread(
+            target=_stream, args=(i, procs[-1].stdout, out, clues, shown, roles.prefix(i)), daemon=True
+          )
         )
         threads[-1].start()
-      out.write(
-        f"[launch] {num_processes} workers on {address} ({platform}), pids {[p.pid for p in procs]}\n"
-      )
+      who = f"{num_processes} workers and a coordinator" if coordinator else f"{num_processes} workers"
+      out.write(f"[launch] {who} on {address} ({platform}), pids {[p.pid for p in procs]}\n")
       out.flush()
       if on_start and not signals.got:
         on_start([p.pid for p in procs])
-      first = _watch(procs, threads, signals, clues, address, grace_s, out)
+      first = _watch(procs, threads, signals, clues, address, grace_s, out, roles)
       if signals.got and not first:
         out.write(
           f"[launch] received {signal.Signals(signals.got[0]).name}; stopping the workers "
@@ -391,7 +438,7 @@ def launch(
   codes = [p.returncode for p in procs]
   if shown.hidden:
     out.write(f"[launch] {shown.hidden} more gloo connection lines hidden (--verbose_libraries shows them)\n")
-  out.write(f"[launch] exit codes: {codes}\n")
+  out.write(f"[launch] exit codes: {roles.codes(codes)}\n")
   out.flush()
   if first:
     code = first[1]

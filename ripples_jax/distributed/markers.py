@@ -11,7 +11,7 @@ from ripples_jax import checkpoint as ckpt_lib
 from ripples_jax.runlog import RunLog
 
 
-def fail_now(log: RunLog, saved, step: int) -> None:
+def fail_now(log: RunLog, saved, step: int, who: int | None = None) -> None:
   """Fault injection (runtime.fail_worker/fail_step): SIGKILL this process at a fixed point of the run.
 
   Drains the saver thread first, so the kill always lands after a checkpoint this worker has really
@@ -23,5 +23,6 @@ def fail_now(log: RunLog, saved, step: int) -> None:
     log.wait()
     if saved is not None and saved not in ckpt_lib.restorable_steps(log.mgr):
       raise RuntimeError(f"runtime.fail_worker: checkpoint {saved} was not committed before the kill")
-  logging.warning("runtime.fail_worker: worker %d kills itself at local step %d", jax.process_index(), step)
+  who = jax.process_index() if who is None else who  # a worker's index (an async run's), else the process's
+  logging.warning("runtime.fail_worker: worker %d kills itself at local step %d", who, step)
   os.kill(os.getpid(), signal.SIGKILL)

@@ -74,3 +74,26 @@ def restore_common(
     )
   log.start_fresh()
   return None
+
+
+def publish_point(kv, log: RunLog | None, step: int | None) -> None:
+  """Worker 0 of an executor=async run, once every worker agreed: the resume point for the
+  coordinator, which holds no checkpoint but owns the records: {"mark", "meta"} (the checkpoint's
+  metrics line count, identity and newest values), or null for a fresh start."""
+  import json
+
+  point = None
+  if step is not None:
+    meta = log.resumed_meta
+    point = {
+      "mark": int(step),
+      "meta": {k: meta[k] for k in ("metrics_lines", "identity", "last") if k in meta},
+    }
+  kv.key_value_set(f"{KEY}/point", json.dumps(point), allow_overwrite=True)
+
+
+def await_point(kv, timeout_s: float) -> dict | None:
+  """The coordinator: the point publish_point sent (None: a fresh start)."""
+  import json
+
+  return json.loads(kv.blocking_key_value_get(f"{KEY}/point", int(timeout_s * 1000)))

@@ -129,9 +129,9 @@ class RunLog:
     progress: bool = True,
     per_process=None,
   ):
-    """per_process: (process, to_global, to_local): this process checkpoints its own state alone, in
-    ckpt/<process>/ (the runtime's marker checkpoints: no barrier); to_global makes the arrays orbax
-    writes from the local state, to_local takes them back."""
+    """per_process: (name, to_global, to_local): this process checkpoints its own state alone, in
+    ckpt/<name>/ (the runtime's marker checkpoints: no barrier; name is a worker's or a stage's
+    index); to_global makes the arrays orbax writes from the local state, to_local takes them back."""
     self.workdir, self.config, self.total_steps = workdir, config, total_steps
     self.per_process = per_process
     self._saver = Saver(self._write_in_background)
@@ -146,12 +146,13 @@ class RunLog:
     self.ckpt_dir = os.path.abspath(os.path.join(workdir, "ckpt"))
     if per_process is not None:
       self.ckpt_dir = os.path.join(self.ckpt_dir, str(per_process[0]))
-    self.mgr = (
-      checkpoint.manager(self.ckpt_dir, keep, process=per_process and per_process[0]) if every else None
-    )
+    # orbax's primary host is this process (its id), whatever the folder's name (a worker's index).
+    process = jax.process_index() if per_process is not None else None
+    self.mgr = checkpoint.manager(self.ckpt_dir, keep, process=process) if every else None
     self.metrics_path = os.path.join(workdir, "metrics.jsonl")
     self.identity = identity(config)
     self.last_ckpt = None  # the newest checkpoint step this run restored or saved
+    self.resumed_meta = None  # the meta of the checkpoint it resumed from
     self.last = {}  # the newest value of every recorded key
     self._tensorboard = tensorboard
     self._file = self._tb = None
@@ -258,23 +259,9 @@ class RunLog:
     self.set_aside([s for s in self.committed() if s > step])
     self.mgr.reload()
     if self.is_lead:
-      warning = cut_records(self.metrics_path, meta["metrics_lines"])
-      if warning:
-        logging.warning("%s", warning)
-      # TensorBoard keeps what metrics.jsonl keeps: events up to its last record, none after.
-      kept = last_step(self.metrics_path)
-      self._tb_purge = 0 if kept is None else kept + 1
-      changed = bool(differences(meta["identity"], self.identity))
-      self._tb_header = self._tb_purge == 0 or changed
-      if changed:  # on_config_change=force
-        config_path = os.path.join(self.workdir, "config.json")
-        if os.path.exists(config_path):
-          k = 1
-          while os.path.exists(os.path.join(self.workdir, numbered("config.json", k))):
-            k += 1
-          os.replace(config_path, os.path.join(self.workdir, numbered("config.json", k)))
-      self._write_config()
+      self.resume_records(meta)
     logging.info("resuming from %s/%d", self.ckpt_dir, step)
+    self.resumed_meta = meta
     self.last_ckpt = step
     self.last = dict(meta.get("last", {}))
     if "step" in self.last and "time" in self.last:
@@ -282,6 +269,27 @@ class RunLog:
     if self._progress is not None:  # its last record's step (a checkpoint's own may count blocks)
       self._progress.resume_at(min(int(self.last.get("step", 0)), self.total_steps))
     return step, state, meta["cursor"]
+
+  def resume_records(self, meta: dict) -> None:
+    """The lead's part of a resume at a checkpoint whose `meta` it has (read here, or sent by the
+    process that holds it: an async run's coordinator holds no checkpoint): metrics.jsonl cut back to
+    it, TensorBoard's purge point, config.json (an earlier one kept numbered when the config changed)."""
+    warning = cut_records(self.metrics_path, meta["metrics_lines"])
+    if warning:
+      logging.warning("%s", warning)
+    # TensorBoard keeps what metrics.jsonl keeps: events up to its last record, none after.
+    kept = last_step(self.metrics_path)
+    self._tb_purge = 0 if kept is None else kept + 1
+    changed = bool(differences(meta["identity"], self.identity))
+    self._tb_header = self._tb_purge == 0 or changed
+    if changed:  # on_config_change=force
+      config_path = os.path.join(self.workdir, "config.json")
+      if os.path.exists(config_path):
+        k = 1
+        while os.path.exists(os.path.join(self.workdir, numbered("config.json", k))):
+          k += 1
+        os.replace(config_path, os.path.join(self.workdir, numbered("config.json", k)))
+    self._write_config()
 
   def start_fresh(self) -> None:
     """A fresh start: an earlier run's records are kept, numbered (lead); config.json written."""

@@ -1,15 +1,18 @@
 """executor=async: the asynchronous multi-process Ripples runtime on jax.distributed.
 
-authority  the online Group Generator: one authority thread, per-worker queues in the coordination
-           service (schedule/online.py is the protocol, shared with the simulator)
+coordinator  process 0: hosts the coordination service and the authority, owns the run's records,
+           trains nothing (worker w is process w + 1)
+authority  the online Group Generator: the coordinator's authority, per-worker queues in the
+           coordination service (schedule/online.py is the protocol, shared with the simulator)
 preduce    P-Reduce between processes: one cached program per member set, or pairwise exchanges
            (at most n-1 programs per worker)
 coord      heartbeats and the watchdog, through the coordination service
 worker     one process's worker loop, marker checkpoints (per worker, no barrier), eval snapshots
-adpsgd     AD-PSGD: active workers average with a random passive one, served concurrently
+adpsgd     AD-PSGD: active workers average with a random passive one while computing (Lian et al.'s
+           order), served concurrently
 summary    throughput, time split and accuracy over wall-clock time, from the run's files
 trace      per-worker event traces and their Gantt chart
 replay     the recorded event order through the single-process engine (what the runtime computed)
-launcher   N local processes on 127.0.0.1, prefixed logs, fail-fast: names the first failing worker,
-           SIGTERM to the others (process 0 last), SIGKILL after a grace period
+launcher   N local workers (and the coordinator) on 127.0.0.1, prefixed logs, fail-fast: names the
+           first failing process, SIGTERM to the others (process 0 last), SIGKILL after a grace period
 """

@@ -1,9 +1,12 @@
 """AD-PSGD in the runtime (Lian et al., ICML'18; docs/design.md 3.4, 3.7): no authority, no global order.
 
-Active workers (odd ids) average with one random passive worker (even ids) after every local step;
+Active workers (odd ids) average with one random passive worker (even ids) in every local step;
 passive workers only respond, so the waits-for graph is bipartite and no cycle of waits can form.
 
-  active a:  step -> pick p -> post ripples/ad/<p>/<a>/<r> -> pair average (a, p) -> step ...
+  active a:  read x -> pick p, post ripples/ad/<p>/<a>/<r>, and average (a, p) on x in a
+             communication thread | meanwhile compute the gradient on x -> apply it to the average
+             (Lian et al.'s order: the average is atomic and overlaps the gradient's computation; the
+             gradient of the parameters read is applied to the averaged model)
   passive p: its main thread steps; a communication thread serves the posted requests one at a time
              in arrival order, each a pair average with p's *current* parameters.
 
@@ -14,17 +17,20 @@ runtime.adpsgd_passive:
              gradient application atomic on p's parameters; that is all p ever waits for.
   blocking   p serves the requests that arrived only between its own steps (the form in which
              the passive side's compute stops for its averages), for comparison.
-Trace: a served average is a group event with "during": the step it landed in (concurrent), so the
-replay puts it between that step's start and apply, exactly the engine's AD-PSGD semantics.
+Trace: a served average is a group event with "during": the step it landed in (concurrent), and an
+active worker's own average one with "during" and "own"; the replay puts each between that step's
+start and apply, exactly the engine's AD-PSGD semantics (START, AVG, APPLY).
 The run ends when every worker has taken num_steps steps; a passive worker keeps serving until every
 active one is done. Checkpoints: the final state only (no global order to put a marker in).
 """
 
+import concurrent.futures
 import os
 import queue
 import threading
 import time
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -124,9 +130,11 @@ class Passive:
         self.serve_one(block=True)
 
 
-def step(worker: Worker, loop: Loop, log: RunLog, trace, passive: Passive | None) -> None:
-  """One local step; on the passive side the gradient is computed outside the lock, on the params
-  read at its start, and applied under the lock to the params as they are then."""
+def step(worker: Worker, loop: Loop, log: RunLog, trace, passive: Passive | None, average=None) -> None:
+  """One local step. The passive side computes its gradient outside the lock, on the params read at
+  its start, and applies it under the lock to the params as they are then. The active side
+  (`average`: its pair average, started on the params read at the step's start) applies its gradient
+  to the averaged params once both are done."""
   x, y = worker.batch(loop.steps_done)
   t0 = time.perf_counter()
   lock = passive.lock if passive is not None else threading.Lock()
@@ -134,10 +142,13 @@ def step(worker: Worker, loop: Loop, log: RunLog, trace, passive: Passive | None
     flat = loop.state["flat"]
     if passive is not None:
       passive.computing = loop.steps_done
+  pending = average(flat) if average is not None else None  # runs while the gradient is computed
   grads, ms, loss = worker.grad_fn(flat, x, y)
   loss = float(loss)  # blocks: the gradient is ready
   tc = time.perf_counter()
   worker.pad(t0, tc, loop.steps_done)  # the padded step computes until here; then its gradient lands
+  if pending is not None:
+    loop.state["flat"] = pending.result()  # the averaged params (x is no longer this worker's)
   with lock:
     loop.state["flat"], loop.state["opt_state"] = worker.apply_fn(
       loop.state["flat"], loop.state["opt_state"], grads, ms
@@ -151,7 +162,7 @@ def step(worker: Worker, loop: Loop, log: RunLog, trace, passive: Passive | None
 
 def run(config, workdir: str) -> dict:
   rt, n = config.runtime, config.num_workers
-  sigterm = coord.SigtermStop().install()
+  sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
   s = setup_lib.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
@@ -162,6 +173,8 @@ def run(config, workdir: str) -> dict:
     # No mid-run markers: a fresh start, refused (nothing deleted) where an earlier run's final
     # checkpoints are.
     resume_lib.restore_common(log, kv, me, n, None, rt.stall_timeout, resumable=False, what="worker")
+    if me == 0:
+      resume_lib.publish_point(kv, log, None)  # the coordinator's: a fresh start
     loop = Loop(worker.fresh())
     trace = trace_lib.TraceWriter(workdir, me)
     progress, watchdog = watch(kv, me, n, rt, sigterm, steps=0)
@@ -173,15 +186,15 @@ def run(config, workdir: str) -> dict:
     passive = Passive(worker, loop, kv, trace, rt.adpsgd_passive == "concurrent") if me % 2 == 0 else None
     rng = np.random.default_rng([3, config.seed, me])
     sent = {p: 0 for p in range(0, n, 2)}  # requests this active worker posted to each passive one
+    comm = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ripples-ad-comm")
     watchdog.start()
     with watched(watchdog, trace, rt):
       while loop.steps_done < config.num_steps:
-        step(worker, loop, log, trace, passive)
+        average = average_with_passive(worker, loop, kv, trace, rng, sent, comm) if me % 2 == 1 else None
+        step(worker, loop, log, trace, passive, average)
         progress["steps"] = loop.steps_done
         if passive is not None and passive.thread is None:
           passive.drain()
-        if me % 2 == 1:
-          average_with_passive(worker, loop, kv, trace, rng, sent)
         if (
           config.eval_every
           and loop.steps_done % config.eval_every == 0
@@ -197,20 +210,27 @@ def run(config, workdir: str) -> dict:
           kv.key_value_set(f"{coord.PREFIX}/ad/{p}/{me}/{r}", DONE)
       else:
         passive.finish()
+      comm.shutdown(wait=True)  # nothing is left on it: every step waited for its own average
       end_of_run(worker, loop, log, kv, trace, progress, workdir)
     watchdog.stop()
     return result(worker, loop, log, workdir)
 
 
-def average_with_passive(worker: Worker, loop: Loop, kv, trace, rng, sent: dict) -> None:
-  """The active side: post a request to a random passive worker, then the pair average (it blocks
-  until that worker's server joins it)."""
-  n, me = worker.config.num_workers, worker.me
+def average_with_passive(worker: Worker, loop: Loop, kv, trace, rng, sent: dict, comm):
+  """The active side's average for the step about to start: flat -> a future of the pair average of
+  flat with a random passive worker's params, run on the communication thread `comm` (it blocks until
+  that worker's server joins it). The request is posted first, so the passive side can join at once."""
+  n, me, s = worker.config.num_workers, worker.me, loop.steps_done
   p = int(rng.choice(np.arange(0, n, 2)))
   key = f"{p}.{sent[p]}"
   kv.key_value_set(f"{coord.PREFIX}/ad/{p}/{me}/{sent[p]}", key)
   sent[p] += 1
-  t0 = worker.now()
-  loop.state["flat"] = worker.averager.average(tuple(sorted((me, p))), loop.state["flat"])
-  loop.state["flat"].block_until_ready()
-  trace.add(k="group", c=0, g=f"{me}.{key}", m=sorted((me, p)), t0=t0, t1=worker.now())
+
+  def run(flat):
+    t0 = worker.now()
+    out = worker.averager.average(tuple(sorted((me, p))), flat)
+    out.block_until_ready()
+    trace.add(k="group", c=0, g=f"{me}.{key}", m=sorted((me, p)), t0=t0, t1=worker.now(), during=s, own=True)
+    return out
+
+  return lambda flat: comm.submit(run, flat)

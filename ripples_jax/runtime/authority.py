@@ -6,15 +6,18 @@ Transport (the jax.distributed key-value store; no server of ours):
   ripples/req/<w>/<r>    worker w's r-th request: "<queue index it asks for> <when it is ready>
                          <its newest step time>" (the step time rides on the request: the start
                          report is sent from a thread and may arrive after it); deleted once read
-  ripples/started/<w>    "<steps started> <started at> <last step time> <last gid>", overwritten by w
+  ripples/started/<w>    "<steps started> <started at> <last step time> <last gid> <checkpoint markers
+                         passed>", overwritten by w
 So the store holds O(workers) keys however long the run (measured: benchmarks.bench_authority).
-The authority (a thread of process 0, as the paper's GG is one service) wakes on requests (one
+The authority (threads of the coordinator, process 0, which trains nothing: the paper's GG is one
+service; runtime/coordinator.py) wakes on requests (one
 listener thread per worker, blocked in a get of that worker's next request key) and otherwise polls
 the start reports every `poll_s` for markers and the end of the run. A round serves every request
 that has arrived: one read of the start reports, then generation for each request in arrival order,
 then one write per worker whose queue grew. Posted entries and the Group Buffer's global list are
-trimmed after each round (Service.trim), and a checkpoint's snapshot is dropped once process 0 saved
-it (take_snapshot), so the authority's state is bounded too. Times are seconds since the run's
+trimmed after each round (Service.trim), and a checkpoint's snapshot goes to `on_checkpoint` (the
+coordinator writes it to a file) or is kept until taken (take_snapshot), so the authority's state is
+bounded too. Times are seconds since the run's
 common start (the start barrier), so no host clocks are compared.
 
 A worker's `Feed` keeps a get of its next queue key outstanding in a thread, so an entry appended
@@ -57,12 +60,17 @@ def values_in_order(kv, prefix: str, stop: threading.Event | None = None):
 
 
 class Authority:
-  """Serves a `schedule.online.Service` to every worker; `snapshots[c]` is the service's state when
-  checkpoint marker c was inserted (process 0's worker saves it with its own state)."""
+  """Serves a `schedule.online.Service` to every worker. The service's state when checkpoint marker c
+  is inserted goes to on_checkpoint(c, state) before any queue holds c (default: kept in
+  `snapshots[c]` until take_snapshot). `epochs[w]`: the checkpoint markers worker w has passed (its
+  start reports)."""
 
-  def __init__(self, kv, service, now, poll_s: float = 0.05):
-    self.kv, self.service, self.now, self.poll_s = kv, service, now, poll_s
+  def __init__(self, kv, service, poll_s: float = 0.05, on_checkpoint=None):
+    self.kv, self.service, self.poll_s = kv, service, poll_s
     self.n = service.n
+    self.on_checkpoint = on_checkpoint or (lambda ident, state: self.snapshots.__setitem__(ident, state))
+    self.epochs = [0] * self.n
+    self.last_ckpt = service.marks["ckpt"]  # the newest checkpoint marker in the global order
     self.posted = [0] * self.n  # entries of each queue written to the store
     self.batches = [0] * self.n  # keys written per queue
     self.inbox = queue.Queue()
@@ -89,6 +97,11 @@ class Authority:
     self._stop.set()
     self._writers.shutdown(wait=False)
 
+  def join(self, timeout_s: float | None = None) -> bool:
+    """Waits for the serving thread to end (STOP posted to every queue); False on timeout."""
+    self._threads[-1].join(timeout_s)
+    return not self._threads[-1].is_alive()
+
   def _listen(self, w: int) -> None:
     try:
       for r, value in enumerate(values_in_order(self.kv, f"{PREFIX}/req/{w}", self._stop)):
@@ -109,10 +122,10 @@ class Authority:
       if self._seen.get(key) == value:
         continue
       self._seen[key] = value
-      steps, started, step_time, last_gid = value.split()
-      self.service.report(
-        int(key.rsplit("/", 1)[1]), float(started), float(step_time), int(steps), int(last_gid)
-      )
+      steps, started, step_time, last_gid, epoch = value.split()
+      w = int(key.rsplit("/", 1)[1])
+      self.service.report(w, float(started), float(step_time), int(steps), int(last_gid))
+      self.epochs[w] = int(epoch)
 
   def _serve(self) -> None:
     try:
@@ -139,8 +152,9 @@ class Authority:
     for w, want, ready_at, step_time, _ in batch:
       self.service.request(w, want, ready_at, step_time)
     for kind, ident in self.service.tick():
-      if kind == "ckpt":
-        self.snapshots[ident] = self.service.state()
+      if kind == "ckpt":  # saved before _post: a worker can checkpoint at it only once it is posted
+        self.on_checkpoint(ident, self.service.state())
+        self.last_ckpt = ident
     self._post()
     done = time.perf_counter()
     self.handled.extend(done - arrived for *_, arrived in batch)
@@ -213,14 +227,14 @@ class Feed:
     self.requests += 1
     self.asked = (self.taken, time.perf_counter())
 
-  def report(self, steps: int, started_at: float, step_time: float, last_gid: int) -> None:
+  def report(self, steps: int, started_at: float, step_time: float, last_gid: int, epoch: int = 0) -> None:
     """A step starts: tell the authority (from a thread, overlapped with the step); with request-ahead
     and nothing queued, ask for the entry after this step now. With `lead` (a generator that plans with
     who is ready when, Smart GG), ask instead one round trip before the step is expected to end, so the
     answer arrives as the step does and the plan is made with nearly the state a request at the end
     would see (lead_s: the recent round trips' 90th percentile and a margin; none measured yet: no lead)."""
     self.step_time = float(step_time)
-    self._reports.put(f"{steps} {started_at!r} {step_time!r} {last_gid}")
+    self._reports.put(f"{steps} {started_at!r} {step_time!r} {last_gid} {epoch}")
     if self.ahead and self.asked is None and self.local.empty():
       self._request(started_at + step_time)
     elif self.lead and (lead := self.lead_s()) and step_time > lead:

@@ -50,8 +50,9 @@ def window_throughput(traces: dict) -> tuple[float, float]:
   return (done / t_end if t_end > 0 else 0.0), t_end
 
 
-def summarize(config, workdir: str, setup, unravel, log) -> dict:
-  """Evaluates the marker snapshots, records them through the RunLog, writes summary.json and the Gantt."""
+def summarize(config, workdir: str, setup, unravel, log, authority=None) -> dict:
+  """Evaluates the marker snapshots, records them through the RunLog, writes summary.json and the Gantt
+  (the coordinator, after the run; `authority`: its Group Generator service, if it ran one)."""
   model, data = setup.model, setup.data
   n = config.num_workers
   traces = trace_lib.load_traces(workdir)
@@ -81,7 +82,7 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
   split = trace_lib.time_split(traces)
   ends = {w: next((e for e in traces.get(w, []) if e["k"] == "end"), {}) for w in range(n)}
   rtts = [x for e in ends.values() for x in (e.get("rtt") or [])]
-  handled = [x for e in ends.values() for x in (e.get("handled") or [])]
+  handled = list(authority.handled) if authority is not None else []
   blocked = [x for e in ends.values() for x in (e.get("blocked") or [])]
   throughput, window = window_throughput(traces)
   summary = log.finish(
@@ -100,7 +101,7 @@ def summarize(config, workdir: str, setup, unravel, log) -> dict:
     preduce=preduce_lib.choose(config),
     authority={
       "requests": len(handled),
-      "busy_s": ends[0].get("authority_busy_s"),
+      "busy_s": authority.busy_s,
       **authority_lib.percentiles(handled),
     }
     if handled

@@ -69,14 +69,35 @@ def intervals(traces: dict) -> list:
         arrivals[e["g"]] = max(arrivals.get(e["g"], e["t0"]), e["t0"])
   out = []
   for w, events in traces.items():
+    own = {e["during"]: e for e in events if e["k"] == "group" and e.get("own")}
     for e in events:
-      if e["k"] == "step":
+      if e["k"] == "step" and e["s"] in own:
+        out += _overlapped(w, e, own[e["s"]], arrivals)
+      elif e["k"] == "step":
         out.append((w, "compute", e["t0"], e["t1"]))
-      elif e["k"] == "group":
+      elif e["k"] == "group" and "during" not in e:
         last = min(max(arrivals[e["g"]], e["t0"]), e["t1"])
         if last > e["t0"]:
           out.append((w, "wait", e["t0"], last))
         out.append((w, "comm", last, e["t1"]))
+      # A group "during" a step overlaps its compute: a passive worker's served average (its
+      # communication thread), or an active worker's own (counted with its step: _overlapped).
+  return out
+
+
+def _overlapped(w: int, step: dict, group: dict, arrivals: dict) -> list:
+  """AD-PSGD's active step, whose average overlaps its gradient: compute until the padded compute
+  ends, then what of the average is left (waiting for the passive worker, then the exchange), then
+  the apply."""
+  t0, ce, t1, g1 = step["t0"], step.get("c_end", step["t1"]), step["t1"], group["t1"]
+  out = [(w, "compute", t0, ce)]
+  if g1 > ce:
+    last = min(max(arrivals[group["g"]], ce), g1)
+    if last > ce:
+      out.append((w, "wait", ce, last))
+    out.append((w, "comm", last, g1))
+  if t1 > max(ce, g1):
+    out.append((w, "compute", max(ce, g1), t1))
   return out
 
 

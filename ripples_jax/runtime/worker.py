@@ -4,13 +4,15 @@
         a straggler) -> the head of its queue: markers (eval snapshot, checkpoint), then one group or
         none -> P-Reduce over the group's sub-mesh -> repeat
 
-The queue comes from the online Group Generator (runtime/authority.py: one authority thread in process
-0, requests through the coordination service) or, for All-Reduce and Static GG, from the fixed
-schedule computed locally. Every queue is a subsequence of one global order, so no cyclic wait can
-occur, and a worker blocks only in its own groups' collectives and, with an empty queue, on the
-authority's answer. No barrier inside the run: a checkpoint is a marker in the global order that each
-worker saves at (its own orbax manager), and the saved states form a consistent cut. AD-PSGD has no
-authority and no global order (runtime/adpsgd.py).
+Worker w is process w + 1: process 0 is the coordinator (runtime/coordinator.py), which trains nothing
+and hosts the coordination service, the authority and the run's records. The queue comes from the
+online Group Generator (runtime/authority.py: the coordinator's authority, requests through the
+coordination service) or, for All-Reduce and Static GG, from the fixed schedule computed locally.
+Every queue is a subsequence of one global order, so no cyclic wait can occur, and a worker blocks
+only in its own groups' collectives and, with an empty queue, on the authority's answer. No barrier
+inside the run: a checkpoint is a marker in the global order that each worker saves at (its own
+orbax manager), and the saved states form a consistent cut. AD-PSGD has no authority and no global
+order (runtime/adpsgd.py).
 """
 
 import contextlib
@@ -39,11 +41,10 @@ from ripples_jax.distributed.markers import fail_now
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import authority as authority_lib
-from ripples_jax.runtime import summary as summary_lib
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import make_averager
-from ripples_jax.schedule import make_group_generator, static_layouts
-from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, Cadence, Service, asks_ahead
+from ripples_jax.schedule import static_layouts
+from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, asks_ahead
 from ripples_jax.timeline import slow_at
 
 
@@ -91,7 +92,6 @@ class Loop:
   last_step_time: float = 0.0  # its newest step's measured time (what its reports carry)
   time: float = 0.0  # seconds of the run before this process started (resume)
   resumed_at: int | None = None  # the checkpoint marker this process resumed from
-  authority: dict | None = None  # process 0: the authority's state at that marker
 
 
 class Worker:
@@ -99,9 +99,12 @@ class Worker:
 
   def __init__(self, config, s: setup_lib.Setup):
     self.config, self.s, self.rt = config, s, config.runtime
-    n, self.me = config.num_workers, jax.process_index()
-    # Devices per worker, in the global order every process sees the same way.
-    self.devices_of = {w: [d for d in jax.devices() if d.process_index == w] for w in range(n)}
+    n, self.me = config.num_workers, coord.worker_of(jax.process_index())
+    # Devices per worker, in the global order every process sees the same way (the coordinator's
+    # device is in no mesh: it takes part in no collective).
+    self.devices_of = {
+      w: [d for d in jax.devices() if d.process_index == coord.worker_process(w)] for w in range(n)
+    }
     self.local_mesh = Mesh(np.array(self.devices_of[self.me]), (LOCAL,))
     self.global_mesh = Mesh(np.array([self.devices_of[w] for w in range(n)]), (WORKER, LOCAL))
     params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
@@ -113,9 +116,6 @@ class Worker:
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
     self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
-    # Process 0 of a dynamic-generator run: the run's steps (every worker's started steps / n, from the
-    # authority), which its progress line counts; its own steps reach num_steps before a slow worker's.
-    self.run_steps = None
 
   def now(self) -> float:
     return time.perf_counter() - self.t_start
@@ -206,16 +206,18 @@ class Worker:
       f64(local["last_step_time"]),
       cursor["time"],
       resumed_at=cursor["mark"],
-      authority=cursor.get("authority"),
     )
 
 
 def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
   """The loop state from the newest marker every worker can restore (distributed.resume), or a fresh
-  one; what the lost run did after that marker (snapshots, trace events) is dropped so this run redoes it."""
+  one; what the lost run did after that marker (snapshots, trace events) is dropped so this run redoes it.
+  Worker 0 tells the coordinator where (distributed.resume.publish_point)."""
   me, n, rt = worker.me, worker.config.num_workers, worker.rt
   like = worker.pack(Loop(worker.fresh()))
   got = resume_lib.restore_common(log, kv, me, n, like, rt.stall_timeout, what="worker")
+  if me == 0:
+    resume_lib.publish_point(kv, log, got and got[0])
   if got is None:
     loop = Loop(worker.fresh())
   else:
@@ -244,27 +246,18 @@ def make_feed(worker: Worker, loop: Loop, kv):
   )
 
 
-def make_authority(worker: Worker, loop: Loop, kv, estimate: float):
-  """Process 0 of a dynamic-generator run: the Group Generator service, from the resumed state."""
-  c, n = worker.config, worker.config.num_workers
-  cadence = Cadence(c.num_steps * n, c.eval_every * n, worker.rt.checkpoint_every * n)
-  gg = make_group_generator(c, np.random.default_rng([4, c.seed]))
-  service = Service(n, gg, cadence, estimate)
-  if loop.authority is not None:
-    service.load(loop.authority)
-  return authority_lib.Authority(kv, service, worker.now)
-
-
 def run(config, workdir: str) -> dict:
-  """This process's worker: runs the loop, then (process 0) writes the run's summary."""
+  """This process's worker: runs the loop; returns its own counts (the coordinator writes the summary)."""
   rt, n = config.runtime, config.num_workers
-  sigterm = coord.SigtermStop().install()  # SIGTERM ends this worker: one line, coord.EXIT_TERM
+  # SIGTERM ends this worker: one line, coord.EXIT_TERM
+  sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
   s = setup_lib.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
   worker = Worker(config, s)
   me = worker.me
   estimate = worker.warm_up()
+  coord.publish_estimate(kv, "warmup", me, estimate)  # the authority's first plan (the coordinator)
   if hasattr(worker.averager, "precompile"):  # pairs: every program and connection, before the run
     like = jax.ShapeDtypeStruct(worker._flat0.shape, worker._flat0.dtype)
     compiled = worker.averager.precompile(like)
@@ -286,16 +279,11 @@ def run(config, workdir: str) -> dict:
     )
     progress, watchdog = watch(kv, me, n, rt, sigterm, steps=loop.steps_done)
     worker.t_start = start_clock(kv, me, n, loop.epoch, loop.time, int(rt.stall_timeout * 1000))
-    authority = (
-      make_authority(worker, loop, kv, estimate).start() if me == 0 and config.algorithm in DYNAMIC else None
-    )
-    if authority is not None:
-      worker.run_steps = lambda: int(authority.service.steps.sum()) // n
     feed = make_feed(worker, loop, kv)
     watchdog.start()
     try:
       with watched(watchdog, trace, rt):
-        run_loop(worker, loop, log, feed, authority, trace, progress, workdir)
+        run_loop(worker, loop, log, feed, trace, progress, workdir)
         end_of_run(
           worker,
           loop,
@@ -304,17 +292,12 @@ def run(config, workdir: str) -> dict:
           trace,
           progress,
           workdir,
-          authority.service.state() if authority is not None else None,
           rtt=feed.rtts,
           blocked=feed.blocked,
           requests=feed.requests,
-          handled=authority.handled if authority is not None else None,
-          authority_busy_s=authority.busy_s if authority is not None else None,
         )
     finally:
       feed.close()
-      if authority is not None:
-        authority.stop()
     watchdog.stop()
     logging.info(
       "worker %d: %d local steps, %d P-Reduce programs compiled, %.2f s in their first runs",
@@ -326,14 +309,15 @@ def run(config, workdir: str) -> dict:
     return result(worker, loop, log, workdir)
 
 
-def start_clock(kv, me: int, n: int, epoch: int, own_time: float, timeout_ms: int) -> float:
-  """The start barrier, and the perf_counter value at which the run's clock reads 0 on this worker.
+def start_clock(kv, me: int | None, n: int, epoch: int, own_time: float, timeout_ms: int) -> float:
+  """The start barrier, and the perf_counter value at which the run's clock reads 0 on this process.
 
   A resumed worker saved its marker at its own moment, so the workers' saved run times differ (by up
   to a slow step). Smart GG and the moving straggler compare the workers' times, so every worker
-  resumes the one clock: the latest saved time, at the barrier's release."""
+  resumes the one clock: the latest saved time, at the barrier's release. me=None: the coordinator,
+  which has no time of its own and reads the workers'."""
   key, fresh = f"{coord.PREFIX}/clock/{epoch}", epoch == 0 and own_time == 0.0  # fresh: all or none
-  if not fresh:
+  if not fresh and me is not None:
     kv.key_value_set(f"{key}/{me}", repr(float(own_time)), allow_overwrite=True)
   kv.wait_at_barrier(f"{coord.PREFIX}/start/{epoch}", timeout_ms)
   released = time.perf_counter()  # the same instant on every worker, up to the barrier's release skew
@@ -355,6 +339,8 @@ def watch(kv, me: int, n: int, rt, sigterm, steps: int = 0):
     rt.heartbeat_s,
     rt.heartbeat_timeout,
     rt.stall_timeout,
+    hosts_service=False,
+    service_host=f"the {coord.COORDINATOR}",
   )
   sigterm.watchdog = watchdog
   return progress, watchdog
@@ -383,7 +369,6 @@ def end_of_run(
   trace,
   progress,
   workdir: str,
-  authority_state: dict | None = None,
   **end,
 ) -> None:
   """Every worker, after its last step: the final checkpoint (marker epoch + 1, the same id on every
@@ -391,7 +376,7 @@ def end_of_run(
   rt = worker.rt
   if rt.checkpoint_every:
     final = loop.epoch + 1
-    log.checkpoint(final, worker.pack(loop), cursor(worker, loop, final, authority_state), force=True)
+    log.checkpoint(final, worker.pack(loop), cursor(worker, loop, final), force=True)
   np.save(snapshot_path(workdir, "final", worker.me), np.asarray(loop.state["flat"]))
   trace.add(
     k="end",
@@ -410,32 +395,26 @@ def end_of_run(
 
 
 def result(worker: Worker, loop: Loop, log: RunLog, workdir: str) -> dict:
-  """Process 0: the run's summary (evaluations, summary.json, Gantt); the others: their own counts."""
-  config = worker.config
-  if worker.me != 0:
-    return {
-      "algorithm": config.algorithm,
-      "executor": "async",
-      "worker": worker.me,
-      "worker_steps": loop.steps_done,
-      "workdir": workdir,
-    }
-  return summary_lib.summarize(config, workdir, worker.s, worker.unravel, log)
+  """A worker's own counts (the coordinator evaluates and writes summary.json)."""
+  return {
+    "algorithm": worker.config.algorithm,
+    "executor": "async",
+    "worker": worker.me,
+    "worker_steps": loop.steps_done,
+    "workdir": workdir,
+  }
 
 
-def cursor(worker: Worker, loop: Loop, mark: int | None = None, authority: dict | None = None) -> dict:
-  out = {
+def cursor(worker: Worker, loop: Loop, mark: int | None = None) -> dict:
+  return {
     "mark": loop.epoch if mark is None else mark,
     "evals": loop.evals,
     "syncs": loop.syncs,
     "time": worker.now(),
   }
-  if authority is not None:
-    out["authority"] = authority
-  return out
 
 
-def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, authority, trace, progress, workdir) -> None:
+def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, workdir) -> None:
   """Step, then the head of the queue (markers, then one group or none), until STOP.
 
   A resumed worker starts by taking its next entry: it saved its state right after a marker, at the
@@ -444,17 +423,17 @@ def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, authority, trace, pr
   saved = loop.resumed_at
   step_first = loop.resumed_at is None
   if step_first:  # the initial model is evaluation point 0
-    mark(worker, loop, log, authority, trace, (MARK, "eval", 0), workdir)
+    mark(worker, loop, log, trace, (MARK, "eval", 0), workdir)
   while True:
     if step_first:
       if me == rt.fail_worker and loop.steps_done == rt.fail_step:
-        fail_now(log, saved, loop.steps_done)
+        fail_now(log, saved, loop.steps_done, me)
       run_step(worker, loop, log, feed, trace)
       progress["steps"] = loop.steps_done
     step_first = True
     entry = feed.next(rt.stall_timeout)
     while entry[0] == MARK:
-      saved = mark(worker, loop, log, authority, trace, entry, workdir) or saved
+      saved = mark(worker, loop, log, trace, entry, workdir) or saved
       entry = feed.next(rt.stall_timeout)
     if entry[0] == STOP:
       return
@@ -469,7 +448,7 @@ def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, authority, trace, pr
     progress["events"] += 1
 
 
-def mark(worker: Worker, loop: Loop, log: RunLog, authority, trace, entry, workdir) -> int | None:
+def mark(worker: Worker, loop: Loop, log: RunLog, trace, entry, workdir) -> int | None:
   """A marker reached the head of this worker's queue: every group before it in the global order has
   run here and none after it, on every worker, so what each worker saves here is one consistent cut."""
   _, kind, ident = entry
@@ -479,8 +458,7 @@ def mark(worker: Worker, loop: Loop, log: RunLog, authority, trace, entry, workd
     np.save(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
     return None
   loop.epoch = ident
-  snap = authority.take_snapshot(ident) if authority is not None else None
-  log.checkpoint(ident, worker.pack(loop), cursor(worker, loop, ident, snap), force=True)
+  log.checkpoint(ident, worker.pack(loop), cursor(worker, loop, ident), force=True)
   trace.flush()
   return ident
 
@@ -489,7 +467,7 @@ def run_step(worker: Worker, loop: Loop, log: RunLog, feed, trace) -> None:
   """One local step: report its start, compute, pad, trace; stop the worker on a non-finite loss."""
   x, y = worker.batch(loop.steps_done)
   t0 = time.perf_counter()
-  feed.report(loop.steps_done + 1, t0 - worker.t_start, loop.last_step_time, loop.last_gid)
+  feed.report(loop.steps_done + 1, t0 - worker.t_start, loop.last_step_time, loop.last_gid, loop.epoch)
   grads, ms, loss = worker.grad_fn(loop.state["flat"], x, y)
   loss = float(loss)  # blocks: the step's real time is what the padding and the reports need
   tc = time.perf_counter()
@@ -510,5 +488,3 @@ def end_step(worker: Worker, loop: Loop, log: RunLog, trace, epoch: int, times, 
   trace.add(k="step", c=epoch, s=loop.steps_done, t0=t0, t1=t1, c_end=tc, loss=loss)
   loop.steps_done += 1
   check_finite(loop.steps_done, log.describe_last(), train_loss=loss)
-  shown = loop.steps_done if worker.run_steps is None else worker.run_steps()
-  log.progress(min(shown, worker.config.num_steps), train_loss=loss)

@@ -1,0 +1,183 @@
+"""executor=async, process 0: the coordinator. It trains nothing and holds no checkpoint; it hosts the
+coordination service (jax.distributed's, as process 0 always does), the Group Generator's authority
+(dynamic generators), and owns the run's records (config.json, metrics.jsonl, summary.json, the Gantt;
+RunLog's lead). No training process is special: worker w is process w + 1 (coord.worker_process).
+
+  start-up  the run's folder and lock -> the workers' agreed resume point (worker 0 publishes it:
+            distributed.resume.publish_point) -> the records cut back to it -> the authority's state
+            at that marker -> the start barrier (one clock: worker.start_clock)
+  run       the authority serves; a watchdog watches every worker's heartbeat (a lost or stalled
+            worker ends the run, and the coordinator exits after its peers: its service going first
+            would abort their clients before they can say why)
+  end       every worker done -> the authority's final state -> the end barrier -> evaluation of the
+            marker snapshots and summary.json (runtime/summary.py)
+
+authority/<c>.json  the authority's state when checkpoint marker c entered the global order. It is
+  written (atomically, fsynced) before any queue holds c, so every worker checkpoint at c has one; it
+  is removed once every worker has passed marker c + checkpoint_keep, after which no worker holds
+  checkpoint c (each keeps its newest checkpoint_keep), so the folder stays bounded.
+"""
+
+import json
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+from jax.flatten_util import ravel_pytree
+
+from ripples_jax import setup as setup_lib
+from ripples_jax.distributed import coord
+from ripples_jax.distributed import resume as resume_lib
+from ripples_jax.models import init_model
+from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runtime import authority as authority_lib
+from ripples_jax.runtime import summary as summary_lib
+from ripples_jax.runtime.worker import start_clock
+from ripples_jax.schedule import make_group_generator
+from ripples_jax.schedule.online import DYNAMIC, Cadence, Service
+
+ESTIMATE_BLOCK = "warmup"  # coord.publish_estimate's block of the workers' warm-up step times
+
+
+def snapshot_file(workdir: str, ident) -> str:
+  return os.path.join(workdir, "authority", f"{ident}.json")
+
+
+def save_snapshot(workdir: str, ident, state: dict) -> None:
+  """authority/<ident>.json, whole or not at all (a temporary file fsynced, then renamed)."""
+  path = snapshot_file(workdir, ident)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(state, f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def load_snapshot(workdir: str, ident: int) -> dict:
+  path = snapshot_file(workdir, ident)
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+      f"{path}: the Group Generator's state at checkpoint marker {ident}, which the workers resume "
+      "from, is missing; nothing was deleted; move ckpt/ aside to start afresh, or use another --workdir"
+    )
+  with open(path) as f:
+    return json.load(f)
+
+
+def trim_snapshots(workdir: str, epochs, keep: int) -> None:
+  """Removes the snapshots no worker can resume from: below min(epochs) - keep."""
+  oldest = min(epochs) - keep
+  folder = os.path.join(workdir, "authority")
+  for name in os.listdir(folder) if os.path.isdir(folder) else []:
+    stem = name.split(".", 1)[0]
+    if stem.isdigit() and int(stem) < oldest:
+      os.remove(os.path.join(folder, name))
+
+
+def make_authority(config, kv, workdir: str, state: dict | None, estimate: float):
+  """The Group Generator service, from the resumed state, with its snapshots written to files."""
+  c, n, keep = config, config.num_workers, config.runtime.checkpoint_keep
+  cadence = Cadence(c.num_steps * n, c.eval_every * n, c.runtime.checkpoint_every * n)
+  service = Service(n, make_group_generator(c, np.random.default_rng([4, c.seed])), cadence, estimate)
+  if state is not None:
+    service.load(state)
+  authority = None
+
+  def on_checkpoint(ident, snapshot):
+    save_snapshot(workdir, ident, snapshot)
+    trim_snapshots(workdir, authority.epochs, keep)
+
+  authority = authority_lib.Authority(kv, service, on_checkpoint=on_checkpoint)
+  return authority
+
+
+def resume_records(log: RunLog, point: dict | None) -> int:
+  """The records at the workers' resume point (fresh: an earlier run's set aside); its marker."""
+  if point is None:
+    log.start_fresh()
+    return 0
+  log.resume_records(point["meta"])
+  logging.info("coordinator: the workers resume at checkpoint marker %d", point["mark"])
+  return int(point["mark"])
+
+
+def follow(log: RunLog, watchdog, authority, num_steps: int, stop: threading.Event) -> None:
+  """The progress line until `stop`: the run's steps (every worker's, over the workers)."""
+  n = watchdog.n
+  while not stop.wait(0.5):
+    if authority is not None:
+      done = int(authority.service.steps.sum()) // n
+    else:
+      done = sum(watchdog.steps.values()) // n
+    log.progress(min(done, num_steps))
+
+
+def await_workers(watchdog, authority, workdir: str, timeout_s: float) -> None:
+  """Until every worker's heartbeat says done (it saved its final state). With an authority, its
+  final state is saved first, as authority/<final marker>.json (the workers' final checkpoint)."""
+  if authority is not None:
+    while not authority.join(1.0):
+      if authority.error is not None:
+        raise RuntimeError(f"the Group Generator's authority stopped: {authority.error}")
+    save_snapshot(workdir, authority.last_ckpt + 1, authority.service.state())
+  deadline = time.monotonic() + timeout_s
+  while not all(watchdog.done.values()):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"the workers did not finish within {timeout_s:.0f} s of the run's end")
+    time.sleep(0.1)
+
+
+def run(config, workdir: str) -> dict:
+  """The coordinator of an executor=async run; returns the run's summary."""
+  rt, n = config.runtime, config.num_workers
+  sigterm = coord.SigtermStop(name=coord.COORDINATOR).install()
+  s = setup_lib.build(config)
+  workdir = make_workdir(workdir, config)
+  kv = coord.client()
+  params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
+  _, unravel = ravel_pytree({"params": params, "model_state": model_state})
+  timeout_ms = int(rt.stall_timeout * 1000)
+  with RunLog(workdir, config, config.num_steps, is_lead=True, checkpoint_every=0) as log:
+    epoch = resume_records(log, resume_lib.await_point(kv, rt.stall_timeout * 4))
+    dynamic = config.algorithm in DYNAMIC
+    state = load_snapshot(workdir, epoch) if dynamic and epoch else None
+    watchdog = coord.Watchdog(
+      kv,
+      None,
+      n,
+      lambda: (0, 0, False),
+      rt.heartbeat_s,
+      rt.heartbeat_timeout,
+      rt.stall_timeout,
+      hosts_service=True,
+    )
+    sigterm.watchdog = watchdog
+    authority = None
+    if dynamic:  # its first plan: the workers' median warm-up step (each worker's own arrives with it)
+      estimate = float(np.median(coord.fetch_estimates(kv, ESTIMATE_BLOCK, n, rt.stall_timeout * 4)))
+      authority = make_authority(config, kv, workdir, state, estimate)
+    start_clock(kv, None, n, epoch, 0.0, timeout_ms)
+    if authority is not None:
+      authority.start()
+    watchdog.start()
+    stop = threading.Event()
+    threading.Thread(
+      target=follow, args=(log, watchdog, authority, config.num_steps, stop), daemon=True
+    ).start()
+    try:
+      await_workers(watchdog, authority, workdir, 10 * rt.stall_timeout)
+      kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+    except Exception:
+      watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)  # a lost worker is named first
+      raise
+    finally:
+      stop.set()
+      if authority is not None:
+        authority.stop()
+    watchdog.stop()
+    return summary_lib.summarize(config, workdir, s, unravel, log, authority)
