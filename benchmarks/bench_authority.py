@@ -26,6 +26,25 @@ import numpy as np
 from benchmarks.timing import print_json
 
 
+class CountingKV:
+  """The store's client, counting the calls made through it (each one RPC to the coordination
+  service, which process 0 hosts: the service's own work per request)."""
+
+  def __init__(self, kv):
+    self.kv, self.calls = kv, {}
+    self._lock = threading.Lock()
+
+  def __getattr__(self, name):
+    method = getattr(self.kv, name)
+
+    def counted(*args, **kwargs):
+      with self._lock:
+        self.calls[name] = self.calls.get(name, 0) + 1
+      return method(*args, **kwargs)
+
+    return counted
+
+
 def _service(n: int, steps: int, algorithm: str):
   from configs import default as default_config
   from ripples_jax.schedule import make_group_generator
@@ -43,7 +62,8 @@ def serve(kv, n: int, steps: int, algorithm: str, out: str) -> None:
   service = _service(n, steps, algorithm)
   kv.wait_at_barrier("bench/start", 120_000)
   t0, cpu0 = time.perf_counter(), time.process_time()
-  authority = authority_lib.Authority(kv, service, poll_s=0.005).start()
+  counted = CountingKV(kv)
+  authority = authority_lib.Authority(counted, service, poll_s=0.005).start()
   ckpt = 0
   while not (service.stopped and all(p == service.appended(w) for w, p in enumerate(authority.posted))):
     time.sleep(0.01)
@@ -54,6 +74,7 @@ def serve(kv, n: int, steps: int, algorithm: str, out: str) -> None:
   wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
   authority.stop()
   keys = kv.key_value_dir_get("ripples/")
+  clients = [json.loads(v) for _, v in kv.key_value_dir_get("bench/calls/")]
   handled = authority.handled
   row = {
     "workers": n,
@@ -67,6 +88,16 @@ def serve(kv, n: int, steps: int, algorithm: str, out: str) -> None:
     "authority_cpu_use": cpu / wall,
     "wall_s": wall,
     "store_keys_after": len(keys),
+    # Calls to the store per request served: the authority's and the simulated workers' (every one
+    # an RPC the coordination service in this process answers).
+    "store_calls_per_request": {
+      "authority": sum(counted.calls.values()) / max(1, len(handled)),
+      "workers": sum(sum(c.values()) for c in clients) / max(1, len(handled)),
+      "by_call": {
+        k: sum(c.get(k, 0) for c in [counted.calls, *clients]) / max(1, len(handled))
+        for k in sorted({k for c in [counted.calls, *clients] for k in c})
+      },
+    },
     "service_state": {
       "entries_kept": sum(len(e) for e in service.entries),
       "groups_kept": len(service.buffer.groups),
@@ -86,10 +117,11 @@ def simulate(kv, workers: list, step_time: float) -> None:
   kv.wait_at_barrier("bench/start", 120_000)
   t0, errors = time.perf_counter(), []
   now = lambda: time.perf_counter() - t0  # noqa: E731
+  counted = CountingKV(kv)
 
   def worker(w):
     try:
-      feed, steps, last_gid = authority_lib.Feed(kv, w, now, ahead=True), 0, -1
+      feed, steps, last_gid = authority_lib.Feed(counted, w, now, ahead=True), 0, -1
       while True:
         feed.report(steps + 1, now(), max(step_time, 1e-3), last_gid)
         if step_time:
@@ -113,6 +145,7 @@ def simulate(kv, workers: list, step_time: float) -> None:
     t.join(600)
   if errors:
     raise RuntimeError(f"simulated workers failed: {errors[:3]}")
+  kv.key_value_set(f"bench/calls/{min(workers)}", json.dumps(counted.calls))
   kv.wait_at_barrier("bench/end", 600_000)
 
 

@@ -30,8 +30,10 @@ class FakeKV:
       self.cond.notify_all()
 
   def key_value_delete(self, key):
+    """The key and, as the coordination service does, every key in its directory (key/...)."""
     with self.cond:
-      self.store.pop(key, None)
+      for k in [k for k in self.store if k == key or k.startswith(f"{key}/")]:
+        del self.store[k]
 
   def key_value_dir_get(self, prefix):
     with self.cond:

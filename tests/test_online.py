@@ -212,10 +212,10 @@ def test_a_request_carries_the_step_time_the_generator_plans_with():
     feed._request(0.0)
     entry = feed.next(10.0)
     assert entry[0] in (GROUP, NONE) and service.estimates[1] == 0.25
-    assert "ripples/req/1/0" not in kv.store  # read, then deleted
     assert service.estimates[0] == service.estimates[2] == 1.0
   finally:
     authority.stop()
+  assert not [k for k in kv.store if "/req/" in k]  # read, then deleted (its page, at the latest at stop)
 
 
 def test_a_smart_gg_feed_asks_one_round_trip_before_its_step_ends():
@@ -228,21 +228,21 @@ def test_a_smart_gg_feed_asks_one_round_trip_before_its_step_ends():
     t0 = time.perf_counter()
     feed.report(1, 5.0, 0.2, -1)  # a step started at run time 5.0; the last one took 0.2 s
     deadline = t0 + 0.5
-    while "ripples/req/0/0" not in kv.store and time.perf_counter() < deadline:
+    while "ripples/req/0/0/0" not in kv.store and time.perf_counter() < deadline:
       time.sleep(0.002)
     sent = time.perf_counter() - t0
     if lead:
       assert 0.17 < sent < 0.25, sent
-      assert kv.store["ripples/req/0/0"].split()[:2] == ["0", "5.2"]
+      assert kv.store["ripples/req/0/0/0"].split()[:2] == ["0", "5.2"]
     else:
-      assert "ripples/req/0/0" not in kv.store  # no lead: asked only when the step has ended
+      assert "ripples/req/0/0/0" not in kv.store  # no lead: asked only when the step has ended
     feed.close()
   # A step that ends before its lead request went asks at once, once.
   kv = FakeKV()
   feed = Feed(kv, 0, lambda: 1.0, ahead=False, lead=True)
   feed.rtts = [0.010] * 5
   feed.report(1, 0.0, 0.3, -1)
-  kv.key_value_set("ripples/q/0/0", "N")  # an answer is there already (someone else's request)
+  kv.key_value_set("ripples/q/0/0/0", "N")  # an answer is there already (someone else's request)
   time.sleep(0.05)  # fetched into the local queue
   assert feed.next(1.0) == (NONE,)
   time.sleep(0.35)
@@ -280,3 +280,25 @@ def test_group_set_up_is_paid_once_per_member_set_or_pair():
   pairs = simulated("ripples_static", n=4, steps=400, cost=by_pair)
   assert once.end_time - base.end_time == pytest.approx(1.0)
   assert pairs.end_time - base.end_time == pytest.approx(6.0)
+
+
+def test_a_request_sent_as_a_step_starts_carries_that_steps_report():
+  """Request-ahead (Random GG, Group Division): the request sent as a step starts carries its start
+  report, which is then not sent on its own (one store call, not two); an older report found in the
+  store afterwards does not undo it."""
+  kv, n = FakeKV(), 2
+  service = Service(n, group_gen.random_gg(n, 2, np.random.default_rng(0)), estimate=1.0)
+  authority = Authority(kv, service, poll_s=0.005).start()
+  feed = Feed(kv, 0, lambda: 0.0, ahead=True)
+  try:
+    feed.report(3, 7.5, 0.2, -1, 2)
+    assert feed.next(10.0)[0] in (GROUP, NONE)
+    time.sleep(0.05)
+    assert "ripples/started/0" not in kv.store  # no report of its own
+    assert service.steps[0] == 3 and service.started_at[0] == 7.5 and authority.epochs[0] == 2
+    kv.key_value_set("ripples/started/0", "2 1.0 0.2 -1 1", allow_overwrite=True)  # step 2's, late
+    time.sleep(0.1)  # rounds have read it
+    assert service.steps[0] == 3 and service.started_at[0] == 7.5 and authority.epochs[0] == 2
+  finally:
+    feed.close()
+    authority.stop()

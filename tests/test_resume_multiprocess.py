@@ -5,6 +5,7 @@ with exit 74 on a read-only ckpt/ instead of hanging. Real processes: all slow."
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -91,7 +92,10 @@ def test_a_read_only_ckpt_ends_every_worker_with_74_and_keeps_every_file(killed_
   for out in outs[1:]:
     errors = [l for l in out.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "Read-only file system" in errors[0] and "make it writable" in errors[0], out
-  assert "coordinator: worker(s) [0, 1] lost" in outs[0], outs[0][-2000:]
+  # Its watchdog names them: silent, or (their heartbeats go on while they leave) stalled.
+  assert re.search(
+    r"coordinator: (worker\(s\) \[0, 1\] lost|no progress for \d+ s; worker \d stalled)", outs[0]
+  ), outs[0]
   print(f"read-only ckpt: every process exited in {seconds:.1f} s from its start")
   assert seconds < 60, seconds  # start-up (~15 s here) and the resume included; no hang
   # The resumed run got as far as its first marker; its records after the checkpoint are cut again by

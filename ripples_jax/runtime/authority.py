@@ -1,14 +1,19 @@
 """The online Group Generator in the runtime: one authority thread, queues in the coordination service.
 
 Transport (the jax.distributed key-value store; no server of ours):
-  ripples/q/<w>/<j>      the j-th batch of worker w's queue: its entries (online.encode) joined by "|",
-                         written once by the authority, deleted by the worker once read
-  ripples/req/<w>/<r>    worker w's r-th request: "<queue index it asks for> <when it is ready>
-                         <its newest step time>" (the step time rides on the request: the start
-                         report is sent from a thread and may arrive after it); deleted once read
+  ripples/q/<w>/<p>/<j>  the j-th batch of worker w's queue (page p = j // PAGE): its entries
+                         (online.encode) joined by "|", written once by the authority; the worker
+                         deletes a page (one call: the store deletes a key's whole directory) once
+                         it has read its last batch, and its last page when it takes STOP
+  ripples/req/<w>/<p>/<r>  worker w's r-th request: "<queue index it asks for> <when it is ready>
+                         <its newest step time>[ <its start report>]" (the step time rides on the
+                         request: the start report is sent from a thread and may arrive after it; a
+                         request sent as a step starts carries that step's report, which is then not
+                         sent on its own); the authority deletes a page once it has read it
   ripples/started/<w>    "<steps started> <started at> <last step time> <last gid> <checkpoint markers
                          passed>", overwritten by w
-So the store holds O(workers) keys however long the run (measured: benchmarks.bench_authority).
+So the store holds O(workers) keys however long the run, and a request costs the store about five
+calls, not seven (measured: benchmarks.bench_authority).
 The authority (threads of the coordinator, process 0, which trains nothing: the paper's GG is one
 service; runtime/coordinator.py) wakes on requests (one
 listener thread per worker, blocked in a get of that worker's next request key) and otherwise polls
@@ -37,6 +42,12 @@ from ripples_jax.distributed.coord import PREFIX
 from ripples_jax.schedule.online import MARK, STOP, decode, encode
 
 _GET_MS = 1000  # blocking gets wake this often to see whether the run is over
+PAGE = 8  # queue batches (requests) per store directory: one delete call removes a page
+
+
+def paged(prefix: str, j: int) -> str:
+  """The key of the j-th value under `prefix`, in its page's directory."""
+  return f"{prefix}/{j // PAGE}/{j}"
 
 
 def _is_timeout(e: Exception) -> bool:
@@ -44,13 +55,14 @@ def _is_timeout(e: Exception) -> bool:
   return "DEADLINE_EXCEEDED" in text or "NOT_FOUND" in text or "timed out" in text.lower()
 
 
-def values_in_order(kv, prefix: str, stop: threading.Event | None = None):
-  """The values of <prefix>/0, <prefix>/1, ... as each is set, until `stop` is set: blocking gets that
-  wake every _GET_MS to look at it. Any other error of the service (it is gone) is raised."""
+def values_in_order(kv, prefix: str, stop: threading.Event | None = None, page: bool = False):
+  """The values of <prefix>/0, <prefix>/1, ... (with `page`: paged(prefix, j)) as each is set, until
+  `stop` is set: blocking gets that wake every _GET_MS to look at it. Any other error of the service
+  (it is gone) is raised."""
   j = 0
   while stop is None or not stop.is_set():
     try:
-      value = kv.blocking_key_value_get(f"{prefix}/{j}", _GET_MS)
+      value = kv.blocking_key_value_get(paged(prefix, j) if page else f"{prefix}/{j}", _GET_MS)
     except Exception as e:  # noqa: BLE001
       if _is_timeout(e):
         continue
@@ -70,6 +82,8 @@ class Authority:
     self.n = service.n
     self.on_checkpoint = on_checkpoint or (lambda ident, state: self.snapshots.__setitem__(ident, state))
     self.epochs = [0] * self.n
+    self._reported = [0] * self.n  # the newest step whose start report was applied, per worker
+    self._read = [0] * self.n  # requests read, per worker
     self.last_ckpt = service.marks["ckpt"]  # the newest checkpoint marker in the global order
     self.posted = [0] * self.n  # entries of each queue written to the store
     self.batches = [0] * self.n  # keys written per queue
@@ -96,6 +110,11 @@ class Authority:
   def stop(self):
     self._stop.set()
     self._writers.shutdown(wait=False)
+    for w, r in enumerate(self._read):  # each worker's last page of requests, read or not
+      try:
+        self.kv.key_value_delete(f"{PREFIX}/req/{w}/{r // PAGE}")
+      except Exception:  # noqa: BLE001  the service is gone: nothing is left to tidy
+        return
 
   def join(self, timeout_s: float | None = None) -> bool:
     """Waits for the serving thread to end (STOP posted to every queue); False on timeout."""
@@ -104,10 +123,13 @@ class Authority:
 
   def _listen(self, w: int) -> None:
     try:
-      for r, value in enumerate(values_in_order(self.kv, f"{PREFIX}/req/{w}", self._stop)):
-        want, ready_at, step_time = value.split()
-        self.inbox.put((w, int(want), float(ready_at), float(step_time), time.perf_counter()))
-        self.kv.key_value_delete(f"{PREFIX}/req/{w}/{r}")  # read: the store keeps no history
+      for r, value in enumerate(values_in_order(self.kv, f"{PREFIX}/req/{w}", self._stop, page=True)):
+        want, ready_at, step_time, *report = value.split()
+        item = (w, int(want), float(ready_at), float(step_time), time.perf_counter(), report)
+        self._read[w] = r + 1
+        self.inbox.put(item)
+        if (r + 1) % PAGE == 0:  # a page read: the store keeps no history
+          self.kv.key_value_delete(f"{PREFIX}/req/{w}/{r // PAGE}")
     except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
       return
 
@@ -122,10 +144,17 @@ class Authority:
       if self._seen.get(key) == value:
         continue
       self._seen[key] = value
-      steps, started, step_time, last_gid, epoch = value.split()
-      w = int(key.rsplit("/", 1)[1])
-      self.service.report(w, float(started), float(step_time), int(steps), int(last_gid))
-      self.epochs[w] = int(epoch)
+      self._report(int(key.rsplit("/", 1)[1]), value.split())
+
+  def _report(self, w: int, fields) -> None:
+    """A start report "<steps> <started at> <step time> <last gid> <epoch>", unless a newer one (one
+    that rode on a request) was applied already."""
+    steps, started, step_time, last_gid, epoch = fields
+    if int(steps) < self._reported[w]:
+      return
+    self._reported[w] = int(steps)
+    self.service.report(w, float(started), float(step_time), int(steps), int(last_gid))
+    self.epochs[w] = int(epoch)
 
   def _serve(self) -> None:
     try:
@@ -149,7 +178,10 @@ class Authority:
   def _round(self, batch) -> None:
     t0 = time.perf_counter()
     self._reports()  # the freshest starts and step times before generating (Smart GG reads them)
-    for w, want, ready_at, step_time, _ in batch:
+    for w, *_, report in batch:
+      if report:
+        self._report(w, report)
+    for w, want, ready_at, step_time, *_ in batch:
       self.service.request(w, want, ready_at, step_time)
     for kind, ident in self.service.tick():
       if kind == "ckpt":  # saved before _post: a worker can checkpoint at it only once it is posted
@@ -157,7 +189,7 @@ class Authority:
         self.last_ckpt = ident
     self._post()
     done = time.perf_counter()
-    self.handled.extend(done - arrived for *_, arrived in batch)
+    self.handled.extend(done - arrived for *_, arrived, _ in batch)
     self.rounds += bool(batch)
     self.busy_s += done - t0
 
@@ -169,7 +201,7 @@ class Authority:
     for w, entries in enumerate(self.service.entries):
       new = entries[self.posted[w] - self.service.base[w] :]
       if new:
-        writes.append((f"{PREFIX}/q/{w}/{self.batches[w]}", "|".join(encode(e) for e in new)))
+        writes.append((paged(f"{PREFIX}/q/{w}", self.batches[w]), "|".join(encode(e) for e in new)))
         self.batches[w] += 1
         self.posted[w] += len(new)
     if len(writes) > 1:
@@ -200,16 +232,24 @@ class Feed:
 
   def _fetch(self) -> None:
     try:
-      for j, value in enumerate(values_in_order(self.kv, f"{PREFIX}/q/{self.me}", self._stop)):
+      for j, value in enumerate(values_in_order(self.kv, f"{PREFIX}/q/{self.me}", self._stop, page=True)):
         arrived = time.perf_counter()
         entries = [decode(text) for text in value.split("|")]
         for entry in entries:
           self.local.put((entry, arrived))
-        if entries[-1][0] == STOP:  # the authority may be gone: nothing to delete for
+        if entries[-1][0] == STOP or (j + 1) % PAGE == 0:  # a page read (or the last)
+          self._forget(f"{PREFIX}/q/{self.me}/{j // PAGE}", last=entries[-1][0] == STOP)
+        if entries[-1][0] == STOP:
           return
-        self.kv.key_value_delete(f"{PREFIX}/q/{self.me}/{j}")
     except Exception as e:  # noqa: BLE001  raised in the worker's loop, at its next entry
       self.local.put((e, None))
+
+  def _forget(self, page: str, last: bool) -> None:
+    try:
+      self.kv.key_value_delete(page)
+    except Exception:  # noqa: BLE001  after STOP the service may be gone: nothing is left to tidy
+      if not last:
+        raise
 
   def _send(self) -> None:
     while True:
@@ -221,9 +261,9 @@ class Feed:
       except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
         return
 
-  def _request(self, ready_at: float) -> None:
-    value = f"{self.taken} {ready_at!r} {self.step_time!r}"
-    self.kv.key_value_set(f"{PREFIX}/req/{self.me}/{self.requests}", value)
+  def _request(self, ready_at: float, report: str = "") -> None:
+    value = f"{self.taken} {ready_at!r} {self.step_time!r}" + (f" {report}" if report else "")
+    self.kv.key_value_set(paged(f"{PREFIX}/req/{self.me}", self.requests), value)
     self.requests += 1
     self.asked = (self.taken, time.perf_counter())
 
@@ -234,10 +274,12 @@ class Feed:
     answer arrives as the step does and the plan is made with nearly the state a request at the end
     would see (lead_s: the recent round trips' 90th percentile and a margin; none measured yet: no lead)."""
     self.step_time = float(step_time)
-    self._reports.put(f"{steps} {started_at!r} {step_time!r} {last_gid} {epoch}")
+    report = f"{steps} {started_at!r} {step_time!r} {last_gid} {epoch}"
     if self.ahead and self.asked is None and self.local.empty():
-      self._request(started_at + step_time)
-    elif self.lead and (lead := self.lead_s()) and step_time > lead:
+      self._request(started_at + step_time, report)  # the report rides on it: one call, not two
+      return
+    self._reports.put(report)
+    if self.lead and (lead := self.lead_s()) and step_time > lead:
       self._timer = threading.Timer(step_time - lead, self._ask_if_empty, (started_at + step_time,))
       self._timer.daemon = True
       self._timer.start()
