@@ -83,6 +83,10 @@ def get_config(arg=None):
   # placement=per_process: the watchdog (a dead stage is named), core pinning, fault injection.
   c.runtime = ml_collections.ConfigDict()
   c.runtime.pin_cores = True  # stage k on core k mod the cores this process may use
+  # per_process: links with slack (each link's transfers on a thread of their own: a stage waits only
+  # for the transfer a tick reads; link delay d lets it run d - 1 ticks ahead); False: every transfer
+  # waited for at once, the lockstep of earlier versions (for comparison)
+  c.runtime.slack = True
   c.runtime.heartbeat_s = 1.0  # per_process: seconds between a stage's heartbeats
   c.runtime.heartbeat_timeout = 15.0  # per_process: no heartbeat from a stage for this long: it is lost
   c.runtime.stall_timeout = 60.0  # per_process: no stage completes a tick for this long: the run is stuck

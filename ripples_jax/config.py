@@ -341,6 +341,7 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
     for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
       _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
     _bool(config, "runtime.pin_cores")
+    _bool(config, "runtime.slack")
     _int_in(config, "runtime.fail_tick", 0, 10**9, "an integer >= 0")
     _int_in(
       config,

@@ -143,6 +143,31 @@ def test_bench_pipeline(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_slack(tmp_path):
+  """Two rows of the slack benchmark, once: lockstep and slack at link delay 2, and their ratio."""
+  out = tmp_path / "slack.json"
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.bench_slack",
+      "--rows=dsp_d2_slack,dsp_d2_lockstep",
+      "--reps=1",
+      "--iterations=8",
+      f"--json_out={out}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = json.loads(out.read_text())
+  assert got["dsp_d2_slack"]["iteration_ms"] > 0 and 0 < got["dsp_d2_lockstep"]["tick_efficiency"] <= 1.5
+  assert got["slack_speedup_d2"]["median"] > 0
+
+
+@pytest.mark.slow
 def test_reproduce_ripples(tmp_path):
   out_dir = tmp_path / "rep"
   out = run(

@@ -106,14 +106,70 @@ def final_params(workdir):
 
 # (method, runtime mode, delay, the single-process run it must equal: method, mode)
 CASES = [
+  pytest.param("dsp", "recompute", 1, ("dsp", "recompute"), id="dsp-recompute", marks=pytest.mark.slow),
   pytest.param("dsp", "recompute", 2, ("dsp", "recompute"), id="dsp-recompute-d2", marks=pytest.mark.slow),
   pytest.param("dsp", "fused", 1, ("dsp", "recompute"), id="dsp-fused", marks=pytest.mark.slow),
+  pytest.param("dsp", "fused", 2, ("dsp", "recompute"), id="dsp-fused-d2", marks=pytest.mark.slow),
   pytest.param("dsp", "residuals", 1, ("dsp", "stash"), id="dsp-residuals", marks=pytest.mark.slow),
+  pytest.param("dsp", "residuals", 2, ("dsp", "stash"), id="dsp-residuals-d2", marks=pytest.mark.slow),
   pytest.param("fr", "recompute", 1, ("fr", "recompute"), id="fr", marks=pytest.mark.slow),
   pytest.param("ddg", "recompute", 1, ("ddg", "recompute"), id="ddg", marks=pytest.mark.slow),
   pytest.param("bp", "recompute", 1, ("bp", "recompute"), id="bp", marks=pytest.mark.slow),
   pytest.param("gpipe", "recompute", 1, ("gpipe", "recompute"), id="gpipe", marks=pytest.mark.slow),
 ]
+
+
+def fake_stage(schedule, k: int, slack: bool = True):
+  """Stage's link logic alone (no devices, no processes): a stand-in whose link threads hand out
+  futures that the test resolves, and whose clock records every wait for one."""
+  import concurrent.futures
+  import types
+
+  from ripples_jax.pipeline import per_process
+
+  posted, waits = [], []
+
+  class Thread:
+    def post(self, kind, x=None):
+      posted.append((kind, concurrent.futures.Future()))
+      return posted[-1][1]
+
+  run = lambda kind, fn, *a: (waits.append(kind), fn(*a))[1]  # noqa: E731
+  stage = types.SimpleNamespace(
+    schedule=schedule,
+    k=k,
+    last=k == schedule.num_stages - 1,
+    lower_t=Thread() if k > 0 else None,
+    upper_t=Thread() if k < schedule.num_stages - 1 else None,
+    clock=types.SimpleNamespace(run=run),
+    config=types.SimpleNamespace(runtime=types.SimpleNamespace(slack=slack)),
+  )
+  for name in ("post", "wait", "slot", "load_slots", "_advance_links"):
+    setattr(stage, name, getattr(per_process.Stage, name).__get__(stage))
+  return stage, posted, waits
+
+
+def test_with_link_delay_2_a_tick_waits_only_for_the_transfer_of_two_ticks_before():
+  """Slack: each FIFO slot holds the transfer that fills it until a tick reads it. With delay 2, tick
+  t reads tick t - 2's transfer, so the transfer of tick t - 1 may still be in flight (the neighbour
+  a tick behind) and nothing is waited for when a tick's output is posted."""
+  schedule = tick_lib.method_schedule("dsp", 2, 2, "recompute")
+  stage, posted, waits = fake_stage(schedule, 0)
+  stage.load_slots({"bwd_fifo": jnp.stack([jnp.zeros(2), jnp.ones(2)])})
+  stage._advance_links(jnp.full(2, 5.0), None)  # end of tick 0: its output goes up, a gradient comes
+  assert [kind for kind, _ in posted] == ["swap"] and not waits  # posted, not waited for
+  np.testing.assert_array_equal(stage.slot(stage.bwd_slots), jnp.ones(2))  # tick 1 reads the FIFO's
+  assert not waits
+  stage._advance_links(jnp.full(2, 6.0), None)  # end of tick 1
+  posted[0][1].set_result(jnp.full(2, 7.0))  # tick 0's transfer lands; tick 1's is still in flight
+  np.testing.assert_array_equal(stage.slot(stage.bwd_slots), jnp.full(2, 7.0))  # tick 2 reads tick 0's
+  assert waits == ["link"] and not posted[1][1].done()
+  # Without slack (runtime.slack=False: lockstep) every transfer is waited for as it is posted.
+  stage, posted, waits = fake_stage(schedule, 1, slack=False)
+  stage.load_slots({"fwd_fifo": jnp.stack([jnp.zeros(2), jnp.ones(2)])})
+  stage.lower_t.post = lambda kind, x=None, f=stage.lower_t.post: (f(kind, x), posted[-1][1].set_result(x))[0]
+  stage._advance_links(None, jnp.full(2, 3.0))
+  assert [kind for kind, _ in posted] == ["swap"] and waits == ["link"]
 
 
 @pytest.mark.parametrize("method,mode,delay,reference", CASES)
@@ -174,3 +230,37 @@ def test_chunked_residual_calls_keep_the_numerics(tmp_path):
   assert code == 0, out[-3000:]
   for k, (got, ref) in enumerate(zip(final_params(workdir), single_process_params("dsp", "stash", 1))):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"stage {k}")
+
+
+def test_a_slow_stage_pads_each_compute_call_inside_its_time(monkeypatch):
+  """Stragglers inside compute: on a slow tick each compute call sleeps (s - 1) times its own length
+  before it returns, so the padding is in the call's recorded time and before anything is sent; link
+  waits are not padded. The draw is a function of (seed, tick, stage) only: every method alike."""
+  import types
+
+  from ripples_jax.pipeline import per_process
+
+  now, slept = [0.0], []
+
+  def sleep(d):
+    slept.append(d)
+    now[0] += d
+
+  monkeypatch.setattr(per_process, "time", types.SimpleNamespace(perf_counter=lambda: now[0], sleep=sleep))
+  clock = per_process.Clock()
+  clock.memory["forward"] = clock.memory["link"] = None  # no ahead-of-time compile here
+
+  def call(seconds):
+    now[0] += seconds
+    return jnp.zeros(1)
+
+  clock.slow = 3.0
+  clock.run("forward", call, 0.5)
+  clock.run("link", call, 0.25)
+  assert slept == [1.0] and clock.calls["forward"] == [1.5] and clock.calls["link"] == [0.25]
+  c = types.SimpleNamespace(slowdown=3.0, straggler_stage=1, straggler_p=0.0, seed=0)
+  assert [per_process.slow_factor(c, k, 7) for k in range(3)] == [1.0, 3.0, 1.0]
+  c.straggler_p = 0.2
+  hits = [per_process.slow_factor(c, k, t) == 3.0 for t in range(2000) for k in range(2)]
+  assert 0.17 < np.mean(hits) < 0.23
+  assert hits == [per_process.slow_factor(c, k, t) == 3.0 for t in range(2000) for k in range(2)]

@@ -13,10 +13,18 @@ receiver's piece is ignored (zeros of the shape), and the receiver gets the payl
 
 Ordering, the only thing that keeps the chain free of deadlock (a collective blocks until both ends
 arrive; gloo has no timeout once connected): on every link both ends issue the same sequence of
-transfers, and within a tick every stage handles its lower link before its upper one, so the chain
-resolves from stage 0 upwards (docs/design.md 4.5). The watchdog (distributed/coord.py) names a stage that
+transfers. Slack (LinkThread): each link's transfers run on a thread of their own, in the order the
+stage posts them, so a stage's compute goes on while a transfer waits for the neighbour; the stage
+blocks only on the result it needs (a tick t + d input, for link delay d, is the transfer of tick t).
+Two threads never run transfers over one link at once (the eval and micro-batch links share its device
+pair: they run only once the thread is drained). The watchdog (distributed/coord.py) names a stage that
 died.
 """
+
+import concurrent.futures
+import queue
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +53,6 @@ class Link:
     self.sharding = NamedSharding(self.mesh, P(AXIS))
     self.device = stage_device(me)
     self.zeros = jax.device_put(jnp.zeros(self.shape, self.dtype), self.device)
-    self.bytes_moved = 0
     self._fns = {}
 
   def _fn(self, kind: str):
@@ -66,7 +73,6 @@ class Link:
     piece = jax.device_put(x, self.device)[None]
     global_2x = jax.make_array_from_single_device_arrays((2,) + self.shape, self.sharding, [piece])
     out = self._fn(kind)(global_2x)
-    self.bytes_moved += x.size * x.dtype.itemsize
     return out.addressable_shards[0].data[0]
 
   def up(self, x=None):
@@ -80,3 +86,44 @@ class Link:
   def swap(self, x):
     """Each end sends x and gets the other end's."""
     return self._run("swap", x)
+
+
+class LinkThread:
+  """A link's transfers on a thread of their own, in the order posted (both ends post one sequence).
+
+  post(kind, x) -> a Future of what that transfer returns (Link.up/down/swap's value); drain() waits
+  for every posted transfer. `busy` holds each transfer's seconds on this thread (its wait for the
+  neighbour included)."""
+
+  def __init__(self, link: Link):
+    self.link, self.busy = link, []
+    self._q = queue.Queue()
+    self._pending = []
+    self._thread = threading.Thread(target=self._serve, name=f"ripples-link-{link.j}", daemon=True)
+    self._thread.start()
+
+  def post(self, kind: str, x=None) -> concurrent.futures.Future:
+    done = concurrent.futures.Future()
+    self._pending = [f for f in self._pending if not f.done()] + [done]
+    self._q.put((kind, x, done))
+    return done
+
+  def drain(self) -> None:
+    for f in self._pending:
+      f.result()
+    self._pending = []
+
+  def close(self) -> None:
+    self._q.put(None)
+
+  def _serve(self) -> None:
+    while (item := self._q.get()) is not None:
+      kind, x, done = item
+      t0 = time.perf_counter()
+      try:
+        out = jax.block_until_ready(getattr(self.link, kind)(x))
+      except Exception as e:  # noqa: BLE001  the neighbour is gone: raised where the result is needed
+        done.set_exception(e)
+        continue
+      self.busy.append(time.perf_counter() - t0)
+      done.set_result(out)

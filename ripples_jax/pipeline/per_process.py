@@ -10,8 +10,15 @@ no pipelining) and gpipe (M micro-batches, rematerialised, one update after the 
 Invariants:
 - A process holds its own stage only: parameters, optimizer state, the staleness ring buffer and the
   FIFOs of the links that deliver to it. Activations go up and error gradients down as point-to-point
-  transfers (pipeline/link.py); both ends of a link issue the same sequence of transfers, and within a
-  tick a stage handles its lower link before its upper one, so no cycle of waits can form.
+  transfers (pipeline/link.py); both ends of a link issue the same sequence of transfers, each link on a
+  thread of its own (link.LinkThread), so no cycle of waits can form.
+- Slack: a FIFO slot holds the transfer that fills it (a future) until a tick reads it, so with link
+  delay d a stage runs up to d - 1 ticks ahead of its neighbour and its transfers overlap its compute;
+  a locked link (delay 0) waits for its transfer at once. Checkpoints and evaluations wait for the
+  transfers in flight first (the same ones on both ends), so their cut is the lockstep one.
+- Stragglers: a slow stage's compute calls take `slowdown` times as long (the padding sleeps inside the
+  call's time, before anything is sent), on straggler_stage or on each stage with probability
+  straggler_p per tick.
 - A tick does what `tick.make_tick` does for this stage, in the same order, so the parameters after any
   tick equal the single-process tick's (tests/test_pipeline_runtime.py); fused and residuals are
   numerically recompute and stash.
@@ -49,7 +56,7 @@ from ripples_jax.distributed.markers import fail_now
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model
 from ripples_jax.pipeline import tick as tick_lib
-from ripples_jax.pipeline.link import Link, stage_device
+from ripples_jax.pipeline.link import Link, LinkThread, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
 
 
@@ -77,28 +84,27 @@ class Loop:
 
 
 class Clock:
-  """Seconds of this stage's calls by kind (each call blocked on, so compute and link waits separate),
-  and the training clock at the end of every tick: the measured iteration."""
+  """Seconds of this stage's calls by kind (each call blocked on, so compute and link waits separate;
+  "link": the compute thread waiting for a transfer's result), and the training clock at the end of
+  every tick: the measured iteration. `slow`: this tick's straggler factor, which each compute call's
+  time is padded to (a sleep inside the call's time)."""
 
   def __init__(self):
     self.calls = collections.defaultdict(list)
     self.tick_ends = []
     self.memory = {}  # kind -> XLA's compiled memory analysis of the program (where the backend has one)
-    self.compute_since = 0.0  # compute seconds since the last take_compute() (a straggler's padding)
+    self.slow = 1.0
 
   def run(self, kind: str, fn, *args):
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
-    self.calls[kind].append(time.perf_counter() - t0)
     if kind != "link":
-      self.compute_since += self.calls[kind][-1]
+      if self.slow > 1:
+        time.sleep((self.slow - 1) * (time.perf_counter() - t0))
       if kind not in self.memory:
         self.memory[kind] = compiled_memory(fn, args)
+    self.calls[kind].append(time.perf_counter() - t0)
     return out
-
-  def take_compute(self) -> float:
-    spent, self.compute_since = self.compute_since, 0.0
-    return spent
 
   def medians(self, skip: int = 2) -> dict:
     """Median seconds per call of each kind (the first `skip` calls, compiles, left out)."""
@@ -179,6 +185,9 @@ class Stage:
     self.lower, self.upper = link(k - 1, ins), link(k, ins)
     self.lower_mb, self.upper_mb = link(k - 1, [micro(a) for a in ins]), link(k, [micro(a) for a in ins])
     self.eval_lower, self.eval_upper = link(k - 1, test_in), link(k, test_in)
+    # The training links' transfers run on threads of their own (slack); the others only once drained.
+    self.lower_t, self.upper_t = (LinkThread(x) if x is not None else None for x in (self.lower, self.upper))
+    self.fwd_slots = self.bwd_slots = None  # the FIFOs as slots: arrays, or futures of transfers
     self._compile_programs(stage, optimizer)
     self.ring = collections.deque()
     if sch is not None and sch.mode == "residuals" and not self.last:
@@ -206,7 +215,6 @@ class Stage:
       self.fused = jax.jit(_drop(fused, 2) if first else fused)
       self.res_fwd = jax.jit(lambda p, ms, x: tick_lib.stage_forward_residuals(stage, p, ms, x, chunks))
       self.res_bwd = jax.jit(_drop(res_bwd, 1) if first else res_bwd)
-      self.push = jax.jit(tick_lib.push)
     M = self.config.microbatches
 
     def gp_bwd(p, ms, x, cot):  # rematerialised: the forward again, then its vjp
@@ -238,19 +246,63 @@ class Stage:
   def link(self, fn, *args):
     return self.clock.run("link", fn, *args)
 
+  def post(self, lt: LinkThread, kind: str, x=None):
+    """A transfer on link thread `lt`; without slack (runtime.slack=False) waited for at once."""
+    future = lt.post(kind, x)
+    if not self.config.runtime.slack:
+      self.wait(future)
+    return future
+
+  def wait(self, future):
+    """The result of a posted transfer; the compute thread's wait for it is the tick's link time."""
+    return self.clock.run("link", future.result)
+
+  def slot(self, slots):
+    """The oldest FIFO entry (the input this tick reads), waited for if its transfer is in flight."""
+    if not isinstance(slots[0], jax.Array):
+      slots[0] = self.wait(slots[0])
+    return slots[0]
+
+  def load_slots(self, st) -> None:
+    """The FIFOs of `st` (a fresh or resumed state) as slots."""
+    self.fwd_slots = collections.deque(list(st["fwd_fifo"])) if "fwd_fifo" in st else None
+    self.bwd_slots = collections.deque(list(st["bwd_fifo"])) if "bwd_fifo" in st else None
+
+  def settle(self, st) -> dict:
+    """Waits for every transfer in flight (both ends wait for the same ones) and writes the FIFO slots
+    back into the state: what a checkpoint saves and what an evaluation's transfers may follow."""
+    for lt in (self.lower_t, self.upper_t):
+      if lt is not None:
+        lt.drain()
+    for key, slots in (("fwd_fifo", self.fwd_slots), ("bwd_fifo", self.bwd_slots)):
+      if slots is not None:
+        for i, x in enumerate(slots):
+          slots[i] = x if isinstance(x, jax.Array) else x.result()
+        st = dict(st, **{key: jnp.stack(list(slots))})
+    return st
+
+  def close(self) -> None:
+    for lt in (self.lower_t, self.upper_t):
+      if lt is not None:
+        lt.drain()
+        lt.close()
+
   def tick(self, st, x_t, y_t, t):
-    """This stage's part of tick t (tick.make_tick's order); returns (state, (loss, acc) or None)."""
+    """This stage's part of tick t (tick.make_tick's order); returns (state, (loss, acc) or None).
+
+    Transfers are posted to the link threads in the lockstep order; only their results are waited for.
+    The state's FIFOs are stale during the run: the slots hold them (settle writes them back)."""
     sch, k, c, last = self.schedule, self.k, self.clock, self.last
     f, b = sch.fwd_delays, sch.bwd_delays
     if k == 0:
       x_in = x_t
     elif f[k - 1] == 0:
-      x_in = self.link(self.lower.up)  # locked forward: this tick's output of the stage below
+      x_in = self.wait(self.post(self.lower_t, "up"))  # locked forward: this tick's output of the stage below
     else:
-      x_in = st["fwd_fifo"][0]
+      x_in = self.slot(self.fwd_slots)
     metrics = y = g_x = None
     if sch.mode == "fused" and not last:  # DSP: the error gradient is already in the FIFO
-      st, y, g_x = c.run("fused", self.fused, st, x_in, st["bwd_fifo"][0], t)
+      st, y, g_x = c.run("fused", self.fused, st, x_in, self.slot(self.bwd_slots), t)
     else:
       residuals = sch.mode == "residuals" and not last
       if residuals:
@@ -259,36 +311,44 @@ class Stage:
       else:
         st, y = c.run("forward", self.fwd, st, x_in, t)
       if not last and f[k] == 0:
-        self.link(self.upper.up, y)
-      cot = None if last else (self.link(self.upper.down) if b[k] == 0 else st["bwd_fifo"][0])
+        self.post(self.upper_t, "up", y)
+      cot = (
+        None
+        if last
+        else (self.wait(self.post(self.upper_t, "down")) if b[k] == 0 else self.slot(self.bwd_slots))
+      )
       if residuals:
         pb, ms = self.ring.popleft()  # the forward of tick t - S_k
         st, g_x = c.run("backward", self.res_bwd, st, pb, ms, cot, t)
       else:
         st, g_x, metrics = c.run("backward", self.bwd, st, cot, y_t, t)
       if k > 0 and b[k - 1] == 0:
-        self.link(self.lower.down, g_x)
-    return self._advance_links(st, y, g_x), metrics
+        self.post(self.lower_t, "down", g_x)
+    self._advance_links(y, g_x)
+    return st, metrics
 
-  def _advance_links(self, st, y, g_x):
-    """The delayed links move one tick: the lower link first, then the upper one (no wait cycle)."""
+  def _advance_links(self, y, g_x) -> None:
+    """The delayed links move one tick: each FIFO drops the entry this tick read and takes the
+    transfer of this tick's output (a future), the lower link's transfer posted first, as lockstep
+    ran them."""
     sch, k = self.schedule, self.k
     f, b = sch.fwd_delays, sch.bwd_delays
     if k > 0 and f[k - 1] > 0:
-      got = self.link(self.lower.swap, g_x) if b[k - 1] > 0 else self.link(self.lower.up)
-      st = dict(st, fwd_fifo=self.push(st["fwd_fifo"], got))
+      got = self.post(self.lower_t, "swap", g_x) if b[k - 1] > 0 else self.post(self.lower_t, "up")
+      self.fwd_slots.popleft()
+      self.fwd_slots.append(got)
     elif k > 0 and b[k - 1] > 0:
-      self.link(self.lower.down, g_x)
+      self.post(self.lower_t, "down", g_x)
     if not self.last and (f[k] > 0 or b[k] > 0):
       if f[k] > 0 and b[k] > 0:
-        got = self.link(self.upper.swap, y)
+        got = self.post(self.upper_t, "swap", y)
       elif f[k] > 0:
-        got = self.link(self.upper.up, y)
+        got = self.post(self.upper_t, "up", y)
       else:
-        got = self.link(self.upper.down)
+        got = self.post(self.upper_t, "down")
       if b[k] > 0:
-        st = dict(st, bwd_fifo=self.push(st["bwd_fifo"], got))
-    return st
+        self.bwd_slots.popleft()
+        self.bwd_slots.append(got)
 
   # -- one gpipe batch ----------------------------------------------------------------------------------
 
@@ -438,46 +498,51 @@ def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progre
   t_start, eval_before = time.perf_counter() - loop.time, loop.eval_s  # loop.time is net of evaluation
   clock = lambda: time.perf_counter() - t_start - (loop.eval_s - eval_before)
   saved = None
+  if sch is not None:
+    sp.load_slots(sp.state)
   for t in range(loop.tick, n + drain):
     if sp.k == rt.fail_stage and t == rt.fail_tick:
       fail_now(log, saved, t)
     x_t = feed.x(t) if sp.k == 0 else None
     y_t = feed.labels(t - offset) if sp.last else None
+    sp.clock.slow = slow_factor(config, sp.k, t)
     if sch is None:
       sp.state, metrics = sp.gpipe(sp.state, x_t, y_t)
     else:
       sp.state, metrics = sp.tick(sp.state, x_t, y_t, t)
-    _pad_straggler(sp, t)
     sp.clock.tick_ends.append(clock())
     progress["ticks"] = t + 1
     if metrics is not None and 0 <= t - offset < n:
       losses.append(metrics[0])
     done = t + 1 - drain  # batches whose updates every stage has applied
     if done > 0 and (done % config.log_every == 0 or done % config.eval_every == 0 or done == n):
+      saving = done == n or bool(config.checkpoint_every and done % config.checkpoint_every == 0)
+      if sch is not None and (saving or done % config.eval_every == 0):  # the lockstep cut, on every stage
+        sp.state = sp.settle(sp.state)
       _record(sp, log, p, clock, loop, done, losses)
       losses = []
       loop.tick, loop.time = t + 1, clock()
-      log.checkpoint(done, sp.pack(sp.state), dataclasses.asdict(loop), force=done == n)
+      if saving:
+        log.checkpoint(done, sp.pack(sp.state), dataclasses.asdict(loop), force=done == n)
       saved = done if config.checkpoint_every and done % config.checkpoint_every == 0 else saved
     elif done > 0:
       log.progress(done)
+  if sch is not None:
+    sp.state = sp.settle(sp.state)
   loop.tick, loop.time = n + drain, clock()
 
 
-def _pad_straggler(sp: Stage, t: int) -> None:
-  """slowdown s on straggler_stage (or on every stage with probability straggler_p per tick): this
-  tick's compute is padded to s times its measured length, by sleeping the difference."""
-  c = sp.config
-  spent = sp.clock.take_compute()
+def slow_factor(c, k: int, t: int) -> float:
+  """Stage k's straggler factor at tick t: `slowdown` on straggler_stage (or, with straggler_p > 0, on
+  each stage with that probability per tick, the same draw for every method), else 1."""
   if c.slowdown <= 1:
-    return
+    return 1.0
   hit = (
-    sp.k == c.straggler_stage
+    k == c.straggler_stage
     if c.straggler_p == 0
-    else np.random.default_rng([c.seed, t, sp.k]).random() < c.straggler_p
+    else np.random.default_rng([c.seed, t, k]).random() < c.straggler_p
   )
-  if hit:
-    time.sleep((c.slowdown - 1) * spent)
+  return float(c.slowdown) if hit else 1.0
 
 
 def _timing(sp: Stage, warm: int) -> dict:
@@ -552,6 +617,7 @@ def run(config, workdir: str) -> dict:
     watchdog.start()
     try:
       _loop(sp, log, p, loop, progress)
+      sp.close()
     except Exception:
       # A transfer may fail (rather than hang) when the neighbour died: let the watchdog name it first.
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
