@@ -428,3 +428,26 @@ def test_the_coordinators_authority_snapshots_are_whole_and_bounded(tmp_path):
   assert sorted(os.listdir(tmp_path / "authority")) == ["7.json", "final.json"]
   with pytest.raises(FileNotFoundError, match=r"authority/3.json: the Group Generator's state at checkpoint"):
     coordinator.load_snapshot(workdir, 3)
+
+
+def test_the_coordinator_waits_out_a_run_longer_than_its_end_timeout(tmp_path):
+  """A fixed schedule (no authority): the coordinator waits for the workers however long the run
+  takes (the watchdog guards a lost or stalled one); the end timeout runs only from the first
+  worker's end, and then names workers that never finish."""
+  import types
+
+  from ripples_jax.runtime import coordinator
+
+  watchdog = types.SimpleNamespace(done={0: False, 1: False})
+
+  def finish():
+    time.sleep(0.5)  # the run goes on well past the 0.1 s end timeout
+    watchdog.done[0] = watchdog.done[1] = True
+
+  t = threading.Thread(target=finish)
+  t.start()
+  coordinator.await_workers(watchdog, None, str(tmp_path), timeout_s=0.1)  # no TimeoutError
+  t.join()
+  watchdog.done = {0: True, 1: False}  # one worker ended, the other never does
+  with pytest.raises(TimeoutError, match="did not finish within 0 s of the run's end"):
+    coordinator.await_workers(watchdog, None, str(tmp_path), timeout_s=0.2)

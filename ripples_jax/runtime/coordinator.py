@@ -119,15 +119,19 @@ def follow(log: RunLog, watchdog, authority, num_steps: int, stop: threading.Eve
 
 def await_workers(watchdog, authority, workdir: str, timeout_s: float) -> None:
   """Until every worker's heartbeat says done (it saved its final state). With an authority, its
-  final state is saved first, as authority/<final marker>.json (the workers' final checkpoint)."""
+  final state is saved first, as authority/<final marker>.json (the workers' final checkpoint).
+  However long the run, it is waited for (the watchdog ends a run that is lost or stalls); only
+  once the run has ended (STOP posted, or a first worker done) must the rest finish in timeout_s."""
   if authority is not None:
     while not authority.join(1.0):
       if authority.error is not None:
         raise RuntimeError(f"the Group Generator's authority stopped: {authority.error}")
     save_snapshot(workdir, authority.last_ckpt + 1, authority.service.state())
-  deadline = time.monotonic() + timeout_s
+  deadline = time.monotonic() + timeout_s if authority is not None else None
   while not all(watchdog.done.values()):
-    if time.monotonic() > deadline:
+    if deadline is None and any(watchdog.done.values()):
+      deadline = time.monotonic() + timeout_s
+    if deadline is not None and time.monotonic() > deadline:
       raise TimeoutError(f"the workers did not finish within {timeout_s:.0f} s of the run's end")
     time.sleep(0.1)
 
