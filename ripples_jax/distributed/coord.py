@@ -40,6 +40,7 @@ EXIT_LOST = 75  # a peer was lost: distinct from crashes (1) and bad input (2); 
 EXIT_TERM = 143  # stopped by SIGTERM: 128 + 15, what a shell reports for a SIGTERM death; resume to go on
 LAUNCHER_PID_ENV = "RIPPLES_LAUNCHER_PID"  # set by the local launcher: its workers stop when it dies
 COORDINATOR = "coordinator"  # process 0 of an executor=async run (its watchdog's name in exit lines)
+WARMUP = "warmup"  # publish_estimate's block of the workers' warm-up step times (the authority's first plan)
 
 
 def worker_process(worker: int) -> int:

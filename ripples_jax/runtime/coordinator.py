@@ -39,8 +39,6 @@ from ripples_jax.runtime.worker import start_clock
 from ripples_jax.schedule import make_group_generator
 from ripples_jax.schedule.online import DYNAMIC, Cadence, Service
 
-ESTIMATE_BLOCK = "warmup"  # coord.publish_estimate's block of the workers' warm-up step times
-
 
 def snapshot_file(workdir: str, ident) -> str:
   return os.path.join(workdir, "authority", f"{ident}.json")
@@ -163,7 +161,7 @@ def run(config, workdir: str) -> dict:
     sigterm.watchdog = watchdog
     authority = None
     if dynamic:  # its first plan: the workers' median warm-up step (each worker's own arrives with it)
-      estimate = float(np.median(coord.fetch_estimates(kv, ESTIMATE_BLOCK, n, rt.stall_timeout * 4)))
+      estimate = float(np.median(coord.fetch_estimates(kv, coord.WARMUP, n, rt.stall_timeout * 4)))
       authority = make_authority(config, kv, workdir, state, estimate)
     start_clock(kv, None, n, epoch, 0.0, timeout_ms)
     if authority is not None:

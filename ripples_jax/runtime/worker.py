@@ -257,7 +257,7 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   estimate = worker.warm_up()
-  coord.publish_estimate(kv, "warmup", me, estimate)  # the authority's first plan (the coordinator)
+  coord.publish_estimate(kv, coord.WARMUP, me, estimate)  # the authority's first plan (the coordinator)
   if hasattr(worker.averager, "precompile"):  # pairs: every program and connection, before the run
     like = jax.ShapeDtypeStruct(worker._flat0.shape, worker._flat0.dtype)
     compiled = worker.averager.precompile(like)
