@@ -40,7 +40,7 @@ def get_config(arg=None):
     microbatches=4,
   )
   c = ml_collections.ConfigDict()
-  c.method = arg.method  # bp | gpipe | ddg | fr | dni | dsp
+  c.method = arg.method  # bp | gpipe | ddg | pipedream | pipemare | fr | dni | dsp
   c.num_stages = arg.num_stages  # K
   c.mode = arg.mode  # recompute (DSP) | stash (the version the forward used); per_process
   # also: fused (one forward call over the new and the replayed batch),
@@ -50,7 +50,7 @@ def get_config(arg=None):
   c.chunks = 1  # per_process, residual calls (bp, ddg, dsp mode=residuals): the batch
   # computed as this many chunks, one vjp each; same numerics up to float
   # order, faster per example on a CPU (cache)
-  c.placement = "one_device"  # one_device | per_stage (one stage per device) | per_process
+  c.placement = "one_device"  # one_device (one process, one jitted tick) | per_process
   # (stage k in process k: experiments.launch --module=experiments.train_dsp)
   c.seed = 0  # parameters and data order
 
@@ -72,6 +72,12 @@ def get_config(arg=None):
   c.optimizer.weight_decay = 5e-4  # L2, added to the gradient
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
   c.optimizer.warmup_steps = 50  # linear warm-up from 0
+  # PipeMare (method=pipemare): stage k's step size divided by its delay S_k at first, the division
+  # annealed away over lr_anneal updates; its backward at w - S_k delta, delta the updates' moving
+  # average with decay ema_decay (the paper's two techniques; these values are ours, not tuned)
+  c.pipemare = ml_collections.ConfigDict()
+  c.pipemare.lr_anneal = 500  # updates (0: no rescheduling)
+  c.pipemare.ema_decay = 0.9  # gamma in [0, 1)
   c.dni_lr = 0.01  # DNI: the synthetic-gradient predictors' step size (plain SGD)
 
   # The straggler experiment of the timing model: stage `straggler_stage` slowed by `slowdown`

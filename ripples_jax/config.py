@@ -303,7 +303,7 @@ def _int_in(config, key, lo, hi, allowed):
     _fail(key, value, allowed)
 
 
-def validate_dsp_config(config, num_devices: int | None = None, num_processes: int = 1) -> None:
+def validate_dsp_config(config, num_processes: int = 1) -> None:
   """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
   from ripples_jax.models.split import max_stages
   from ripples_jax.pipeline.tick import PROCESS_MODES
@@ -319,24 +319,31 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
         f"--module=experiments.train_dsp -- ...), this job has {num_processes}",
       )
     if config.method == "dni":
-      _fail("method", "dni", "one of bp, gpipe, ddg, fr, dsp with placement=per_process")
+      # DNI's predictors train on the true gradient one iteration late and update every stage at once
+      # from a synthetic one: a step over the whole model (baselines.make_dni_step), not a tick.
+      _fail(
+        "method",
+        "dni",
+        "one of bp, gpipe, ddg, pipedream, pipemare, fr, dsp with placement=per_process (DNI runs in "
+        "one process: its synthetic-gradient step is a whole-model step, not a pipeline tick)",
+      )
     if config.mode in PROCESS_MODES and config.method != "dsp":
       _fail(
         "mode",
         config.mode,
         f"recompute or stash for method={config.method} (the runtime picks its "
-        "mode: bp and ddg keep residuals, fr recomputes)",
+        "mode: bp, ddg and pipedream keep residuals, fr recomputes, pipemare corrects)",
       )
     if config.mode == "fused" and config.delay < 1:
       _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
     _positive_int(config, "chunks")
     if config.batch_size % config.chunks:
       _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
-    if config.chunks > 1 and not (config.method in ("bp", "ddg") or config.mode == "residuals"):
+    if config.chunks > 1 and not (config.method in ("bp", "ddg", "pipedream") or config.mode == "residuals"):
       _fail(
         "chunks",
         config.chunks,
-        "1 unless the stage calls keep residuals (method bp or ddg, or dsp with mode=residuals)",
+        "1 unless the stage calls keep residuals (method bp, ddg or pipedream, or dsp with mode=residuals)",
       )
     for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
       _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
@@ -391,10 +398,6 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
   most = max_stages(config.model)
   if config.num_stages > most:
     _fail("num_stages", config.num_stages, f"{config.model} splits into at most {most} stages")
-  if config.placement == "per_stage":
-    devices = num_devices or __import__("jax").device_count()
-    if config.num_stages > devices:
-      _fail("num_stages", config.num_stages, f"at most the {devices} devices with placement=per_stage")
   if config.method == "gpipe" and config.batch_size % config.microbatches:
     _fail("microbatches", config.microbatches, f"a divisor of batch_size={config.batch_size}")
   _int_in(config, "delay", 0, 64, "an integer number of ticks in [0, 64]")
@@ -404,6 +407,9 @@ def validate_dsp_config(config, num_devices: int | None = None, num_processes: i
   if "on_config_change" in config:
     _one_of(config, "on_config_change", ON_CONFIG_CHANGE)
   _number(config, "dni_lr", lambda v: v > 0, "a number > 0")
+  if "pipemare" in config:
+    _int_in(config, "pipemare.lr_anneal", 0, 10**9, "an integer number of updates >= 0 (0: none)")
+    _number(config, "pipemare.ema_decay", lambda v: 0 <= v < 1, "a number in [0, 1)")
   _number(config, "slowdown", lambda v: v >= 1, "a factor >= 1")
   _int_in(
     config,

@@ -40,7 +40,7 @@ def _dsp_variants():
       if placement == "per_process" and method == "dni":
         continue
       arg = f"method={method}"
-      kwargs = {"num_devices": 8, "num_processes": 2 if placement == "per_process" else 1}
+      kwargs = {"num_processes": 2 if placement == "per_process" else 1}
       yield {"placement": placement, "method": method}, arg, {"placement": placement, **kwargs}
 
 

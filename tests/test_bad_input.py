@@ -159,7 +159,7 @@ def test_dsp_config_refuses_non_finite(key, value, allowed):
   config = dsp_config.get_config()
   config.update_from_flattened_dict({key: value})
   with pytest.raises(ConfigError) as e:
-    validate_dsp_config(config, num_devices=8)
+    validate_dsp_config(config)
   assert str(e.value) == f"config.{key}: {value!r} is not allowed: {allowed}"
 
 

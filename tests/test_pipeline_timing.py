@@ -147,9 +147,20 @@ def test_random_slowdowns_cost_dsp_less_than_a_lockstep_tick():
   assert rep["dsp"]["speedup"] > 0.5 * k
 
 
+def test_one_f_one_b_runs_k_minus_1_minus_k_ticks_between_a_batch_s_forward_and_backward():
+  """Unit work: every stage's tick takes F + B = 2, and stage 0's first backward (a tick after the
+  last stage's first tick) ends once the forward has crossed every stage and the gradient came back."""
+  K, n = 3, 6
+  ends = T.one_f_one_b(np.ones((n, K)), np.ones((n, K)))
+  np.testing.assert_allclose(np.diff(ends[2:], axis=0), 2.0)  # steady: one F and one B a tick
+  assert ends[0, 2] == 3 + 1  # the last stage: three forwards in a row, then its backward
+  assert ends[1, 1] == ends[0, 2] + 1  # stage 1's backward of batch 0 waits for it, tick 1
+  assert ends[2, 0] == ends[1, 1] + 1  # stage 0's, at tick 2 = K-1-0
+
+
 def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="unknown method"):
-    T.iteration_time("pipedream", [1.0], [2.0])
+    T.iteration_time("pipedream_2bw", [1.0], [2.0])
   with pytest.raises(ValueError, match="equal-length"):
     T.iteration_time("bp", [1.0, 1.0], [2.0])
   with pytest.raises(ValueError, match="straggler_stage"):
@@ -166,7 +177,13 @@ def test_runtime_model_charges_the_calls_each_method_makes():
   x = 0.01  # one transfer on the link
   two = [_stage(forward=1.0, backward=2.0, upper=x), _stage(forward=0.5, backward=3.0, lower=x)]
   assert T.runtime_iteration("bp", two) == pytest.approx(1.0 + 2.0 + 0.5 + 3.0 + 2 * x)
-  assert T.runtime_iteration("fr", two) == pytest.approx(1.0 + 0.5 + x + 3.0 + x)
+  # The 1F1B methods (and ddg, fr as this runtime runs them): each stage one forward and one backward
+  # a tick, so the slower stage's calls set the pace; transfers run beside compute.
+  for m in ("fr", "ddg", "pipedream", "pipemare"):
+    assert T.runtime_iteration(m, two) == pytest.approx(max(1.0 + 2.0, 0.5 + 3.0))
+  # A transfer longer than the slack it has joins the two-tick cycle F0 -> stage 1 -> B0.
+  slow = [_stage(forward=1.0, backward=2.0, upper=2.0), _stage(forward=0.5, backward=3.0, lower=2.0)]
+  assert T.runtime_iteration("pipedream", slow) == pytest.approx((1.0 + 2.0 + 3.5 + 2.0 + 2.0) / 2)
   # DSP: every stage busy every tick, one swap per link it has; the slower stage sets the pace.
   assert T.runtime_iteration("dsp", two) == pytest.approx(max(1.0 + 2.0, 0.5 + 3.0) + x)
   fused = [_stage(fused=4.0, upper=x), _stage(forward=0.5, backward=3.0, lower=x)]

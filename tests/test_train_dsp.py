@@ -51,7 +51,11 @@ def test_entry_point_runs_and_writes_outputs(tmp_path, method):
 
 
 BAD = [
-  ("method", "pipedream", "config.method: 'pipedream' is not allowed: one of bp, gpipe, ddg, fr, dni, dsp"),
+  (
+    "method",
+    "pipedream_2bw",
+    "config.method: 'pipedream_2bw' is not allowed: one of bp, gpipe, ddg, pipedream, pipemare, fr, dni, dsp",
+  ),
   ("num_stages", 5, "config.num_stages: 5 is not allowed: cnn1d splits into at most 4 stages"),
   ("microbatches", 5, "config.microbatches: 5 is not allowed: a divisor of batch_size=64"),
   ("mode", "replay", "config.mode: 'replay' is not allowed: one of recompute, stash, fused, residuals"),
@@ -76,15 +80,21 @@ BAD = [
     "config.checkpoint_every: -1 is not allowed: an integer number of batches >= 0 (0: no checkpoints)",
   ),
   ("checkpoint_keep", 0, "config.checkpoint_keep: 0 is not allowed: a positive integer"),
+  ("pipemare.ema_decay", 1.0, "config.pipemare.ema_decay: 1.0 is not allowed: a number in [0, 1)"),
+  (
+    "pipemare.lr_anneal",
+    -1,
+    "config.pipemare.lr_anneal: -1 is not allowed: an integer number of updates >= 0 (0: none)",
+  ),
 ]
 
 
 @pytest.mark.parametrize("key,value,message", BAD, ids=[k for k, _, _ in BAD])
 def test_dsp_validation(key, value, message):
   config = dsp_config.get_config("method=gpipe" if key == "microbatches" else None)
-  config[key] = value
+  config.update_from_flattened_dict({key: value})
   with pytest.raises(ConfigError) as e:
-    validate_dsp_config(config, num_devices=8)
+    validate_dsp_config(config)
   assert str(e.value) == message
 
 
@@ -94,7 +104,7 @@ def test_dsp_refuses_several_processes():
     match="--jax_distributed: 2 processes are not allowed with "
     "placement=one_device: a pipeline runs inside one process",
   ):
-    validate_dsp_config(dsp_config.get_config(), num_devices=8, num_processes=2)
+    validate_dsp_config(dsp_config.get_config(), num_processes=2)
 
 
 PER_PROCESS_BAD = [
@@ -106,17 +116,20 @@ PER_PROCESS_BAD = [
   ),
   (
     {"method": "dni"},
-    "config.method: 'dni' is not allowed: one of bp, gpipe, ddg, fr, dsp with placement=per_process",
+    "config.method: 'dni' is not allowed: one of bp, gpipe, ddg, pipedream, pipemare, fr, dsp with "
+    "placement=per_process (DNI runs in one process: its synthetic-gradient step is a whole-model step, "
+    "not a pipeline tick)",
   ),
   (
     {"method": "fr", "mode": "residuals"},
     "config.mode: 'residuals' is not allowed: recompute or stash for "
-    "method=fr (the runtime picks its mode: bp and ddg keep residuals, fr recomputes)",
+    "method=fr (the runtime picks its mode: bp, ddg and pipedream keep residuals, fr recomputes, "
+    "pipemare corrects)",
   ),
   (
     {"chunks": 4},
-    "config.chunks: 4 is not allowed: 1 unless the stage calls keep residuals (method bp or "
-    "ddg, or dsp with mode=residuals)",
+    "config.chunks: 4 is not allowed: 1 unless the stage calls keep residuals (method bp, "
+    "ddg or pipedream, or dsp with mode=residuals)",
   ),
   ({"mode": "residuals", "chunks": 3}, "config.chunks: 3 is not allowed: a divisor of batch_size=64"),
   (

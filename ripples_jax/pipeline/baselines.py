@@ -6,7 +6,8 @@
   make_eval  the composed stages' test accuracy and loss
 
 `METHODS[name] = (init_fn, step_fn)` with one signature for all of them, the tick's methods (dsp, ddg,
-fr; bp too could run as a tick with zero delays, but its whole-model step is the reference):
+pipedream, pipemare, fr; bp too could run as a tick with zero delays, but its whole-model step is the
+reference):
 
   state = init_fn(stages, optimizer, config, rng, sample_x, num_classes)
   step = step_fn(stages, optimizer, config, num_batches)
@@ -25,7 +26,7 @@ import numpy as np
 import optax
 
 from ripples_jax.models import apply_model
-from ripples_jax.pipeline.tick import Schedule, init_pipeline, make_tick, method_schedule, place
+from ripples_jax.pipeline.tick import Schedule, init_pipeline, make_tick, method_schedule
 
 # ----------------------------------------------------------------------------------------------------
 # Whole-model steps: BP on the composed stages, and GPipe.
@@ -232,20 +233,16 @@ def make_dni_step(stages, optimizer, predictor_opt):
 # ----------------------------------------------------------------------------------------------------
 # The table of every method: one signature over the config (see the module docstring).
 
-TICK_METHODS = ("ddg", "fr", "dsp")
+TICK_METHODS = ("ddg", "pipedream", "pipemare", "fr", "dsp")
 
 
 def schedule_of(config) -> Schedule | None:
-  """The link schedule of a method that runs as the tick (dsp, ddg, fr); None for a whole-model step."""
+  """The link schedule of a method that runs as the tick; None for a whole-model step."""
   if config.method not in TICK_METHODS:
     return None
   mode = config.mode if config.method == "dsp" else None
-  return method_schedule(config.method, config.num_stages, config.delay, mode)
-
-
-def _devices(config):
-  """One device per stage with placement=per_stage (tick methods only), else None: one jitted tick."""
-  return jax.devices()[: config.num_stages] if config.placement == "per_stage" else None
+  pm = config.pipemare
+  return method_schedule(config.method, config.num_stages, config.delay, mode, pm.lr_anneal, pm.ema_decay)
 
 
 def _per_batch(step):
@@ -275,13 +272,11 @@ def _dni_step(stages, optimizer, config, num_batches):
 
 
 def _init_tick(stages, optimizer, config, rng, sample_x, num_classes):
-  state = init_pipeline(stages, optimizer, schedule_of(config), rng, sample_x)
-  devices = _devices(config)
-  return place(state, devices) if devices else state
+  return init_pipeline(stages, optimizer, schedule_of(config), rng, sample_x)
 
 
 def _tick_step(stages, optimizer, config, num_batches):
-  return make_tick(stages, optimizer, schedule_of(config), num_batches, _devices(config))
+  return make_tick(stages, optimizer, schedule_of(config), num_batches)
 
 
 # name: (init_fn, step_fn), in the order of config.DSP_METHODS and timing.METHODS.
@@ -289,6 +284,8 @@ METHODS = {
   "bp": (_init_whole, _bp_step),
   "gpipe": (_init_whole, _gpipe_step),
   "ddg": (_init_tick, _tick_step),
+  "pipedream": (_init_tick, _tick_step),
+  "pipemare": (_init_tick, _tick_step),
   "fr": (_init_tick, _tick_step),
   "dni": (_init_dni, _dni_step),
   "dsp": (_init_tick, _tick_step),

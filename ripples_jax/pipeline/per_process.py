@@ -3,9 +3,12 @@ r"""The pipeline runtime: stage k of a K-stage pipeline runs in process k (place
   python -m experiments.launch --num_processes=2 --module=experiments.train_dsp -- \
       --config=configs/dsp.py:method=dsp,num_stages=2 --config.placement=per_process --workdir=runs/dsp_mp
 
-Every method runs here on equal terms: dsp (any mode), fr, ddg (its stored graph: the forward's vjp
-residuals), model-parallel bp (zero link delays and residuals: one forward and one backward per stage,
-no pipelining) and gpipe (M micro-batches, rematerialised, one update after the flush).
+Every method runs here on equal terms: dsp (any mode), fr, ddg and pipedream (one schedule: its stored
+graph, the forward's vjp residuals, which hold the weights the forward used: weight stashing), pipemare
+(PipeDream's schedule, the input kept and recomputed at the corrected weights), model-parallel bp (zero
+link delays and residuals: one forward and one backward per stage, no pipelining) and gpipe (M
+micro-batches, rematerialised, one update after the flush). DNI is not here: its synthetic-gradient
+step is a whole-model step (config.validate_dsp_config says so).
 
 Invariants:
 - A process holds its own stage only: parameters, optimizer state, the staleness ring buffer and the
@@ -67,8 +70,11 @@ def process_schedule(config) -> tick_lib.Schedule | None:
     return None
   if config.method == "bp":  # model parallel, no pipelining: zero delays, no recompute
     return tick_lib.Schedule((0,) * (K - 1), (0,) * (K - 1), "residuals")
-  if config.method == "ddg":  # the stored graph
-    return tick_lib.method_schedule("ddg", K, mode="residuals")
+  if config.method in ("ddg", "pipedream"):  # the stored graph: weights and activations stashed
+    return tick_lib.method_schedule(config.method, K, mode="residuals")
+  if config.method == "pipemare":  # inputs only, recomputed at w - S_k delta
+    pm = config.pipemare
+    return tick_lib.method_schedule("pipemare", K, lr_anneal=pm.lr_anneal, ema_decay=pm.ema_decay)
   if config.method == "fr":  # inputs only, recomputed
     return tick_lib.method_schedule("fr", K, mode="recompute")
   return tick_lib.method_schedule("dsp", K, config.delay, config.mode)

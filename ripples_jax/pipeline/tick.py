@@ -9,14 +9,24 @@ own optax update as soon as its backward is done.
 
 Every stage keeps a staleness ring buffer of its last S_k + 1 inputs (and, in `stash` mode, parameter
 versions). `recompute` (DSP, Features Replay): the backward re-runs the stage's forward on the stored
-input with the *current* parameters. `stash` (PipeDream-style, DDG's stored graph): the backward uses the
-parameter version the forward used.
+input with the *current* parameters. `stash` (PipeDream's weight stashing, DDG's stored graph): the
+backward uses the parameter version the forward used. `corrected` (PipeMare): no versions kept; the
+backward re-runs the forward at the current parameters moved back by S_k steps of an exponential moving
+average of the stage's own updates (its discrepancy correction), and the stage's step size is divided by
+its delay S_k at first, the division annealed away over `lr_anneal` updates (its rescheduling).
 
 The same tick describes every method:
-  bp   f = b = 0                  plain backprop of the composed model
-  dsp  f = b = d (default 1)      forward, backward and update locks all broken
-  ddg  f = 0, b = 1, stash        locked forward, delayed error gradients, the stored graph
-  fr   f = 0, b = 1, recompute    locked forward, delayed error gradients, inputs only
+  bp         f = b = 0                  plain backprop of the composed model
+  dsp        f = b = d (default 1)      forward, backward and update locks all broken
+  ddg        f = 0, b = 1, stash        locked forward, delayed error gradients, the stored graph
+  pipedream  f = 0, b = 1, stash        1F1B: stage k runs K-1-k warm-up forwards, then one forward
+                                        and one backward a tick, no flush, weight stashing
+  pipemare   f = 0, b = 1, corrected    PipeDream's schedule without stashing (see `corrected`)
+  fr         f = 0, b = 1, recompute    locked forward, delayed error gradients, inputs only
+PipeDream-1F1B and DDG are one schedule here: a locked forward and a backward link of one tick make
+stage k's backward of batch i follow its forward by K-1-k of its own updates, which is 1F1B's order, and
+both take the gradient at the version the forward used; their updates are equal
+(tests/test_pipeline_dsp.py checks both against a 1F1B reference).
 GPipe (micro-batches, flush, rematerialisation), BP as one model and DNI are whole-model steps
 (baselines.py, which also holds the table of every method).
 """
@@ -37,9 +47,11 @@ from ripples_jax.models import apply_model, init_model
 # are stash mode's (the version the forward used, on the input it saw).
 MODES = ("recompute", "stash", "fused", "residuals")
 PROCESS_MODES = ("fused", "residuals")
-# one_device: every stage on one device; per_stage: stage k on device k of this process;
-# per_process: stage k in process k (pipeline/per_process.py, under the launcher).
-PLACEMENTS = ("one_device", "per_stage", "per_process")
+# Not a config value: the mode pipemare's schedule carries (method_schedule).
+CORRECTED = "corrected"
+# one_device: every stage in this process, one jitted tick; per_process: stage k in process k
+# (pipeline/per_process.py, under the launcher).
+PLACEMENTS = ("one_device", "per_process")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +61,8 @@ class Schedule:
   fwd_delays: tuple  # f_k for k < K-1
   bwd_delays: tuple  # b_k for k < K-1
   mode: str = "recompute"
+  lr_anneal: int = 0  # corrected: updates over which the step size's division by S_k anneals away
+  ema_decay: float = 0.9  # corrected: gamma of the updates' moving average delta
 
   @property
   def num_stages(self) -> int:
@@ -74,15 +88,19 @@ class Schedule:
     return max(o + s for o, s in zip(self.offsets, self.staleness))
 
 
-def method_schedule(method: str, num_stages: int, delay: int = 1, mode: str | None = None) -> Schedule:
-  """The link delays of bp, dsp, ddg and fr (gpipe and dni have their own steps)."""
+def method_schedule(
+  method: str, num_stages: int, delay: int = 1, mode: str | None = None, lr_anneal: int = 0, ema_decay=0.9
+) -> Schedule:
+  """The link delays of bp, dsp, ddg, pipedream, pipemare and fr (gpipe and dni have their own steps)."""
   k = num_stages - 1
   if method == "bp":
     return Schedule((0,) * k, (0,) * k, mode or "recompute")
   if method == "dsp":
     return Schedule((delay,) * k, (delay,) * k, mode or "recompute")
-  if method == "ddg":
+  if method in ("ddg", "pipedream"):
     return Schedule((0,) * k, (1,) * k, mode or "stash")
+  if method == "pipemare":
+    return Schedule((0,) * k, (1,) * k, CORRECTED, int(lr_anneal), float(ema_decay))
   if method == "fr":
     return Schedule((0,) * k, (1,) * k, mode or "recompute")
   raise ValueError(f"method: {method!r} has no link schedule")
@@ -103,6 +121,8 @@ def init_pipeline(stages, optimizer, schedule: Schedule, rng, sample_x) -> list[
     }
     if schedule.mode == "stash":
       st["param_ring"] = jax.tree.map(lambda a: jnp.broadcast_to(a, (s + 1,) + a.shape), params)
+    if schedule.mode == CORRECTED:
+      st["delta"] = jax.tree.map(jnp.zeros_like, params)
     if k > 0 and schedule.fwd_delays[k - 1]:
       st["fwd_fifo"] = jnp.zeros((schedule.fwd_delays[k - 1],) + x.shape, x.dtype)
     y = jax.eval_shape(lambda p, m, x: apply_model(stage, p, m, x, train=False)[0], params, model_state, x)
@@ -147,7 +167,7 @@ def stage_backward(
   s = schedule.staleness[k]
   old = (t - s) % (s + 1)
   x_old = st["in_ring"][old]
-  params = jax.tree.map(lambda r: r[old], st["param_ring"]) if schedule.mode == "stash" else st["params"]
+  params = backward_params(schedule, k, st, old)
 
   def fwd(p, x):
     return apply_model(stage, p, st["model_state"], x, train=True)
@@ -185,18 +205,47 @@ def stage_backward(
   return st, g_x, (loss, acc)
 
 
+def backward_params(schedule: Schedule, k: int, st: dict, old):
+  """The parameters stage k's backward differentiates at: the stashed version (stash), PipeMare's
+  estimate of the version the forward used, w - S_k delta (corrected), or the current ones."""
+  if schedule.mode == "stash":
+    return jax.tree.map(lambda r: r[old], st["param_ring"])
+  if schedule.mode == CORRECTED:
+    s = schedule.staleness[k]
+    return jax.tree.map(lambda w, d: w - s * d, st["params"], st["delta"])
+  return st["params"]
+
+
+def lr_scale(schedule: Schedule, k: int, update):
+  """PipeMare's step-size rescheduling: stage k's step size times S_k^-(1 - min(u / lr_anneal, 1)) at
+  its update u (1 for S_k <= 1, without annealing, and outside corrected mode)."""
+  s = schedule.staleness[k]
+  if schedule.mode != CORRECTED or s <= 1 or schedule.lr_anneal <= 0:
+    return 1.0
+  p = 1.0 - jnp.minimum(jnp.asarray(update, jnp.float32) / schedule.lr_anneal, 1.0)
+  return jnp.asarray(float(s), jnp.float32) ** -p
+
+
 def apply_update(optimizer, schedule: Schedule, k: int, st: dict, g_p, new_ms, t, num_batches):
   """Stage k's optax update from the gradient of its backward at tick t; a no-op during warm-up and
-  drain (the backward's batch index is out of range)."""
+  drain (the backward's batch index is out of range). Scaling optax's update scales its step size at
+  this step for every optimizer of optim.py (each ends in a multiplication by the learning rate)."""
   batch = t - schedule.offsets[k] - schedule.staleness[k]
   valid = (batch >= 0) & (batch < num_batches)
   updates, opt_state = optimizer.update(g_p, st["opt_state"], st["params"])
+  extra = {}
+  if schedule.mode == CORRECTED:
+    scale = lr_scale(schedule, k, batch)
+    updates = jax.tree.map(lambda u: scale * u, updates)
+    gamma = schedule.ema_decay  # delta follows w_new - w_old, which is the (scaled) update
+    extra["delta"] = jax.tree.map(lambda d, u: gamma * d + (1 - gamma) * u, st["delta"], updates)
   keep = lambda new, cur: jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, cur)
   return dict(
     st,
     params=keep(optax.apply_updates(st["params"], updates), st["params"]),
     opt_state=keep(opt_state, st["opt_state"]),
     model_state=keep(new_ms, st["model_state"]),
+    **{key: keep(v, st[key]) for key, v in extra.items()},
   )
 
 
@@ -250,64 +299,48 @@ def stage_backward_residuals(
   return apply_update(optimizer, schedule, k, st, g_p, new_ms, t, num_batches), g_x
 
 
-def make_tick(stages, optimizer, schedule: Schedule, num_batches: int, devices=None):
-  """Returns tick(state, x_t, y_t, t) -> (state, (loss, acc)) advancing every stage by one tick.
+def make_tick(stages, optimizer, schedule: Schedule, num_batches: int):
+  """Returns tick(state, x_t, y_t, t) -> (state, (loss, acc)) advancing every stage by one tick, as
+  one jitted function (stages in their own processes: pipeline/per_process.py).
 
-  x_t is batch t (enters stage 0); y_t the labels of batch t - F_{K-1} (the last stage's). With
-  `devices=None` the whole tick is one jitted function on one device. With a device per stage, each
-  stage's forward and backward are their own jitted programs on its device, dispatched asynchronously so
-  that stages run concurrently (links with delay >= 1 make a tick's stages independent).
+  x_t is batch t (enters stage 0); y_t the labels of batch t - F_{K-1} (the last stage's).
   """
   K = len(stages)
   f, b = schedule.fwd_delays, schedule.bwd_delays
-  fwd_fns = [functools.partial(stage_forward, stages[k], schedule, k) for k in range(K)]
-  bwd_fns = [functools.partial(stage_backward, stages[k], optimizer, schedule, k) for k in range(K)]
+  fwd = [functools.partial(stage_forward, stages[k], schedule, k) for k in range(K)]
+  bwd = [functools.partial(stage_backward, stages[k], optimizer, schedule, k) for k in range(K)]
 
-  def tick_with(fwd, bwd, put):
-    def tick(state, x_t, y_t, t):
-      state = list(state)
-      outs = [None] * K
-      for k in range(K):  # forward wave
-        if k == 0:
-          x_in = x_t
-        elif f[k - 1] == 0:
-          x_in = put(outs[k - 1], k)  # locked forward: this tick's output of the stage below
-        else:
-          x_in = state[k]["fwd_fifo"][0]
-        state[k], outs[k] = fwd[k](state[k], x_in, t)
-      grads_in = [None] * K
-      metrics = None
-      for k in reversed(range(K)):  # backward wave
-        if k == K - 1:
-          cot = None
-        elif b[k] == 0:
-          cot = put(grads_in[k + 1], k)
-        else:
-          cot = state[k]["bwd_fifo"][0]
-        state[k], grads_in[k], m = bwd[k](state[k], cot, y_t if k == K - 1 else None, t, num_batches)
-        if k == K - 1:
-          metrics = m
-      for k in range(K - 1):  # the links advance
-        if f[k]:
-          state[k + 1]["fwd_fifo"] = push(state[k + 1]["fwd_fifo"], put(outs[k], k + 1))
-        if b[k]:
-          state[k]["bwd_fifo"] = push(state[k]["bwd_fifo"], put(grads_in[k + 1], k))
-      return state, metrics
+  def tick(state, x_t, y_t, t):
+    state = list(state)
+    outs = [None] * K
+    for k in range(K):  # forward wave
+      if k == 0:
+        x_in = x_t
+      elif f[k - 1] == 0:
+        x_in = outs[k - 1]  # locked forward: this tick's output of the stage below
+      else:
+        x_in = state[k]["fwd_fifo"][0]
+      state[k], outs[k] = fwd[k](state[k], x_in, t)
+    grads_in = [None] * K
+    metrics = None
+    for k in reversed(range(K)):  # backward wave
+      if k == K - 1:
+        cot = None
+      elif b[k] == 0:
+        cot = grads_in[k + 1]
+      else:
+        cot = state[k]["bwd_fifo"][0]
+      state[k], grads_in[k], m = bwd[k](state[k], cot, y_t if k == K - 1 else None, t, num_batches)
+      if k == K - 1:
+        metrics = m
+    for k in range(K - 1):  # the links advance
+      if f[k]:
+        state[k + 1]["fwd_fifo"] = push(state[k + 1]["fwd_fifo"], outs[k])
+      if b[k]:
+        state[k]["bwd_fifo"] = push(state[k]["bwd_fifo"], grads_in[k + 1])
+    return state, metrics
 
-    return tick
-
-  if devices is None:
-    return jax.jit(tick_with(fwd_fns, bwd_fns, lambda a, k: a), donate_argnums=0)
-  assert len(devices) >= K
-  fwd = [jax.jit(fn) for fn in fwd_fns]
-  bwd = [jax.jit(fn, static_argnums=4) for fn in bwd_fns]
-  put = lambda a, k: jax.device_put(a, devices[k])
-  return tick_with(fwd, bwd, put)
-
-
-def place(state: list[dict], devices) -> list[dict]:
-  """Puts stage k's state on devices[k] (one stage per device)."""
-  return [jax.device_put(st, d) for st, d in zip(state, devices)]
+  return jax.jit(tick, donate_argnums=0)
 
 
 def stored_bytes(state: list[dict]) -> list[dict]:

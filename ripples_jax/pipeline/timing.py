@@ -10,7 +10,11 @@ one batch (the lead measures them with jax and passes them in). One iteration = 
   gpipe  [sum_k f_k + (M-1) max_k f_k]              M micro-batches, forward wavefront, then the
          + [sum_k b_k + (M-1) max_k b_k]            backward wavefront, flush; f_k = F_k/M,
                                                     b_k = (B_k + F_k)/M with remat, B_k/M without
-  ddg    sum_k F_k + max_k B_k                      forward locked, backwards in parallel (delayed grads)
+  ddg    sum_k F_k + max_k B_k                      forward locked, backwards in parallel (delayed grads),
+                                                    one batch in flight (the published global step)
+  pipedream  steady 1F1B: max_k (F_k + B_k)         stage k: F of batch t (after stage k-1's), then B of
+                                                    batch t-(K-1-k) (after stage k+1's, a tick before)
+  pipemare   steady 1F1B: max_k (2 F_k + B_k)       as pipedream; the backward recomputes the forward
   fr     sum_k F_k + max_k (F_k + B_k)              as ddg, the backward recomputes the forward first
   dni    sum_k F_k + max_k (B_k + P_k)              as ddg, P_k = synthetic-gradient predictor cost
   dsp    max_k (F_k + B_k)        fused             every stage busy every tick: the forward of a new
@@ -35,7 +39,10 @@ import numpy as np
 
 from ripples_jax.models import apply_model
 
-METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp")
+METHODS = ("bp", "gpipe", "ddg", "pipedream", "pipemare", "fr", "dni", "dsp")
+# The methods whose runtime execution is 1F1B (a locked forward link, a backward link of one tick, no
+# global step): pipedream and pipemare as published, and ddg and fr as the per-process runtime runs them.
+ONE_F_ONE_B = ("ddg", "pipedream", "pipemare", "fr")
 
 
 def _stages(fwd_K, bwd_K, predictor_K=None):
@@ -62,9 +69,9 @@ def backward_work(method, f, b, p, fused=False):
   over both batches and charges it F_k (the optimistic end: the pass is bound by the stage's weights
   and launches, not by the batch); unfused, the recompute is a second forward: 2 F_k + B_k.
   """
-  if method == "ddg":
-    return b  # the stored graph: no recompute
-  if method == "fr":
+  if method in ("ddg", "pipedream"):
+    return b  # the stored graph (stashed weights and activations): no recompute
+  if method in ("fr", "pipemare"):
     return f + b  # inputs only: recompute the forward, then the backward
   if method == "dni":
     return b + p  # backward from the synthetic gradient, plus the predictor's own step
@@ -111,6 +118,8 @@ def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True
     return gpipe_iteration(f, b, microbatches, remat)
   if method == "dsp":
     return float(backward_work("dsp", f, b, p, fused).max())
+  if method in ("pipedream", "pipemare"):
+    return float((f + backward_work(method, f, b, p)).max())
   return float(f.sum() + backward_work(method, f, b, p).max())
 
 
@@ -163,6 +172,8 @@ def simulate(
               starts its backward, needing its forward and stage k+1's gradient of iteration t-1
     dsp       T[k,t] = max(T[k,t-1], T[k-1,t-1], T[k+1,t-1]) + work[k,t]: delay-1 FIFOs both ways;
               the completion of tick t is the last stage's, where the loss is
+    pipedream, pipemare  1F1B (`one_f_one_b`): a stage's forward follows its previous tick and stage
+              k-1's forward of the tick, its backward follows that and stage k+1's previous tick
   Every stage's work is a full tick from t = 0 (no cheaper fill ticks): only the steady state is meant.
   """
   _check_method(method)
@@ -188,6 +199,8 @@ def simulate(
       tick = np.maximum(np.maximum(tick, up), down) + w * fac[t]
       out[t] = tick[-1]
     return out
+  if method in ("pipedream", "pipemare"):
+    return one_f_one_b(f[None] * fac, backward_work(method, f, b, p)[None] * fac)[:, -1]
   w = backward_work(method, f, b, p)
   done = np.zeros(k_count)  # when each stage finished its previous backward
   for t in range(n):
@@ -202,6 +215,29 @@ def simulate(
     done = np.maximum(np.maximum(tf, loss), grad) + w * fac[t]
     out[t] = done.max()
   return out
+
+
+def one_f_one_b(fwd_TK, bwd_TK, up=None) -> np.ndarray:
+  """[T, K] end times of every stage's ticks under 1F1B, from [T, K] forward and backward (the work
+  after the forward: the backward, with its recompute where there is one) seconds per tick.
+
+  Stage k's tick t is the forward of batch t, which needs stage k-1's forward of it (plus the link's
+  transfer up[k-1]), then the backward of batch t-(K-1-k), which needs stage k+1's tick t-1 (plus its
+  transfer down); the last stage's loss and backward follow its forward at once. Transfers run beside
+  compute (the runtime's link threads), so they delay the receiver only."""
+  fwd_TK, bwd_TK = np.asarray(fwd_TK, np.float64), np.asarray(bwd_TK, np.float64)
+  n, K = fwd_TK.shape
+  up = np.zeros(max(K - 1, 0)) if up is None else np.asarray(up, np.float64)
+  end = np.zeros((n + 1, K))  # row 0: before the first tick
+  for t in range(n):
+    fwd_end = np.empty(K)
+    for k in range(K):
+      ready = fwd_end[k - 1] + up[k - 1] if k > 0 else 0.0
+      fwd_end[k] = max(end[t, k], ready) + fwd_TK[t, k]
+    for k in reversed(range(K)):
+      grad = end[t, k + 1] + up[k] if k < K - 1 else 0.0  # stage k+1's tick t-1 (row t: its end)
+      end[t + 1, k] = max(fwd_end[k], grad) + bwd_TK[t, k]
+  return end[1:]
 
 
 def steady_spacing(times, warmup=None) -> float:
@@ -275,7 +311,7 @@ def measure_stage_times(stages, state, sample_x, reps: int = 20):
   fwd_K, bwd_K = [], []
   x = jnp.asarray(sample_x)
   for stage, st in zip(stages, state):
-    x = jax.device_put(x, jax.tree.leaves(st["params"])[0].sharding)  # the stage's device (per_stage)
+    x = jax.device_put(x, jax.tree.leaves(st["params"])[0].sharding)  # the stage's device
     f = jax.jit(lambda p, x, stage=stage, ms=st["model_state"]: apply_model(stage, p, ms, x, True)[0])
     y = f(st["params"], x)
 
@@ -297,11 +333,12 @@ def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) ->
   fused, update) and `transfer_s` (one transfer on its lower/upper link with both ends ready).
 
   It charges exactly the calls the runtime makes, so a recompute is in `backward` where the method
-  recomputes (fr, dsp recompute, gpipe's remat) and absent where it keeps residuals (bp, ddg, dsp
-  residuals), and the fused call is what it measured, not an assumed F:
+  recomputes (fr, pipemare, dsp recompute, gpipe's remat) and absent where it keeps residuals (bp,
+  ddg, pipedream, dsp residuals), and the fused call is what it measured, not an assumed F:
     bp        sum_k (forward_k + backward_k) + an up and a down transfer per link: nothing overlaps
-    ddg, fr   sum_k forward_k + the transfers up (the locked forward), then the backwards in parallel
-              (max_k backward_k), then the delayed gradients down (one transfer)
+    ddg, fr, pipedream, pipemare  the steady spacing of `one_f_one_b` on the calls and transfers: the
+              runtime runs every schedule of a locked forward and one-tick backward links as 1F1B (it
+              has no global step; DDG's published one is `iteration_time`'s)
     dsp       max_k (stage k's calls + one swap per link it has): every stage busy every tick
     gpipe     the flushed wavefront of `gpipe_iteration` on the micro-batch calls, each transfer
               (1/M of the batch's) added to the call it follows, plus the update
@@ -315,8 +352,10 @@ def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) ->
   b = np.array([call(k, "backward") for k in range(K)])
   if method == "bp":
     return float(f.sum() + b.sum() + 2 * sum(up))
-  if method in ("ddg", "fr"):
-    return float(f.sum() + sum(up) + b.max() + max(up, default=0.0))
+  if method in ONE_F_ONE_B:
+    n = 64
+    ends = one_f_one_b(np.tile(f, (n, 1)), np.tile(b, (n, 1)), up)
+    return steady_spacing(ends.max(axis=1))
   if method == "dsp":
     return float(max(call(k, "fused") + f[k] + b[k] + link(k) for k in range(K)))
   if method == "gpipe":
