@@ -11,9 +11,9 @@ set, so that the machine's drift lands on every row alike):
   model-parallel BP and GPipe (their locked links wait for every transfer either way) with the same
   stragglers, with slack on.
 Reported per row: the median measured iteration (the slowest stage's steady tick spacing) and its
-spread over the repetitions; tick efficiency (the slowest stage's compute and transfer medians over
-the iteration); for the straggler rows, the share of throughput kept against the mean extra compute
-alone, iteration without stragglers x (1 + p (s - 1)) / iteration with them (1.0: only the extra
+spread over the repetitions; tick efficiency (timing.tick_efficiency: the slowest stage's compute,
+median call x calls per iteration, and transfer over the iteration); for the straggler rows, the
+share of throughput kept against the mean extra compute alone, iteration without stragglers x (1 + p (s - 1)) / iteration with them (1.0: only the extra
 compute is paid, no waiting for the slowed neighbour).
 """
 
@@ -27,6 +27,7 @@ from absl import app, flags
 
 from benchmarks.pipeline import bench_config, run_variant
 from benchmarks.timing import print_json
+from ripples_jax.pipeline import timing
 
 FLAGS = flags.FLAGS
 
@@ -64,15 +65,6 @@ def config_for(base, r: dict):
   return c
 
 
-def efficiency(summary: dict) -> float:
-  """The slowest stage's compute and transfer (call medians) over the measured iteration."""
-  busy = [
-    sum(v for k, v in s["median_s"].items() if k != "link") + sum(s.get("transfer_s", {}).values())
-    for s in summary["stages"]
-  ]
-  return max(busy) / summary["iteration_s"]
-
-
 def main(argv):
   del argv
   base = bench_config(2, "cnn2d", FLAGS.iterations)
@@ -82,7 +74,9 @@ def main(argv):
   for rep in range(FLAGS.reps):
     for name, r in table.items():
       summary = run_variant(config_for(base, r), os.path.join(tmp, f"{name}_{rep}"))
-      runs[name].append({"iteration_s": summary["iteration_s"], "tick_efficiency": efficiency(summary)})
+      runs[name].append(
+        {"iteration_s": summary["iteration_s"], "tick_efficiency": timing.tick_efficiency(summary)}
+      )
       print(f"rep {rep} {name}: {1e3 * summary['iteration_s']:.1f} ms", flush=True)
   shutil.rmtree(tmp, ignore_errors=True)
   out = {"p": FLAGS.p, "slowdown": FLAGS.slowdown, "reps": FLAGS.reps, "iterations": FLAGS.iterations}

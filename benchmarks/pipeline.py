@@ -1,23 +1,28 @@
-r"""Pipeline methods timed for real: single-process BP against every method in the multi-process runtime.
+r"""Pipeline methods timed for real, every one against the best single-process BP of the same run.
 
   python -m benchmarks.pipeline --num_stages=2 --json_out=results/pipeline/k2.json
-  python -m benchmarks.pipeline --num_stages=4 --json_out=results/pipeline/k4.json
-  python -m benchmarks.pipeline --num_stages=2 --slowdowns=2,4 --json_out=results/pipeline/k2_stragglers.json
+  python -m benchmarks.pipeline --num_stages=4 --reps=3 --json_out=results/pipeline/k4.json
 
-One run of this script, on one model (CNN2D on CIFAR-shaped synthetic data, batch 64):
-1. BP in one process (the whole model, one jitted step), timed pinned to one core and unpinned,
-   interleaved; the faster is the reference (docs/design.md 4.5). It is timed again after the methods, and the
-   spread of the two is printed: the machine is shared.
+One run of this script, on one model (CNN2D on CIFAR-shaped synthetic data, batch 64), --reps
+repetitions (at least 5 by default), each a full alternation of everything below, the order of the
+methods rotated each repetition so that drift on a shared machine lands on every row alike:
+1. Single-process BP in four variants, interleaved step by step: pinned to one core or on every core,
+   the whole batch or M accumulated micro-batches (GPipe's numerics without the pipeline). The fastest
+   variant (median over the repetitions) is "best BP"; its time in each repetition is what that
+   repetition's ratios are taken against (paired). `best_bp.unstable`: it varied by more than 10%.
 2. Every method in the runtime (pipeline/per_process.py), K processes through experiments.launch, one
-   stage per core where there are cores: model-parallel BP, GPipe (M=4, remat), DDG, FR, DSP in its
-   three modes (recompute, fused, residuals). Measured iteration = the steady tick spacing of the
-   slowest stage (evaluation outside the clock).
-3. The timing model (timing.runtime_iteration) fed with each run's own measured call and transfer
-   times; its prediction against the measured iteration, with the error.
-4. --slowdowns: the last stage padded to s x its compute for DSP, GPipe and model-parallel BP, and
-   single-process BP padded by (s - 1) x that stage's measured compute (from the model-parallel run).
-
-Writes {"<method>": {"measured_speedup_vs_bp": x, "modeled_speedup_vs_bp": y, ...}, "_bp": {...}}.
+   stage per core: model-parallel BP, GPipe (M=4, remat), DDG, PipeDream-1F1B, PipeMare, FR, DSP as
+   published (recompute), DSP fused, and weight stashing on DSP's schedule (mode=residuals; with its
+   calls over 4 chunks too). Measured iteration = the slowest stage's steady tick spacing.
+3. The ceiling: K single-core stages that split the fastest single-core BP evenly, without transfers:
+   best BP / (fastest pinned BP / K); each method's speedup over it as `vs_ceiling`.
+4. `tick_efficiency` (timing.tick_efficiency): the slowest stage's compute (median call x calls per
+   iteration) and transfer over the measured iteration.
+5. The timing model, twice: fed with the run's own calls (`same_run`: accounting, no prediction), and
+   fed with model-parallel BP's calls from the same repetition (`from_bp`, timing.calls_from_bp: a
+   prediction across runs), each beside the measurement with its error.
+6. --slowdowns: the last stage padded to s x its compute for DSP, GPipe and model-parallel BP (inside
+   the calls), single-process BP padded by (s - 1) x that stage's compute in the model-parallel run.
 """
 
 import copy
@@ -42,18 +47,43 @@ from ripples_jax.pipeline import train as pipeline_train
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (method, mode, chunks). chunks: the residual calls over that many chunks of the batch (the
-# micro-batch effect GPipe gets, given to DSP; BP gets it in `time_bp_accumulated`).
+# micro-batch effect GPipe gets, given to the stash variant; BP gets it as its micro-batched variants).
 VARIANTS = {
   "bp_model_parallel": ("bp", "recompute", 1),
   "gpipe": ("gpipe", "recompute", 1),
   "ddg": ("ddg", "recompute", 1),
+  "pipedream": ("pipedream", "recompute", 1),
+  "pipemare": ("pipemare", "recompute", 1),
   "fr": ("fr", "recompute", 1),
   "dsp": ("dsp", "recompute", 1),
   "dsp_fused": ("dsp", "fused", 1),
-  "dsp_residuals": ("dsp", "residuals", 1),
-  "dsp_residuals_chunks4": ("dsp", "residuals", 4),
+  "dsp_weight_stash": ("dsp", "residuals", 1),
+  "dsp_weight_stash_chunks4": ("dsp", "residuals", 4),
 }
-STRAGGLER_VARIANTS = ("bp_model_parallel", "gpipe", "dsp", "dsp_residuals")
+# What each row is, for the tables (the stash variant is not DSP as published: it keeps the forward's
+# residuals, so its gradients are taken at the weights the forward used).
+LABELS = {
+  "bp_model_parallel": "BP, stage k in process k, no pipelining",
+  "gpipe": "GPipe, M=4, remat, flush",
+  "ddg": "DDG (locked forward, delayed gradients, stored graph)",
+  "pipedream": "PipeDream-1F1B, weight stashing",
+  "pipemare": "PipeMare (1F1B, no stashing, corrected backward)",
+  "fr": "Features Replay (recompute)",
+  "dsp": "DSP as published (recompute)",
+  "dsp_fused": "DSP, the recompute fused with the forward",
+  "dsp_weight_stash": "weight stashing on DSP's schedule (not DSP as published)",
+  "dsp_weight_stash_chunks4": "weight stashing on DSP's schedule, calls over 4 chunks",
+}
+# The model's name for a row (timing.runtime_iteration, timing.calls_from_bp); None: no prediction
+# from BP's calls (a fused or chunked call's cost is not a sum of BP's).
+MODEL_METHOD = {
+  "bp_model_parallel": "bp",
+  "dsp_weight_stash": "dsp_residuals",
+  "dsp_fused": None,
+  "dsp_weight_stash_chunks4": None,
+}
+STRAGGLER_VARIANTS = ("bp_model_parallel", "gpipe", "dsp", "dsp_weight_stash")
+BP_VARIANTS = ("bp_pinned", "bp_unpinned", "bp_micro_pinned", "bp_micro_unpinned")
 
 
 def define_flags() -> None:
@@ -61,7 +91,8 @@ def define_flags() -> None:
   flags.DEFINE_list("variants", list(VARIANTS), "Methods (and DSP modes) to run in the runtime.")
   flags.DEFINE_list("slowdowns", [], "Straggler factors s for the last stage (e.g. 2,4); none by default.")
   flags.DEFINE_integer("iterations", 60, "Batches per runtime run.")
-  flags.DEFINE_integer("bp_reps", 20, "Timed single-process BP steps per affinity, each time BP is timed.")
+  flags.DEFINE_integer("reps", 5, "Repetitions: full alternations of the BP variants and every method.")
+  flags.DEFINE_integer("bp_reps", 20, "Timed single-process BP steps per variant, each repetition.")
   flags.DEFINE_string("model", "cnn2d", "Model (split into K stages).")
   flags.DEFINE_list(
     "input_shape", ["32", "32", "3"], "The synthetic examples' shape (CIFAR-shaped by default)."
@@ -83,30 +114,9 @@ def bench_config(K: int, model: str, iterations: int, input_shape=(32, 32, 3), m
   return c
 
 
-def time_bp(config, reps: int) -> dict:
-  """Median seconds of one single-process BP step, pinned to one core and on every core, interleaved."""
-  stages, state, run = pipeline_train._setup(config)
-  feed, step = run["feed"], run["step"]
-  x, y = feed.x(0), feed.labels(0)
-  every = sorted(os.sched_getaffinity(0))
-  for _ in range(3):  # compile, warm
-    state, (loss, _) = step(state, x, y, 0)
-  float(loss)
-  times = {"pinned": [], "unpinned": []}
-  for _ in range(reps):
-    for kind, cores in (("pinned", {every[0]}), ("unpinned", set(every))):
-      pin_threads(cores)
-      t0 = time.perf_counter()
-      state, (loss, _) = step(state, x, y, 0)
-      float(loss)
-      times[kind].append(time.perf_counter() - t0)
-  pin_threads(set(every))
-  return {k: float(np.median(v)) for k, v in times.items()}
-
-
-def time_bp_accumulated(config, reps: int) -> float:
-  """Median seconds of single-process BP over the batch as M micro-batches (gradients accumulated, one
-  update: GPipe's numerics without the pipeline), on every core: what micro-batching alone is worth."""
+def _bp_steps(config):
+  """Single-process BP's step on the whole batch and on M accumulated micro-batches (one update: GPipe's
+  numerics without the pipeline), each a function of the state that blocks on its result."""
   import jax.numpy as jnp
   import optax
 
@@ -114,6 +124,12 @@ def time_bp_accumulated(config, reps: int) -> float:
 
   stages, state, run = pipeline_train._setup(config)
   M, opt = config.microbatches, make_optimizer(config.optimizer, run["num_batches"])
+  x, y = run["feed"].x(0), run["feed"].labels(0)
+
+  def whole(state):
+    state, (loss, _) = run["step"](state, x, y, 0)
+    float(loss)
+    return state
 
   def loss_fn(params_K, ms_K, x, y):
     logits, _ = baselines.compose(stages, params_K, ms_K, x, train=True)
@@ -126,10 +142,9 @@ def time_bp_accumulated(config, reps: int) -> float:
       opt, state, jax.tree.map(lambda a: a / M, g), [st["model_state"] for st in state]
     )
   )
-  x, y = run["feed"].x(0), run["feed"].labels(0)
   xs, ys = np.split(np.asarray(x), M), np.split(np.asarray(y), M)
 
-  def step(state):
+  def micro(state):
     p, ms = [st["params"] for st in state], [st["model_state"] for st in state]
     g = None
     for xm, ym in zip(xs, ys):
@@ -137,14 +152,29 @@ def time_bp_accumulated(config, reps: int) -> float:
       g = gm if g is None else add(g, gm)
     return jax.block_until_ready(update(state, g))
 
-  for _ in range(3):
-    state = step(state)
-  times = []
+  # The whole-batch step donates its state: each variant keeps its own.
+  micro_state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)
+  return {"bp": (whole, state), "bp_micro": (micro, micro_state)}
+
+
+def time_bp_variants(config, reps: int) -> dict:
+  """Median seconds of one step of each BP variant (BP_VARIANTS), the four interleaved step by step."""
+  steps = _bp_steps(config)
+  every = sorted(os.sched_getaffinity(0))
+  states = {name: st for name, (_, st) in steps.items()}
+  for name, (fn, _) in steps.items():
+    for _ in range(3):  # compile, warm
+      states[name] = fn(states[name])
+  times = {v: [] for v in BP_VARIANTS}
   for _ in range(reps):
-    t0 = time.perf_counter()
-    state = step(state)
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+    for variant in BP_VARIANTS:
+      name, pinned = variant.rsplit("_", 1)
+      pin_threads({every[0]} if pinned == "pinned" else set(every))
+      t0 = time.perf_counter()
+      states[name] = steps[name][0](states[name])
+      times[variant].append(time.perf_counter() - t0)
+  pin_threads(set(every))
+  return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def time_bp_padded(config, reps: int, pad_s: float) -> float:
@@ -205,23 +235,39 @@ def run_variant(config, workdir: str) -> dict:
   return json.load(open(os.path.join(workdir, "summary.json")))
 
 
-def row(name: str, summary: dict, bp_s: float, modeled_bp_s: float) -> dict:
-  method = VARIANTS[name][0]
-  measured = summary["iteration_s"]
-  modeled = timing.runtime_iteration(method, summary["stages"], microbatches=4)
-  return {
-    "method": method,
-    "mode": summary["mode"],
-    "measured_iteration_s": measured,
-    "modeled_iteration_s": modeled,
-    "model_error": modeled / measured - 1,
-    "measured_speedup_vs_bp": bp_s / measured,
-    "modeled_speedup_vs_bp": modeled_bp_s / modeled,
-    "stored_bytes": [s["stored_bytes"] for s in summary["stages"]],
-    "xla_memory": [s.get("xla_memory") for s in summary["stages"]],
-    "median_call_s": [s["median_s"] for s in summary["stages"]],
-    "transfer_s": [s["transfer_s"] for s in summary["stages"]],
+def _spread(values) -> dict:
+  v = np.asarray(values, np.float64)
+  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
+
+
+def row(name: str, runs: list, best_bp: list, ceiling_s: list, bp_runs: list) -> dict:
+  """One method's figures over the repetitions, each ratio paired with its repetition's BP."""
+  its = np.array([r["iteration_s"] for r in runs])
+  speedup = np.array(best_bp) / its
+  out = {
+    "label": LABELS[name],
+    "method": VARIANTS[name][0],
+    "mode": runs[-1]["mode"],
+    "measured_iteration_s": {**_spread(its), "all": its.tolist()},
+    "measured_speedup_vs_best_bp": _spread(speedup),
+    "vs_ceiling": _spread(np.array(ceiling_s) / its),
+    "tick_efficiency": _spread([timing.tick_efficiency(r) for r in runs]),
+    "stored_bytes": [s["stored_bytes"] for s in runs[-1]["stages"]],
+    "xla_memory": [s.get("xla_memory") for s in runs[-1]["stages"]],
+    "median_call_s": [s["median_s"] for s in runs[-1]["stages"]],
+    "transfer_s": [s["transfer_s"] for s in runs[-1]["stages"]],
   }
+  model = MODEL_METHOD.get(name, VARIANTS[name][0])
+  same = [timing.runtime_iteration(model or VARIANTS[name][0], r["stages"], microbatches=4) for r in runs]
+  out["same_run_model_error"] = _spread(np.array(same) / its - 1)
+  if model is not None and bp_runs:
+    pred = [
+      timing.runtime_iteration(model, timing.calls_from_bp(model, bp["stages"], 4), microbatches=4)
+      for bp in bp_runs
+    ]
+    out["predicted_from_bp_s"] = _spread(pred)
+    out["prediction_error"] = _spread(np.array(pred) / its - 1)
+  return out
 
 
 def main(argv):
@@ -230,44 +276,41 @@ def main(argv):
   base = bench_config(K, FLAGS.model, FLAGS.iterations, tuple(int(d) for d in FLAGS.input_shape))
   base.runtime.pin_cores = FLAGS.pin_cores
   tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
-  bp_before = time_bp(base, FLAGS.bp_reps)
-  summaries = {}
-  for name in names:
-    method, mode, chunks = VARIANTS[name]
-    c = copy.deepcopy(base)
-    c.method, c.mode, c.placement, c.chunks = method, mode, "per_process", chunks
-    summaries[name] = run_variant(c, os.path.join(tmp, name))
-    print(f"{name}: measured iteration {1e3 * summaries[name]['iteration_s']:.1f} ms", flush=True)
-  bp_after = time_bp(base, FLAGS.bp_reps)
-  bp_s = min(
-    np.median([bp_before["pinned"], bp_after["pinned"]]),
-    np.median([bp_before["unpinned"], bp_after["unpinned"]]),
-  )
-  # The model's single-process BP: every stage's forward and backward without transfers, from the
-  # model-parallel BP run (its calls are BP's: residuals, no recompute).
-  mp = summaries.get("bp_model_parallel")
-  modeled_bp_s = (
-    sum(s["median_s"]["forward"] + s["median_s"]["backward"] for s in mp["stages"]) if mp else float("nan")
-  )
-  accumulated = time_bp_accumulated(base, FLAGS.bp_reps)
+  bp_reps, runs = [], {name: [] for name in names}
+  for rep in range(FLAGS.reps):
+    bp_reps.append(time_bp_variants(base, FLAGS.bp_reps))
+    print(f"rep {rep}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in bp_reps[-1].items()), flush=True)
+    for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotated
+      method, mode, chunks = VARIANTS[name]
+      c = copy.deepcopy(base)
+      c.method, c.mode, c.placement, c.chunks = method, mode, "per_process", chunks
+      runs[name].append(run_variant(c, os.path.join(tmp, f"{name}_{rep}")))
+      print(f"rep {rep} {name}: {1e3 * runs[name][-1]['iteration_s']:.1f} ms", flush=True)
+  best = min(BP_VARIANTS, key=lambda v: np.median([r[v] for r in bp_reps]))
+  best_bp = [r[best] for r in bp_reps]
+  single_core = [min(r["bp_pinned"], r["bp_micro_pinned"]) / K for r in bp_reps]
+  spread = (max(best_bp) - min(best_bp)) / np.median(best_bp)
   out = {
-    "_bp": {
-      "before": bp_before,
-      "after": bp_after,
-      "reference_s": float(bp_s),
-      "accumulated_s": accumulated,
-      "microbatches": base.microbatches,
-      "modeled_s": modeled_bp_s,
+    "best_bp": {"variant": best, "ms": _spread(1e3 * np.array(best_bp)), "spread": float(spread)},
+    "unstable": bool(spread > 0.1),
+    "ceiling_vs_best_bp": _spread(np.array(best_bp) / np.array(single_core)),
+    "bp_variants_ms": {v: [1e3 * r[v] for r in bp_reps] for v in BP_VARIANTS},
+    "setting": {
       "num_stages": K,
       "model": FLAGS.model,
       "cores": len(os.sched_getaffinity(0)),
       "iterations": FLAGS.iterations,
-    }
+      "reps": FLAGS.reps,
+      "microbatches": base.microbatches,
+    },
   }
+  bp_runs = runs.get("bp_model_parallel", [])
   for name in names:
-    out[name] = row(name, summaries[name], bp_s, modeled_bp_s)
+    out[name] = row(name, runs[name], best_bp, single_core, bp_runs)
   if FLAGS.slowdowns:
-    out["_stragglers"] = stragglers(base, summaries, [float(s) for s in FLAGS.slowdowns], tmp)
+    out["_stragglers"] = stragglers(
+      base, {n: r[-1] for n, r in runs.items()}, [float(s) for s in FLAGS.slowdowns], tmp
+    )
   shutil.rmtree(tmp, ignore_errors=True)
   print_table(out)
   if FLAGS.json_out:
@@ -307,8 +350,6 @@ def memory_rows(out: dict) -> list[str]:
   ]
   mb = lambda b: f"{b / 2**10:.0f}"
   for name, r in out.items():
-    if name.startswith("_"):
-      continue
     for k, (b, xla) in enumerate(zip(r["stored_bytes"], r["xla_memory"])):
       progs = [m for m in (xla or {}).values() if m]
       big = max(progs, key=lambda m: m["temp_size_in_bytes"]) if progs else None
@@ -320,29 +361,32 @@ def memory_rows(out: dict) -> list[str]:
   return rows
 
 
+def _fmt(d: dict, scale: float = 1.0, spec: str = ".2f") -> str:
+  return f"{scale * d['median']:{spec}} [{scale * d['min']:{spec}}, {scale * d['max']:{spec}}]"
+
+
 def print_table(out: dict) -> None:
-  bp = out["_bp"]
+  bp = out["best_bp"]
   print(
-    f"single-process BP: pinned {1e3 * bp['before']['pinned']:.1f}/{1e3 * bp['after']['pinned']:.1f} ms, "
-    f"unpinned {1e3 * bp['before']['unpinned']:.1f}/{1e3 * bp['after']['unpinned']:.1f} ms "
-    f"(before/after); reference {1e3 * bp['reference_s']:.1f} ms; K={bp['num_stages']}; "
-    f"BP over {bp['microbatches']} accumulated micro-batches {1e3 * bp['accumulated_s']:.1f} ms"
+    f"best BP: {bp['variant']} {_fmt(bp['ms'], spec='.1f')} ms (spread {100 * bp['spread']:.0f}%"
+    f"{', UNSTABLE' if out['unstable'] else ''}); ceiling vs best BP {_fmt(out['ceiling_vs_best_bp'])}"
   )
   print(
-    "| method | mode | measured ms | modeled ms | model error | measured speedup vs BP | "
-    "modeled speedup vs BP |"
+    "| row | what it is | ms | speedup vs best BP | vs ceiling | tick efficiency | same-run model error "
+    "| predicted from BP's calls: error |"
   )
-  print("| --- | --- | --- | --- | --- | --- | --- |")
+  print("|" + " --- |" * 8)
   for name, r in out.items():
-    if name.startswith("_"):
+    if not isinstance(r, dict) or "label" not in r:
       continue
+    pred = _fmt(r["prediction_error"], 100, "+.1f") + "%" if "prediction_error" in r else "-"
     print(
-      f"| {name} | {r['mode']} | {1e3 * r['measured_iteration_s']:.1f} "
-      f"| {1e3 * r['modeled_iteration_s']:.1f} | {100 * r['model_error']:+.1f}% "
-      f"| {r['measured_speedup_vs_bp']:.2f} | {r['modeled_speedup_vs_bp']:.2f} |"
+      f"| {name} | {r['label']} | {_fmt(r['measured_iteration_s'], 1e3, '.1f')} "
+      f"| {_fmt(r['measured_speedup_vs_best_bp'])} | {_fmt(r['vs_ceiling'])} | {_fmt(r['tick_efficiency'])} "
+      f"| {_fmt(r['same_run_model_error'], 100, '+.1f')}% | {pred} |"
     )
   print("KiB per stage:")
-  print("\n".join(memory_rows(out)))
+  print("\n".join(memory_rows({k: v for k, v in out.items() if isinstance(v, dict) and "label" in v})))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def get_config(arg=None):
   c.chunks = 1  # per_process, residual calls (bp, ddg, dsp mode=residuals): the batch
   # computed as this many chunks, one vjp each; same numerics up to float
   # order, faster per example on a CPU (cache)
+  c.split = "measured"  # measured: stages balance each layer's measured forward + backward time
+  # (profiled once per machine, cached; a run's split is pinned in WORKDIR/split.json) | macs
   c.placement = "one_device"  # one_device (one process, one jitted tick) | per_process
   # (stage k in process k: experiments.launch --module=experiments.train_dsp)
   c.seed = 0  # parameters and data order

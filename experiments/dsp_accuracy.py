@@ -4,9 +4,9 @@ r"""Accuracy of the pipeline methods on MNIST-1D (CNN1D), each at its best step 
   python -m experiments.dsp_accuracy --epochs=2 --lrs=0.02 --seeds=0 --methods=bp,dsp --out_dir=/tmp/q  #
   quick
 
-Every (K, method, lr, seed) of the grid is one run of configs/dsp.py; `dsp_stash` is method=dsp with
-mode=stash. Writes into out_dir: runs.json (one entry per run, written after every run; a rerun skips
-the runs it already holds), table.md and table.json (per (K, method) the lr with the highest mean final
+Every (K, method, lr, seed) of the grid is one run of configs/dsp.py; `dsp_weight_stash` is
+method=dsp with mode=stash: weight stashing on DSP's schedule, not DSP as published. Writes into
+out_dir: runs.json (one entry per run, written after every run; a rerun skips the runs it already holds), table.md and table.json (per (K, method) the lr with the highest mean final
 test accuracy over the seeds, a diverged seed counting as 0; mean, min-max and std of the accuracy there,
 train and test loss, the difference to BP's best) and lr_grid.png (mean test accuracy against lr, one
 panel per K). Run folders live under --run_dir and are deleted once their numbers are read.
@@ -27,14 +27,15 @@ from ripples_jax import run as run_lib
 from ripples_jax.distributed.host import quiet_library_logs
 from ripples_jax.tables import markdown_table
 
-METHODS = ("bp", "gpipe", "ddg", "fr", "dni", "dsp", "dsp_stash")
+METHODS = ("bp", "gpipe", "ddg", "pipedream", "pipemare", "fr", "dni", "dsp", "dsp_weight_stash")
 TRAIN_LOSS_RECORDS = 5  # final train loss: the mean of the last 5 records (each the mean of 50 batches)
 CHANCE = 0.15  # a finite run ending below this test accuracy has collapsed (uniform output, loss ln 10)
 
 
 def _method(name):
-  """(method, mode) of a grid method name: dsp_stash is DSP with the stored parameter versions."""
-  return ("dsp", "stash") if name == "dsp_stash" else (name, "recompute")
+  """(method, mode) of a grid method name: dsp_weight_stash is DSP's schedule with the stored
+  parameter versions."""
+  return ("dsp", "stash") if name == "dsp_weight_stash" else (name, "recompute")
 
 
 def _run_name(K, name, lr, seed):
@@ -398,7 +399,7 @@ _STAGES = flags.DEFINE_list("stage_counts", ["2", "4"], "Stage counts K.")
 _LRS = flags.DEFINE_list("lrs", ["0.01", "0.02", "0.05", "0.1"], "The shared step-size grid.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
 _METHODS = flags.DEFINE_list(
-  "methods", list(METHODS), "Methods (bp is always needed; dsp_stash = method=dsp, mode=stash)."
+  "methods", list(METHODS), "Methods (bp is always needed; dsp_weight_stash = method=dsp, mode=stash)."
 )
 _EPOCHS = flags.DEFINE_integer("epochs", None, "Epochs of every run (default: the config's).")
 _DATASET = flags.DEFINE_enum("dataset", "mnist1d", ["mnist1d"], "Dataset (model cnn1d).")

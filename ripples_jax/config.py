@@ -16,6 +16,7 @@ from ripples_jax.data import SHARD_MODES as DATA_SHARDINGS
 from ripples_jax.engine import PREDUCE_IMPLS
 from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError  # noqa: F401  (re-exported)
 from ripples_jax.models import MODEL_NAMES
+from ripples_jax.models.split import SPLIT_COSTS
 from ripples_jax.optim import LR_SCHEDULES, OPTIMIZERS
 from ripples_jax.pipeline.tick import MODES, PLACEMENTS
 from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
@@ -374,6 +375,8 @@ def validate_dsp_config(config, num_processes: int = 1) -> None:
     )
   _one_of(config, "method", DSP_METHODS)
   _one_of(config, "mode", MODES)
+  if "split" in config:
+    _one_of(config, "split", SPLIT_COSTS)
   _one_of(config, "dataset", DATASETS)
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "placement", PLACEMENTS)

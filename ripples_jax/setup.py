@@ -6,15 +6,22 @@ mesh per device; sim: every slot on one device; runtime: this process's devices 
 """
 
 import dataclasses
+import hashlib
+import json
+import os
 
+import jax
 import ml_collections
 import numpy as np
 import optax
 from flax import linen as nn
 
 from ripples_jax import data as data_lib
-from ripples_jax.models import build_model, split
+from ripples_jax.data import mnist1d
+from ripples_jax.models import build_model, profile, split
 from ripples_jax.optim import make_optimizer
+from ripples_jax.runlog import records
+from ripples_jax.runlog.workdir import newest_meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +84,50 @@ class Feed:
     return self.data["y_train"][self.indices(i)]
 
 
-def build_pipeline(config) -> PipelineSetup:
+def unit_costs(config, units, num_classes: int, sample_shape, how: str) -> dict:
+  """Each unit's cost for the split: how="macs", or its measured seconds (models/profile.py),
+  measured once per machine and model, input and batch shape, and cached in the data cache (the first
+  process to write an entry wins, so processes starting together share one)."""
+  if how == "macs":
+    return {"split": "macs", "costs": split.unit_costs(units, sample_shape)}
+  key = {
+    "model": config.model,
+    "num_classes": int(num_classes),
+    "sample_shape": [int(d) for d in sample_shape],
+    "batch_size": int(config.batch_size),
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+  }
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+  path = os.path.join(mnist1d.cache_dir(None), "unit_times", f"{config.model}-{digest}.json")
+  make = lambda: dict(key, split="measured", costs=profile.unit_times(units, sample_shape, config.batch_size))
+  return records.write_json_once(path, make)
+
+
+def split_stages(config, num_classes: int, sample_shape, workdir: str | None = None) -> list:
+  """The config's model as num_stages stages. With a workdir, the split the run first used is
+  pinned there (split.json) and reused on every resume, whatever this machine measures now: a
+  checkpoint's stages keep their shapes."""
+  units = split.model_units(config.model, num_classes)
+  pinned = os.path.join(workdir, "split.json") if workdir else None
+  how = config.split
+  if pinned and not os.path.exists(pinned) and newest_meta(workdir):
+    how = "macs"  # a run from before splits were pinned: split by MACs, its checkpoints of those shapes
+
+  def make():
+    costs = unit_costs(config, units, num_classes, sample_shape, how)
+    return dict(costs, ranges=split.split_ranges(config.model, units, config.num_stages, costs["costs"]))
+
+  got = records.write_json_once(pinned, make) if pinned else make()
+  return split.stages_of(units, [tuple(r) for r in got["ranges"]])
+
+
+def build_pipeline(config, workdir: str | None = None) -> PipelineSetup:
   """The pipeline's data, stages, batch feed and optimizer, from a configs/dsp.py config."""
   kw = dict(config.synthetic) if config.dataset == "synthetic" and "synthetic" in config else {}
   data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed, **kw)
-  stages = split.split_model(
-    config.model, data["num_classes"], config.num_stages, sample_shape=data["input_shape"]
-  )
+  stages = split_stages(config, data["num_classes"], data["input_shape"], workdir)
   batches_per_epoch = len(data["y_train"]) // config.batch_size
   num_batches = config.num_epochs * batches_per_epoch
   feed = Feed(data, config, num_batches)

@@ -108,35 +108,55 @@ def test_bench_runtime(tmp_path):
 @pytest.mark.slow
 def test_bench_pipeline(tmp_path):
   out_json = tmp_path / "k2.json"
+  rows = ("bp_model_parallel", "dsp_weight_stash", "gpipe", "pipedream")
   out = run(
     "benchmarks.pipeline",
     "--num_stages=2",
     "--iterations=8",
+    "--reps=2",
     "--bp_reps=2",
     "--model=cnn1d",
     "--input_shape=40,1",
-    "--variants=bp_model_parallel,dsp_residuals,gpipe",
+    "--variants=" + ",".join(rows),
     "--slowdowns=2",
     f"--json_out={out_json}",
     tmp_path=tmp_path,
   )
   got = json.loads(out_json.read_text())
-  assert set(got) == {"_bp", "_stragglers", "bp_model_parallel", "dsp_residuals", "gpipe"}
-  for name in ("bp_model_parallel", "dsp_residuals", "gpipe"):
-    assert positive([got[name]["measured_speedup_vs_bp"], got[name]["modeled_speedup_vs_bp"]])
-    assert len(got[name]["stored_bytes"]) == 2
-  # residuals: the middle stage keeps its vjp residuals (S_0 = 2 ticks of them) and no input ring
-  assert got["dsp_residuals"]["stored_bytes"][0]["residuals"] > 0
-  assert got["dsp_residuals"]["stored_bytes"][0]["inputs"] == 0
+  assert set(got) == {
+    "best_bp",
+    "unstable",
+    "ceiling_vs_best_bp",
+    "bp_variants_ms",
+    "setting",
+    "_stragglers",
+    *rows,
+  }
+  assert got["best_bp"]["variant"] in got["bp_variants_ms"] and len(got["bp_variants_ms"]["bp_pinned"]) == 2
+  # Each ratio is paired with its repetition's best BP; the median lies within the spread.
+  for name in rows:
+    r = got[name]
+    its, best = r["measured_iteration_s"]["all"], got["bp_variants_ms"][got["best_bp"]["variant"]]
+    assert len(its) == 2
+    want = sorted(b / 1e3 / i for b, i in zip(best, its))
+    assert r["measured_speedup_vs_best_bp"]["min"] == pytest.approx(want[0])
+    assert r["measured_speedup_vs_best_bp"]["max"] == pytest.approx(want[-1])
+    assert 0 < r["tick_efficiency"]["median"] and len(r["stored_bytes"]) == 2
+  for name in ("dsp_weight_stash", "gpipe", "pipedream"):  # predicted from model-parallel BP's calls
+    assert "prediction_error" in got[name] and got[name]["predicted_from_bp_s"]["median"] > 0
+  assert "weight stashing on DSP's schedule" in got["dsp_weight_stash"]["label"]
+  # the stash variant: the middle stage keeps its vjp residuals (S_0 = 2 ticks of them), no input ring
+  assert got["dsp_weight_stash"]["stored_bytes"][0]["residuals"] > 0
+  assert got["dsp_weight_stash"]["stored_bytes"][0]["inputs"] == 0
   assert got["gpipe"]["stored_bytes"][0]["micro_boundaries"] > 0
   assert set(got["_stragglers"]["2.0"]["iteration_s"]) == {
     "bp_single_process",
     "bp_model_parallel",
     "gpipe",
     "dsp",
-    "dsp_residuals",
+    "dsp_weight_stash",
   }
-  assert "| dsp_residuals | residuals |" in out
+  assert "| dsp_weight_stash | weight stashing on DSP's schedule" in out
 
 
 # -- reproductions, one process each -----------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 import functools
 import itertools
+import json
+import os
 import random
 
 import jax
@@ -9,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model, num_params, split
+from configs import dsp as dsp_config
+from ripples_jax import setup
+from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model, num_params, profile, split
+from ripples_jax.runlog import records
 
 B = 2
 INPUTS = {"mlp": (40, 1), "mlp_gelu": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1), "resnet20": (32, 32, 3)}
@@ -232,3 +237,58 @@ def test_partition_prefers_cuts_within_slack():
   assert split.partition(costs, 2, preferred=[3]) == [(0, 3), (3, 4)]  # 21 <= 20 * 1.1
   assert split.partition(costs, 2, preferred=[3], slack=0.0) == [(0, 2), (2, 4)]
   assert split.partition([1, 1, 1, 1], 2, preferred=[1]) == [(0, 2), (2, 4)]  # 3 > 2.2
+
+
+# ---------------------------------------------------------------------------------------------------
+# The split by measured time (models/profile.py), cached per machine, pinned per run (setup.py).
+
+
+def test_unit_times_measure_every_unit():
+  units = split.model_units("mlp", 10)
+  times = profile.unit_times(units, (40, 1), batch_size=8, reps=3, warmup=1)
+  assert len(times) == len(units) and all(t > 0 for t in times)
+
+
+def test_write_json_once_keeps_the_first_writer(tmp_path):
+  path = str(tmp_path / "sub" / "x.json")
+  assert records.write_json_once(path, lambda: {"a": 1}) == {"a": 1}
+  assert records.write_json_once(path, lambda: {"a": 2}) == {"a": 1}  # not rewritten
+  assert json.load(open(path)) == {"a": 1} and os.listdir(tmp_path / "sub") == ["x.json"]
+
+
+def _fake_times(monkeypatch, costs, calls):
+  def fake(units, sample_shape, batch_size, **kw):
+    calls.append(len(units))
+    return list(costs)
+
+  monkeypatch.setattr(profile, "unit_times", fake)
+
+
+def test_measured_costs_are_cached_and_a_run_keeps_its_split(tmp_path, monkeypatch):
+  monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache"))
+  config = dsp_config.get_config("model=cnn2d,num_stages=2")
+  calls = []
+  _fake_times(monkeypatch, [1.0, 1.0, 1.0, 3.0], calls)  # the head is the costly unit
+  shape = (8, 8, 1)
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  first = setup.split_stages(config, 10, shape, run)
+  assert [len(s.units) for s in first] == [3, 1] and calls == [4]
+  assert setup.split_stages(config, 10, shape) and calls == [4]  # cached: not measured again
+  # Another machine (a new cache) measures other costs: a fresh split follows them, the run keeps its own.
+  monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache2"))
+  _fake_times(monkeypatch, [3.0, 1.0, 1.0, 1.0], calls)
+  assert [len(s.units) for s in setup.split_stages(config, 10, shape)] == [1, 3]
+  assert [len(s.units) for s in setup.split_stages(config, 10, shape, run)] == [3, 1]
+  assert json.load(open(os.path.join(run, "split.json")))["ranges"] == [[0, 3], [3, 4]]
+
+
+def test_a_run_from_before_pinned_splits_resumes_with_the_macs_split(tmp_path, monkeypatch):
+  monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache"))
+  _fake_times(monkeypatch, [1.0, 1.0, 1.0, 30.0], [])
+  config = dsp_config.get_config("model=cnn2d,num_stages=2")
+  monkeypatch.setattr(setup, "newest_meta", lambda workdir: {"step": 1})  # it holds a checkpoint
+  got = setup.split_stages(config, 10, (32, 32, 3), str(tmp_path))
+  macs = split.split_model("cnn2d", 10, 2, sample_shape=(32, 32, 3))
+  assert [s.units for s in got] == [s.units for s in macs]
+  assert json.load(open(tmp_path / "split.json"))["split"] == "macs"

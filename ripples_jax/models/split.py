@@ -17,11 +17,13 @@ Each unit names its layers as the unsplit model does (`Dense_1`, `BasicBlock_4`,
 and `params_from_model` / `params_to_model` convert by name, not by leaf order
 (flattening sorts keys, and "Dense_10" < "Dense_2").
 
-Balancing rule. Each unit costs its multiply-accumulates per example (every
-Dense and Conv: output positions x kernel size), traced with `jax.eval_shape`
-on `sample_shape`. FLOPs, not param counts: compute sets the pipeline's tick,
-and in a ResNet a 64-channel block has 16x the params of a 16-channel one but
-the same FLOPs. Elementwise ops, BatchNorm and pooling are left out (cheap).
+Balancing rule. Each unit has a cost: by default its measured seconds of
+forward and backward on a batch (models/profile.py; setup.build_pipeline caches
+them per machine and pins a run's split in its workdir), else (`split="macs"`)
+its multiply-accumulates per example (every Dense and Conv: output positions x
+kernel size, traced with `jax.eval_shape` on `sample_shape`; elementwise ops,
+BatchNorm and pooling left out). MACs mislead where a layer is memory-bound (on
+a CPU, CNN2D's first convolution is 15% of the MACs and half the time).
 `partition` picks the contiguous split with the smallest bottleneck (most
 expensive stage); among splits within `slack` (10%) of that bottleneck it takes
 the one with the most cuts at ResNet stage boundaries (before each stride-2
@@ -51,6 +53,8 @@ DEFAULT_SAMPLE_SHAPES = {
   "resnet20": (32, 32, 3),
   "resnet56": (32, 32, 3),
 }
+# What a unit's cost is (config.split): its measured seconds (models/profile.py) or its MACs.
+SPLIT_COSTS = ("measured", "macs")
 # A split may be this much more expensive than the best one to cut at ResNet stage boundaries.
 PREFERRED_CUT_SLACK = 0.1
 
@@ -269,23 +273,33 @@ def _preferred_cuts(units) -> list[int]:
   return [i for i, u in enumerate(units) if isinstance(u, ResNetBlock) and u.stride > 1]
 
 
-def split_model(
-  name: str, num_classes: int, num_stages: int, *, sample_shape: tuple | None = None, **kw
-) -> list[Stage]:
-  """The model `name` as `num_stages` Stages, balanced by FLOPs (see module doc).
-
-  `sample_shape` is one example's input shape for the cost estimate (default:
-  DEFAULT_SAMPLE_SHAPES[name]); `kw` go to the model's constructor.
-  """
-  units = model_units(name, num_classes, **kw)
+def split_ranges(name: str, units, num_stages: int, costs: Sequence[float]) -> list[tuple[int, int]]:
+  """The [start, stop) unit range of each of `num_stages` stages balancing `costs` (module doc)."""
   n = len(units)
   if num_stages < 1:
     raise ValueError(f"num_stages: {num_stages} is not allowed: {name} splits into 1 to {n} stages")
   if num_stages > n:
     raise ValueError(f"num_stages: {num_stages} is not allowed: {name} splits into at most {n} stages")
-  costs = unit_costs(units, sample_shape or DEFAULT_SAMPLE_SHAPES[name])
-  ranges = partition(costs, num_stages, _preferred_cuts(units))
+  return partition(costs, num_stages, _preferred_cuts(units))
+
+
+def stages_of(units, ranges) -> list[Stage]:
   return [Stage(tuple(units[a:b])) for a, b in ranges]
+
+
+def split_model(
+  name: str, num_classes: int, num_stages: int, *, sample_shape: tuple | None = None, costs=None, **kw
+) -> list[Stage]:
+  """The model `name` as `num_stages` Stages balancing `costs` per unit (default: MACs; see the
+  module doc).
+
+  `sample_shape` is one example's input shape for the MAC estimate (default:
+  DEFAULT_SAMPLE_SHAPES[name]); `kw` go to the model's constructor.
+  """
+  units = model_units(name, num_classes, **kw)
+  if costs is None:
+    costs = unit_costs(units, sample_shape or DEFAULT_SAMPLE_SHAPES[name])
+  return stages_of(units, split_ranges(name, units, num_stages, costs))
 
 
 def stage_shapes(stages, sample_x, train: bool = False) -> list[tuple]:

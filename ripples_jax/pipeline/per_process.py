@@ -560,6 +560,7 @@ def _timing(sp: Stage, warm: int) -> dict:
     "stage": sp.k,
     "median_s": sp.clock.medians(),
     "total_s": sp.clock.totals(),
+    "calls": {k: len(v) for k, v in sp.clock.calls.items()},
     "xla_memory": sp.clock.memory,
     "ticks": len(ends),
     "iteration_s": spacing,
@@ -585,11 +586,11 @@ def _complete(sp: Stage, workdir: str, loop: Loop) -> dict:
 
 def run(config, workdir: str) -> dict:
   """This process's stage of the pipeline (placement=per_process, run.EXECUTORS)."""
-  p = setup_lib.build_pipeline(config)
   k, K = jax.process_index(), config.num_stages
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this stage: one line, coord.EXIT_TERM
-  _pin(config, k)
+  _pin(config, k)  # first: a stage measuring the split's unit times does so on its own core
   workdir = make_workdir(workdir, config)
+  p = setup_lib.build_pipeline(config, workdir)  # every stage reads the one split.json
   kv = coord.client()
   sp = Stage(config, p.stages, p.optimizer, p.num_batches, p.feed.sample, p.data["x_test"])
   rt = config.runtime

@@ -327,6 +327,51 @@ def measure_stage_times(stages, state, sample_x, reps: int = 20):
   return fwd_K, bwd_K
 
 
+def stage_busy(stage: dict) -> float:
+  """Seconds one stage of a runtime summary computes and transfers per iteration: each kind's median
+  call times the calls of that kind it makes per iteration (GPipe: M of each), plus one calibrated
+  transfer per link it has."""
+  ticks = max(int(stage["ticks"]), 1)
+  calls = stage.get("calls", {})
+  compute = sum(v * calls.get(k, ticks) / ticks for k, v in stage["median_s"].items() if k != "link")
+  return compute + sum(stage.get("transfer_s", {}).values())
+
+
+def tick_efficiency(summary: dict) -> float:
+  """The slowest stage's compute and transfer over the measured iteration (1.0: no stage waits)."""
+  return max(stage_busy(s) for s in summary["stages"]) / summary["iteration_s"]
+
+
+# What each method's calls cost in model-parallel BP's (residual) calls: `calls_from_bp`.
+RESIDUAL_CALLS = ("bp", "ddg", "pipedream", "dsp_residuals")
+RECOMPUTE_CALLS = ("fr", "pipemare", "dsp")
+
+
+def calls_from_bp(method: str, bp_stages: list[dict], microbatches: int = 4) -> list[dict]:
+  """Stage entries (median_s, transfer_s) for `method`, made from the calls model-parallel BP measured
+  in another run: the model's inputs for a cross-run prediction (`runtime_iteration`). BP's calls keep
+  residuals (its forward is a vjp, its backward the pullback and the update). A method that keeps
+  residuals makes the same calls; one that recomputes makes a forward (charged BP's) and a backward that
+  runs the forward again (BP's forward + backward); GPipe makes M calls of 1/M of the batch each
+  (charged 1/M of BP's, the remat backward as the recompute's) and an update (charged nothing). The
+  last stage's calls (the loss and its backward at once) are BP's for every method."""
+  K, out = len(bp_stages), []
+  for k, st in enumerate(bp_stages):
+    f, b = (float(st["median_s"].get(kind, 0.0)) for kind in ("forward", "backward"))
+    last = k == K - 1
+    if method in RESIDUAL_CALLS or last and method != "gpipe":
+      calls = {"forward": f, "backward": b}
+    elif method in RECOMPUTE_CALLS:
+      calls = {"forward": f, "backward": f + b}
+    elif method == "gpipe":
+      M = int(microbatches)
+      calls = {"forward": 0.0, "backward": b / M} if last else {"forward": f / M, "backward": (f + b) / M}
+    else:
+      raise ValueError(f"{method!r}: no prediction from BP's calls")
+    out.append({"median_s": calls, "transfer_s": dict(st.get("transfer_s", {}))})
+  return out
+
+
 def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) -> float:
   """The pipeline runtime's iteration (pipeline/per_process.py) as predicted from the costs measured in
   that run: per stage, `median_s` (median seconds per call of each kind it makes: forward, backward,
@@ -343,6 +388,7 @@ def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) ->
     gpipe     the flushed wavefront of `gpipe_iteration` on the micro-batch calls, each transfer
               (1/M of the batch's) added to the call it follows, plus the update
   """
+  method = "dsp" if method == "dsp_residuals" else method
   _check_method(method)
   K = len(stages)
   call = lambda k, kind: float(stages[k]["median_s"].get(kind, 0.0))

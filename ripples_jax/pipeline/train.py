@@ -117,9 +117,10 @@ def _loop(log, config, run, state, cursor: Loop):
   return state, time.time() - t0
 
 
-def _setup(config):
-  """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile."""
-  p = setup_lib.build_pipeline(config)
+def _setup(config, workdir: str | None = None):
+  """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile (with a workdir,
+  the split the run first used: setup.split_stages)."""
+  p = setup_lib.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
   state = init_fn(
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
@@ -136,10 +137,10 @@ def _setup(config):
 
 
 def run(config, workdir: str | None = None) -> dict:
-  """The pipeline in this one process (placement=single, every stage on its own device); the config
-  was validated by run.train_and_evaluate."""
+  """The pipeline in this one process (placement=one_device); the config was validated by
+  run.train_and_evaluate."""
   workdir = make_workdir(workdir, config)
-  stages, state, run = _setup(config)
+  stages, state, run = _setup(config, workdir)
   run["times"] = times = _model_times(config, stages, state, run["feed"].sample)
   n = run["num_batches"]
   with RunLog(workdir, config, total_steps=n) as log:

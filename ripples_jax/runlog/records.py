@@ -11,6 +11,7 @@ import glob
 import json
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -43,6 +44,25 @@ def write_json(path: str, obj: dict) -> None:
   with open(tmp, "w") as f:
     json.dump({k: to_python(v) for k, v in obj.items()}, f, indent=2)
   os.replace(tmp, path)
+
+
+def write_json_once(path: str, make) -> dict:
+  """The JSON object at `path`; if there is none, `make()` is written there first. The first writer
+  wins (a hard link never replaces a file), so processes racing here all return one object, and a
+  file once written is never rewritten."""
+  if not os.path.exists(path):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+      json.dump({k: to_python(v) for k, v in make().items()}, f, indent=2)
+    try:
+      os.link(tmp, path)
+    except FileExistsError:
+      pass
+    finally:
+      os.unlink(tmp)
+  with open(path) as f:
+    return json.load(f)
 
 
 def check_finite(step: int, last_checkpoint: str | None = None, **values) -> None:
