@@ -10,11 +10,11 @@ set, so that the machine's drift lands on every row alike):
   (each tick, each stage slowed --slowdown times with probability --p, inside its compute calls);
   model-parallel BP and GPipe (their locked links wait for every transfer either way) with the same
   stragglers, with slack on.
-Reported per row: the median measured iteration (the slowest stage's steady tick spacing) and its
-spread over the repetitions; tick efficiency (timing.tick_efficiency: the slowest stage's compute,
-median call x calls per iteration, and transfer over the iteration); for the straggler rows, the
-share of throughput kept against the mean extra compute alone, iteration without stragglers x (1 + p (s - 1)) / iteration with them (1.0: only the extra
-compute is paid, no waiting for the slowed neighbour).
+Reported per row: the median measured iteration (the slowest stage's steady tick spacing) and its spread
+over the repetitions; tick efficiency (timing.tick_efficiency: the slowest stage's compute, median call
+x calls per iteration, and transfer over the iteration); for the straggler rows, the share of throughput
+kept against the mean extra compute alone, iteration without stragglers x (1 + p (s - 1)) / iteration
+with them (1.0: only the extra compute is paid, no waiting for the slowed neighbour).
 """
 
 import copy

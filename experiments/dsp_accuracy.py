@@ -4,12 +4,13 @@ r"""Accuracy of the pipeline methods on MNIST-1D (CNN1D), each at its best step 
   python -m experiments.dsp_accuracy --epochs=2 --lrs=0.02 --seeds=0 --methods=bp,dsp --out_dir=/tmp/q  #
   quick
 
-Every (K, method, lr, seed) of the grid is one run of configs/dsp.py; `dsp_weight_stash` is
-method=dsp with mode=stash: weight stashing on DSP's schedule, not DSP as published. Writes into
-out_dir: runs.json (one entry per run, written after every run; a rerun skips the runs it already holds), table.md and table.json (per (K, method) the lr with the highest mean final
-test accuracy over the seeds, a diverged seed counting as 0; mean, min-max and std of the accuracy there,
-train and test loss, the difference to BP's best) and lr_grid.png (mean test accuracy against lr, one
-panel per K). Run folders live under --run_dir and are deleted once their numbers are read.
+Every (K, method, lr, seed) of the grid is one run of configs/dsp.py; `dsp_weight_stash` is method=dsp
+with mode=stash: weight stashing on DSP's schedule, not DSP as published. Writes into out_dir: runs.json
+(one entry per run, written after every run; a rerun skips the runs it already holds), table.md and
+table.json (per (K, method) the lr with the highest mean final test accuracy over the seeds, a diverged
+seed counting as 0; mean, min-max and std of the accuracy there, train and test loss, the difference to
+BP's best) and lr_grid.png (mean test accuracy against lr, one panel per K). Run folders live under
+--run_dir and are deleted once their numbers are read.
 """
 
 import json
