@@ -65,6 +65,18 @@ def config_for(base, r: dict):
   return c
 
 
+def predict(config, calm_stages) -> float:
+  """This row's iteration as timing.runtime_with_stragglers predicts it from the calm run's calls and
+  the runtime's own straggler draw (timing.straggler_factor)."""
+  ticks = int(calm_stages[0]["ticks"])
+  fac = [
+    [timing.straggler_factor(config.seed, k, t, config.slowdown, -1, config.straggler_p) for k in range(2)]
+    for t in range(ticks)
+  ]
+  method = config.method
+  return timing.runtime_with_stragglers(method, calm_stages, fac, config.delay, config.runtime.slack)
+
+
 def main(argv):
   del argv
   base = bench_config(2, "cnn2d", FLAGS.iterations)
@@ -74,9 +86,12 @@ def main(argv):
   for rep in range(FLAGS.reps):
     for name, r in table.items():
       summary = run_variant(config_for(base, r), os.path.join(tmp, f"{name}_{rep}"))
-      runs[name].append(
-        {"iteration_s": summary["iteration_s"], "tick_efficiency": timing.tick_efficiency(summary)}
-      )
+      got = {"iteration_s": summary["iteration_s"], "tick_efficiency": timing.tick_efficiency(summary)}
+      calm = runs.get(name[: -len("_stragglers")]) if name.endswith("_stragglers") else None
+      if calm:  # the calm row of this repetition ran just before: the model predicts this row from it
+        got["predicted_s"] = predict(config_for(base, r), calm[-1]["stages"])
+      got["stages"] = summary["stages"]
+      runs[name].append(got)
       print(f"rep {rep} {name}: {1e3 * summary['iteration_s']:.1f} ms", flush=True)
   shutil.rmtree(tmp, ignore_errors=True)
   out = {"p": FLAGS.p, "slowdown": FLAGS.slowdown, "reps": FLAGS.reps, "iterations": FLAGS.iterations}
@@ -88,6 +103,11 @@ def main(argv):
       "iteration_ms_spread": [float(1e3 * its.min()), float(1e3 * its.max())],
       "tick_efficiency": float(np.median([g["tick_efficiency"] for g in got])),
     }
+    if got and "predicted_s" in got[0]:
+      pred = np.array([g["predicted_s"] for g in got])
+      row["predicted_ms"] = float(1e3 * np.median(pred))
+      row["prediction_error"] = float(np.median(pred / its - 1))
+      row["prediction_error_spread"] = [float(min(pred / its - 1)), float(max(pred / its - 1))]
     if name.endswith("_stragglers") and name[: -len("_stragglers")] in runs:
       calm = np.array([g["iteration_s"] for g in runs[name[: -len("_stragglers")]]])
       kept = calm * mean_extra / its  # paired by repetition

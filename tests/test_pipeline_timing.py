@@ -193,3 +193,30 @@ def test_runtime_model_charges_the_calls_each_method_makes():
   assert T.runtime_iteration("gpipe", gp, microbatches=1) == pytest.approx(1.0 + 3.0 + 2.0 + 0.2)
   with pytest.raises(ValueError, match="dni"):
     T.runtime_iteration("dni", two)
+
+
+def test_runtime_with_stragglers_from_a_calm_run():
+  x = 0.01
+  two = [_stage(forward=1.0, backward=2.0, upper=x), _stage(forward=0.5, backward=2.5, lower=x)]
+  calm = np.ones((40, 2))
+  for m in ("dsp", "pipedream", "bp"):  # no slowdown: the calm model's iteration
+    assert T.runtime_with_stragglers(m, two, calm) == pytest.approx(T.runtime_iteration(m, two), rel=1e-9)
+  slow = calm.copy()
+  slow[:, 1] = 3.0  # stage 1 three times slower every tick: it sets the pace alone
+  assert T.runtime_with_stragglers("dsp", two, slow) == pytest.approx(3 * 3.0 + x)
+  assert T.runtime_with_stragglers("pipedream", two, slow) == pytest.approx(3 * 3.0)
+  assert T.runtime_with_stragglers("bp", two, slow) == pytest.approx(3.0 + 3 * 3.0 + 2 * x)
+  # One slow tick in two, alternating between the stages: slack (delay 2) absorbs what lockstep pays.
+  alt = np.ones((40, 2))
+  alt[0::2, 0] = alt[1::2, 1] = 3.0
+  lock = T.runtime_with_stragglers("dsp", two, alt, delay=1, slack=False)
+  loose = T.runtime_with_stragglers("dsp", two, alt, delay=2, slack=True)
+  assert lock == pytest.approx(9.0 + x)  # every tick waits for that tick's slow stage
+  assert loose < lock and loose == pytest.approx((9.0 + 3.0) / 2 + x, rel=0.05)
+
+
+def test_straggler_factor_is_one_draw_of_seed_tick_and_stage():
+  assert T.straggler_factor(0, 1, 5, 3.0, stage=1) == 3.0 and T.straggler_factor(0, 0, 5, 3.0, stage=1) == 1.0
+  hits = np.mean([T.straggler_factor(7, k, t, 3.0, p=0.2) == 3.0 for t in range(3000) for k in range(2)])
+  assert abs(hits - 0.2) < 0.02
+  assert T.straggler_factor(7, 0, 5, 1.0, p=1.0) == 1.0  # no slowdown, no straggler

@@ -59,6 +59,7 @@ from ripples_jax.distributed.markers import fail_now
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model
 from ripples_jax.pipeline import tick as tick_lib
+from ripples_jax.pipeline import timing
 from ripples_jax.pipeline.link import Link, LinkThread, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
 
@@ -541,14 +542,7 @@ def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progre
 def slow_factor(c, k: int, t: int) -> float:
   """Stage k's straggler factor at tick t: `slowdown` on straggler_stage (or, with straggler_p > 0, on
   each stage with that probability per tick, the same draw for every method), else 1."""
-  if c.slowdown <= 1:
-    return 1.0
-  hit = (
-    k == c.straggler_stage
-    if c.straggler_p == 0
-    else np.random.default_rng([c.seed, t, k]).random() < c.straggler_p
-  )
-  return float(c.slowdown) if hit else 1.0
+  return timing.straggler_factor(c.seed, k, t, c.slowdown, c.straggler_stage, c.straggler_p)
 
 
 def _timing(sp: Stage, warm: int) -> dict:

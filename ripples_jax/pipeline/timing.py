@@ -372,6 +372,72 @@ def calls_from_bp(method: str, bp_stages: list[dict], microbatches: int = 4) -> 
   return out
 
 
+def straggler_factor(seed: int, k: int, t: int, slowdown: float, stage: int = -1, p: float = 0.0) -> float:
+  """The pipeline runtime's straggler factor of stage k at tick t: `slowdown` on `stage` (or, with
+  p > 0, on each stage with probability p per tick: a draw of (seed, t, k) alone, so every method
+  and the model see the same one), else 1."""
+  if slowdown <= 1:
+    return 1.0
+  hit = k == stage if p == 0 else np.random.default_rng([seed, t, k]).random() < p
+  return float(slowdown) if hit else 1.0
+
+
+def runtime_with_stragglers(
+  method: str, stages: list[dict], factors_TK, delay: int = 1, slack: bool = True, microbatches: int = 4
+) -> float:
+  """The runtime's steady iteration with each stage's compute calls at tick t scaled by factors_TK[t, k],
+  predicted from a run without stragglers (its `stages`: measured calls and transfers), by the
+  dependencies each method's ticks have in pipeline/per_process.py:
+    dsp       with slack, stage k's tick t starts after its tick t-1 and the swap of tick t-d on each of
+              its links (both ends' tick t-d, plus a transfer); lockstep, a tick ends with a swap
+              both ends meet at
+    pipedream, pipemare, ddg, fr   `one_f_one_b` with the scaled calls
+    bp        the stages one after the other; gpipe: a flushed iteration per batch"""
+  fac = np.asarray(factors_TK, np.float64)
+  n, K = fac.shape
+  call = lambda kind: np.array([float(s["median_s"].get(kind, 0.0)) for s in stages])
+  f, b, fused = call("forward"), call("backward"), call("fused")
+  up = np.array([float(stages[k]["transfer_s"].get("upper", 0.0)) for k in range(K - 1)])
+  if method == "bp":
+    ends = np.cumsum(fac @ (f + b) + 2 * up.sum())
+  elif method == "gpipe":
+    M = int(microbatches)
+    update = max(float(s["median_s"].get("update", 0.0)) for s in stages)
+    f_up, b_down = f + np.append(up, 0.0) / M, b + np.append(0.0, up) / M
+    ends = np.cumsum(
+      [gpipe_iteration(M * f_up * fac[t], M * b_down * fac[t], M, remat=False) + update for t in range(n)]
+    )
+  elif method in ONE_F_ONE_B:
+    ends = one_f_one_b(f[None] * fac, b[None] * fac, up).max(axis=1)
+  elif method in ("dsp", "dsp_residuals"):
+    work = (fused + f + b)[None] * fac
+    link = lambda k: (up[k - 1] if k > 0 else 0.0, up[k] if k < K - 1 else 0.0)
+    end = np.zeros((n + 1, K))
+    for t in range(n):
+      if slack:
+        # Tick t reads the swap of tick t - d on each link: a two-party transfer that completes a
+        # transfer time after both ends posted it (the end of their tick t - d).
+        src = t + 1 - delay
+        for k in range(K):
+          lo, hi = link(k)
+          ready = 0.0
+          if src >= 1 and k > 0:
+            ready = max(ready, max(end[src, k - 1], end[src, k]) + lo)
+          if src >= 1 and k < K - 1:
+            ready = max(ready, max(end[src, k + 1], end[src, k]) + hi)
+          end[t + 1, k] = max(end[t, k], ready) + work[t, k]
+      else:
+        done = end[t] + work[t]  # each stage's compute, then the swaps its links meet at
+        for k in range(K):
+          lo, hi = link(k)
+          meet = [done[k]] + ([done[k - 1]] if k > 0 else []) + ([done[k + 1]] if k < K - 1 else [])
+          end[t + 1, k] = max(meet) + max(lo, hi)
+    ends = end[1:].max(axis=1)
+  else:
+    raise ValueError(f"{method!r} does not run in the pipeline runtime")
+  return steady_spacing(ends, warmup=min(max(n // 4, 1), n - 1))
+
+
 def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) -> float:
   """The pipeline runtime's iteration (pipeline/per_process.py) as predicted from the costs measured in
   that run: per stage, `median_s` (median seconds per call of each kind it makes: forward, backward,
