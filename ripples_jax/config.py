@@ -133,6 +133,8 @@ def validate_train_config(
       _fail("profile_steps", config.profile_steps, f"'' with executor={config.executor} (profiling: spmd)")
   _check_algorithm(config)
   _one_of(config, "dataset", DATASETS)
+  if "mnist1d_samples" in config:
+    _int_in(config, "mnist1d_samples", 100, 10**8, "an integer number of examples in [100, 1e8]")
   _one_of(config, "model", MODEL_NAMES)
   _one_of(config, "data_sharding", DATA_SHARDINGS)
   _one_of(config, "preduce_impl", PREDUCE_IMPLS)

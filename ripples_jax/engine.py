@@ -147,24 +147,51 @@ def consensus_distance(params) -> jax.Array:
   return jnp.mean(jnp.sqrt(sq_W))
 
 
-def make_eval_fn(model) -> Callable:
-  """Returns jitted eval(state, x_NxI, y_N) -> dict of the averaged model's and the workers' accuracy."""
+# Evaluation at scale: the averaged model over the test set in chunks of this many examples; each
+# worker's own accuracy on at most the first WORKER_EVAL_EXAMPLES test examples (the whole standard
+# MNIST-1D test set), WORKER_CHUNK workers per vmapped call, so memory stays flat in workers and test size.
+EVAL_CHUNK = 8192
+WORKER_EVAL_EXAMPLES = 1000
+WORKER_CHUNK = 256
 
-  def accuracy(params, model_state, x, y):
+
+def make_eval_fn(model) -> Callable:
+  """Returns eval(state, x_NxI, y_N) -> dict of the averaged model's and the workers' accuracy."""
+
+  def scores(params, model_state, x, y):
     logits, _ = apply_model(model, params, model_state, x, train=False)
     return jnp.mean(jnp.argmax(logits, -1) == y), optax.softmax_cross_entropy_with_integer_labels(
       logits, y
     ).mean()
 
+  averaged = jax.jit(scores)
+
   @jax.jit
+  def workers(params, model_state, x, y):
+    per = lambda pm: scores(pm[0], pm[1], x, y)[0]
+    return jnp.mean(jax.lax.map(per, (params, model_state), batch_size=WORKER_CHUNK))
+
+  @jax.jit
+  def summary(state):
+    return (
+      mean_params(state["params"]),
+      mean_params(state["model_state"]),
+      consensus_distance(state["params"]),
+    )
+
   def eval_fn(state, x, y):
-    acc, loss = accuracy(mean_params(state["params"]), mean_params(state["model_state"]), x, y)
-    acc_W, _ = jax.vmap(accuracy, in_axes=(0, 0, None, None))(state["params"], state["model_state"], x, y)
+    p, ms, distance = summary(state)
+    n = len(y)
+    parts = [(i, min(i + EVAL_CHUNK, n)) for i in range(0, n, EVAL_CHUNK)]
+    got = [averaged(p, ms, x[a:b], y[a:b]) for a, b in parts]  # chunk means, weighted by size
+    acc = sum(g[0] * (b - a) for g, (a, b) in zip(got, parts)) / n if len(parts) > 1 else got[0][0]
+    loss = sum(g[1] * (b - a) for g, (a, b) in zip(got, parts)) / n if len(parts) > 1 else got[0][1]
+    k = min(n, WORKER_EVAL_EXAMPLES)
     return {
       "test_accuracy": acc,
       "test_loss": loss,
-      "worker_test_accuracy": jnp.mean(acc_W),
-      "consensus_distance": consensus_distance(state["params"]),
+      "worker_test_accuracy": workers(state["params"], state["model_state"], x[:k], y[:k]),
+      "consensus_distance": distance,
     }
 
   return eval_fn
@@ -254,17 +281,17 @@ def make_sim_round_fn(
     updates, new_opt = jax.vmap(optimizer.update)(g, opt_state, params)
     params = masked(has, jax.vmap(optax.apply_updates)(params, updates), params)
     opt_state = masked(has, new_opt, opt_state)
-    # B: P-Reduce within groups (or the ring), one flattened buffer.
-    buf_SxD, unravel = collectives.ravel_workers({"params": params, "model_state": model_state})
-    buf_SxD = collectives.segment_mean(buf_SxD, gid_S)
-    if ring:
-      mixed = (buf_SxD[ring_prev] + buf_SxD + buf_SxD[ring_next]) / 3
-      buf_SxD = jnp.where(ring_now, mixed, buf_SxD)
-    # C: pulls copy another slot's parameters.
-    if pull:
-      buf_SxD = buf_SxD[pull_src_S]
-    merged = unravel(buf_SxD)
-    params, model_state = merged["params"], merged["model_state"]
+
+    # B: P-Reduce within groups (or the ring), leaf by leaf: the same sums as over one flattened
+    # buffer, without its two copies of the whole state (the simulator's rounds are memory-bound).
+    def mix(a):
+      flat = collectives.segment_mean(a.reshape(a.shape[0], -1), gid_S)
+      if ring:
+        flat = jnp.where(ring_now, (flat[ring_prev] + flat + flat[ring_next]) / 3, flat)
+      # C: pulls copy another slot's parameters.
+      return (flat[pull_src_S] if pull else flat).reshape(a.shape)
+
+    params, model_state = jax.tree.map(mix, (params, model_state))
     # D: start new gradients on the current params; the loss reported is the one at the start.
     if start_capacity is None:
       new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
@@ -280,6 +307,67 @@ def make_sim_round_fn(
       loss_S = jnp.full((num_slots,), jnp.nan, loss_C.dtype).at[idx_C].set(loss_C, mode="drop")
     new_state = {"params": params, "model_state": model_state, "opt_state": opt_state, "grads": grads}
     return new_state, jnp.where(start_S, loss_S, jnp.nan)
+
+  s = worker_sharding(mesh)
+  return jax.jit(round_fn, donate_argnums=0, out_shardings=(s, s))
+
+
+def make_compact_round_fn(
+  model, optimizer: optax.GradientTransformation, mesh: Mesh, num_slots: int
+) -> Callable:
+  """Returns jitted round(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C).
+
+  The phases of `make_sim_round_fn` (apply < average < pull < start) on the C slots a round touches
+  only, gathered from the stacked state by idx_C and scattered back, so a round costs what its events
+  do, not what all the slots would. idx_C lists the touched slots in increasing order, padded with
+  num_slots (its gathers clip, its scatters are dropped); apply_src_C holds global slot ids (-1: none;
+  a source's pending gradient is read from the full state), gid_C and pull_src_C positions in idx_C (a
+  group's id is its first member's position; padding has its own). Every touched slot sees what the
+  full round computes for it, in the same order of its members' sums; untouched slots are not read or
+  written. One program per C: callers round C up to a power of two (sim.compact_round), so a run
+  compiles at most log2(num_slots) + 1 of them. The D-PSGD ring touches every worker: it stays on the
+  full round.
+  """
+
+  def grad_step(params, model_state, x_BxI, y_B):
+    grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
+    (loss, new_model_state), grads = grad_fn(params, model_state, x_BxI, y_B)
+    return grads, new_model_state, loss
+
+  def masked(mask, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+
+  def round_fn(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C):
+    take = lambda t, i: jax.tree.map(lambda a: jnp.take(a, i, axis=0, mode="clip"), t)
+    params, model_state, opt_state, grads = (
+      take(state[k], idx_C) for k in ("params", "model_state", "opt_state", "grads")
+    )
+    # A: apply finished gradients, each read from its source slot (a worker's own, or a pusher's).
+    has = apply_src_C >= 0
+    g = take(state["grads"], jnp.where(has, apply_src_C, idx_C))
+    updates, new_opt = jax.vmap(optimizer.update)(g, opt_state, params)
+    params = masked(has, jax.vmap(optax.apply_updates)(params, updates), params)
+    opt_state = masked(has, new_opt, opt_state)
+    # B: P-Reduce within the round's groups, leaf by leaf (as the full round); C: pulls.
+    mix = lambda a: collectives.segment_mean(a.reshape(a.shape[0], -1), gid_C)[pull_src_C].reshape(a.shape)
+    params, model_state = jax.tree.map(mix, (params, model_state))
+    # D: start new gradients on the current params.
+    new_grads, new_model_state, loss_C = jax.vmap(grad_step)(params, model_state, x_CxB, y_CxB)
+    grads = masked(start_C, new_grads, grads)
+    model_state = masked(start_C, new_model_state, model_state)
+    put = lambda t, new: jax.tree.map(lambda a, b: a.at[idx_C].set(b, mode="drop"), t, new)
+    new_state = {
+      "params": put(state["params"], params),
+      "model_state": put(state["model_state"], model_state),
+      "opt_state": put(state["opt_state"], opt_state),
+      "grads": put(state["grads"], grads),
+    }
+    loss_S = (
+      jnp.full((num_slots,), jnp.nan, loss_C.dtype)
+      .at[idx_C]
+      .set(jnp.where(start_C, loss_C, jnp.nan), mode="drop")
+    )
+    return new_state, loss_S
 
   s = worker_sharding(mesh)
   return jax.jit(round_fn, donate_argnums=0, out_shardings=(s, s))

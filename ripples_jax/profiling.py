@@ -44,3 +44,24 @@ class StepProfiler:
       jax.profiler.stop_trace()
       self.on = False
       logging.info("profile of steps %d:%d written to %s", *self.window, self.dir)
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+  """Counts XLA backend compiles while open (a context manager): `count` after, or during."""
+
+  def __init__(self):
+    self.count = 0
+
+  def _listener(self, name, *args, **kwargs):
+    if name == BACKEND_COMPILE_EVENT:
+      self.count += 1
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -40,7 +40,12 @@ def build(config) -> Setup:
   the schedule's horizon) is scaled by n to match.
   """
   n = config.num_workers
-  data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
+  kw = (
+    {"num_samples": config.mnist1d_samples}
+    if config.dataset == "mnist1d" and "mnist1d_samples" in config
+    else {}
+  )
+  data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed, **kw)
   shards = data_lib.shard_indices(data["y_train"], n, config.data_sharding, seed=config.seed)
   model = build_model(config.model, data["num_classes"])
   if config.algorithm == "ps_async":

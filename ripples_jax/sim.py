@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import data as data_lib
-from ripples_jax import engine, timeline
+from ripples_jax import engine, profiling, timeline
 from ripples_jax import setup as setup_lib
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import num_params
@@ -101,7 +101,8 @@ def simulate_and_train(config, workdir: str | None = None):
     if got is not None:
       _, state, saved = got
       cur = Loop(**saved)
-    state, cur = execute(config, s, state, cur, trace, mesh, log)
+    with profiling.CompileCounter() as compiles:
+      state, cur, programs = execute(config, s, state, cur, trace, mesh, log)
     split = trace.time_split()
     summary = log.finish(
       time=trace.end_time,
@@ -114,6 +115,9 @@ def simulate_and_train(config, workdir: str | None = None):
       model_bytes=model_bytes,
       time_to_target=cur.time_to_target,
       target_accuracy=config.target_accuracy,
+      round_programs=programs,
+      compiles=compiles.count,  # XLA compiles while the rounds ran (round programs, evaluation)
+      events=len(trace.events),
     )
   return summary, trace
 
@@ -158,53 +162,78 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
   return trace
 
 
+def compact_round(r: dict, num_slots: int) -> dict:
+  """A packed round (timeline.pack_rounds) as engine.make_compact_round_fn takes it: the slots it
+  touches (applies and their sources, group members, pulls and their sources, starts), padded to a
+  power of two C (one program per C), with group ids and pull sources as positions among them."""
+  S, ar = num_slots, np.arange(num_slots)
+  touched = r["start"].copy()
+  for dst, src in (
+    (r["apply_src"] >= 0, r["apply_src"]),
+    (r["gid"] != ar, r["gid"]),
+    (r["pull_src"] != ar, r["pull_src"]),
+  ):
+    touched |= dst
+    touched[src[dst]] = True
+  idx = np.flatnonzero(touched)
+  A = len(idx)
+  C = min(1 << max(A - 1, 0).bit_length(), S)
+  pos = np.full(S, -1, np.int64)
+  pos[idx] = np.arange(A)
+  fill = lambda v, dtype: np.concatenate([np.asarray(v, dtype), np.arange(A, C, dtype=dtype)])
+  return {
+    "idx": np.concatenate([idx, np.full(C - A, S)]).astype(np.int32),
+    "apply_src": np.concatenate([r["apply_src"][idx], np.full(C - A, -1)]).astype(np.int32),
+    "gid": fill(pos[r["gid"][idx]], np.int32),
+    "pull_src": fill(pos[r["pull_src"][idx]], np.int32),
+    "start": np.concatenate([r["start"][idx], np.zeros(C - A, bool)]),
+  }
+
+
+@dataclasses.dataclass
+class Rounds:
+  """The executor's round programs: the full round (every slot, masks) for the rounds that touch more
+  than half the slots and for the D-PSGD ring (it touches every worker), the compact round for the
+  others. The two compute the same bits for every slot (tests/test_sim.py), so which one a round takes
+  changes nothing but its cost. `programs`: the round shapes compiled (C of each compact one, and
+  "full")."""
+
+  full: object
+  compact: object
+  programs: set = dataclasses.field(default_factory=set)
+
+
 def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunLog):
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   n, has_server = config.num_workers, config.algorithm == "ps_async"
   slots = n + has_server
-  round_fn = engine.make_sim_round_fn(
-    s.model,
-    s.optimizer,
-    mesh,
-    n,
-    slots,
-    cross_apply=has_server,
-    ring=config.algorithm == "dpsgd",
-    pull=has_server,
-    start_capacity=1 if has_server else None,
+  rounds = Rounds(
+    engine.make_sim_round_fn(
+      s.model,
+      s.optimizer,
+      mesh,
+      n,
+      slots,
+      cross_apply=has_server,
+      ring=config.algorithm == "dpsgd",
+      pull=has_server,
+    ),
+    engine.make_compact_round_fn(s.model, s.optimizer, mesh, slots),
   )
   evaluate = make_evaluate(s, slice(n, n + 1) if has_server else slice(0, n))  # PS: the server's model
   put = lambda a: jax.device_put(a, engine.worker_sharding(mesh))
   total, every = config.num_steps * n, config.checkpoint_every
   starts = np.array(cur.starts, np.int64)
   next_ckpt = (cur.applied // n // every + 1) * every if every else None
-  x_zero = np.zeros((slots, config.batch_size) + s.data["x_train"].shape[1:], s.data["x_train"].dtype)
-  y_zero = np.zeros((slots, config.batch_size), s.data["y_train"].dtype)
+  x_shape, x_dtype = (config.batch_size,) + s.data["x_train"].shape[1:], s.data["x_train"].dtype
   losses = []
   for i, r in enumerate(timeline.pack_rounds(trace.events, n, slots)):
     if i < cur.round:
       continue
     # A server round is apply -> pull -> start for one worker: the next push to the server ends it.
     assert not has_server or r["start"].sum() <= 1
-    # Batches only for the workers that start (each at its own step); other rows are never read.
-    x, y = x_zero.copy(), y_zero.copy()
-    started = np.flatnonzero(r["start"][:n])
-    if len(started):
-      idx = data_lib.batch_indices(
-        [s.shards[w] for w in started], config.batch_size, config.seed, starts[started], workers=started
-      )
-      x[started], y[started] = s.data["x_train"][idx], s.data["y_train"][idx]
-    state, loss_S = round_fn(
-      state,
-      put(x),
-      put(y),
-      put(r["apply_src"]),
-      put(r["gid"]),
-      r["ring"],
-      put(r["pull_src"]),
-      put(r["start"]),
-    )
-    if len(started):
+    state, loss_S = run_round(config, s, state, r, rounds, starts, put, x_shape, x_dtype, slots)
+    if r["start"][:n].any():
       losses.append(loss_S)
     starts += r["start"][:n]
     cur.round, cur.applied = i + 1, cur.applied + len(r["applied"])
@@ -223,7 +252,41 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
     # A time budget ended the run between records: evaluate where it stopped.
     log.record(cur.applied // n, trace.end_time, train_loss=log.last.get("train_loss"), **evaluate(state))
   cur.starts = starts.tolist()
-  return state, cur
+  return state, cur, len(rounds.programs)
+
+
+def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype, slots: int):
+  """One packed round on the device: batches for the workers that start (each at its own step) and
+  only for them, then the compact round, or the full one for the ring and for rounds that touch more
+  than half the slots (a compact round would pad them to all of them and pay its gathers)."""
+  n = config.num_workers
+  c = None if r["ring"] else compact_round(r, slots)
+  if c is None or (c["idx"] < slots).sum() > slots // 2:
+    rounds.programs.add("full")
+    x, y = (
+      np.zeros((slots,) + x_shape, x_dtype),
+      np.zeros((slots, config.batch_size), s.data["y_train"].dtype),
+    )
+    started = np.flatnonzero(r["start"][:n])
+    if len(started):
+      x[started], y[started] = batches(config, s, started, starts)
+    args = (r["apply_src"], r["gid"], r["ring"], r["pull_src"], r["start"])
+    return rounds.full(state, put(x), put(y), *(put(a) if isinstance(a, np.ndarray) else a for a in args))
+  C = len(c["idx"])
+  rounds.programs.add(C)
+  x, y = np.zeros((C,) + x_shape, x_dtype), np.zeros((C, config.batch_size), s.data["y_train"].dtype)
+  rows = np.flatnonzero(c["start"])
+  if len(rows):
+    x[rows], y[rows] = batches(config, s, c["idx"][rows], starts)
+  return rounds.compact(state, c["idx"], x, y, c["apply_src"], c["gid"], c["pull_src"], c["start"])
+
+
+def batches(config, s, workers, starts):
+  """The batch each of `workers` starts now: its shard's batch at its own step (data.batch_indices)."""
+  idx = data_lib.batch_indices(
+    [s.shards[w] for w in workers], config.batch_size, config.seed, starts[workers], workers=workers
+  )
+  return s.data["x_train"][idx], s.data["y_train"][idx]
 
 
 def make_evaluate(s: setup_lib.Setup, slots: slice):

@@ -154,6 +154,29 @@ def test_eval_reports_consensus_distance(setup):
   assert 0 <= float(ev["test_accuracy"]) <= 1
 
 
+def test_eval_in_chunks_is_the_whole_test_set_and_workers_use_its_head(setup, monkeypatch):
+  """The averaged model is scored over the whole test set chunk by chunk (the chunks' means weighted
+  by their sizes), each worker on the first WORKER_EVAL_EXAMPLES examples, WORKER_CHUNK at a time."""
+  model, data, batches = setup
+  alone = (tuple((i,) for i in range(N)),)
+  state = run_engine(model, data, batches, alone, optax.sgd(0.1))
+  x, y = data["x_test"], data["y_test"]
+  whole = engine.make_eval_fn(model)(state, x, y)
+  monkeypatch.setattr(engine, "EVAL_CHUNK", 7)  # uneven chunks, a short last one
+  monkeypatch.setattr(engine, "WORKER_EVAL_EXAMPLES", 40)
+  monkeypatch.setattr(engine, "WORKER_CHUNK", 3)
+  got = engine.make_eval_fn(model)(state, x, y)
+  np.testing.assert_allclose(float(got["test_accuracy"]), float(whole["test_accuracy"]), rtol=1e-6)
+  np.testing.assert_allclose(float(got["test_loss"]), float(whole["test_loss"]), rtol=1e-5)
+  per_worker = []
+  for w in range(N):
+    p = jax.tree.map(lambda a: a[w], state["params"])
+    ms = jax.tree.map(lambda a: a[w], state["model_state"])
+    logits, _ = apply_model(model, p, ms, x[:40], train=False)
+    per_worker.append(np.mean(np.argmax(np.asarray(logits), -1) == y[:40]))
+  np.testing.assert_allclose(float(got["worker_test_accuracy"]), np.mean(per_worker), rtol=1e-6)
+
+
 # Golden values (nanodo-style canary): one Static GG round of the default algorithm from seed 0.
 # Update them ONLY when a change of numerics is intended, and say so in the commit message.
 CANARY_LOSS = 1.7944014072418213

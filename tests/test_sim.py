@@ -202,6 +202,60 @@ def test_packed_rounds_equal_one_event_at_a_time(algorithm):
   )
 
 
+@pytest.mark.parametrize("algorithm", ["ripples_random", "ripples_smart", "adpsgd", "ps_async", "allreduce"])
+def test_compact_rounds_equal_full_rounds_bit_for_bit(algorithm):
+  """The executor's compact rounds (only the slots a round touches, gathered and scattered back)
+  compute exactly the full round's values, to the last bit, for every slot: they run the same per-slot
+  programs, and a group's sum adds its members in the same order."""
+  n = 16
+  trace, _, _ = clock(algorithm, n=n, steps=4, slow=(1,), s=3.0, jitter=0.3)
+  data = load_dataset("synthetic", seed=0)
+  shards = shard_indices(data["y_train"], n, "iid", seed=0)
+  model = build_model("mlp", data["num_classes"], hidden=(8,))
+  opt = optax.sgd(0.05, momentum=0.9)
+  ps = algorithm == "ps_async"
+  slots = n + ps
+  mesh = C.make_worker_mesh(slots, jax.devices()[:1])
+  full = engine.make_sim_round_fn(model, opt, mesh, n, slots, cross_apply=ps, pull=ps)
+  compact = engine.make_compact_round_fn(model, opt, mesh, slots)
+  init = lambda: engine.init_sim_state(model, opt, jax.random.key(0), data["x_train"][:1], slots, mesh)
+  a, b = init(), init()
+  starts = np.zeros(n, np.int64)
+  sizes = set()
+  for r in timeline.pack_rounds(trace.events, n, slots):
+    idx = batch_indices(shards, 4, 0, starts)
+    x = np.zeros((slots, 4) + data["x_train"].shape[1:], np.float32)
+    y = np.zeros((slots, 4), np.int32)
+    x[:n], y[:n] = data["x_train"][idx], data["y_train"][idx]
+    a, loss_a = full(a, x, y, r["apply_src"], r["gid"], r["ring"], r["pull_src"], r["start"])
+    c = sim.compact_round(r, slots)
+    sizes.add(len(c["idx"]))
+    rows = np.minimum(c["idx"], slots - 1)
+    b, loss_b = compact(b, c["idx"], x[rows], y[rows], c["apply_src"], c["gid"], c["pull_src"], c["start"])
+    np.testing.assert_array_equal(np.asarray(loss_a), np.asarray(loss_b))
+    starts += r["start"][:n]
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b))
+  assert all(c & (c - 1) == 0 or c == slots for c in sizes)  # powers of two: few programs
+  if algorithm != "allreduce":
+    assert min(sizes) < slots  # some rounds touched fewer than all slots
+
+
+def test_compact_round_positions():
+  S = 6
+  r = {
+    "apply_src": np.array([-1, 1, -1, -1, -1, -1]),
+    "gid": np.array([0, 1, 2, 2, 4, 2]),  # slots 2, 3, 5 average
+    "pull_src": np.arange(S),
+    "start": np.array([False, False, False, False, True, False]),
+  }
+  c = sim.compact_round(r, S)
+  np.testing.assert_array_equal(c["idx"], [1, 2, 3, 4, 5, 6, 6, 6][: len(c["idx"])])
+  assert len(c["idx"]) == 6  # five touched slots, a power of two would be 8 > S: capped at S
+  np.testing.assert_array_equal(c["gid"], [0, 1, 1, 3, 1, 5])
+  np.testing.assert_array_equal(c["apply_src"], [1, -1, -1, -1, -1, -1])
+  np.testing.assert_array_equal(c["start"], [False, False, False, True, False, False])
+
+
 def test_static_gg_in_the_clock_follows_the_layouts():
   trace, _, _ = clock("ripples_static", slow=(), jitter=0.0, steps=8)
   layouts = static_gg_layouts(16, 4)
