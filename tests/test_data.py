@@ -369,3 +369,8 @@ def test_config_mnist1d_samples_sizes_the_generated_set(tmp_path, monkeypatch):
   s = setup.build(config)
   assert s.data["x_train"].shape == (1600, 40, 1) and sum(len(i) for i in s.shards) == 1600
   assert {len(i) for i in s.shards} == {100}  # 100 examples a worker, indices into one array
+
+
+def test_an_empty_cache_variable_means_the_default_cache(monkeypatch):
+  monkeypatch.setenv("RIPPLES_JAX_CACHE", "")  # not the working directory
+  assert m1d.cache_dir() == os.path.abspath(os.path.expanduser(m1d.DEFAULT_CACHE))

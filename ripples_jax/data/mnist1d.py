@@ -24,8 +24,8 @@ EXPECTED = (
 
 
 def cache_dir(data_dir: str | None = None) -> str:
-  """`data_dir` if given, else $RIPPLES_JAX_CACHE, else ~/.cache/ripples_jax."""
-  d = data_dir if data_dir is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE)
+  """`data_dir` if given, else $RIPPLES_JAX_CACHE (if set and not empty), else ~/.cache/ripples_jax."""
+  d = data_dir if data_dir is not None else (os.environ.get(CACHE_ENV) or DEFAULT_CACHE)  # empty: unset
   return os.path.abspath(os.path.expanduser(d))
 
 
