@@ -89,6 +89,7 @@ def get_config(arg=None):
   c.timeline.adpsgd_passive_blocks = False  # AD-PSGD: the passive worker's compute pauses while it serves
   c.time_budget = 0.0  # virtual seconds; 0: run num_steps x num_workers worker steps
   c.target_accuracy = 0.0  # summary.json reports time_to_target when set
+  c.stop_at_target = False  # executor=sim: end the run at the first evaluation that reaches it
 
   # executor=async only: the multi-process runtime (ripples_jax/runtime).
   c.runtime = ml_collections.ConfigDict()

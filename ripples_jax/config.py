@@ -284,6 +284,15 @@ def _check_schedule(config, n):
       if (tuple(value) if isinstance(value, (list, tuple)) else value) != off:
         needs = "hetero.* needs executor=sim or executor=async"
         _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: {needs}")
+  if "stop_at_target" in config:
+    _bool(config, "stop_at_target")
+  if config.get("stop_at_target"):
+    if config.executor != "sim":
+      _fail(
+        "stop_at_target", True, f"False with executor={config.executor} (the simulator stops at a target)"
+      )
+    if not config.target_accuracy:
+      _fail("stop_at_target", True, "False unless target_accuracy is set (> 0)")
 
 
 def _number(config, key, ok, allowed):

@@ -248,6 +248,8 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
         cur.starts = starts.tolist()
         log.checkpoint(step, state, dataclasses.asdict(cur), force=True)
       log.progress(min(step, config.num_steps))
+      if config.get("stop_at_target") and cur.time_to_target is not None:
+        break  # a time-to-accuracy run: the target is reached, the rest of the budget is not run
   if cur.evaluated_step != cur.applied // n:
     # A time budget ended the run between records: evaluate where it stopped.
     log.record(cur.applied // n, trace.end_time, train_loss=log.last.get("train_loss"), **evaluate(state))

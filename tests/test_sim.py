@@ -256,6 +256,22 @@ def test_compact_round_positions():
   np.testing.assert_array_equal(c["start"], [False, False, False, True, False, False])
 
 
+def test_stop_at_target_ends_at_the_first_evaluation_that_reaches_it(tmp_path):
+  full, _ = sim.simulate_and_train(_small_config("ripples_random", steps=40), str(tmp_path / "full"))
+  records = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
+  accs = [r["test_accuracy"] for r in records if "test_accuracy" in r]
+  target = sorted(accs)[len(accs) // 2]  # reached at some evaluation before the end
+  first = next(r for r in records if r.get("test_accuracy", -1) >= target)
+  got, _ = sim.simulate_and_train(
+    _small_config("ripples_random", steps=40, target_accuracy=target, stop_at_target=True),
+    str(tmp_path / "stop"),
+  )
+  stopped = [json.loads(l) for l in open(tmp_path / "stop" / "metrics.jsonl")]
+  assert stopped[-1]["step"] == first["step"] < records[-1]["step"]
+  assert stopped == records[: len(stopped)]  # the same run, cut at the target
+  assert got["time_to_target"] == first["time"]
+
+
 def test_static_gg_in_the_clock_follows_the_layouts():
   trace, _, _ = clock("ripples_static", slow=(), jitter=0.0, steps=8)
   layouts = static_gg_layouts(16, 4)
