@@ -18,6 +18,7 @@ from flax import linen as nn
 
 from ripples_jax import data as data_lib
 from ripples_jax.data import mnist1d
+from ripples_jax.errors import ConfigError
 from ripples_jax.models import build_model, profile, split
 from ripples_jax.optim import make_optimizer
 from ripples_jax.runlog import records
@@ -122,9 +123,16 @@ def split_stages(config, num_classes: int, sample_shape, workdir: str | None = N
 
   def make():
     costs = unit_costs(config, units, num_classes, sample_shape, how)
-    return dict(costs, ranges=split.split_ranges(config.model, units, config.num_stages, costs["costs"]))
+    ranges = split.split_ranges(config.model, units, config.num_stages, costs["costs"])
+    return dict(costs, model=config.model, num_stages=config.num_stages, ranges=ranges)
 
   got = records.write_json_once(pinned, make) if pinned else make()
+  held = (got.get("model", config.model), len(got["ranges"]), got["ranges"][-1][1])
+  if held != (config.model, config.num_stages, len(units)):
+    raise ConfigError(
+      f"--workdir: {pinned} holds the split of {held[0]} into {held[1]} stages, not {config.model} into "
+      f"{config.num_stages}: another run's (run in another workdir, or on_config_change=new)"
+    )
   return split.stages_of(units, [tuple(r) for r in got["ranges"]])
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from configs import dsp as dsp_config
 from ripples_jax import setup
+from ripples_jax.errors import ConfigError
 from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model, num_params, profile, split
 from ripples_jax.runlog import records
 
@@ -292,3 +293,15 @@ def test_a_run_from_before_pinned_splits_resumes_with_the_macs_split(tmp_path, m
   macs = split.split_model("cnn2d", 10, 2, sample_shape=(32, 32, 3))
   assert [s.units for s in got] == [s.units for s in macs]
   assert json.load(open(tmp_path / "split.json"))["split"] == "macs"
+
+
+def test_a_pinned_split_of_another_run_is_refused_in_one_line(tmp_path, monkeypatch):
+  monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache"))
+  _fake_times(monkeypatch, [1.0, 1.0, 1.0, 3.0], [])
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  setup.split_stages(dsp_config.get_config("model=cnn2d,num_stages=2"), 10, (8, 8, 1), run)
+  with pytest.raises(
+    ConfigError, match=r"split.json holds the split of cnn2d into 2 stages, not cnn2d into 3"
+  ):
+    setup.split_stages(dsp_config.get_config("model=cnn2d,num_stages=3"), 10, (8, 8, 1), run)
