@@ -242,6 +242,13 @@ def test_dsp_ring_buffer_bytes(data):
       p_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(st["params"]))
       assert b["params"] == p_bytes
       assert b["param_versions"] == ((s + 1) * p_bytes if mode == "stash" else 0)
+      assert b["correction"] == 0
+  # PipeMare keeps no versions and one weight-sized moving average per stage.
+  sched = tick_lib.method_schedule("pipemare", 4)
+  state = tick_lib.init_pipeline(stages, optax.sgd(0.1), sched, jax.random.key(0), bs[0][0])
+  for st, b in zip(state, tick_lib.stored_bytes(state)):
+    p_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(st["params"]))
+    assert b["param_versions"] == 0 and b["correction"] == p_bytes
 
 
 def test_dni_predictor_trains_on_the_delayed_true_gradient(data):

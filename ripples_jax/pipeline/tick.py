@@ -353,6 +353,7 @@ def stored_bytes(state: list[dict]) -> list[dict]:
         "params": size(st["params"]),
         "inputs": size(st["in_ring"]),
         "param_versions": size(st.get("param_ring", {})),
+        "correction": size(st.get("delta", {})),  # PipeMare's moving average of updates: one weight copy
         "fifos": size(st.get("fwd_fifo", [])) + size(st.get("bwd_fifo", [])),
         "optimizer": size(st["opt_state"]),
       }
