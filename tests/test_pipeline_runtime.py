@@ -3,18 +3,18 @@ runtime (pipeline/per_process.py) against the single-process tick: numerics, a k
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.flatten_util import ravel_pytree
 
-from configs import dsp as dsp_config
 from ripples_jax.pipeline import tick as tick_lib
-from ripples_jax.pipeline import train as pipeline_train
-from ripples_jax.pipeline.baselines import compose, schedule_of
+from ripples_jax.pipeline.baselines import compose
 from tests.fakes import start_directly
 from tests.test_pipeline_dsp import B, mlp_stages
 from tests.test_runtime import launch_bounded
@@ -92,15 +92,35 @@ def pipeline_config(method, mode="recompute", delay=1, epochs=1, extra=()):
 
 
 def single_process_params(method, mode, delay, epochs=1):
-  """Every stage's flat parameters after the run of the same config in one process (the tick)."""
-  config = dsp_config.get_config(f"method={method},num_stages=2,mode={mode},delay={delay},epochs={epochs}")
-  stages, state, run = pipeline_train._setup(config)
-  sch = schedule_of(config)
-  drain, offset = (sch.drain_ticks(), sch.offsets[-1]) if sch else (0, 0)
-  feed, n = run["feed"], run["num_batches"]
-  for t in range(n + drain):
-    state, _ = run["step"](state, feed.x(t), feed.labels(t - offset), t)
-  return [np.asarray(ravel_pytree(st["params"])[0]) for st in state]
+  """Every stage's flat parameters after the run of the same config in one process (the tick).
+
+  It runs in a process of its own without this one's forced device count: with 8 forced CPU devices
+  XLA compiles the tick to other float orders (a few 1e-9), and at link delay 2 one ReLU that flips
+  at tick 18 of the residual run grows that to 4e-3 by the end. The stage processes match a plain
+  process bit for bit."""
+  code = (
+    "import sys, numpy as np\n"
+    "from jax.flatten_util import ravel_pytree\n"
+    "from configs import dsp as dsp_config\n"
+    "from ripples_jax.pipeline import train as pipeline_train\n"
+    "from ripples_jax.pipeline.baselines import schedule_of\n"
+    f"config = dsp_config.get_config('method={method},num_stages=2,mode={mode},delay={delay},epochs={epochs}')\n"
+    "stages, state, run = pipeline_train._setup(config)\n"
+    "sch = schedule_of(config)\n"
+    "drain, offset = (sch.drain_ticks(), sch.offsets[-1]) if sch else (0, 0)\n"
+    "for t in range(run['num_batches'] + drain):\n"
+    "  state, _ = run['step'](state, run['feed'].x(t), run['feed'].labels(t - offset), t)\n"
+    "np.savez(sys.argv[1], *[np.asarray(ravel_pytree(st['params'])[0]) for st in state])\n"
+  )
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "params.npz")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+      [sys.executable, "-c", code, path], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    with np.load(path) as z:
+      return [z[f"arr_{k}"] for k in range(len(z.files))]
 
 
 def launch_pipeline(args, timeout_s=300):
