@@ -159,6 +159,26 @@ def test_bench_pipeline(tmp_path):
   assert "| dsp_weight_stash | weight stashing on DSP's schedule" in out
 
 
+@pytest.mark.slow
+def test_bench_sim_scale(tmp_path):
+  out_json, png = tmp_path / "scale.json", tmp_path / "scale.png"
+  run(
+    "benchmarks.bench_sim_scale",
+    "--workers=4,8",
+    "--steps=2",
+    "--per_worker=20",
+    f"--json_out={out_json}",
+    f"--plot={png}",
+    tmp_path=tmp_path,
+  )
+  rows = json.loads(out_json.read_text())["rows"]
+  assert [r["workers"] for r in rows] == [4, 8] and png.stat().st_size > 0
+  for r in rows:
+    assert r["wall_s"] > 0 and r["peak_rss_gb"] > 0 and r["events"] > 0 and r["compiles"] > 0
+    assert r["cost_per_worker_step_ms"] == pytest.approx(1e3 * r["wall_s"] / (r["workers"] * 2))
+    assert r["train_examples_per_worker"] >= 20
+
+
 # -- reproductions, one process each -----------------------------------------------------------------
 
 
