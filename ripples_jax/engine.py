@@ -232,6 +232,18 @@ def init_sim_state(model, optimizer, rng, sample_x, num_slots: int, mesh: Mesh) 
   return state
 
 
+def _masked(mask, new, old):
+  """new where mask (one entry per slot), else old, leaf by leaf."""
+  return jax.tree.map(lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+def _grad_step(model, params, model_state, x_BxI, y_B):
+  """One slot's gradient, new model state and loss on its batch."""
+  grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
+  (loss, new_model_state), grads = grad_fn(params, model_state, x_BxI, y_B)
+  return grads, new_model_state, loss
+
+
 def make_sim_round_fn(
   model,
   optimizer: optax.GradientTransformation,
@@ -241,7 +253,6 @@ def make_sim_round_fn(
   cross_apply: bool = False,
   ring: bool = False,
   pull: bool = False,
-  start_capacity: int | None = None,
 ) -> Callable:
   """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S).
 
@@ -253,21 +264,14 @@ def make_sim_round_fn(
     D start:   slots in start compute a gradient on their current params and keep it pending
   The packing guarantees each slot's events keep their clock order (timeline.pack_rounds). Slots past
   num_workers are the parameter server and padding. The static flags compile only what an algorithm
-  uses (cross-slot applies, the ring, pulls). With `start_capacity` C, gradients are computed only for
-  (at most C) starting slots, gathered, instead of for every slot: the asynchronous parameter server's
-  rounds start one worker each.
+  uses (cross-slot applies, the ring, pulls). Rounds that touch few slots take
+  `make_compact_round_fn` instead (the executor picks per round; both compute the same bits).
   """
   ar = np.arange(num_slots)
   ring_prev = np.where(ar < num_workers, (ar - 1) % num_workers, ar)
   ring_next = np.where(ar < num_workers, (ar + 1) % num_workers, ar)
-
-  def masked(mask, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
-
-  def grad_step(params, model_state, x_BxI, y_B):
-    grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
-    (loss, new_model_state), grads = grad_fn(params, model_state, x_BxI, y_B)
-    return grads, new_model_state, loss
+  grad_step = functools.partial(_grad_step, model)
+  masked = _masked
 
   def round_fn(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S):
     params, model_state, opt_state, grads = (
@@ -293,18 +297,9 @@ def make_sim_round_fn(
 
     params, model_state = jax.tree.map(mix, (params, model_state))
     # D: start new gradients on the current params; the loss reported is the one at the start.
-    if start_capacity is None:
-      new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
-      grads = masked(start_S, new_grads, grads)
-      model_state = masked(start_S, new_model_state, model_state)
-    else:
-      # Out-of-range fill ids: their gathers clip and their scatters are dropped.
-      idx_C = jnp.nonzero(start_S, size=start_capacity, fill_value=num_slots)[0]
-      take = lambda t: jax.tree.map(lambda a: jnp.take(a, idx_C, axis=0, mode="clip"), t)
-      put = lambda t, new: jax.tree.map(lambda a, b: a.at[idx_C].set(b, mode="drop"), t, new)
-      g_C, ms_C, loss_C = jax.vmap(grad_step)(take(params), take(model_state), take(x_SxB), take(y_SxB))
-      grads, model_state = put(grads, g_C), put(model_state, ms_C)
-      loss_S = jnp.full((num_slots,), jnp.nan, loss_C.dtype).at[idx_C].set(loss_C, mode="drop")
+    new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
+    grads = masked(start_S, new_grads, grads)
+    model_state = masked(start_S, new_model_state, model_state)
     new_state = {"params": params, "model_state": model_state, "opt_state": opt_state, "grads": grads}
     return new_state, jnp.where(start_S, loss_S, jnp.nan)
 
@@ -328,14 +323,8 @@ def make_compact_round_fn(
   compiles at most log2(num_slots) + 1 of them. The D-PSGD ring touches every worker: it stays on the
   full round.
   """
-
-  def grad_step(params, model_state, x_BxI, y_B):
-    grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
-    (loss, new_model_state), grads = grad_fn(params, model_state, x_BxI, y_B)
-    return grads, new_model_state, loss
-
-  def masked(mask, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+  grad_step = functools.partial(_grad_step, model)
+  masked = _masked
 
   def round_fn(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C):
     take = lambda t, i: jax.tree.map(lambda a: jnp.take(a, i, axis=0, mode="clip"), t)

@@ -159,17 +159,22 @@ def test_same_seed_gives_byte_identical_metrics(tmp_path):
   assert a != (tmp_path / "c" / "metrics.jsonl").read_text()
 
 
-@pytest.mark.parametrize("algorithm", ["ripples_random", "adpsgd", "ps_async", "dpsgd"])
-def test_packed_rounds_equal_one_event_at_a_time(algorithm):
-  """Packing many events into one round must compute exactly what executing them in order does."""
-  n = 8
+def _round_setup(algorithm, n):
+  """A clock trace of n heterogeneous workers and what the engine's rounds need to replay it."""
   trace, _, _ = clock(algorithm, n=n, steps=4, slow=(1,), s=3.0, jitter=0.3)
   data = load_dataset("synthetic", seed=0)
   shards = shard_indices(data["y_train"], n, "iid", seed=0)
   model = build_model("mlp", data["num_classes"], hidden=(8,))
-  opt = optax.sgd(0.05, momentum=0.9)
   slots = n + (algorithm == "ps_async")
   mesh = C.make_worker_mesh(slots, jax.devices()[:1])
+  return trace, data, shards, model, optax.sgd(0.05, momentum=0.9), slots, mesh
+
+
+@pytest.mark.parametrize("algorithm", ["ripples_random", "adpsgd", "ps_async", "dpsgd"])
+def test_packed_rounds_equal_one_event_at_a_time(algorithm):
+  """Packing many events into one round must compute exactly what executing them in order does."""
+  n = 8
+  trace, data, shards, model, opt, slots, mesh = _round_setup(algorithm, n)
   fn = engine.make_sim_round_fn(
     model,
     opt,
@@ -179,7 +184,6 @@ def test_packed_rounds_equal_one_event_at_a_time(algorithm):
     cross_apply=algorithm == "ps_async",
     ring=algorithm == "dpsgd",
     pull=algorithm == "ps_async",
-    start_capacity=1 if algorithm == "ps_async" else None,
   )
 
   def execute(rounds):
@@ -208,14 +212,8 @@ def test_compact_rounds_equal_full_rounds_bit_for_bit(algorithm):
   compute exactly the full round's values, to the last bit, for every slot: they run the same per-slot
   programs, and a group's sum adds its members in the same order."""
   n = 16
-  trace, _, _ = clock(algorithm, n=n, steps=4, slow=(1,), s=3.0, jitter=0.3)
-  data = load_dataset("synthetic", seed=0)
-  shards = shard_indices(data["y_train"], n, "iid", seed=0)
-  model = build_model("mlp", data["num_classes"], hidden=(8,))
-  opt = optax.sgd(0.05, momentum=0.9)
+  trace, data, shards, model, opt, slots, mesh = _round_setup(algorithm, n)
   ps = algorithm == "ps_async"
-  slots = n + ps
-  mesh = C.make_worker_mesh(slots, jax.devices()[:1])
   full = engine.make_sim_round_fn(model, opt, mesh, n, slots, cross_apply=ps, pull=ps)
   compact = engine.make_compact_round_fn(model, opt, mesh, slots)
   init = lambda: engine.init_sim_state(model, opt, jax.random.key(0), data["x_train"][:1], slots, mesh)
