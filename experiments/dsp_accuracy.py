@@ -1,20 +1,25 @@
 r"""Accuracy of the pipeline methods on MNIST-1D (CNN1D), each at its best step size from one shared grid.
 
-  python -m experiments.dsp_accuracy --out_dir=results/dsp_accuracy
+  python -m experiments.dsp_accuracy --workers=2 --out_dir=results/dsp_accuracy
   python -m experiments.dsp_accuracy --epochs=2 --lrs=0.02 --seeds=0 --methods=bp,dsp --out_dir=/tmp/q  #
   quick
 
-Every (K, method, lr, seed) of the grid is one run of configs/dsp.py; `dsp_weight_stash` is method=dsp
-with mode=stash: weight stashing on DSP's schedule, not DSP as published. Writes into out_dir: runs.json
-(one entry per run, written after every run; a rerun skips the runs it already holds), table.md and
-table.json (per (K, method) the lr with the highest mean final test accuracy over the seeds, a diverged
-seed counting as 0; mean, min-max and std of the accuracy there, train and test loss, the difference to
-BP's best) and lr_grid.png (mean test accuracy against lr, one panel per K). Run folders live under
---run_dir and are deleted once their numbers are read.
+Every (K, method, lr, seed) of the grid is one run of configs/dsp.py with VALIDATION_EXAMPLES of the
+training set held out (the same ones for every seed); `dsp_weight_stash` is method=dsp with mode=stash:
+weight stashing on DSP's schedule, not DSP as published. The step size is chosen on validation and
+reported on test: per (K, method) the lr with the highest mean final *validation* accuracy over the seeds
+(a diverged seed counting as 0), and the test accuracy there. Writes into out_dir: runs.json (one entry per
+run, written after every run; a rerun skips the runs it already holds), table.md and table.json (the chosen
+lr; mean, min-max and std of the test accuracy there, train and test loss, the difference to BP's) and
+lr_grid.png (mean validation accuracy against lr, one panel per K). Run folders live under --run_dir and
+are deleted once their numbers are read. --workers=N runs N grid points at once, each in a process of its
+own pinned to one core (the numbers do not depend on it: every run is one process's deterministic run).
 """
 
+import concurrent.futures
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -29,6 +34,8 @@ from ripples_jax.distributed.host import quiet_library_logs
 from ripples_jax.tables import markdown_table
 
 METHODS = ("bp", "gpipe", "ddg", "pipedream", "pipemare", "fr", "dni", "dsp", "dsp_weight_stash")
+LRS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.1, 0.2, 0.3)  # the one shared step-size grid
+VALIDATION_EXAMPLES = 500  # of MNIST-1D's 4,000 training examples (3,500 left to train on)
 TRAIN_LOSS_RECORDS = 5  # final train loss: the mean of the last 5 records (each the mean of 50 batches)
 CHANCE = 0.15  # a finite run ending below this test accuracy has collapsed (uniform output, loss ln 10)
 
@@ -56,6 +63,7 @@ def _run(base, run_dir, name, **overrides):
   return {
     "diverged": diverged is not None,
     "diverged_message": diverged,
+    "final_val_accuracy": nan if diverged or not evals else evals[-1].get("val_accuracy", nan),
     "final_test_accuracy": nan if diverged or not evals else evals[-1]["test_accuracy"],
     "final_test_loss": nan if diverged or not evals else evals[-1]["test_loss"],
     "final_train_loss": (nan if diverged or not losses else float(np.mean(losses[-TRAIN_LOSS_RECORDS:]))),
@@ -75,36 +83,56 @@ def _save(path, obj):
   os.replace(tmp, path)
 
 
-def run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs) -> dict:
-  """Every run of the grid not yet in out_dir/runs.json; returns {run name: result}."""
-  path = os.path.join(out_dir, "runs.json")
-  runs = _load(path)
+def _pin(cores) -> None:
+  """A grid worker's initializer: one core of its own, taken from the queue."""
+  os.sched_setaffinity(0, {cores.get()})
+  quiet_library_logs()
+
+
+def _grid_point(base, run_dir, key, overrides) -> dict:
+  return _run(base, run_dir, key, **overrides)
+
+
+def _points(runs, stage_counts, methods, lrs, seeds, epochs):
+  """(key, the run's identity, its config overrides) for every grid point runs does not hold yet."""
   for K in stage_counts:
     for name in methods:
       method, mode = _method(name)
       for lr in lrs:
         for seed in seeds:
           key = _run_name(K, name, lr, seed)
-          if key in runs and runs[key]["epochs"] == epochs:
+          if key in runs and runs[key]["epochs"] == epochs and "final_val_accuracy" in runs[key]:
             continue
-          r = _run(
-            base,
-            run_dir,
-            key,
-            method=method,
-            mode=mode,
-            num_stages=K,
-            seed=seed,
-            num_epochs=epochs,
-            **{"optimizer.lr": lr},
-          )
-          runs[key] = {"K": K, "method": name, "lr": lr, "seed": seed, "epochs": epochs, **r}
-          _save(path, runs)
-          print(
-            f"{key}: test acc {r['final_test_accuracy']:.4f} test loss {r['final_test_loss']:.4f} "
-            f"train loss {r['final_train_loss']:.4f} diverged {r['diverged']} ({r['wall_s']:.0f} s)",
-            flush=True,
-          )
+          ident = {"K": K, "method": name, "lr": lr, "seed": seed, "epochs": epochs}
+          overrides = dict(method=method, mode=mode, num_stages=K, seed=seed, num_epochs=epochs)
+          yield key, ident, {**overrides, "optimizer.lr": lr}
+
+
+def run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs, workers=1) -> dict:
+  """Every run of the grid not yet in out_dir/runs.json (workers at once, one core each); returns {run
+  name: result}. Only this process writes runs.json, after each run."""
+  path = os.path.join(out_dir, "runs.json")
+  runs = _load(path)
+  todo = list(_points(runs, stage_counts, methods, lrs, seeds, epochs))
+  ctx = multiprocessing.get_context("spawn")  # a fresh jax per worker (no forked XLA threads)
+  cores = ctx.Queue()
+  for i in range(workers):
+    cores.put(sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))])
+  with concurrent.futures.ProcessPoolExecutor(
+    workers, mp_context=ctx, initializer=_pin, initargs=(cores,)
+  ) as ex:
+    futures = {ex.submit(_grid_point, base, run_dir, key, ov): (key, ident) for key, ident, ov in todo}
+    for fut in concurrent.futures.as_completed(futures):
+      key, ident = futures[fut]
+      r = fut.result()
+      runs[key] = {**ident, **r}
+      _save(path, runs)
+      print(
+        f"{key}: val acc {r['final_val_accuracy']:.4f} test acc {r['final_test_accuracy']:.4f} "
+        f"test loss {r['final_test_loss']:.4f} train loss {r['final_train_loss']:.4f} diverged "
+        f"{r['diverged']} ({r['wall_s']:.0f} s)",
+        flush=True,
+      )
   return runs
 
 
@@ -123,7 +151,10 @@ def summarise(runs, stage_counts, methods, lrs, seeds, epochs) -> dict:
         assert all(r["epochs"] == epochs for r in rs)
         ok = [r for r in rs if not r["diverged"]]
         acc = [0.0 if r["diverged"] else r["final_test_accuracy"] for r in rs]
+        val = [0.0 if r["diverged"] else r["final_val_accuracy"] for r in rs]
         per_lr[lr] = {
+          "mean_val_accuracy": float(np.mean(val)),
+          "val_accuracy": val,
           "mean_test_accuracy": float(np.mean(acc)),
           "test_accuracy": acc,
           "min": float(min(acc)),
@@ -136,13 +167,18 @@ def summarise(runs, stage_counts, methods, lrs, seeds, epochs) -> dict:
           "mean_train_loss": float(np.mean([r["final_train_loss"] for r in ok])) if ok else None,
           "mean_test_loss": float(np.mean([r["final_test_loss"] for r in ok])) if ok else None,
         }
-      best = max(lrs, key=lambda lr: per_lr[lr]["mean_test_accuracy"])  # ties: the first (smaller) lr
+      # Chosen on validation, reported on test; ties: the first (smaller) lr.
+      best = max(lrs, key=lambda lr: per_lr[lr]["mean_val_accuracy"])
+      best_on_test = max(lrs, key=lambda lr: per_lr[lr]["mean_test_accuracy"])
       out[f"K{K}_{name}"] = {
         "K": K,
         "method": name,
         "best_lr": best,
         "best": per_lr[best],
         "best_lr_at_grid_edge": best in (min(lrs), max(lrs)),
+        # What choosing on test would have reported (the optimism a validation split removes).
+        "best_lr_on_test": best_on_test,
+        "best_on_test_mean_test_accuracy": per_lr[best_on_test]["mean_test_accuracy"],
         "per_lr": {f"{lr:g}": v for lr, v in per_lr.items()},
       }
   for K in stage_counts:
@@ -179,10 +215,11 @@ def markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs) -> str:
     f"# Pipeline methods at their best step size (MNIST-1D, CNN1D)\n\n"
     f"Grid: K in {list(stage_counts)}, lr in {list(lrs)}, seeds {list(seeds)}, {epochs} epochs for "
     f"every run (configs/dsp.py otherwise: momentum 0.9, cosine schedule, 50 warm-up steps, "
-    f"weight decay 5e-4, batch 64, delay 1). {n} runs, {wall / 60:.1f} min of run time, one CPU "
-    f"core.\n\n"
-    f"Best lr = the lr with the highest mean final test accuracy over the {len(seeds)} seeds "
-    f"(a diverged seed counts as 0). Accuracy in %, std with ddof=1. Final train loss = mean of "
+    f"weight decay 5e-4, batch 64, delay 1), {VALIDATION_EXAMPLES} training examples held out for "
+    f"validation. {n} runs, {wall / 60:.1f} min of run time, one CPU core each.\n\n"
+    f"Best lr = the lr with the highest mean final *validation* accuracy over the {len(seeds)} seeds "
+    f"(a diverged seed counts as 0); every accuracy below is *test* accuracy at that lr, except the "
+    f"grid of validation accuracies. Accuracy in %, std with ddof=1. Final train loss = mean of "
     f"the last {TRAIN_LOSS_RECORDS} train-loss records (each the mean of 50 batches); losses "
     f"averaged over the non-diverged seeds. vs BP = mean accuracy minus BP's best mean, in "
     f"points; 'combined std' = sqrt(std_method^2 + std_bp^2); 'combined half-range' = half the "
@@ -201,6 +238,7 @@ def markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs) -> str:
           K,
           name,
           f"{e['best_lr']:g}" + ("*" if e["best_lr_at_grid_edge"] else ""),
+          _pct(b["mean_val_accuracy"]),
           _pct(b["mean_test_accuracy"]),
           f"{_pct(b['min'])}-{_pct(b['max'])}",
           _pct(b["std"]),
@@ -218,7 +256,8 @@ def markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs) -> str:
     [
       "K",
       "method",
-      "best lr",
+      "best lr (val)",
+      "mean val acc",
       "mean test acc",
       "min-max",
       "std",
@@ -244,7 +283,7 @@ def markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs) -> str:
           f"{len(p[k])} {w}" for k, w in (("diverged_seeds", "div."), ("collapsed_seeds", "coll.")) if p[k]
         )
         d = f" ({d})" if d else ""
-        cells.append(f"{_pct(p['mean_test_accuracy'])} ± {_pct(p['std'])}{d}")
+        cells.append(f"{_pct(p['mean_val_accuracy'])} / {_pct(p['mean_test_accuracy'])}{d}")
       grid_rows.append([K, name] + cells)
   grid = markdown_table(["K", "method"] + [f"lr {lr:g}" for lr in lrs], grid_rows)
   return "\n".join(
@@ -253,7 +292,7 @@ def markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs) -> str:
       "## Best lr per method\n",
       main,
       "",
-      "## Mean test accuracy (%) ± std over seeds at every lr\n",
+      "## Mean validation / test accuracy (%) over seeds at every lr\n",
       grid,
       "",
       "## Where DSP beats BP\n",
@@ -342,15 +381,15 @@ def plot(summary, out_dir, stage_counts, methods, lrs) -> None:
   for ax, K in zip(axes[0], stage_counts):
     for name in methods:
       per = summary[f"K{K}_{name}"]["per_lr"]
-      mean = [100 * per[f"{lr:g}"]["mean_test_accuracy"] for lr in lrs]
-      std = [100 * per[f"{lr:g}"]["std"] for lr in lrs]
+      mean = [100 * per[f"{lr:g}"]["mean_val_accuracy"] for lr in lrs]
+      std = [100 * _std(per[f"{lr:g}"]["val_accuracy"]) for lr in lrs]
       ax.errorbar(lrs, mean, yerr=std, marker="o", capsize=3, label=name)
     ax.set_xscale("log")
     ax.set_xticks(lrs)
     ax.set_xticklabels([f"{lr:g}" for lr in lrs])
     ax.set_title(f"MNIST-1D, K={K}")
     ax.set_xlabel("learning rate")
-    ax.set_ylabel("mean final test accuracy (%), ± std over seeds")
+    ax.set_ylabel("mean final validation accuracy (%), ± std over seeds")
     ax.grid(alpha=0.3)
   axes[0][-1].legend(fontsize=8, loc="lower left")
   fig.tight_layout()
@@ -364,13 +403,14 @@ def run(
   run_dir,
   stage_counts=(2, 4),
   methods=METHODS,
-  lrs=(0.01, 0.02, 0.05, 0.1),
+  lrs=LRS,
   seeds=(0, 1, 2),
   epochs=120,
+  workers=1,
 ) -> str:
   """The grid, then table.md, table.json and lr_grid.png in out_dir; returns the markdown."""
   os.makedirs(out_dir, exist_ok=True)
-  runs = run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs)
+  runs = run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs, workers)
   summary = summarise(runs, stage_counts, methods, lrs, seeds, epochs)
   md = markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs)
   with open(os.path.join(out_dir, "table.md"), "w") as fh:
@@ -379,6 +419,8 @@ def run(
     os.path.join(out_dir, "table.json"),
     {
       "epochs": epochs,
+      "validation_examples": VALIDATION_EXAMPLES,
+      "selected_on": "validation",
       "lrs": list(lrs),
       "seeds": list(seeds),
       "stage_counts": list(stage_counts),
@@ -397,7 +439,8 @@ _RUN_DIR = flags.DEFINE_string(
   "Temporary run folders, deleted per run (default: a fresh temporary folder, so two grids never share one).",
 )
 _STAGES = flags.DEFINE_list("stage_counts", ["2", "4"], "Stage counts K.")
-_LRS = flags.DEFINE_list("lrs", ["0.01", "0.02", "0.05", "0.1"], "The shared step-size grid.")
+_LRS = flags.DEFINE_list("lrs", [f"{lr:g}" for lr in LRS], "The shared step-size grid.")
+_WORKERS = flags.DEFINE_integer("workers", 1, "Grid points run at once, each in its own process on one core.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
 _METHODS = flags.DEFINE_list(
   "methods", list(METHODS), "Methods (bp is always needed; dsp_weight_stash = method=dsp, mode=stash)."
@@ -410,6 +453,8 @@ def main(argv):
   del argv
   quiet_library_logs()  # orbax's per-checkpoint INFO lines
   config = dsp_config.get_config(f"dataset={_DATASET.value},model=cnn1d")
+  config.validation_examples = VALIDATION_EXAMPLES
+  config.checkpoint_every = 0  # a grid run is never resumed: its folder is deleted once read
   epochs = _EPOCHS.value or config.num_epochs
   methods = tuple(_METHODS.value)
   if "bp" not in methods:
@@ -424,6 +469,7 @@ def main(argv):
       lrs=tuple(float(l) for l in _LRS.value),
       seeds=tuple(int(s) for s in _SEEDS.value),
       epochs=epochs,
+      workers=_WORKERS.value,
     )
   )
 

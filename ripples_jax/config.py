@@ -22,6 +22,7 @@ from ripples_jax.pipeline.tick import MODES, PLACEMENTS
 from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 from ripples_jax.schedule.online import ADPSGD_PASSIVE, PREDUCE_MODES, RUNTIME_ALGORITHMS
+from ripples_jax.timeline import NO_LEAVE
 
 EXECUTORS = ("spmd", "sim", "async")  # a Ripples config's executor (run.EXECUTORS holds them all)
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
@@ -284,6 +285,7 @@ def _check_schedule(config, n):
       if (tuple(value) if isinstance(value, (list, tuple)) else value) != off:
         needs = "hetero.* needs executor=sim or executor=async"
         _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: {needs}")
+  _check_leave(config, n)
   if "stop_at_target" in config:
     _bool(config, "stop_at_target")
   if config.get("stop_at_target"):
@@ -293,6 +295,49 @@ def _check_schedule(config, n):
       )
     if not config.target_accuracy:
       _fail("stop_at_target", True, "False unless target_accuracy is set (> 0)")
+
+
+_LEAVE = (
+  "() or (worker, t_leave, t_rejoin) triples in virtual seconds: worker < num_workers, t_leave >= 0, "
+  "t_rejoin > t_leave or -1 / inf for never, one worker's intervals in order and apart"
+)
+
+
+def _check_leave(config, n):
+  """hetero.leave (docs/design.md 3.10): clock events of the simulator, for the algorithms that can
+  go on without a worker; refused elsewhere, before anything is built."""
+  value = config.hetero.get("leave", ())
+  if config.executor != "sim":
+    _note("hetero.leave", "() (off: leaving and joining are clock events of executor=sim)")
+    if value:
+      _fail(
+        "hetero.leave",
+        value,
+        f"() with executor={config.executor}: leaving and joining are clock events of executor=sim",
+      )
+    return
+  if config.algorithm in NO_LEAVE:
+    _note("hetero.leave", "() (off: the algorithm cannot exclude a worker)")
+    if value:
+      _fail("hetero.leave", value, f"() with algorithm={config.algorithm}: {NO_LEAVE[config.algorithm]}")
+    return
+  _note("hetero.leave", _LEAVE)
+  if not isinstance(value, (tuple, list)):
+    _fail("hetero.leave", value, _LEAVE)
+  last = {}  # worker -> the end of its latest interval
+  for item in value:
+    if not isinstance(item, (tuple, list)) or len(item) != 3:
+      _fail("hetero.leave", value, _LEAVE)
+    w, t0, t1 = item
+    number = lambda v: not isinstance(v, bool) and isinstance(v, (int, float))  # noqa: E731
+    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n or not (number(t0) and number(t1)):
+      _fail("hetero.leave", value, _LEAVE)
+    never = t1 == -1 or t1 == math.inf
+    if not (math.isfinite(t0) and t0 >= 0 and (never or (math.isfinite(t1) and t1 > t0))):
+      _fail("hetero.leave", value, _LEAVE)
+    if w in last and not t0 > last[w]:  # it must have rejoined before it can leave again
+      _fail("hetero.leave", value, _LEAVE)
+    last[w] = math.inf if never else t1
 
 
 def _number(config, key, ok, allowed):
@@ -409,6 +454,8 @@ def validate_dsp_config(config, num_processes: int = 1) -> None:
       config.checkpoint_every,
       f"a multiple of log_every={config.log_every} (checkpoints are taken at logged batches)",
     )
+  if "validation_examples" in config:
+    _int_in(config, "validation_examples", 0, 10**9, "an integer number of training examples >= 0 (0: none)")
   most = max_stages(config.model)
   if config.num_stages > most:
     _fail("num_stages", config.num_stages, f"{config.model} splits into at most {most} stages")

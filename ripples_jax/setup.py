@@ -140,6 +140,8 @@ def build_pipeline(config, workdir: str | None = None) -> PipelineSetup:
   """The pipeline's data, stages, batch feed and optimizer, from a configs/dsp.py config."""
   kw = dict(config.synthetic) if config.dataset == "synthetic" and "synthetic" in config else {}
   data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed, **kw)
+  if config.get("validation_examples", 0):
+    data = data_lib.hold_out(data, config.validation_examples)
   stages = split_stages(config, data["num_classes"], data["input_shape"], workdir)
   batches_per_epoch = len(data["y_train"]) // config.batch_size
   num_batches = config.num_epochs * batches_per_epoch

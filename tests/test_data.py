@@ -374,3 +374,24 @@ def test_config_mnist1d_samples_sizes_the_generated_set(tmp_path, monkeypatch):
 def test_an_empty_cache_variable_means_the_default_cache(monkeypatch):
   monkeypatch.setenv("RIPPLES_JAX_CACHE", "")  # not the working directory
   assert m1d.cache_dir() == os.path.abspath(os.path.expanduser(m1d.DEFAULT_CACHE))
+
+
+def test_hold_out_moves_a_fixed_set_of_training_examples_to_validation():
+  from ripples_jax.data import DatasetError, hold_out, make_synthetic
+
+  d = make_synthetic(seed=3, input_shape=(4,), num_classes=3, num_train=50, num_test=10)
+  h = hold_out(d, 12)
+  assert len(h["y_val"]) == 12 and len(h["y_train"]) == 38
+  rows = lambda x: {tuple(r) for r in x.reshape(len(x), -1)}
+  # Disjoint, together exactly the training set, the training order kept, the test set untouched.
+  assert not rows(h["x_val"]) & rows(h["x_train"])
+  assert rows(h["x_val"]) | rows(h["x_train"]) == rows(d["x_train"])
+  idx = [int(np.flatnonzero((d["x_train"] == r).all(axis=1))[0]) for r in h["x_train"]]
+  assert idx == sorted(idx)
+  assert np.array_equal(h["x_test"], d["x_test"]) and np.array_equal(h["y_test"], d["y_test"])
+  # The same examples whatever else varies (every run seed chooses its step size on one set).
+  assert np.array_equal(hold_out(d, 12)["x_val"], h["x_val"])
+  with pytest.raises(
+    DatasetError, match=r"^validation_examples=50: allowed 1..49 \(the training set has 50\)$"
+  ):
+    hold_out(d, 50)

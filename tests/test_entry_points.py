@@ -260,9 +260,72 @@ def test_dsp_accuracy_grid(tmp_path):
   )
   runs = json.loads((out_dir / "runs.json").read_text())
   assert len(runs) == 2 * 2 * 2  # methods x lrs x seeds
+  assert all(0 < r["final_val_accuracy"] <= 1 for r in runs.values())
   table = json.loads((out_dir / "table.json").read_text())
-  assert "| 2 | dsp |" in (out_dir / "table.md").read_text() and table
+  assert "| 2 | dsp |" in (out_dir / "table.md").read_text() and table["selected_on"] == "validation"
   assert (out_dir / "lr_grid.png").stat().st_size > 0
+  # The time-to-accuracy runs read that table: each row at its chosen lr, one seed, in the runtime.
+  tta = tmp_path / "tta"
+  run(
+    "experiments.dsp_time_to_accuracy",
+    f"--grid={out_dir / 'table.json'}",
+    "--methods=dsp",
+    "--seeds=0",
+    "--targets=0.1,1.0",
+    "--eval_every=5",
+    f"--out_dir={tta}",
+    tmp_path=tmp_path,
+  )
+  t = json.loads((tta / "table.json").read_text())["results"]
+  assert t["dsp"]["lr"] == table["results"]["K2_dsp"]["best_lr"]
+  assert t["dsp"]["0.1"]["reached"] == 1 and t["dsp"]["1"]["reached"] == 0
+  assert (tta / "curves.png").stat().st_size > 0
+
+
+def _grid_run(val, test):
+  return {
+    "epochs": 1,
+    "diverged": False,
+    "final_val_accuracy": val,
+    "final_test_accuracy": test,
+    "final_train_loss": 0.1,
+    "final_test_loss": 0.2,
+  }
+
+
+def test_dsp_accuracy_chooses_the_step_size_on_validation_and_reports_test():
+  from experiments import dsp_accuracy
+
+  # lr 0.1 is best on validation, lr 0.2 on test: the table must take 0.1 and report its test accuracy.
+  runs = {}
+  for name in ("bp", "dsp"):
+    for lr, (val, test) in {0.1: (0.9, 0.7), 0.2: (0.8, 0.95)}.items():
+      for seed in (0, 1):
+        runs[dsp_accuracy._run_name(2, name, lr, seed)] = _grid_run(val, test + 0.01 * seed)
+  out = dsp_accuracy.summarise(runs, (2,), ("bp", "dsp"), (0.1, 0.2), (0, 1), 1)
+  e = out["K2_dsp"]
+  assert e["best_lr"] == 0.1 and e["best_lr_on_test"] == 0.2
+  assert e["best"]["mean_test_accuracy"] == pytest.approx(0.705)
+  assert e["best"]["mean_val_accuracy"] == pytest.approx(0.9)
+
+
+def test_time_to_accuracy_censors_misses_and_pairs_by_seed():
+  from experiments import dsp_time_to_accuracy as tta
+
+  ref = tta.REFERENCE
+  runs = {
+    f"{ref}_seed0": {"lr": 0.1, "curve": [[1, 0.5], [2, 0.9]], "whole_s": 3, "final_test_accuracy": 0.9},
+    f"{ref}_seed1": {"lr": 0.1, "curve": [[1, 0.8], [4, 0.9]], "whole_s": 5, "final_test_accuracy": 0.9},
+    "dsp_seed0": {"lr": 0.05, "curve": [[1, 0.85], [3, 0.95]], "whole_s": 3, "final_test_accuracy": 0.95},
+    "dsp_seed1": {"lr": 0.05, "curve": [[1, 0.5], [6, 0.7]], "whole_s": 8, "final_test_accuracy": 0.7},
+  }
+  assert tta.time_to([[1, 0.5], [2, 0.9]], 0.9) == 2 and tta.time_to([[1, 0.5]], 0.9) is None
+  s = tta.summarise(runs, [ref, "dsp"], [0, 1], [0.8, 0.9])["dsp"]
+  # 0.8: seed 0 at 1 s (BP 2 s: 2x), seed 1 never: censored at its whole run, 8 s (BP 1 s: 0.125x).
+  assert s["0.8"]["reached"] == 1 and s["0.8"]["of"] == 2
+  assert s["0.8"]["seconds"] == {"median": 4.5, "min": 1.0, "max": 8.0}
+  assert s["0.8"]["speedup_vs_bp_single_process"] == {"median": 1.0625, "min": 0.125, "max": 2.0}
+  assert s["0.9"]["speedup_vs_bp_single_process"]["max"] == pytest.approx(2 / 3)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from configs import dsp as dsp_config
@@ -183,3 +184,55 @@ def test_evaluations_come_at_eval_every_whatever_log_every(tmp_path):
   n = records[-1]["step"]
   assert evals == sorted({*range(4, n + 1, 4), n}), evals
   assert {r["step"] for r in records} == {*range(6, n + 1, 6), *evals}
+
+
+def test_validation_is_held_out_of_training_and_evaluated_beside_test(tmp_path):
+  from ripples_jax import data as data_lib
+  from ripples_jax import run, setup
+
+  config = dsp_config.get_config("method=dsp,num_stages=2,dataset=synthetic,model=mlp,epochs=1")
+  config.synthetic.num_train, config.validation_examples = 256, 64
+  config.log_every = config.eval_every = 2
+  config.checkpoint_every = 0
+  p = setup.build_pipeline(config)
+  full = data_lib.load_dataset("synthetic", seed=config.seed, **dict(config.synthetic))
+  assert len(p.data["y_train"]) == 192 and p.num_batches == 192 // config.batch_size
+  run.train_and_evaluate(config, str(tmp_path))
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  evals = [r for r in records if "test_accuracy" in r]
+  assert evals and all("val_accuracy" in r and "val_loss" in r for r in evals)
+  # The pipeline evaluates on exactly the held-out examples and trains on the rest.
+  held = data_lib.hold_out(full, 64)
+  assert np.array_equal(p.data["x_val"], held["x_val"]) and np.array_equal(p.data["x_train"], held["x_train"])
+
+
+def test_the_single_process_clock_is_net_of_evaluation(tmp_path, monkeypatch):
+  """An evaluation that takes 1000 (fake) seconds adds nothing to the records' training time, as in the
+  per-process runtime."""
+  import time as time_mod
+
+  from ripples_jax import run
+  from ripples_jax.pipeline import baselines
+  from ripples_jax.pipeline import train as pipeline_train
+
+  offset = [0.0]
+  real = time_mod.perf_counter
+  monkeypatch.setattr(pipeline_train.time, "perf_counter", lambda: real() + offset[0])
+  make_eval = baselines.make_eval
+
+  def slow_eval(stages):
+    ev = make_eval(stages)
+
+    def evaluate(*a):
+      offset[0] += 1000.0  # the evaluation "takes" 1000 s
+      return ev(*a)
+
+    return evaluate
+
+  monkeypatch.setattr(pipeline_train.baselines, "make_eval", slow_eval)
+  config = dsp_config.get_config("method=dsp,num_stages=2,dataset=synthetic,model=mlp,epochs=1")
+  config.log_every = config.eval_every = 2
+  config.checkpoint_every = 0
+  s = run.train_and_evaluate(config, str(tmp_path))
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert offset[0] >= 2000 and all(r["time"] < 500 for r in records) and s["time"] < 500

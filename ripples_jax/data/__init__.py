@@ -6,7 +6,7 @@ batches = worker_batches(ds["x_train"], ds["y_train"], shards, batch_size=32, se
 xb, yb = next(batches)                  # [8, 32, 40, 1], [8, 32]
 """
 
-from ripples_jax.data._common import DatasetError
+from ripples_jax.data._common import DatasetError, hold_out
 from ripples_jax.data.cifar10 import load_cifar10
 from ripples_jax.data.digits import load_digits
 from ripples_jax.data.mnist1d import load_mnist1d
@@ -43,6 +43,7 @@ __all__ = [
   "SHARD_MODES",
   "batch_at",
   "batch_indices",
+  "hold_out",
   "load_cifar10",
   "load_dataset",
   "load_digits",

@@ -55,3 +55,23 @@ def pack(x_train, y_train, x_test, y_test, num_classes: int, source: str = "data
     "num_classes": int(num_classes),
     "input_shape": tuple(x_train.shape[1:]),
   }
+
+
+VALIDATION_SEED = 0  # one held-out set for every run seed, so a step size is chosen on the same examples
+
+
+def hold_out(data: dict, num_val: int, seed: int = VALIDATION_SEED) -> dict:
+  """`data` with `num_val` training examples moved to x_val / y_val (a permutation from `seed`; the
+  training examples keep their order). The test set is untouched: choose on validation, report on test."""
+  n = len(data["y_train"])
+  if not 0 < num_val < n:
+    raise DatasetError(f"validation_examples={num_val}: allowed 1..{n - 1} (the training set has {n})")
+  val = np.sort(np.random.default_rng(seed).permutation(n)[:num_val])
+  keep = np.setdiff1d(np.arange(n), val)
+  return dict(
+    data,
+    x_train=data["x_train"][keep],
+    y_train=data["y_train"][keep],
+    x_val=data["x_train"][val],
+    y_val=data["y_train"][val],
+  )

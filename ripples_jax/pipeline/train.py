@@ -25,7 +25,8 @@ class Loop:
   """Where the loop stands: the checkpoint's metadata (dataclasses.asdict saved, Loop(**d) restored)."""
 
   tick: int = 0  # the next tick to run
-  time: float = 0.0  # training seconds before this tick (carried over a resume)
+  time: float = 0.0  # training seconds before this tick, evaluation excluded (carried over a resume)
+  eval_s: float = 0.0  # seconds spent evaluating (not training time, as in the per-process runtime)
 
 
 def _model_times(config, stages, state, sample):
@@ -76,22 +77,23 @@ def _straggler(config, times):
   }
 
 
-def _record(log, config, run, state, done, elapsed, losses):
-  """One metrics line at batch `done`: the mean train loss since the last, test metrics every eval_every."""
+def _scalars(config, run, state, done, losses) -> dict:
+  """The metrics at batch `done`: the mean train loss since the last record; test (and validation, when
+  the config holds one out) metrics every eval_every."""
   n = run["num_batches"]
-  scalars = {
-    "epoch": done / run["batches_per_epoch"],
-    "modeled_time": done * run["times"]["iteration"],
-    "train_loss": float(np.mean(np.asarray(jnp.stack(losses)))) if losses else float("nan"),
-  }
+  scalars = {"epoch": done / run["batches_per_epoch"], "modeled_time": done * run["times"]["iteration"]}
+  if losses:  # none in a window of drain ticks: no train_loss (a NaN would stop the run as diverged)
+    scalars["train_loss"] = float(np.mean(np.asarray(jnp.stack(losses))))
   if done % config.eval_every == 0 or done == n:
     # The composed model on the test set's device (the stages may sit on one device each).
     model = jax.device_put(
       [{"params": st["params"], "model_state": st["model_state"]} for st in state], run["test"][0].sharding
     )
-    acc_test, loss_test = run["evaluate"](model, *run["test"])
-    scalars.update(test_accuracy=float(acc_test), test_loss=float(loss_test))
-  log.record(done, elapsed, **scalars)
+    for split in ("test", "val"):
+      if split in run:
+        acc, loss = run["evaluate"](model, *run[split])
+        scalars.update({f"{split}_accuracy": float(acc), f"{split}_loss": float(loss)})
+  return scalars
 
 
 def _loop(log, config, run, state, cursor: Loop):
@@ -100,21 +102,28 @@ def _loop(log, config, run, state, cursor: Loop):
   schedule = baselines.schedule_of(config)
   drain = schedule.drain_ticks() if schedule else 0
   offset = schedule.offsets[-1] if schedule else 0  # the last stage works on batch t - offset
-  losses, t0 = [], time.time() - cursor.time
+  losses, eval_s = [], cursor.eval_s
+  # The clock is net of evaluation, as in the per-process runtime: a record's time is training time.
+  t0 = time.perf_counter() - cursor.time
+  clock = lambda: time.perf_counter() - t0 - (eval_s - cursor.eval_s)
   for t in range(cursor.tick, n + drain):
     state, (loss, _) = step(state, feed.x(t), feed.labels(t - offset), t)
     done = t + 1 - drain  # batches whose updates every stage has applied
     if 0 <= t - offset < n:
       losses.append(loss)
     if done > 0 and (done % config.log_every == 0 or done % config.eval_every == 0 or done == n):
-      _record(log, config, run, state, done, time.time() - t0, losses)
+      jax.block_until_ready(state)  # the training this record covers is done before the clock reads
+      elapsed, e0 = clock(), time.perf_counter()
+      scalars = _scalars(config, run, state, done, losses)
+      eval_s += time.perf_counter() - e0
+      log.record(done, elapsed, **scalars)
       losses = []
       # Right after a record, so no loss is pending; the tick carries the pipeline's fill state.
-      cursor = Loop(tick=t + 1, time=time.time() - t0)
-      log.checkpoint(done, state, dataclasses.asdict(cursor), force=done == n)
+      cursor_now = Loop(tick=t + 1, time=clock(), eval_s=eval_s)
+      log.checkpoint(done, state, dataclasses.asdict(cursor_now), force=done == n)
     elif done > 0:
       log.progress(done)
-  return state, time.time() - t0
+  return state, clock()
 
 
 def _setup(config, workdir: str | None = None):
@@ -133,6 +142,8 @@ def _setup(config, workdir: str | None = None):
     "evaluate": baselines.make_eval(p.stages),
     "test": jax.device_put((p.data["x_test"], p.data["y_test"])),
   }
+  if "x_val" in p.data:
+    run["val"] = jax.device_put((p.data["x_val"], p.data["y_val"]))
   return p.stages, state, run
 
 
