@@ -497,3 +497,42 @@ def test_compare_entry_point(tmp_path):
     timeout=120,
   )
   assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1, bad
+
+
+def test_gg_scale_gap_is_the_dense_second_eigenvalue():
+  import numpy as np
+
+  from experiments import gg_scale
+  from ripples_jax import collectives, timeline
+
+  rng = np.random.default_rng(0)
+  n = 12
+  groups = [tuple(rng.choice(n, int(rng.integers(2, 5)), replace=False)) for _ in range(40)]
+  events = [(0.0, timeline.AVG, g, None) for g in groups] + [(0.0, timeline.APPLY, 3, 3)]
+  got = gg_scale.sweep_gap(events, n)
+  m = np.mean([collectives.mixing_matrix([g], n) for g in groups], axis=0)
+  lam2 = np.sort(np.linalg.eigvalsh(m))[-2]
+  size = np.mean([len(g) for g in groups])
+  assert got["groups"] == 40 and got["mean_group_size"] == size
+  assert got["gap_per_event"] == pytest.approx(1 - lam2, abs=1e-9)
+  assert got["gap_per_sweep"] == pytest.approx(n / size * (1 - lam2), abs=1e-9)
+
+
+@pytest.mark.slow
+def test_gg_scale_end_to_end(tmp_path):
+  out_dir = tmp_path / "gg"
+  run(
+    "experiments.gg_scale",
+    "--workers=8",
+    "--seeds=0",
+    "--steps=4",
+    "--eval_every=2",
+    "--target=0.05",
+    "--algorithms=allreduce,ripples_smart",
+    f"--out_dir={out_dir}",
+    tmp_path=tmp_path,
+  )
+  t = json.loads((out_dir / "table.json").read_text())["results"]
+  assert t["n8_allreduce"]["speedup_vs_allreduce"]["median"] == 1.0
+  assert t["n8_ripples_smart"]["reached"] == 1 and 0 < t["n8_ripples_smart"]["gap_per_sweep"]["median"] <= 1
+  assert (out_dir / "gg_scale.png").stat().st_size > 0
