@@ -536,3 +536,28 @@ def test_gg_scale_end_to_end(tmp_path):
   assert t["n8_allreduce"]["speedup_vs_allreduce"]["median"] == 1.0
   assert t["n8_ripples_smart"]["reached"] == 1 and 0 < t["n8_ripples_smart"]["gap_per_sweep"]["median"] <= 1
   assert (out_dir / "gg_scale.png").stat().st_size > 0
+
+
+def test_bench_sim_profile_names_programs_and_counts_ops_once(tmp_path):
+  import glob
+
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks import bench_sim_profile
+
+  def my_prog(x):
+    return jnp.tanh(x @ x).sum()
+
+  f, x = jax.jit(my_prog), jnp.ones((128, 128))
+  f(x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path)):
+    for _ in range(3):
+      f(x).block_until_ready()
+  (path,) = glob.glob(str(tmp_path / "**" / "*.xplane.pb"), recursive=True)
+  got = bench_sim_profile.summarise_trace(path)
+  assert got["programs"]["jit_my_prog"] > 0 and got["xla_threads"] >= 1
+  # Only the ops' own events, each under its program: the enclosing executor events are left out.
+  assert all(k.split("/", 1)[0] in got["programs"] for k in got["xla"])
+  assert not [k for k in got["xla"] if "ThunkExecutor" in k or "ThreadpoolListener" in k]
+  assert sum(got["xla"].values()) == pytest.approx(sum(got["programs"].values()))
