@@ -158,7 +158,10 @@ def test_mnist1d_generates_offline_then_reads_cache(tmp_path, no_network, monkey
   assert set(np.unique(ds["y_train"])) == set(range(10))
   path = m1d.cache_path(str(tmp_path))
   assert os.path.exists(path) and "n5000" in path and "seed42" in path
-  assert os.listdir(tmp_path) == [os.path.basename(path)]  # No temp file left behind.
+  # No temp file left behind: the cache and the digest kept for the next start.
+  assert sorted(os.listdir(tmp_path)) == sorted(
+    [os.path.basename(path), ".mnist1d_n5000_seed42_v0.0.2.post1.digest"]
+  )
 
   def no_regen(*a, **k):
     raise AssertionError("regenerated despite cache")
@@ -193,7 +196,7 @@ def test_mnist1d_cache_location_and_key(tmp_path, monkeypatch):
   b = data.load_dataset("mnist1d", num_samples=200)  # Other args: other file, regenerated.
   data.load_dataset("mnist1d", num_samples=100, gen_seed=7)
   assert calls == [(100, 42), (200, 42), (100, 7)]
-  assert len(os.listdir(tmp_path / "env_cache")) == 3
+  assert len([f for f in os.listdir(tmp_path / "env_cache") if f.endswith(".npz")]) == 3
   assert a["x_train"].shape == (80, 40, 1) and b["x_train"].shape == (160, 40, 1)
 
 
@@ -395,3 +398,15 @@ def test_hold_out_moves_a_fixed_set_of_training_examples_to_validation():
     DatasetError, match=r"^validation_examples=50: allowed 1..49 \(the training set has 50\)$"
   ):
     hold_out(d, 50)
+
+
+def test_mnist1d_cache_is_found_without_importing_the_generator(tmp_path, monkeypatch):
+  """The digest of the generator's arguments is kept beside the cache (per package version): a later
+  start finds the same file without importing mnist1d.data (seconds of scipy and matplotlib)."""
+  import sys
+
+  first = m1d.cache_path(str(tmp_path), num_samples=123)  # computes the digest (imports the generator)
+  monkeypatch.setitem(sys.modules, "mnist1d.data", None)  # any import of it now raises ImportError
+  assert m1d.cache_path(str(tmp_path), num_samples=123) == first
+  with pytest.raises(ImportError):
+    m1d.cache_path(str(tmp_path), num_samples=124)  # another set: its digest is not kept yet

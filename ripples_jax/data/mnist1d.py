@@ -44,11 +44,31 @@ def cache_path(data_dir: str | None = None, num_samples: int = 5000, gen_seed: i
   The name spells out the args one usually changes and hashes the full arg set,
   so a different configuration (or changed package defaults) never reuses a file.
   """
-  args = dict(vars(_generator_args(num_samples, gen_seed)))
-  args.pop("url", None)  # Not an input to generation.
-  digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
-  name = f"mnist1d_n{num_samples}_seed{gen_seed}_{digest}.npz"
-  return os.path.join(cache_dir(data_dir), name)
+  folder = cache_dir(data_dir)
+  # The digest needs the package's defaults, and importing mnist1d.data costs seconds (scipy,
+  # matplotlib) at every start; it is kept beside the cache, keyed by the package's version, so a
+  # cached set is found without the import.
+  from importlib.metadata import version
+
+  memo = os.path.join(folder, f".mnist1d_n{num_samples}_seed{gen_seed}_v{version('mnist1d')}.digest")
+  try:
+    with open(memo) as f:
+      digest = f.read().strip()
+  except OSError:
+    digest = ""
+  if len(digest) != 10:
+    args = dict(vars(_generator_args(num_samples, gen_seed)))
+    args.pop("url", None)  # Not an input to generation.
+    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
+    try:
+      os.makedirs(folder, exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_")
+      with os.fdopen(fd, "w") as f:
+        f.write(digest)
+      os.replace(tmp, memo)  # atomic: processes starting together read a whole digest or none
+    except OSError:
+      pass  # an unwritable cache folder is reported by load_mnist1d, naming the path
+  return os.path.join(folder, f"mnist1d_n{num_samples}_seed{gen_seed}_{digest}.npz")
 
 
 def _generate(num_samples: int, gen_seed: int) -> dict:
