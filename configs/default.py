@@ -72,6 +72,9 @@ def get_config(arg=None):
   c.hetero.random_p = 0.0  # or: every worker slowed with this probability per step
   c.hetero.jitter = 0.0  # lognormal sigma of every step time
   c.hetero.rotate_every = 0.0  # seconds: the slow worker moves to the next id this often (0: stays)
+  c.hetero.leave = ()  # executor=sim: (worker, t_leave, t_rejoin) triples in virtual seconds, e.g.
+  # '((3, 0.5, 1.2),)': the worker leaves at t_leave and rejoins at t_rejoin (-1: never) from its first
+  # group's mean, with fresh optimizer state (docs/design.md 3.10)
   c.timeline = ml_collections.ConfigDict()
   c.timeline.compute_time = 0.01  # virtual seconds per base step (0: measure the real jitted step)
   c.timeline.alpha = 5e-6  # per-message latency, s

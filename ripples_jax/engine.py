@@ -237,6 +237,14 @@ def _masked(mask, new, old):
   return jax.tree.map(lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
 
 
+def _reset(optimizer, reset, params, opt_state):
+  """Fresh optimizer state (optimizer.init) where `reset`: a rejoined worker (docs/design.md 3.10).
+  None traces nothing, so the rounds of a run without leave/join are the programs they always were."""
+  if reset is None:
+    return opt_state
+  return _masked(reset, jax.vmap(optimizer.init)(params), opt_state)
+
+
 def _grad_step(model, params, model_state, x_BxI, y_B):
   """One slot's gradient, new model state and loss on its batch."""
   grad_fn = jax.value_and_grad(functools.partial(cross_entropy_loss, model), has_aux=True)
@@ -254,13 +262,16 @@ def make_sim_round_fn(
   ring: bool = False,
   pull: bool = False,
 ) -> Callable:
-  """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S).
+  """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S,
+  reset_S=None).
 
   One round executes a packed batch of clock events in four phases, each at most once per slot:
     A apply:   slot s applies the pending gradient of slot apply_src[s] (-1: none) with its own optimizer
     B average: segment mean of params and model state over group ids gid (own id: untouched), or the
                D-PSGD ring average of the first num_workers slots when ring_now
-    C pull:    slot s copies the params of slot pull_src[s] (a worker pulling the server's model)
+    C pull:    slot s copies the params of slot pull_src[s] (a worker pulling the server's model); slots
+               in reset_S (a rejoined worker's first group, docs/design.md 3.10) then take fresh
+               optimizer state, optimizer.init of their new params (None: no slot ever resets)
     D start:   slots in start compute a gradient on their current params and keep it pending
   The packing guarantees each slot's events keep their clock order (timeline.pack_rounds). Slots past
   num_workers are the parameter server and padding. The static flags compile only what an algorithm
@@ -273,7 +284,7 @@ def make_sim_round_fn(
   grad_step = functools.partial(_grad_step, model)
   masked = _masked
 
-  def round_fn(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S):
+  def round_fn(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S, reset_S=None):
     params, model_state, opt_state, grads = (
       state[k] for k in ("params", "model_state", "opt_state", "grads")
     )
@@ -296,6 +307,7 @@ def make_sim_round_fn(
       return (flat[pull_src_S] if pull else flat).reshape(a.shape)
 
     params, model_state = jax.tree.map(mix, (params, model_state))
+    opt_state = _reset(optimizer, reset_S, params, opt_state)
     # D: start new gradients on the current params; the loss reported is the one at the start.
     new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
     grads = masked(start_S, new_grads, grads)
@@ -310,7 +322,8 @@ def make_sim_round_fn(
 def make_compact_round_fn(
   model, optimizer: optax.GradientTransformation, mesh: Mesh, num_slots: int
 ) -> Callable:
-  """Returns jitted round(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C).
+  """Returns jitted round(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C,
+  reset_C=None).
 
   The phases of `make_sim_round_fn` (apply < average < pull < start) on the C slots a round touches
   only, gathered from the stacked state by idx_C and scattered back, so a round costs what its events
@@ -326,7 +339,7 @@ def make_compact_round_fn(
   grad_step = functools.partial(_grad_step, model)
   masked = _masked
 
-  def round_fn(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C):
+  def round_fn(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C, reset_C=None):
     take = lambda t, i: jax.tree.map(lambda a: jnp.take(a, i, axis=0, mode="clip"), t)
     params, model_state, opt_state, grads = (
       take(state[k], idx_C) for k in ("params", "model_state", "opt_state", "grads")
@@ -340,6 +353,7 @@ def make_compact_round_fn(
     # B: P-Reduce within the round's groups, leaf by leaf (as the full round); C: pulls.
     mix = lambda a: collectives.segment_mean(a.reshape(a.shape[0], -1), gid_C)[pull_src_C].reshape(a.shape)
     params, model_state = jax.tree.map(mix, (params, model_state))
+    opt_state = _reset(optimizer, reset_C, params, opt_state)
     # D: start new gradients on the current params.
     new_grads, new_model_state, loss_C = jax.vmap(grad_step)(params, model_state, x_CxB, y_CxB)
     grads = masked(start_C, new_grads, grads)

@@ -118,8 +118,16 @@ def simulate_and_train(config, workdir: str | None = None):
       round_programs=programs,
       compiles=compiles.count,  # XLA compiles while the rounds ran (round programs, evaluation)
       events=len(trace.events),
+      # hetero.leave: what the clock applied, (time, worker, leave | rejoin | first_group); absent
+      # without it, so such a run's summary is what it always was
+      **({"membership": [list(m) for m in trace.membership]} if leave_plan(config) else {}),
     )
   return summary, trace
+
+
+def leave_plan(config) -> tuple:
+  """hetero.leave as (worker, t_leave, t_rejoin) triples (docs/design.md 3.10); () without it."""
+  return tuple(tuple(x) for x in config.hetero.get("leave", ()))
 
 
 def adpsgd_cost(config) -> timeline.AdpsgdCost:
@@ -148,6 +156,7 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
     timeline.AuthorityCost(
       config.timeline.authority_service, config.timeline.group_setup, config.timeline.setup_unit
     ),
+    leave_plan(config),
   )
   logging.info(
     "%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, %.0f model bytes",
@@ -167,7 +176,7 @@ def compact_round(r: dict, num_slots: int) -> dict:
   touches (applies and their sources, group members, pulls and their sources, starts), padded to a
   power of two C (one program per C), with group ids and pull sources as positions among them."""
   S, ar = num_slots, np.arange(num_slots)
-  touched = r["start"].copy()
+  touched = r["start"] | r["reset"] if "reset" in r else r["start"].copy()
   for dst, src in (
     (r["apply_src"] >= 0, r["apply_src"]),
     (r["gid"] != ar, r["gid"]),
@@ -181,13 +190,16 @@ def compact_round(r: dict, num_slots: int) -> dict:
   pos = np.full(S, -1, np.int64)
   pos[idx] = np.arange(A)
   fill = lambda v, dtype: np.concatenate([np.asarray(v, dtype), np.arange(A, C, dtype=dtype)])
-  return {
+  out = {
     "idx": np.concatenate([idx, np.full(C - A, S)]).astype(np.int32),
     "apply_src": np.concatenate([r["apply_src"][idx], np.full(C - A, -1)]).astype(np.int32),
     "gid": fill(pos[r["gid"][idx]], np.int32),
     "pull_src": fill(pos[r["pull_src"][idx]], np.int32),
     "start": np.concatenate([r["start"][idx], np.zeros(C - A, bool)]),
   }
+  if "reset" in r:
+    out["reset"] = np.concatenate([r["reset"][idx], np.zeros(C - A, bool)])
+  return out
 
 
 @dataclasses.dataclass
@@ -200,6 +212,7 @@ class Rounds:
 
   full: object
   compact: object
+  resets: bool = False  # hetero.leave: every round takes a reset mask (one program per shape)
   programs: set = dataclasses.field(default_factory=set)
 
 
@@ -207,6 +220,7 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   n, has_server = config.num_workers, config.algorithm == "ps_async"
   slots = n + has_server
+  leaving = bool(leave_plan(config))
   rounds = Rounds(
     engine.make_sim_round_fn(
       s.model,
@@ -216,11 +230,15 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
       slots,
       cross_apply=has_server,
       ring=config.algorithm == "dpsgd",
-      pull=has_server,
+      pull=has_server or leaving,  # a rejoined worker's first group is a pull (JOIN, 3.10)
     ),
     engine.make_compact_round_fn(s.model, s.optimizer, mesh, slots),
+    leaving,
   )
-  evaluate = make_evaluate(s, slice(n, n + 1) if has_server else slice(0, n))  # PS: the server's model
+  # PS: the server's model; with leave/join, the live workers' (3.10)
+  evaluate = make_evaluate(
+    s, slice(n, n + 1) if has_server else slice(0, n), None if has_server or not leaving else trace.membership
+  )
   put = lambda a: jax.device_put(a, engine.worker_sharding(mesh))
   total, every = config.num_steps * n, config.checkpoint_every
   starts = np.array(cur.starts, np.int64)
@@ -252,7 +270,8 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
         break  # a time-to-accuracy run: the target is reached, the rest of the budget is not run
   if cur.evaluated_step != cur.applied // n:
     # A time budget ended the run between records: evaluate where it stopped.
-    log.record(cur.applied // n, trace.end_time, train_loss=log.last.get("train_loss"), **evaluate(state))
+    ev = evaluate(state, trace.end_time)
+    log.record(cur.applied // n, trace.end_time, train_loss=log.last.get("train_loss"), **ev)
   cur.starts = starts.tolist()
   return state, cur, len(rounds.programs)
 
@@ -273,6 +292,8 @@ def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype
     if len(started):
       x[started], y[started] = batches(config, s, started, starts)
     args = (r["apply_src"], r["gid"], r["ring"], r["pull_src"], r["start"])
+    if rounds.resets:
+      args += (r.get("reset", np.zeros(slots, bool)),)
     return rounds.full(state, put(x), put(y), *(put(a) if isinstance(a, np.ndarray) else a for a in args))
   C = len(c["idx"])
   rounds.programs.add(C)
@@ -280,7 +301,8 @@ def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype
   rows = np.flatnonzero(c["start"])
   if len(rows):
     x[rows], y[rows] = batches(config, s, c["idx"][rows], starts)
-  return rounds.compact(state, c["idx"], x, y, c["apply_src"], c["gid"], c["pull_src"], c["start"])
+  resets = (c.get("reset", np.zeros(C, bool)),) if rounds.resets else ()
+  return rounds.compact(state, c["idx"], x, y, c["apply_src"], c["gid"], c["pull_src"], c["start"], *resets)
 
 
 def batches(config, s, workers, starts):
@@ -291,13 +313,32 @@ def batches(config, s, workers, starts):
   return s.data["x_train"][idx], s.data["y_train"][idx]
 
 
-def make_evaluate(s: setup_lib.Setup, slots: slice):
-  """state -> the evaluation scalars of the model held in `slots` (averaged over them)."""
+def make_evaluate(s: setup_lib.Setup, slots: slice, membership: list | None = None):
+  """(state, t) -> the evaluation scalars of the model held in `slots` (averaged over them). With
+  `membership` (trace.membership), over those of them live at virtual time t (3.10): a dead worker's
+  stale model, or a rejoined one's before its first group, is no part of the run's model."""
   eval_fn = engine.make_eval_fn(s.model)
   x_test, y_test = jax.device_put((s.data["x_test"], s.data["y_test"]))
-  return lambda state: {
-    k: float(v) for k, v in eval_fn(jax.tree.map(lambda a: a[slots], state), x_test, y_test).items()
-  }
+
+  def evaluate(state, t):
+    pick = slots
+    if membership:
+      live = live_at(membership, slots.stop - slots.start, t)
+      pick = slots if live.all() or not live.any() else np.flatnonzero(live) + slots.start
+    return {k: float(v) for k, v in eval_fn(jax.tree.map(lambda a: a[pick], state), x_test, y_test).items()}
+
+  return evaluate
+
+
+def live_at(membership: list, n: int, t: float) -> np.ndarray:
+  """Which workers hold a model of the run at virtual time t: not after a leave, not between a
+  rejoin and its first group."""
+  live = np.ones(n, bool)
+  for when, w, event in membership:
+    if when > t:
+      break
+    live[w] = event == "first_group"  # leave and rejoin: no model of the run (yet)
+  return live
 
 
 def record(config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float, losses, final: bool):
@@ -311,7 +352,7 @@ def record(config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float,
   if step >= cur.next_eval or final:
     cur.next_eval = (step // config.eval_every + 1) * config.eval_every
     cur.evaluated_step = step
-    ev = evaluate(state)
+    ev = evaluate(state, t)
     if (
       cur.time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy
     ):

@@ -13,6 +13,11 @@ Events are tuples (time, kind, a, b):
   AVG    a=members tuple       replace each member's params by the members' mean (atomic, at `time`)
   RING   -                     D-PSGD gossip on the ring: x_i <- (x_{i-1} + x_i + x_{i+1}) / 3
   PULL   a=worker, b=source    copy source's params (the server) into the worker
+  JOIN   a=worker, b=source    a rejoined worker's first group: copy source's params (the others' mean;
+                               its own weight is 0) and reset its optimizer state (docs/design.md 3.10)
+
+With hetero.leave, workers leave and rejoin at given virtual times; trace.membership lists what the
+clock applied: (time, worker, "leave" | "rejoin" | "first_group").
 """
 
 import dataclasses
@@ -24,12 +29,20 @@ import numpy as np
 
 from ripples_jax.collectives import ring_allreduce_time
 from ripples_jax.schedule.group_gen import Fixed
-from ripples_jax.schedule.online import GROUP, Service, fixed_entry
+from ripples_jax.schedule.online import GROUP, NONE, Service, fixed_entry
 
-START, APPLY, AVG, RING, PULL = range(5)
-EVENT_NAMES = ("start", "apply", "average", "ring", "pull")
+START, APPLY, AVG, RING, PULL, JOIN = range(6)
+EVENT_NAMES = ("start", "apply", "average", "ring", "pull", "join")
 COMPUTE, WAIT, COMM = "compute", "wait", "comm"
 SYNC_ALGORITHMS = ("allreduce", "ps_sync", "dpsgd")
+# What cannot run with workers leaving (docs/design.md 3.10): a collective of every worker, the fixed
+# ring, Static GG's fixed groups; the reason is config.py's one-line refusal.
+NO_LEAVE = {
+  "allreduce": "its every-worker collective cannot go on without a member",
+  "ps_sync": "its synchronous step waits for every worker",
+  "dpsgd": "its fixed ring cannot exclude a member",
+  "ripples_static": "Static GG's fixed groups cannot exclude a member",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +129,7 @@ class Trace:
   buffer: object = None  # the Group Buffer of a Ripples run (its groups, in global order)
   requests: int = 0  # requests sent to the Group Generator
   pairs: list = None  # AD-PSGD's (active, passive) averaging pairs
+  membership: list = dataclasses.field(default_factory=list)  # (time, worker, event): leave and join
 
   def __post_init__(self):
     self.worker_steps = np.zeros(self.num_workers, np.int64)
@@ -141,17 +155,24 @@ def simulate(
   ahead: bool = True,
   adpsgd_cost: "AdpsgdCost | None" = None,
   server: "AuthorityCost | None" = None,
+  leave: tuple = (),
 ) -> Trace:
   """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out.
 
   `rtt`: seconds a request to the Group Generator takes to be answered (the online protocol); `ahead`:
   a worker requests its next group when its step starts (schedule.request_ahead); `adpsgd_cost`: the
   AD-PSGD cost model's parts (AdpsgdCost; default: as published); `server`: what the runtime's
-  authority and group set-up cost (AuthorityCost; default: nothing)."""
+  authority and group set-up cost (AuthorityCost; default: nothing); `leave`: (worker, t_leave,
+  t_rejoin) triples, t_rejoin < 0 or inf for never (docs/design.md 3.10). The live workers make up the
+  steps of the dead: the run still ends at the total_steps-th gradient."""
   budget = time_budget or float("inf")
+  if leave and (algorithm in NO_LEAVE or isinstance(gg, Fixed)):
+    raise ValueError(
+      f"leave/join is not allowed with {algorithm}: {NO_LEAVE.get(algorithm, NO_LEAVE['ripples_static'])}"
+    )
   if algorithm in SYNC_ALGORITHMS:
     return _simulate_sync(algorithm, speed, net, total_steps, budget)
-  clock = _Clock(speed, total_steps, budget)
+  clock = _Clock(speed, total_steps, budget, leave)
   if algorithm == "adpsgd":
     _adpsgd(clock, net, np.random.default_rng([3, seed]), adpsgd_cost or AdpsgdCost())
   elif algorithm == "ps_async":
@@ -217,7 +238,7 @@ def _simulate_sync(algorithm, speed, net, total_steps, budget) -> Trace:
 class _Clock:
   """A heap of timed callbacks plus the bookkeeping every asynchronous protocol shares."""
 
-  def __init__(self, speed: SpeedModel, total_steps: int, budget: float):
+  def __init__(self, speed: SpeedModel, total_steps: int, budget: float, leave: tuple = ()):
     self.speed, self.n, self.total, self.budget = speed, speed.num_workers, total_steps, budget
     self.rngs = speed.streams()
     self.trace = Trace(self.n)
@@ -228,10 +249,54 @@ class _Clock:
     self.duration = [0.0] * self.n  # current compute's duration (known to the clock only)
     self.iterations = [0] * self.n
     self.last_time = [0.0] * self.n  # each worker's newest finished step time
+    self.computing = [False] * self.n
+    # Leave/join (docs/design.md 3.10). Without a plan both stay None and nothing below changes the run.
+    self.plan = tuple(tuple(x) for x in leave)
+    self.alive = np.ones(self.n, bool) if self.plan else None  # an array: the generators read all of it
+    self.epoch = [0] * self.n if self.plan else None  # one more at every leave and rejoin
 
   def at(self, t: float, fn: Callable, *args) -> None:
     heapq.heappush(self.heap, (t, self.seq, fn, args))
     self.seq += 1
+
+  def at_w(self, t: float, w: int, fn: Callable, *args) -> None:
+    """`at` for a callback of worker w's current life: dropped if w leaves before t (its compute, its
+    request, its average in flight die with it). Without leave/join it is `at`, the same heap order."""
+    if self.epoch is None:
+      self.at(t, fn, *args)
+    else:
+      self.at(t, self._same_life, w, self.epoch[w], fn, args)
+
+  def _same_life(self, w: int, epoch: int, fn: Callable, args: tuple) -> None:
+    if self.epoch[w] == epoch:
+      fn(*args)
+
+  def plan_membership(self, on_leave: Callable, on_rejoin: Callable) -> None:
+    """Puts the planned leaves and rejoins on the heap; the protocol's handlers act on them."""
+    for w, t_leave, t_rejoin in self.plan:
+      self.at(t_leave, self._leave, w, on_leave)
+      if 0 <= t_rejoin < float("inf"):
+        self.at(t_rejoin, self._rejoin, w, on_rejoin)
+
+  def _leave(self, w: int, on_leave: Callable) -> None:
+    if self.computing[w]:  # the step it was computing is lost; the time was spent
+      self.computing[w] = False
+      self.interval(w, COMPUTE, self.started_at[w], self.now)
+    self.epoch[w] += 1
+    self.alive[w] = False
+    self.trace.membership.append((self.now, w, "leave"))
+    on_leave(w)
+
+  def _rejoin(self, w: int, on_rejoin: Callable) -> None:
+    self.epoch[w] += 1
+    self.alive[w] = True
+    self.trace.membership.append((self.now, w, "rejoin"))
+    on_rejoin(w)
+
+  def joined(self, w: int, source: int) -> None:
+    """A rejoined worker's first group lands: it takes source's params, fresh optimizer state."""
+    self.emit(JOIN, w, source)
+    self.trace.membership.append((self.now, w, "first_group"))
 
   def run(self) -> None:
     while self.heap and not self.stopped:
@@ -247,10 +312,12 @@ class _Clock:
   def start_compute(self, w: int, on_finish: Callable) -> None:
     c = self.speed.draw(self.rngs, w, self.now)
     self.started_at[w], self.duration[w] = self.now, c
+    self.computing[w] = True
     self.emit(START, w)
-    self.at(self.now + c, self._finished, w, on_finish)
+    self.at_w(self.now + c, w, self._finished, w, on_finish)
 
   def _finished(self, w: int, on_finish: Callable) -> None:
+    self.computing[w] = False
     self.trace.intervals.append((w, COMPUTE, self.started_at[w], self.now))
     self.last_time[w] = self.duration[w]
     self.iterations[w] += 1
@@ -297,6 +364,8 @@ def _group_buffer(
   clock.trace.buffer = service.buffer if service else None
   busy_until = [0.0]  # the authority serves one request at a time
   met = set()  # member sets (or pairs) whose set-up has been paid
+  joining = set()  # rejoined workers whose first group has not landed: no model to step on (3.10)
+  released = {}  # gid -> its live members: a member left while its average was in flight
 
   def start(w):
     if service is not None:  # what a worker's start report tells the generator (instant here)
@@ -309,14 +378,14 @@ def _group_buffer(
   def ask(w, ready_at):
     asked[w] = pos[w]
     if server.service:
-      clock.at(clock.now + rtt / 2, queue_at_authority, w, pos[w], ready_at)
+      clock.at_w(clock.now + rtt / 2, w, queue_at_authority, w, pos[w], ready_at)
     else:
-      clock.at(clock.now + rtt / 2, handle, w, pos[w], ready_at)
+      clock.at_w(clock.now + rtt / 2, w, handle, w, pos[w], ready_at)
 
   def queue_at_authority(w, want, ready_at):  # FIFO: served once the requests before it are
     begin = max(clock.now, busy_until[0])
     busy_until[0] = begin + server.service
-    clock.at(busy_until[0], handle, w, want, ready_at)
+    clock.at_w(busy_until[0], w, handle, w, want, ready_at)
 
   def setup_cost(members) -> float:
     units = [tuple(members)] if server.setup_unit == "group" else list(itertools.combinations(members, 2))
@@ -345,11 +414,17 @@ def _group_buffer(
     if entry[0] == GROUP:
       arrive(w, entry)
     else:
+      go_on(w)
+
+  def go_on(w):  # no group after this step (or its group failed): step again, or, rejoining, ask again
+    if w in joining:
+      hooks.retry(w)
+    else:
       start(w)
 
   def handle(w, want, ready_at):  # at the authority: generate on this arrival, answer after rtt / 2
     service.request(w, want, ready_at)
-    clock.at(clock.now + rtt / 2, answered, w)
+    clock.at_w(clock.now + rtt / 2, w, answered, w)
 
   def answered(w):
     if blocked[w] is not None:
@@ -371,17 +446,129 @@ def _group_buffer(
 
   def group_end(gid):
     members = groups.pop(gid)[0]
-    clock.emit(AVG, members)
+    if released and gid in released:  # a member left during the average: it failed (3.10)
+      for m in sorted(released.pop(gid)):
+        go_on(m)
+      return
+    if joining and not joining.isdisjoint(members):
+      hooks.first_group(members)
+    else:
+      clock.emit(AVG, members)
     for m in members:
       last_gid[m] = gid
       start(m)
 
+  if clock.plan:
+    st = _BufferState(pos, asked, blocked, groups, joining, released)
+    hooks = _BufferMembership(clock, service, st, go_on, ask, start)
+    clock.plan_membership(hooks.leave, hooks.rejoin)
   for w in range(n):
     start(w)
   clock.run()
   if service is not None:
     clock.trace.conflicts = service.buffer.conflicts
     clock.trace.requests = service.buffer.requests
+
+
+@dataclasses.dataclass
+class _BufferState:
+  """The Group Buffer protocol's per-worker state that leaving and joining change (shared objects)."""
+
+  pos: list  # next entry of each worker's queue
+  asked: list  # the queue index of a worker's request in flight
+  blocked: list  # since when a worker waits for its answer
+  groups: dict  # gid -> [members, arrived set, arrival times]: groups some member has reached
+  joining: set  # rejoined workers whose first group has not landed
+  released: dict  # gid -> live members to let go at the end of a failed average
+
+
+class _BufferMembership:
+  """Leaving and joining under the Group Buffer (Random GG, Group Division, Smart GG; 3.10).
+
+  A leaving worker's groups that have not run fail: members that have not reached one skip it (its
+  entry becomes NONE: they step again), members waiting at one go on at once, and the members of an
+  average in flight go on when it would have ended, without it. The alternative, averaging the
+  survivors alone, is not what a runtime can do: a collective with a dead member fails in that group
+  only (3.8), and averaging the rest would need another member set, i.e. another group agreed by the
+  authority. From its leave on, the generators see the worker as dead (GGView.alive) and make no group
+  with it. A rejoined worker starts with an empty queue and asks; it takes no step before its first
+  group lands, where it has weight 0 (clock.joined)."""
+
+  def __init__(self, clock: _Clock, service: Service, st: _BufferState, go_on, ask, start):
+    self.clock, self.service, self.st = clock, service, st
+    self.go_on, self.ask, self.start = go_on, ask, start
+    service.view.alive = clock.alive
+
+  def _fail(self, gid: int, members: tuple) -> None:
+    """The group will not run: the entries not yet taken become NONE, and it leaves the queues that
+    the generators read (Smart GG picks no worker with a pending group)."""
+    buf = self.service.buffer
+    for m in members:
+      q = self.service.entries[m]
+      for i in range(self.st.pos[m], len(q)):
+        if q[i][0] == GROUP and q[i][1] == gid:
+          q[i] = (NONE,)
+      kept = [g for g in buf.queues[m] if g.gid != gid]
+      buf.npending[m] -= len(buf.queues[m]) - len(kept)
+      buf.queues[m] = kept
+
+  def leave(self, w: int) -> None:
+    clock, st = self.clock, self.st
+    for entry in self.service.entries[w][st.pos[w] :]:
+      if entry[0] == GROUP:
+        self._fail(entry[1], entry[2])
+    for gid, (members, arrived, times) in list(st.groups.items()):
+      if w not in members:
+        continue
+      self._fail(gid, members)
+      if len(arrived) == len(members):  # its average is in flight: the rest go on at its end
+        st.released[gid] = {m for m in members if clock.alive[m]}
+        continue
+      del st.groups[gid]  # the others waiting at it go on now
+      for m in sorted(arrived):
+        clock.interval(m, WAIT, times[m], clock.now)
+        if m != w:
+          self.go_on(m)
+    for live in st.released.values():
+      live.discard(w)
+    if st.blocked[w] is not None:
+      clock.interval(w, WAIT, st.blocked[w], clock.now)
+    st.blocked[w] = st.asked[w] = None
+    st.joining.discard(w)
+
+  def rejoin(self, w: int) -> None:
+    """It asks at once and waits: what was queued for its earlier life is gone (every group of it
+    failed at the leave). Smart GG sees it ready now."""
+    st, service = self.st, self.service
+    st.pos[w] = len(service.entries[w])
+    st.joining.add(w)
+    service.started_at[w] = self.clock.now - service.estimates[w]
+    st.blocked[w] = self.clock.now
+    self.ask(w, self.clock.now)
+
+  def retry(self, w: int) -> None:
+    """A rejoined worker got no group (Smart GG skipped it, or its group failed): it asks again a base
+    step later (asking at once could repeat at one instant forever). Alone, it starts from its own
+    parameters, with fresh optimizer state."""
+    clock = self.clock
+    if clock.alive.sum() == 1:
+      self.first_group((w,))
+      self.start(w)
+      return
+    self.st.blocked[w] = clock.now
+    clock.at_w(clock.now + clock.speed.base_time, w, lambda: self.ask(w, clock.now))
+
+  def first_group(self, members: tuple) -> None:
+    """A group with rejoined members lands: the others average among themselves and every joiner
+    takes that mean (its own weight is 0, so the others' mean is kept). A group of joiners only
+    averages as usual: none of them holds a newer model."""
+    joiners = [m for m in members if m in self.st.joining]
+    others = tuple(m for m in members if m not in self.st.joining)
+    if len(others or members) > 1:
+      self.clock.emit(AVG, others or members)
+    for j in joiners:
+      self.clock.joined(j, others[0] if others else j)
+      self.st.joining.discard(j)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,26 +605,37 @@ def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdC
   ended = np.zeros(n)  # when its compute ended
   window = {}  # active worker -> (begin, end) of its average in flight
   clock.trace.pairs = []
+  alive = clock.alive  # None without leave/join
+  partner_life = {}  # active worker -> its partner's epoch when the average began (leave/join only)
 
   def start(w):
     clock.start_compute(w, on_finish)
     if w % 2 == 0:
       return
-    j = int(rng.choice(passive))
-    begin = max(clock.now, channel_free[j]) if cost.serial else clock.now
+    live = passive if alive is None else passive[alive[passive]]
+    if not len(live):  # every passive worker is gone: this step has no average (3.10)
+      return
+    j = int(rng.choice(live))
     d = net.allreduce(2) + cost.fixed
+    begin = serve(j, d)
+    clock.trace.pairs.append((w, j))
+    landed[w], window[w] = False, (begin, begin + d)
+    if alive is not None:
+      partner_life[w] = clock.epoch[j]
+    clock.at_w(begin + d, w, pair_end, w, j)
+
+  def serve(j, d):  # when passive j's channel can serve an exchange of d seconds; books it
+    begin = max(clock.now, channel_free[j]) if cost.serial else clock.now
     channel_free[j] = max(channel_free[j], begin + d)
     if cost.passive_blocks:
       paused[j] += d
-    clock.trace.pairs.append((w, j))
-    landed[w], window[w] = False, (begin, begin + d)
-    clock.at(begin + d, pair_end, w, j)
+    return begin
 
   def on_finish(w):
     if paused[w] > 0:  # the step is not done: it lost this long to the averages it served
       d, paused[w] = paused[w], 0.0
       clock.interval(w, COMM, clock.now, clock.now + d)
-      clock.at(clock.now + d, on_finish, w)
+      clock.at_w(clock.now + d, w, on_finish, w)
       return
     if not landed[w]:  # the gradient is applied to the averaged model: wait for the average
       held[w], ended[w] = True, clock.now
@@ -445,7 +643,9 @@ def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdC
     apply(w)
 
   def pair_end(w, j):
-    clock.emit(AVG, (j, w))
+    # A passive partner that left meanwhile never answers: the active one goes on without the average.
+    if alive is None or clock.epoch[j] == partner_life[w]:
+      clock.emit(AVG, (j, w))
     landed[w] = True
     if held[w]:  # the compute ended first: what of the average outlasted it shows
       held[w] = False
@@ -459,9 +659,68 @@ def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdC
     if not clock.stopped:
       start(w)
 
+  if clock.plan:
+    st = _AdpsgdState(landed, held, ended, paused, window)
+    hooks = _AdpsgdMembership(clock, net, rng, cost, st, start, serve)
+    clock.plan_membership(hooks.leave, hooks.rejoin)
   for w in range(n):
     start(w)
   clock.run()
+
+
+@dataclasses.dataclass
+class _AdpsgdState:
+  """AD-PSGD's per-worker arrays that leaving resets (shared objects)."""
+
+  landed: np.ndarray
+  held: np.ndarray
+  ended: np.ndarray
+  paused: np.ndarray
+  window: dict
+
+
+class _AdpsgdMembership:
+  """Leaving and joining under AD-PSGD (3.10): an active worker picks its partner among the live
+  passive ones; an average whose partner leaves before it lands fails, and the active worker applies
+  its gradient to its own model. A rejoined worker first copies a live neighbour on the other side
+  of the bipartite graph (the pair average with its own weight 0; a passive one serves it on its
+  channel like an average), then steps as before."""
+
+  def __init__(self, clock: _Clock, net: Network, rng, cost: AdpsgdCost, st: _AdpsgdState, start, serve):
+    self.clock, self.net, self.rng, self.cost, self.st = clock, net, rng, cost, st
+    self.start, self.serve = start, serve
+
+  def leave(self, w: int) -> None:
+    st = self.st
+    if st.held[w]:  # it was waiting for its average
+      self.clock.interval(w, WAIT, st.ended[w], self.clock.now)
+    st.landed[w], st.held[w], st.paused[w] = True, False, 0.0
+    st.window.pop(w, None)
+
+  def rejoin(self, w: int) -> None:
+    clock, n = self.clock, self.clock.n
+    side = np.arange(1 - w % 2, n, 2)  # the workers AD-PSGD pairs it with
+    live = side[clock.alive[side]]
+    if not len(live):
+      live = np.flatnonzero(clock.alive)
+      live = live[live != w]
+    if not len(live):  # alone: its own parameters, fresh optimizer state
+      clock.joined(w, w)
+      self.start(w)
+      return
+    j = int(self.rng.choice(live))
+    d = self.net.allreduce(2) + self.cost.fixed
+    begin = self.serve(j, d) if j % 2 == 0 else clock.now
+    clock.interval(w, WAIT, clock.now, begin)
+    clock.interval(w, COMM, begin, begin + d)
+    clock.at_w(begin + d, w, self._copied, w, j, clock.epoch[j])
+
+  def _copied(self, w: int, j: int, life: int) -> None:
+    if self.clock.epoch[j] != life:  # the neighbour left meanwhile: another one
+      self.rejoin(w)
+      return
+    self.clock.joined(w, j)
+    self.start(w)
 
 
 def _ps_async(clock: _Clock, net: Network) -> None:
@@ -479,7 +738,7 @@ def _ps_async(clock: _Clock, net: Network) -> None:
     link_free[0] = begin + d
     clock.interval(w, WAIT, clock.now, begin)
     clock.interval(w, COMM, begin, begin + d)
-    clock.at(begin + d, then, w)
+    clock.at_w(begin + d, w, then, w)
 
   def pulled(w):
     clock.emit(PULL, w, server)
@@ -490,13 +749,20 @@ def _ps_async(clock: _Clock, net: Network) -> None:
     if not clock.stopped:
       transfer(w, pulled)
 
+  def rejoined(w):  # its first pull after a rejoin: the server's model, fresh optimizer state (3.10)
+    clock.joined(w, server)
+    clock.start_compute(w, lambda w: transfer(w, pushed))
+
+  # Leaving needs nothing more here: what the worker had in flight dies with it (clock.at_w), and the
+  # server's link time it had booked is spent.
+  clock.plan_membership(lambda w: None, lambda w: transfer(w, rejoined))
   for w in range(n):
     transfer(w, pulled)
   clock.run()
 
 
 # Phase of each event kind inside one engine round (engine.make_sim_round_fn): apply, average, pull, start.
-_PHASE = {APPLY: 0, AVG: 1, RING: 1, PULL: 2, START: 3}
+_PHASE = {APPLY: 0, AVG: 1, RING: 1, PULL: 2, JOIN: 2, START: 3}
 
 
 def pack_rounds(events: list, num_workers: int, num_slots: int):
@@ -508,7 +774,8 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
   place in that order, so the rounds compute what the ordered events describe.
 
   Yields dicts of numpy arrays: apply_src, gid, ring, pull_src, start, plus `time` (of the round's last
-  event), `applied` (workers whose gradient landed) and `started`.
+  event), `applied` (workers whose gradient landed) and `started`; a round with a JOIN also has `reset`
+  (the slots whose optimizer state restarts; a JOIN is a pull that resets, 3.10).
   """
   ar = np.arange(num_slots, dtype=np.int32)
 
@@ -533,7 +800,7 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
       touched = a
     elif kind == RING:
       touched = range(num_workers)
-    elif kind == PULL:
+    elif kind == PULL or kind == JOIN:
       touched = (a, b)
     else:
       touched = (a,)
@@ -550,6 +817,9 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
       cur["ring"] = True
     elif kind == PULL:
       cur["pull_src"][a] = b
+    elif kind == JOIN:
+      cur["pull_src"][a] = b
+      cur.setdefault("reset", np.zeros(num_slots, bool))[a] = True
     else:
       cur["start"][a] = True
     for s in touched:

@@ -81,6 +81,9 @@ class GGView:
   started_at: np.ndarray  # when each worker started its current compute
   estimates: np.ndarray  # the agreed estimate of each worker's step time
   iteration: Callable[[int], int]  # iterations the worker has completed
+  # Who is live (the simulator's hetero.leave, docs/design.md 3.10); None: everyone, always. A dead
+  # worker is in no group generated after it left.
+  alive: np.ndarray | None = None
 
 
 class Fixed:
@@ -115,8 +118,15 @@ class random_gg(_Generator):
     self.n, self.k = num_workers, min(group_size - 1, num_workers - 1)
 
   def __call__(self, worker: int, view: GGView) -> None:
-    picked = self.rng.choice(self.n - 1, self.k, replace=False)
-    view.buffer.append([worker] + [int(j) + (j >= worker) for j in picked], view.now)
+    if view.alive is None:
+      picked = self.rng.choice(self.n - 1, self.k, replace=False)
+      view.buffer.append([worker] + [int(j) + (j >= worker) for j in picked], view.now)
+      return
+    # Among the live others (everyone live: the same draws as above).
+    others = np.flatnonzero(view.alive)
+    others = others[others != worker]
+    picked = others[self.rng.choice(len(others), min(self.k, len(others)), replace=False)]
+    view.buffer.append([worker, *picked.tolist()], view.now)
 
 
 def division_sizes(num_workers: int, group_size: int) -> list[int]:
@@ -134,10 +144,18 @@ class division_gg(_Generator):
   def __init__(self, num_workers: int, group_size: int, rng: np.random.Generator):
     super().__init__(rng)
     self.n, self.sizes = num_workers, division_sizes(num_workers, group_size)
+    self.group_size = group_size
 
   def __call__(self, worker: int, view: GGView) -> None:
-    perm, s = self.rng.permutation(self.n), 0
-    for size in self.sizes:
+    if view.alive is None:
+      perm, sizes = self.rng.permutation(self.n), self.sizes
+    else:  # a division of the live workers (everyone live: the same draws)
+      live = np.flatnonzero(view.alive)
+      if len(live) < 2:
+        return
+      perm, sizes = self.rng.permutation(live), division_sizes(len(live), self.group_size)
+    s = 0
+    for size in sizes:
       view.buffer.append(perm[s : s + size].tolist(), view.now)
       s += size
 
@@ -171,6 +189,8 @@ class smart_gg:
     k = self.k
     ready = view.started_at + view.estimates  # when each worker is expected to be ready
     ready[view.buffer.npending > 0] = np.inf  # never pick a worker with a pending group
+    if view.alive is not None:
+      ready[~view.alive] = np.inf  # nor a dead one
     ready[worker] = np.inf
     soonest = np.argpartition(ready, k)[:k] if k < self.n else np.arange(self.n)
     soonest = soonest[np.argsort(ready[soonest], kind="stable")]
