@@ -353,133 +353,156 @@ def _group_buffer(
   for the entry after that step right away, so the round trip overlaps the step. A fixed schedule
   (group_gen.Fixed) has no generator: the entry
   after each step is known locally and costs nothing."""
-  n = clock.n
-  fixed = isinstance(gg, Fixed)
-  service = None if fixed else Service(n, gg, estimate=clock.speed.base_time)
-  pos = [0] * n  # next entry of each worker's queue
-  last_gid = [-1] * n
-  asked = [None] * n  # the queue index of a worker's request in flight
-  blocked = [None] * n  # since when a worker waits for its answer
-  groups = {}  # gid -> [members, arrived set, arrival times]
-  clock.trace.buffer = service.buffer if service else None
-  busy_until = [0.0]  # the authority serves one request at a time
-  met = set()  # member sets (or pairs) whose set-up has been paid
-  joining = set()  # rejoined workers whose first group has not landed: no model to step on (3.10)
-  released = {}  # gid -> its live members: a member left while its average was in flight
-
-  def start(w):
-    if service is not None:  # what a worker's start report tells the generator (instant here)
-      service.report(w, clock.now, clock.last_time[w], clock.iterations[w] + 1, last_gid[w])
-    clock.start_compute(w, on_finish)
-    if service is not None and ahead and pos[w] >= len(service.entries[w]) and asked[w] is None:
-      estimate = clock.last_time[w] or clock.speed.base_time
-      ask(w, clock.now + estimate)
-
-  def ask(w, ready_at):
-    asked[w] = pos[w]
-    if server.service:
-      clock.at_w(clock.now + rtt / 2, w, queue_at_authority, w, pos[w], ready_at)
-    else:
-      clock.at_w(clock.now + rtt / 2, w, handle, w, pos[w], ready_at)
-
-  def queue_at_authority(w, want, ready_at):  # FIFO: served once the requests before it are
-    begin = max(clock.now, busy_until[0])
-    busy_until[0] = begin + server.service
-    clock.at_w(busy_until[0], w, handle, w, want, ready_at)
-
-  def setup_cost(members) -> float:
-    units = [tuple(members)] if server.setup_unit == "group" else list(itertools.combinations(members, 2))
-    new = [u for u in units if u not in met]
-    met.update(new)
-    return server.setup * len(new)
-
-  def on_finish(w):
-    clock.applied(w, w)
-    if not clock.stopped:
-      take(w)
-
-  def take(w):
-    if fixed:
-      entry = fixed_entry(gg.layouts, n, w, clock.iterations[w] - 1)
-    elif pos[w] < len(service.entries[w]):
-      entry = service.entries[w][pos[w]]
-      if asked[w] == pos[w]:
-        asked[w] = None
-      pos[w] += 1
-    else:
-      blocked[w] = clock.now
-      if asked[w] is None:
-        ask(w, clock.now)
-      return
-    if entry[0] == GROUP:
-      arrive(w, entry)
-    else:
-      go_on(w)
-
-  def go_on(w):  # no group after this step (or its group failed): step again, or, rejoining, ask again
-    if w in joining:
-      hooks.retry(w)
-    else:
-      start(w)
-
-  def handle(w, want, ready_at):  # at the authority: generate on this arrival, answer after rtt / 2
-    service.request(w, want, ready_at)
-    clock.at_w(clock.now + rtt / 2, w, answered, w)
-
-  def answered(w):
-    if blocked[w] is not None:
-      clock.interval(w, WAIT, blocked[w], clock.now)
-      blocked[w] = None
-      take(w)
-
-  def arrive(w, entry):
-    _, gid, members = entry
-    g = groups.setdefault(gid, [members, set(), {}])
-    g[1].add(w)
-    g[2][w] = clock.now
-    if len(g[1]) == len(members):
-      d = net.allreduce(len(members)) + (setup_cost(members) if server.setup else 0.0)
-      for m in members:
-        clock.interval(m, WAIT, g[2][m], clock.now)
-        clock.interval(m, COMM, clock.now, clock.now + d)
-      clock.at(clock.now + d, group_end, gid)
-
-  def group_end(gid):
-    members = groups.pop(gid)[0]
-    if released and gid in released:  # a member left during the average: it failed (3.10)
-      for m in sorted(released.pop(gid)):
-        go_on(m)
-      return
-    if joining and not joining.isdisjoint(members):
-      hooks.first_group(members)
-    else:
-      clock.emit(AVG, members)
-    for m in members:
-      last_gid[m] = gid
-      start(m)
-
-  if clock.plan:
-    st = _BufferState(pos, asked, blocked, groups, joining, released)
-    hooks = _BufferMembership(clock, service, st, go_on, ask, start)
-    clock.plan_membership(hooks.leave, hooks.rejoin)
-  for w in range(n):
-    start(w)
-  clock.run()
-  if service is not None:
-    clock.trace.conflicts = service.buffer.conflicts
-    clock.trace.requests = service.buffer.requests
+  _GroupBuffer(clock, net, gg, rtt, ahead, server).run()
 
 
 @dataclasses.dataclass
 class _BufferState:
-  """The Group Buffer protocol's per-worker state that leaving and joining change (shared objects)."""
+  """The Group Buffer protocol's state (shared objects: _BufferMembership changes the first six when
+  workers leave and join)."""
 
   pos: list  # next entry of each worker's queue
   asked: list  # the queue index of a worker's request in flight
   blocked: list  # since when a worker waits for its answer
   groups: dict  # gid -> [members, arrived set, arrival times]: groups some member has reached
-  joining: set  # rejoined workers whose first group has not landed
-  released: dict  # gid -> live members to let go at the end of a failed average
+  joining: set  # rejoined workers whose first group has not landed: no model to step on (3.10)
+  released: dict  # gid -> its live members: a member left while its average was in flight
+  last_gid: list  # each worker's newest group, for its start report to the generator
+  met: set  # member sets (or pairs) whose set-up has been paid
+  busy_until: float = 0.0  # the authority serves one request at a time: when it is free
+
+  @classmethod
+  def fresh(cls, n: int) -> "_BufferState":
+    return cls([0] * n, [None] * n, [None] * n, {}, set(), {}, [-1] * n, set())
+
+
+class _GroupBuffer:
+  """The Group Buffer protocol of `_group_buffer`: each method below handles one clock event."""
+
+  def __init__(self, clock: _Clock, net: Network, gg, rtt: float, ahead: bool, server: AuthorityCost):
+    self.clock, self.net, self.gg, self.rtt, self.ahead, self.server = clock, net, gg, rtt, ahead, server
+    self.fixed = isinstance(gg, Fixed)
+    self.service = None if self.fixed else Service(clock.n, gg, estimate=clock.speed.base_time)
+    self.st = _BufferState.fresh(clock.n)
+    self.hooks = None  # _BufferMembership, with a leave plan only
+    clock.trace.buffer = self.service.buffer if self.service else None
+
+  def run(self) -> None:
+    clock, service = self.clock, self.service
+    if clock.plan:
+      self.hooks = _BufferMembership(clock, service, self.st, self.go_on, self.ask, self.start)
+      clock.plan_membership(self.hooks.leave, self.hooks.rejoin)
+    for w in range(clock.n):
+      self.start(w)
+    clock.run()
+    if service is not None:
+      clock.trace.conflicts = service.buffer.conflicts
+      clock.trace.requests = service.buffer.requests
+
+  def start(self, w: int) -> None:
+    clock, service, st = self.clock, self.service, self.st
+    if service is not None:  # what a worker's start report tells the generator (instant here)
+      service.report(w, clock.now, clock.last_time[w], clock.iterations[w] + 1, st.last_gid[w])
+    clock.start_compute(w, self.on_finish)
+    # With `ahead`, an empty queue asks now for the entry after this step: the round trip overlaps it.
+    if service is not None and self.ahead and st.pos[w] >= len(service.entries[w]) and st.asked[w] is None:
+      estimate = clock.last_time[w] or clock.speed.base_time
+      self.ask(w, clock.now + estimate)
+
+  def ask(self, w: int, ready_at: float) -> None:
+    st, clock = self.st, self.clock
+    st.asked[w] = st.pos[w]
+    at_authority = self.queue_at_authority if self.server.service else self.handle
+    clock.at_w(clock.now + self.rtt / 2, w, at_authority, w, st.pos[w], ready_at)
+
+  def queue_at_authority(self, w: int, want: int, ready_at: float) -> None:
+    """FIFO: the request is served once the requests before it are."""
+    st, clock = self.st, self.clock
+    begin = max(clock.now, st.busy_until)
+    st.busy_until = begin + self.server.service
+    clock.at_w(st.busy_until, w, self.handle, w, want, ready_at)
+
+  def handle(self, w: int, want: int, ready_at: float) -> None:
+    """At the authority: generate on this arrival, answer after rtt / 2."""
+    self.service.request(w, want, ready_at)
+    self.clock.at_w(self.clock.now + self.rtt / 2, w, self.answered, w)
+
+  def answered(self, w: int) -> None:
+    st, clock = self.st, self.clock
+    if st.blocked[w] is not None:
+      clock.interval(w, WAIT, st.blocked[w], clock.now)
+      st.blocked[w] = None
+      self.take(w)
+
+  def setup_cost(self, members) -> float:
+    server, met = self.server, self.st.met
+    units = [tuple(members)] if server.setup_unit == "group" else list(itertools.combinations(members, 2))
+    new = [u for u in units if u not in met]
+    met.update(new)
+    return server.setup * len(new)
+
+  def on_finish(self, w: int) -> None:
+    self.clock.applied(w, w)
+    if not self.clock.stopped:
+      self.take(w)
+
+  def take(self, w: int) -> None:
+    """After a step: the head of w's queue; with an empty one, w waits for its answer (and asks, if no
+    request of it is in flight)."""
+    clock, service, st = self.clock, self.service, self.st
+    if self.fixed:
+      entry = fixed_entry(self.gg.layouts, clock.n, w, clock.iterations[w] - 1)
+    elif st.pos[w] < len(service.entries[w]):
+      entry = service.entries[w][st.pos[w]]
+      if st.asked[w] == st.pos[w]:
+        st.asked[w] = None
+      st.pos[w] += 1
+    else:
+      st.blocked[w] = clock.now
+      if st.asked[w] is None:
+        self.ask(w, clock.now)
+      return
+    if entry[0] == GROUP:
+      self.arrive(w, entry)
+    else:
+      self.go_on(w)
+
+  def go_on(self, w: int) -> None:
+    """No group after this step (or its group failed): step again, or, rejoining, ask again."""
+    if w in self.st.joining:
+      self.hooks.retry(w)
+    else:
+      self.start(w)
+
+  def arrive(self, w: int, entry: tuple) -> None:
+    """w reaches its group; the last member to arrive starts the average."""
+    clock = self.clock
+    _, gid, members = entry
+    g = self.st.groups.setdefault(gid, [members, set(), {}])
+    g[1].add(w)
+    g[2][w] = clock.now
+    if len(g[1]) == len(members):
+      d = self.net.allreduce(len(members)) + (self.setup_cost(members) if self.server.setup else 0.0)
+      for m in members:
+        clock.interval(m, WAIT, g[2][m], clock.now)
+        clock.interval(m, COMM, clock.now, clock.now + d)
+      # Not clock.at_w: the average is no one member's; a member leaving meanwhile fails it (released).
+      clock.at(clock.now + d, self.group_end, gid)
+
+  def group_end(self, gid: int) -> None:
+    st = self.st
+    members = st.groups.pop(gid)[0]
+    if st.released and gid in st.released:  # a member left during the average: it failed (3.10)
+      for m in sorted(st.released.pop(gid)):
+        self.go_on(m)
+      return
+    if st.joining and not st.joining.isdisjoint(members):
+      self.hooks.first_group(members)
+    else:
+      self.clock.emit(AVG, members)
+    for m in members:
+      st.last_gid[m] = gid
+      self.start(m)
 
 
 class _BufferMembership:
@@ -596,87 +619,100 @@ def _adpsgd(clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdC
   cost.passive_blocks its computation pauses for each average it serves). Only active workers
   initiate, so the waits-for graph is bipartite and acyclic: no deadlock.
   """
-  n = clock.n
-  passive = np.arange(0, n, 2)
-  channel_free = np.zeros(n)
-  paused = np.zeros(n)  # seconds a passive worker's current step has been paused by averages
-  landed = np.ones(n, bool)  # whether an active worker's average for its current step has landed
-  held = np.zeros(n, bool)  # its compute ended before the average did: the apply waits for it
-  ended = np.zeros(n)  # when its compute ended
-  window = {}  # active worker -> (begin, end) of its average in flight
-  clock.trace.pairs = []
-  alive = clock.alive  # None without leave/join
-  partner_life = {}  # active worker -> its partner's epoch when the average began (leave/join only)
+  _Adpsgd(clock, net, rng, cost).run()
 
-  def start(w):
-    clock.start_compute(w, on_finish)
+
+@dataclasses.dataclass
+class _AdpsgdState:
+  """AD-PSGD's per-worker state (shared objects: _AdpsgdMembership resets the first five at a leave)."""
+
+  landed: np.ndarray  # whether an active worker's average for its current step has landed
+  held: np.ndarray  # its compute ended before the average did: the apply waits for it
+  ended: np.ndarray  # when its compute ended
+  paused: np.ndarray  # seconds a passive worker's current step has been paused by averages
+  window: dict  # active worker -> (begin, end) of its average in flight
+  channel_free: np.ndarray  # when a passive worker's channel is free
+  partner_life: dict  # active worker -> its partner's epoch when the average began (leave/join only)
+
+  @classmethod
+  def fresh(cls, n: int) -> "_AdpsgdState":
+    return cls(np.ones(n, bool), np.zeros(n, bool), np.zeros(n), np.zeros(n), {}, np.zeros(n), {})
+
+
+class _Adpsgd:
+  """The AD-PSGD protocol of `_adpsgd`: each method below handles one clock event."""
+
+  def __init__(self, clock: _Clock, net: Network, rng: np.random.Generator, cost: AdpsgdCost):
+    self.clock, self.net, self.rng, self.cost = clock, net, rng, cost
+    self.passive = np.arange(0, clock.n, 2)
+    self.alive = clock.alive  # None without leave/join
+    self.st = _AdpsgdState.fresh(clock.n)
+    clock.trace.pairs = []
+
+  def run(self) -> None:
+    clock = self.clock
+    if clock.plan:
+      hooks = _AdpsgdMembership(clock, self.net, self.rng, self.cost, self.st, self.start, self.serve)
+      clock.plan_membership(hooks.leave, hooks.rejoin)
+    for w in range(clock.n):
+      self.start(w)
+    clock.run()
+
+  def start(self, w: int) -> None:
+    clock, st, alive, passive = self.clock, self.st, self.alive, self.passive
+    clock.start_compute(w, self.on_finish)
     if w % 2 == 0:
       return
     live = passive if alive is None else passive[alive[passive]]
     if not len(live):  # every passive worker is gone: this step has no average (3.10)
       return
-    j = int(rng.choice(live))
-    d = net.allreduce(2) + cost.fixed
-    begin = serve(j, d)
+    j = int(self.rng.choice(live))
+    d = self.net.allreduce(2) + self.cost.fixed
+    begin = self.serve(j, d)
     clock.trace.pairs.append((w, j))
-    landed[w], window[w] = False, (begin, begin + d)
+    st.landed[w], st.window[w] = False, (begin, begin + d)
     if alive is not None:
-      partner_life[w] = clock.epoch[j]
-    clock.at_w(begin + d, w, pair_end, w, j)
+      st.partner_life[w] = clock.epoch[j]
+    clock.at_w(begin + d, w, self.pair_end, w, j)
 
-  def serve(j, d):  # when passive j's channel can serve an exchange of d seconds; books it
-    begin = max(clock.now, channel_free[j]) if cost.serial else clock.now
-    channel_free[j] = max(channel_free[j], begin + d)
-    if cost.passive_blocks:
-      paused[j] += d
+  def serve(self, j: int, d: float) -> float:
+    """When passive j's channel can serve an exchange of d seconds; books it."""
+    st, clock = self.st, self.clock
+    begin = max(clock.now, st.channel_free[j]) if self.cost.serial else clock.now
+    st.channel_free[j] = max(st.channel_free[j], begin + d)
+    if self.cost.passive_blocks:
+      st.paused[j] += d
     return begin
 
-  def on_finish(w):
-    if paused[w] > 0:  # the step is not done: it lost this long to the averages it served
-      d, paused[w] = paused[w], 0.0
+  def on_finish(self, w: int) -> None:
+    st, clock = self.st, self.clock
+    if st.paused[w] > 0:  # the step is not done: it lost this long to the averages it served
+      d, st.paused[w] = st.paused[w], 0.0
       clock.interval(w, COMM, clock.now, clock.now + d)
-      clock.at_w(clock.now + d, w, on_finish, w)
+      clock.at_w(clock.now + d, w, self.on_finish, w)
       return
-    if not landed[w]:  # the gradient is applied to the averaged model: wait for the average
-      held[w], ended[w] = True, clock.now
+    if not st.landed[w]:  # the gradient is applied to the averaged model: wait for the average
+      st.held[w], st.ended[w] = True, clock.now
       return
-    apply(w)
+    self.apply(w)
 
-  def pair_end(w, j):
+  def pair_end(self, w: int, j: int) -> None:
+    st, clock = self.st, self.clock
     # A passive partner that left meanwhile never answers: the active one goes on without the average.
-    if alive is None or clock.epoch[j] == partner_life[w]:
+    if self.alive is None or clock.epoch[j] == st.partner_life[w]:
       clock.emit(AVG, (j, w))
-    landed[w] = True
-    if held[w]:  # the compute ended first: what of the average outlasted it shows
-      held[w] = False
-      begin, end = window[w]
-      clock.interval(w, WAIT, ended[w], max(ended[w], begin))
-      clock.interval(w, COMM, max(ended[w], begin), end)
-      apply(w)
+    st.landed[w] = True
+    if st.held[w]:  # the compute ended first: what of the average outlasted it shows
+      st.held[w] = False
+      begin, end = st.window[w]
+      clock.interval(w, WAIT, st.ended[w], max(st.ended[w], begin))
+      clock.interval(w, COMM, max(st.ended[w], begin), end)
+      self.apply(w)
 
-  def apply(w):
-    clock.applied(w, w)
-    if not clock.stopped:
-      start(w)
-
-  if clock.plan:
-    st = _AdpsgdState(landed, held, ended, paused, window)
-    hooks = _AdpsgdMembership(clock, net, rng, cost, st, start, serve)
-    clock.plan_membership(hooks.leave, hooks.rejoin)
-  for w in range(n):
-    start(w)
-  clock.run()
-
-
-@dataclasses.dataclass
-class _AdpsgdState:
-  """AD-PSGD's per-worker arrays that leaving resets (shared objects)."""
-
-  landed: np.ndarray
-  held: np.ndarray
-  ended: np.ndarray
-  paused: np.ndarray
-  window: dict
+  def apply(self, w: int) -> None:
+    self.clock.applied(w, w)
+    if not self.clock.stopped:
+      self.start(w)
 
 
 class _AdpsgdMembership:
