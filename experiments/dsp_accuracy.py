@@ -31,6 +31,7 @@ from absl import app, flags
 from configs import dsp as dsp_config
 from ripples_jax import run as run_lib
 from ripples_jax.distributed.host import quiet_library_logs
+from ripples_jax.runlog import write_json
 from ripples_jax.tables import markdown_table
 
 METHODS = ("bp", "gpipe", "ddg", "pipedream", "pipemare", "fr", "dni", "dsp", "dsp_weight_stash")
@@ -76,13 +77,6 @@ def _load(path):
   return json.load(open(path)) if os.path.exists(path) else {}
 
 
-def _save(path, obj):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as fh:
-    json.dump(obj, fh, indent=1)
-  os.replace(tmp, path)
-
-
 def _pin(cores) -> None:
   """A grid worker's initializer: one core of its own, taken from the queue."""
   os.sched_setaffinity(0, {cores.get()})
@@ -126,7 +120,7 @@ def run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs, 
       key, ident = futures[fut]
       r = fut.result()
       runs[key] = {**ident, **r}
-      _save(path, runs)
+      write_json(path, runs)
       print(
         f"{key}: val acc {r['final_val_accuracy']:.4f} test acc {r['final_test_accuracy']:.4f} "
         f"test loss {r['final_test_loss']:.4f} train loss {r['final_train_loss']:.4f} diverged "
@@ -415,7 +409,7 @@ def run(
   md = markdown(summary, runs, stage_counts, methods, lrs, seeds, epochs)
   with open(os.path.join(out_dir, "table.md"), "w") as fh:
     fh.write(md)
-  _save(
+  write_json(
     os.path.join(out_dir, "table.json"),
     {
       "epochs": epochs,

@@ -32,7 +32,8 @@ import numpy as np
 from absl import app, flags
 
 from ripples_jax.distributed.launcher import launch
-from ripples_jax.tables import markdown_table
+from ripples_jax.runlog import write_json
+from ripples_jax.tables import markdown_table, spread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = "bp_single_process"
@@ -90,19 +91,14 @@ def time_to(curve, target: float):
   return next((t for t, acc in curve if acc >= target), None)
 
 
-def _spread(v) -> dict:
-  v = np.asarray(v, np.float64)
-  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
-
-
 def summarise(runs: dict, names, seeds, targets) -> dict:
   """Per row and target: seeds reached (m of n), time to target and the speedup over the same seed's
   single-process BP, censored at the whole run where a seed misses."""
   out = {}
   for name in names:
     rs = [runs[f"{name}_seed{s}"] for s in seeds]
-    row = {"lr": rs[0]["lr"], "final_test_accuracy": _spread([r["final_test_accuracy"] for r in rs])}
-    row["whole_s"] = _spread([r["whole_s"] for r in rs])
+    row = {"lr": rs[0]["lr"], "final_test_accuracy": spread([r["final_test_accuracy"] for r in rs])}
+    row["whole_s"] = spread([r["whole_s"] for r in rs])
     for T in targets:
       t = [time_to(r["curve"], T) for r in rs]
       ref = [time_to(runs[f"{REFERENCE}_seed{s}"]["curve"], T) for s in seeds]
@@ -111,8 +107,8 @@ def summarise(runs: dict, names, seeds, targets) -> dict:
       row[f"{T:g}"] = {
         "reached": sum(x is not None for x in t),
         "of": len(t),
-        "seconds": _spread(censored),
-        "speedup_vs_bp_single_process": _spread(pairs) if pairs else None,
+        "seconds": spread(censored),
+        "speedup_vs_bp_single_process": spread(pairs) if pairs else None,
       }
     out[name] = row
   return out
@@ -166,12 +162,6 @@ def plot(runs, names, seed, path) -> None:
   plt.close(fig)
 
 
-def _save(path, obj) -> None:
-  with open(path + ".tmp", "w") as fh:
-    json.dump(obj, fh, indent=1)
-  os.replace(path + ".tmp", path)
-
-
 FLAGS = flags.FLAGS
 
 
@@ -209,7 +199,7 @@ def main(argv):
         name, K, lr, seed, epochs, FLAGS.eval_every, grid["validation_examples"], os.path.join(tmp, key)
       )
       runs[key] = {"name": name, "seed": seed, "lr": lr, "epochs": epochs, "K": K, **r}
-      _save(path, runs)
+      write_json(path, runs)
       print(
         f"{key}: lr {lr:g} final {100 * r['final_test_accuracy']:.1f}% in {r['whole_s']:.1f} s", flush=True
       )
@@ -218,7 +208,7 @@ def main(argv):
   md = markdown(summary, names, seeds, targets, setting)
   with open(os.path.join(FLAGS.out_dir, "table.md"), "w") as fh:
     fh.write(md)
-  _save(
+  write_json(
     os.path.join(FLAGS.out_dir, "table.json"),
     {
       "setting": setting,

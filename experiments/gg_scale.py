@@ -31,7 +31,8 @@ import tempfile
 import numpy as np
 from absl import app, flags
 
-from ripples_jax.tables import markdown_table
+from ripples_jax.runlog import write_json
+from ripples_jax.tables import markdown_table, spread
 
 ALGORITHMS = ("allreduce", "ripples_static", "ripples_random", "ripples_division", "ripples_smart")
 FLAGS = flags.FLAGS
@@ -128,11 +129,6 @@ def run_one(n, algorithm, seed, steps, per_worker, eval_every, target, workdir) 
   }
 
 
-def _spread(v) -> dict:
-  v = np.asarray(v, np.float64)
-  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
-
-
 def summarise(runs: dict, workers, algorithms, seeds) -> dict:
   """Per (n, algorithm): every figure's spread over the seeds; time to target censored at the end."""
   out = {}
@@ -144,13 +140,13 @@ def summarise(runs: dict, workers, algorithms, seeds) -> dict:
       e = {
         "reached": sum(r["time_to_target"] is not None for r in rs),
         "of": len(rs),
-        "time_to_target": _spread(tt),
-        "final_test_accuracy": _spread([r["final_test_accuracy"] for r in rs]),
-        "conflicts_per_1000_steps": _spread([r["conflicts_per_1000_steps"] for r in rs]),
-        "gap_per_sweep": _spread([r["gap_per_sweep"] for r in rs]),
+        "time_to_target": spread(tt),
+        "final_test_accuracy": spread([r["final_test_accuracy"] for r in rs]),
+        "conflicts_per_1000_steps": spread([r["conflicts_per_1000_steps"] for r in rs]),
+        "gap_per_sweep": spread([r["gap_per_sweep"] for r in rs]),
       }
       if ar and all(r["time_to_target"] is not None for r in ar):
-        e["speedup_vs_allreduce"] = _spread([b["time_to_target"] / t for b, t in zip(ar, tt)])
+        e["speedup_vs_allreduce"] = spread([b["time_to_target"] / t for b, t in zip(ar, tt)])
       out[f"n{n}_{a}"] = e
   return out
 
@@ -210,12 +206,6 @@ def plot(summary, workers, algorithms, path) -> None:
   plt.close(fig)
 
 
-def _save(path, obj) -> None:
-  with open(path + ".tmp", "w") as fh:
-    json.dump(obj, fh, indent=1)
-  os.replace(path + ".tmp", path)
-
-
 def run_all(workers, algorithms, seeds, steps, per_worker, eval_every, target, parallel, out_dir) -> dict:
   """Every run not yet in out_dir/runs.json, `parallel` at once; returns runs.json's dict."""
   from ripples_jax.data import mnist1d
@@ -245,7 +235,7 @@ def run_all(workers, algorithms, seeds, steps, per_worker, eval_every, target, p
       n, a, s = futures[fut]
       r = fut.result()
       runs[f"n{n}_{a}_seed{s}"] = {"n": n, "algorithm": a, "seed": s, "steps": steps, "target": target, **r}
-      _save(path, runs)
+      write_json(path, runs)
       print(
         f"n{n} {a} seed {s}: to {target:g} at {r['time_to_target']} virtual s, final "
         f"{100 * r['final_test_accuracy']:.1f}%, conflicts/1000 {r['conflicts_per_1000_steps']:.1f}, "
@@ -281,7 +271,9 @@ def main(argv):
   md = markdown(summary, held, algorithms, seeds, setting)
   with open(os.path.join(FLAGS.out_dir, "table.md"), "w") as fh:
     fh.write(md)
-  _save(os.path.join(FLAGS.out_dir, "table.json"), {"setting": setting, "seeds": seeds, "results": summary})
+  write_json(
+    os.path.join(FLAGS.out_dir, "table.json"), {"setting": setting, "seeds": seeds, "results": summary}
+  )
   plot(summary, held, algorithms, os.path.join(FLAGS.out_dir, "gg_scale.png"))
   print(md)
 

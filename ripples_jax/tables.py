@@ -31,3 +31,11 @@ def write_table(table, path: str | None) -> None:
   if path:
     with open(path, "w") as f:
       f.write(text + "\n")
+
+
+def spread(values) -> dict:
+  """{"median", "min", "max"} of a list of numbers, as the experiments' tables report a spread."""
+  import numpy as np
+
+  v = np.asarray(values, np.float64)
+  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
