@@ -15,6 +15,7 @@ from ripples_jax.config import ConfigError, validate_train_config
 from ripples_jax.data import batch_indices, load_dataset, shard_indices
 from ripples_jax.models import build_model
 from ripples_jax.optim import make_optimizer
+from tests.test_sim import _small_config
 
 # Worker 2 (AD-PSGD: a passive one) away for 0.1 s, worker 5 (an active one) gone for good.
 LEAVE = ((2, 0.05, 0.15), (5, 0.1, -1))
@@ -177,20 +178,10 @@ def test_compact_rounds_equal_full_rounds_with_leave_and_join():
   assert resets == 1
 
 
-def _small(algorithm, **kw):
-  config = default_config.get_config(
-    f"algorithm={algorithm},executor=sim,num_workers=8,dataset=synthetic,model=mlp,steps=6"
-  )
-  config.log_every = config.eval_every = 2
-  config.optimizer.warmup_steps = 0
-  config.update_from_flattened_dict(kw)
-  return config
-
-
 def test_a_run_with_leave_and_join_reports_its_membership(tmp_path):
   leave = ((2, 0.01, 0.03), (5, 0.02, -1))
   summary, trace = sim.simulate_and_train(
-    _small("ripples_division", **{"hetero.leave": leave}), str(tmp_path)
+    _small_config("ripples_division", **{"hetero.leave": leave}), str(tmp_path)
   )
   stored = json.loads((tmp_path / "summary.json").read_text())
   assert stored["membership"] == summary["membership"] == [list(m) for m in trace.membership]
@@ -223,7 +214,7 @@ def test_live_at_counts_a_rejoined_worker_from_its_first_group():
   ],
 )
 def test_leave_is_refused_in_one_line_before_any_compile(algorithm, why, tmp_path, compile_counter):
-  config = _small(algorithm, **{"hetero.leave": ((3, 0.1, -1),)})
+  config = _small_config(algorithm, **{"hetero.leave": ((3, 0.1, -1),)})
   with pytest.raises(ConfigError) as refused:
     run.train_and_evaluate(config, str(tmp_path))
   assert str(refused.value) == (
