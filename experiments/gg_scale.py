@@ -82,6 +82,9 @@ def sweep_gap(events, n: int) -> dict:
   # deflated away.
   op = sla.LinearOperator((n, n), matvec=lambda v: m @ v - ones * (ones @ v), dtype=np.float64)
   lam2 = float(sla.eigsh(op, k=1, which="LA", return_eigenvectors=False, tol=1e-8)[0]) if n > 2 else 0.0
+  # M is doubly stochastic and symmetric, so lambda_2 <= 1; a run whose groups leave the workers
+  # disconnected has lambda_2 = 1 up to rounding, and its gap is 0, never -eps.
+  lam2 = min(lam2, 1.0)
   size = float(np.mean([len(g) for g in groups]))
   return {
     "groups": len(groups),
