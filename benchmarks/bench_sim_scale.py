@@ -8,6 +8,10 @@ worker, evaluated once at the end), timed whole from the parent, start-up includ
 child's own (os.wait4's ru_maxrss). Events are the clock's; `cost_per_worker_step_ms` is wall seconds
 over workers x steps; `compiles` counts the XLA compiles while the rounds ran (summary.json). --plot
 writes the cost per worker-step against the workers as a PNG.
+
+--malloc: each run under glibc's default allocator, under ripples_jax.allocator's tunables (the
+child starts with them), or both, alternating per worker count (docs/design.md 5.1). Each row says
+which. The numbers a run computes are the same under both; its final accuracy shows it.
 """
 
 import json
@@ -20,6 +24,7 @@ import time
 from absl import app, flags
 
 from benchmarks.timing import print_json
+from ripples_jax import allocator
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +35,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("steps", 100, "Steps per worker.")
   flags.DEFINE_integer("per_worker", 100, "Training examples per worker (MNIST-1D is generated to fit).")
   flags.DEFINE_string("algorithm", "ripples_smart", "The algorithm.")
+  flags.DEFINE_list("malloc", ["tuned"], "Allocator settings, each a run per worker count: tuned, default.")
   flags.DEFINE_string("json_out", "", "Also write the figures here.")
   flags.DEFINE_string("plot", "", "A PNG of the cost per worker-step against the workers.")
 
@@ -40,7 +46,7 @@ def samples_for(n: int, per_worker: int) -> int:
   return max(5000, -(-n * per_worker * 5 // 4))
 
 
-def run_one(n: int, steps: int, per_worker: int, algorithm: str, workdir: str) -> dict:
+def run_one(n: int, steps: int, per_worker: int, algorithm: str, workdir: str, malloc: str) -> dict:
   args = [
     sys.executable,
     "-m",
@@ -55,7 +61,11 @@ def run_one(n: int, steps: int, per_worker: int, algorithm: str, workdir: str) -
     f"--workdir={workdir}",
   ]
   t0 = time.perf_counter()
-  proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  child_env = allocator.env(base) if malloc == "tuned" else base
+  proc = subprocess.Popen(
+    args, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
   out = proc.stdout.read()
   _, status, usage = os.wait4(proc.pid, 0)
   wall = time.perf_counter() - t0
@@ -64,9 +74,10 @@ def run_one(n: int, steps: int, per_worker: int, algorithm: str, workdir: str) -
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   return {
     "workers": n,
+    "malloc": malloc,
     "steps": steps,
     "wall_s": wall,
-    "peak_rss_gb": usage.ru_maxrss / 2**20,  # KiB on Linux
+    "peak_rss_gb": usage.ru_maxrss / 2**20,  # GiB: ru_maxrss is KiB on Linux
     "events": summary["events"],
     "events_per_s": summary["events"] / wall,
     "cost_per_worker_step_ms": 1e3 * wall / (n * steps),
@@ -84,7 +95,10 @@ def plot(rows: list, path: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(5, 3.5))
-  ax.plot([r["workers"] for r in rows], [r["cost_per_worker_step_ms"] for r in rows], "o-")
+  for malloc in sorted({r["malloc"] for r in rows}):
+    mine = [r for r in rows if r["malloc"] == malloc]
+    ax.plot([r["workers"] for r in mine], [r["cost_per_worker_step_ms"] for r in mine], "o-", label=malloc)
+  ax.legend(title="allocator", fontsize=8)
   ax.set(
     xscale="log", xlabel="workers", ylabel="wall ms per worker-step", title="simulator cost (MLP, Smart GG)"
   )
@@ -95,16 +109,23 @@ def plot(rows: list, path: str) -> None:
 
 def main(argv):
   del argv
+  bad = sorted(set(FLAGS.malloc) - {"tuned", "default"})
+  if bad:
+    sys.exit(f"error: --malloc {','.join(bad)}: allowed are tuned and default")
   rows = []
   with tempfile.TemporaryDirectory(prefix="bench_sim_scale_") as tmp:
-    for n in (int(w) for w in FLAGS.workers):
-      rows.append(run_one(n, FLAGS.steps, FLAGS.per_worker, FLAGS.algorithm, os.path.join(tmp, f"n{n}")))
-      r = rows[-1]
-      print(
-        f"{n} workers: {r['wall_s']:.1f} s, {r['peak_rss_gb']:.2f} GB, {r['events_per_s']:,.0f} events/s, "
-        f"{r['cost_per_worker_step_ms']:.3f} ms per worker-step, {r['compiles']} compiles",
-        flush=True,
-      )
+    for i, n in enumerate(int(w) for w in FLAGS.workers):
+      # Alternate which setting goes first, so neither always runs on the fresher machine.
+      for malloc in FLAGS.malloc if i % 2 == 0 else FLAGS.malloc[::-1]:
+        work = os.path.join(tmp, f"n{n}_{malloc}")
+        rows.append(run_one(n, FLAGS.steps, FLAGS.per_worker, FLAGS.algorithm, work, malloc))
+        r = rows[-1]
+        print(
+          f"{n} workers, {malloc} allocator: {r['wall_s']:.1f} s, {r['peak_rss_gb']:.2f} GiB, "
+          f"{r['events_per_s']:,.0f} events/s, {r['cost_per_worker_step_ms']:.3f} ms per worker-step, "
+          f"{r['compiles']} compiles",
+          flush=True,
+        )
   if FLAGS.plot:
     plot(rows, FLAGS.plot)
   print_json({"algorithm": FLAGS.algorithm, "rows": rows}, FLAGS.json_out)

@@ -31,6 +31,7 @@ import tempfile
 import numpy as np
 from absl import app, flags
 
+from ripples_jax import allocator
 from ripples_jax.runlog import write_json
 from ripples_jax.tables import markdown_table, spread
 
@@ -220,6 +221,9 @@ def run_all(workers, algorithms, seeds, steps, per_worker, eval_every, target, p
     mnist1d.load_mnist1d(None, num_samples=samples_for(n, per_worker))
   tmp = tempfile.mkdtemp(prefix="gg_scale_")
   todo = [(n, a, s) for n in workers for s in seeds for a in algorithms if f"n{n}_{a}_seed{s}" not in runs]
+  # Spawned children start a fresh python: they take the allocator's tunables (docs/design.md 5.1),
+  # which a 4,096-worker run needs to be 2.5x faster; the numbers they compute do not depend on them.
+  os.environ.update(allocator.env())
   ctx = multiprocessing.get_context("spawn")
   cores = ctx.Queue()
   usable = sorted(os.sched_getaffinity(0))

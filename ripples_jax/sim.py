@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from ripples_jax import allocator, engine, profiling, timeline
 from ripples_jax import data as data_lib
-from ripples_jax import engine, profiling, timeline
 from ripples_jax import setup as setup_lib
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import num_params
@@ -66,6 +66,9 @@ class Loop:
   time_to_target: float | None = None
 
 
+LARGE = 1024  # slots from which the allocator's defaults cost a run a noticeable share of its time
+
+
 def run(config, workdir: str | None = None) -> dict:
   """executor=sim (run.EXECUTORS): the summary of simulate_and_train."""
   return simulate_and_train(config, workdir)[0]
@@ -81,6 +84,13 @@ def simulate_and_train(config, workdir: str | None = None):
   workdir = make_workdir(workdir, config)
   has_server = config.algorithm == "ps_async"
   slots = n + has_server  # the parameter server is one more slot
+  if slots >= LARGE and not allocator.tuned():
+    logging.warning(
+      "%d slots with glibc's default allocator: the rounds' memory is faulted in afresh each round "
+      "(2.5x slower at 4,096 workers, docs/design.md 5.1); start the run with %s",
+      slots,
+      allocator.command_prefix(),
+    )
   # All slots on one device: the rounds are many and small, and their cross-slot gathers would be
   # collectives between CPU device threads, which starve (rendezvous timeouts) when thousands of tiny
   # rounds are queued on 2 cores. The numerics do not depend on placement.

@@ -167,12 +167,22 @@ def test_bench_sim_scale(tmp_path):
     "--workers=4,8",
     "--steps=2",
     "--per_worker=20",
+    "--malloc=tuned,default",
     f"--json_out={out_json}",
     f"--plot={png}",
     tmp_path=tmp_path,
   )
   rows = json.loads(out_json.read_text())["rows"]
-  assert [r["workers"] for r in rows] == [4, 8] and png.stat().st_size > 0
+  assert [(r["workers"], r["malloc"]) for r in rows] == [
+    (4, "tuned"),
+    (4, "default"),
+    (8, "default"),
+    (8, "tuned"),
+  ]
+  assert png.stat().st_size > 0
+  # The allocator changes no number a run computes.
+  assert rows[0]["final_test_accuracy"] == rows[1]["final_test_accuracy"]
+  assert rows[2]["final_test_accuracy"] == rows[3]["final_test_accuracy"]
   for r in rows:
     assert r["wall_s"] > 0 and r["peak_rss_gb"] > 0 and r["events"] > 0 and r["compiles"] > 0
     assert r["cost_per_worker_step_ms"] == pytest.approx(1e3 * r["wall_s"] / (r["workers"] * 2))
