@@ -458,6 +458,26 @@ def test_ledger(tmp_path):
   assert len(table.rows) == len(ledger.CLAIMS) and all(r[-1] for r in table.rows)
 
 
+@pytest.mark.slow
+def test_ledger_sensitivity(tmp_path):
+  """Every claim at every point of every sweep; the base point of each sweep is the VGG-16 clock
+  itself, so its ratio equals the ledger's heavy-setting throughput ratio exactly."""
+  from experiments import ledger
+
+  out = ledger.sensitivity(str(tmp_path), seeds=1, steps=10)
+  assert set(out) == set(ledger.SWEEPS)
+  for sweep, per in out.items():
+    assert list(per) == [c[0] for c in ledger.CLAIMS]
+    assert all([p[0] for p in points] == [p[0] for p in ledger.SWEEPS[sweep]] for points in per.values())
+  claim, _, _, slowdown, (a, b) = ledger.CLAIMS[-1]
+  base = ledger.ratio(a, b, "heavy", slowdown, seeds=1, steps=10)[0]
+  assert out["bandwidth"][claim][2][1] == base and out["model"][claim][2][1] == base
+  # Slower links cost All-Reduce more than Smart GG's groups of 3: the homogeneous ratio falls with them.
+  homo = out["bandwidth"]["homogeneous vs All-Reduce"]
+  assert homo[0][1] > homo[-1][1]
+  assert (tmp_path / "sensitivity.png").stat().st_size > 0 and "| claim |" in (tmp_path / "sensitivity.md").read_text()
+
+
 def fake_run(path, algorithm, executor, points, target=0.8):
   """A finished run's folder: summary.json, config.json and metrics.jsonl with (time, accuracy) evals."""
   os.makedirs(path)

@@ -336,15 +336,25 @@ def test_ledger_outcomes_who_is_faster(setting):
 def test_ledger_verdict_rule():
   from experiments import ledger
 
-  assert ledger.verdict(1.1, 1.07) == "reproduced"
-  assert ledger.verdict(5.01, 3.49) == "not reproduced (smaller)"
-  assert ledger.verdict(3.0, 7.0) == "not reproduced (larger)"
-  assert ledger.verdict(4.3, None) == "not measured"
   # den's time over num's, over the seeds where both reached the target
   tta = {
     "scenarios": {"s": {"allreduce": {"time": [4.0, 6.0, None]}, "ripples_smart": {"time": [1.0, 2.0, 1.0]}}}
   }
   assert ledger.tta_ratio(tta, "s", "ripples_smart", "allreduce") == pytest.approx(3.5)
+  # A claim's estimate: paired by seed, a miss censored at its own run's end, every figure judged.
+  scen = "5x straggler, VGG-16 clock"
+  times = {"allreduce": [10.0, 10.0, 12.0, None, 10.0], "ripples_smart": [2.0, 2.0, 2.5, 2.0, 2.0]}
+  ends = {"allreduce": [20.0] * 5, "ripples_smart": [5.0] * 5}
+  got = {"scenarios": {scen: {a: {"time": times[a], "end": ends[a]} for a in times}}}
+  e = ledger.claim_estimate(got, "one worker 5x slower vs All-Reduce")
+  assert e.mean == pytest.approx(np.exp(np.mean(np.log([5.0, 5.0, 4.8, 10.0, 5.0]))))
+  assert (e.seeds, e.baseline_reached, e.censored) == (5, 4, 1)
+  led = {"claims": [{"throughput_heavy": [1.0, 0.0], "throughput_light": [1.0, 0.0]} for _ in ledger.CLAIMS]}
+  rows = {r[0]: r for r in ledger.verdict_table(led, got, 0.55).rows}
+  row = rows["one worker 5x slower vs All-Reduce"]
+  assert row[1:4] == ["-", "-", "5.01x"] and row[4] == str(e)
+  assert row[7] == ledger.verdict.judge(e, 5.01) and row[5] == row[6] == "-"
+  assert rows["homogeneous vs AD-PSGD"][5] == "not judged: no time-to-accuracy runs"
 
 
 def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
@@ -383,11 +393,12 @@ def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
     "scale": [{"n": n, "smart_vs_allreduce": zero, "limit": 5.0} for n in (16, 64, 256)],
   }
   rows = {r[0]: r for r in ledger.verdict_table(led, {"scenarios": scen}, 0.55).rows}
-  assert rows["homogeneous vs Parameter Server (sync)"][2] == "6.00x ± 0.00"
-  assert rows["homogeneous vs Parameter Server (async)"][2] == "8.00x ± 0.00"
-  assert rows["one worker 2x slower vs All-Reduce"][2] == "5.00x ± 0.00"
-  assert rows["one worker 2x slower vs Parameter Server"][2] == "6.00x ± 0.00"
-  assert not any("on throughput" in r[-1] for r in rows.values())
+  assert rows["homogeneous vs Parameter Server (sync)"][4] == "6.00x [6.00, 6.00]"
+  assert rows["homogeneous vs Parameter Server (async)"][4] == "8.00x [8.00, 8.00]"
+  assert rows["one worker 2x slower vs All-Reduce"][4] == "5.00x [5.00, 5.00]"
+  assert rows["one worker 2x slower vs Parameter Server"][4] == "6.00x [6.00, 6.00]"
+  verdicts = [v for r in rows.values() for v in r[5:] if v != "-"]  # "-": no figure from that source
+  assert len(verdicts) == 15 and set(verdicts) == {"too few seeds (2 < 5)"}  # two seeds judge nothing
   assert [r[2] for r in ledger.scale_table(led, {"scenarios": scen}, 0.55).rows] == [
     "5.00x ± 0.00 (2 seeds)"
   ] * 3
