@@ -475,7 +475,9 @@ def test_ledger_sensitivity(tmp_path):
   # Slower links cost All-Reduce more than Smart GG's groups of 3: the homogeneous ratio falls with them.
   homo = out["bandwidth"]["homogeneous vs All-Reduce"]
   assert homo[0][1] > homo[-1][1]
-  assert (tmp_path / "sensitivity.png").stat().st_size > 0 and "| claim |" in (tmp_path / "sensitivity.md").read_text()
+  assert (tmp_path / "sensitivity.png").stat().st_size > 0 and "| claim |" in (
+    tmp_path / "sensitivity.md"
+  ).read_text()
 
 
 def fake_run(path, algorithm, executor, points, target=0.8):
