@@ -222,7 +222,7 @@ def run_all(workers, algorithms, seeds, steps, per_worker, eval_every, target, p
   tmp = tempfile.mkdtemp(prefix="gg_scale_")
   todo = [(n, a, s) for n in workers for s in seeds for a in algorithms if f"n{n}_{a}_seed{s}" not in runs]
   # Spawned children start a fresh python: they take the allocator's tunables (docs/design.md 5.1),
-  # which a 4,096-worker run needs to be 2.5x faster; the numbers they compute do not depend on them.
+  # which make a 4,096-worker run 1.7-2.5x faster; the numbers they compute do not depend on them.
   os.environ.update(allocator.env())
   ctx = multiprocessing.get_context("spawn")
   cores = ctx.Queue()

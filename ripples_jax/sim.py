@@ -87,7 +87,7 @@ def simulate_and_train(config, workdir: str | None = None):
   if slots >= LARGE and not allocator.tuned():
     logging.warning(
       "%d slots with glibc's default allocator: the rounds' memory is faulted in afresh each round "
-      "(2.5x slower at 4,096 workers, docs/design.md 5.1); start the run with %s",
+      "(1.7-2.5x slower at 4,096 workers, docs/design.md 5.1); start the run with %s",
       slots,
       allocator.command_prefix(),
     )

@@ -50,3 +50,10 @@ def test_env_keeps_other_tunables_and_replaces_ours():
   assert got[1:] == list(allocator.TUNABLES) and env["X"] == "1"
   assert allocator.tuned(env) and not allocator.tuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=7"})
   assert allocator.command_prefix() == "GLIBC_TUNABLES=" + ":".join(allocator.TUNABLES)
+
+
+def test_readme_starts_large_runs_with_these_tunables():
+  import os
+
+  readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+  assert allocator.command_prefix() + " \\\n" in readme
