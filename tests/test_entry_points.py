@@ -480,6 +480,14 @@ def test_ledger_sensitivity(tmp_path):
   ).read_text()
 
 
+def test_ledger_dsp_end_to_end(tmp_path):
+  """The DSP ledger from the stored results, as its command line runs it."""
+  run("experiments.ledger_dsp", "--results=results", f"--out={tmp_path}", tmp_path=tmp_path)
+  got = json.loads((tmp_path / "dsp_claims.json").read_text())
+  text = (tmp_path / "dsp_claims.md").read_text()
+  assert got and "numerics:" in text and "(2) no accuracy loss against BP" in text
+
+
 @pytest.mark.slow
 def test_ledger_sync_overhead(tmp_path):
   """Wait + comm over worker-steps, from the clock's own intervals; All-Reduce, which computes in
