@@ -96,7 +96,12 @@ def sweep_gap(events, n: int) -> dict:
 
 
 def _pin(cores) -> None:
-  os.sched_setaffinity(0, {cores.get()})
+  import multiprocessing.util
+
+  core = cores.get()
+  os.sched_setaffinity(0, {core})
+  # Each run is a process of its own (max_tasks_per_child=1): the core goes back when this one exits.
+  multiprocessing.util.Finalize(None, cores.put, args=(core,), exitpriority=10)
   from ripples_jax.distributed.host import quiet_library_logs
 
   quiet_library_logs()
@@ -229,8 +234,10 @@ def run_all(workers, algorithms, seeds, steps, per_worker, eval_every, target, p
   usable = sorted(os.sched_getaffinity(0))
   for i in range(parallel):
     cores.put(usable[i % len(usable)])
+  # One process per run: under the tunables a process keeps its heap, so a second 4,096-worker run in
+  # the same process would start from the first one's peak.
   with concurrent.futures.ProcessPoolExecutor(
-    parallel, mp_context=ctx, initializer=_pin, initargs=(cores,)
+    parallel, mp_context=ctx, initializer=_pin, initargs=(cores,), max_tasks_per_child=1
   ) as ex:
     futures = {
       ex.submit(
