@@ -99,7 +99,7 @@ def _pin(cores) -> None:
   import multiprocessing.util
 
   core = cores.get()
-  os.sched_setaffinity(0, {core})
+  os.sched_setaffinity(0, core)
   # Each run is a process of its own (max_tasks_per_child=1): the core goes back when this one exits.
   multiprocessing.util.Finalize(None, cores.put, args=(core,), exitpriority=10)
   from ripples_jax.distributed.host import quiet_library_logs
@@ -232,8 +232,8 @@ def run_all(workers, algorithms, seeds, steps, per_worker, eval_every, target, p
   ctx = multiprocessing.get_context("spawn")
   cores = ctx.Queue()
   usable = sorted(os.sched_getaffinity(0))
-  for i in range(parallel):
-    cores.put(usable[i % len(usable)])
+  for i in range(parallel):  # one core each; one run alone keeps every core (XLA uses two threads)
+    cores.put({usable[i % len(usable)]} if parallel > 1 else set(usable))
   # One process per run: under the tunables a process keeps its heap, so a second 4,096-worker run in
   # the same process would start from the first one's peak.
   with concurrent.futures.ProcessPoolExecutor(
