@@ -28,6 +28,12 @@ others kept; ledger.json is made first if --out has none):
   python -m experiments.ledger --out=results/ledger2 --tta_scenario="2x straggler, VGG-16 clock" --seeds=5
   python -m experiments.ledger --out=results/ledger2 --tta_scenario="homogeneous, VGG-16 clock" \
       --tta_algorithms=ps_sync,ps_async --seeds=5
+
+Clock studies alone (no training, ~5 minutes): --sensitivity, every claim's throughput ratio as one
+constant of the VGG-16 clock moves (SWEEPS: bandwidth 0.25x-4x, the message's size); --sync_overhead,
+each algorithm's synchronisation overhead per iteration beside the paper's 5.10x:
+
+  python -m experiments.ledger --out=results/ledger2 --seeds=5 --sensitivity --sync_overhead
 """
 
 import json
