@@ -1,14 +1,15 @@
 r"""Every Group Generator as the workers grow: spectral gap, conflicts and time to accuracy (simulator).
 
   python -m experiments.gg_scale --workers=64,256,1024 --seeds=0,1,2 --parallel=2 --out_dir=results/gg_scale
-  python -m experiments.gg_scale --workers=4096 --seeds=0 --parallel=2 --out_dir=results/gg_scale
+  python -m experiments.gg_scale --workers=4096 --seeds=0,1,2 --out_dir=results/gg_scale_4096  # ~14 GiB a run
   python -m experiments.gg_scale --workers=16 --seeds=0 --steps=5 --out_dir=/tmp/gg   # quick
 
 The setting of benchmarks.bench_sim_scale: executor=sim, the MLP, one worker (id 3) 5x slower, MNIST-1D
 generated so that every worker has --per_worker training examples, --steps steps a worker, the averaged
 model evaluated every --eval_every steps. Each (workers, algorithm, seed) is one run of the simulator in
-a process of its own (--parallel at once, one core each: the simulator's work is single-threaded XLA
-batched matmuls, docs/design.md 3.9); runs.json holds every run (written after each, a rerun skips what
+a process of its own, started with ripples_jax.allocator's tunables (--parallel at once, one core each;
+one alone keeps every core; the simulator's work is mostly single-threaded XLA batched matmuls, docs/
+design.md 3.9); runs.json holds every run (written after each, a rerun skips what
 it holds, so sizes can be added one command at a time) and table.md / table.json / gg_scale.png the
 summary over seeds: median [min, max].
 
