@@ -7,7 +7,7 @@ r"""The claims ledger of the Ripples paper: each claim judged on time to accurac
 
 Numerics and clock, named on every table: the numbers are an MNIST-1D MLP's (40-256-256-10, 16 workers)
 trained in the simulator; the clock is one of SETTINGS. "light": MNIST-1D-sized messages (0.2 MB),
-10 Gb/s links, 10 ms steps. "heavy", the VGG-16 clock: 528 MiB messages (ImageNet VGG-16's fp32 size),
+10 Gb/s links, 10 ms steps. "heavy", the VGG-16 clock: 528e6-byte messages (ImageNet VGG-16, 527.8 MiB),
 56 Gb/s links, 0.3 s steps. Its constants are not the paper's sourced setting (the paper's evaluation
 section could not be read): docs/ledger_sources.md says what each one matches and what is unsourced.
 
@@ -116,7 +116,7 @@ SOURCES = ("arXiv", "ASPLOS", "body (summary)")
 NUMERICS = "numerics: MNIST-1D MLP, 16 workers, simulator"
 CLOCKS = {
   "light": "clock: light (0.2 MB, 10 Gb/s, 10 ms steps)",
-  "heavy": "clock: VGG-16 (528 MiB, 56 Gb/s, 0.3 s steps; unsourced, docs/ledger_sources.md)",
+  "heavy": "clock: VGG-16 (528e6 B, 56 Gb/s, 0.3 s steps; unsourced, docs/ledger_sources.md)",
 }
 
 
@@ -264,7 +264,7 @@ def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
 # The VGG-16 clock's constants swept one at a time (docs/ledger_sources.md): link bandwidth 0.25x-4x
 # (56 Gb/s is an FDR InfiniBand port; 4 GPUs sharing one gives 0.25x), and the message: a CIFAR-10
 # VGG-16 (14.7M parameters, 58.9 MB), the CIFAR trunk with ImageNet's classifier (134.6 MB), the
-# ImageNet VGG-16 (553.4 MB = 527.8 MiB, the clock's 528e6 bytes).
+# ImageNet VGG-16 (553.4 MB = 527.8 MiB; the clock takes 528e6 bytes, 4.6% less).
 SWEEPS = {
   "bandwidth": [(f"{f:g}x", (528e6, 56e9 / 8 * f, 0.3)) for f in (0.25, 0.5, 1.0, 2.0, 4.0)],
   "model": [
