@@ -357,6 +357,28 @@ def test_ledger_verdict_rule():
   assert rows["homogeneous vs AD-PSGD"][5] == "not judged: no time-to-accuracy runs"
 
 
+def test_ledger_tta_table_pairs_seeds_and_censors_misses():
+  from experiments import ledger
+
+  rec = lambda time, end: {
+    "time": time,
+    "steps": [5 if t else None for t in time],
+    "end": end,
+    "final": [0.6, 0.62, 0.64],
+    "throughput": [1.0, 1.0, 1.0],
+  }
+  scen = {
+    "s": {"allreduce": rec([4.0, 6.0, None], [9.0] * 3), "ripples_smart": rec([1.0, 2.0, 1.0], [3.0] * 3)}
+  }
+  rows = {r[1]: r for r in ledger.tta_table(scen, 0.55).rows}
+  e = ledger.verdict.paired([1.0, 2.0, 1.0], [4.0, 6.0, None], ([3.0] * 3, [9.0] * 3))
+  assert rows["ripples_smart"][5] == str(e) and "baseline reached 2/3" in str(e)
+  assert e.mean == pytest.approx((4.0 * 3.0 * 9.0) ** (1 / 3))  # seed 2: All-Reduce censored at 9
+  assert rows["allreduce"][2] == "2/3" and rows["allreduce"][7] == "62.0 ± 2.0"  # sample std
+  del scen["s"]["allreduce"]["end"]  # a first-edition record: the seeds both reached, unpaired
+  assert ledger.tta_table(scen, 0.55).rows[1][5] == "3.50x ± 0.50 (no ends recorded)"
+
+
 def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
   """Every claim the training runs can compare is judged on them: its scenario runs its algorithms, the
   scenario's slow worker exists, and the verdict table takes the time-to-accuracy ratio, not throughput."""
