@@ -141,6 +141,15 @@ def define_flags():
   flags.DEFINE_list("tta_algorithms", None, "With --tta_scenario: only these of each scenario's algorithms.")
 
 
+def publish(out_dir: str, name: str, text: str, out: dict) -> None:
+  """name.md (text) and name.json (out) into out_dir, and the text printed."""
+  with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  print(text)
+
+
 def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=None, group_size=3):
   """Worker steps per (virtual) second and the trace of one clock run. setting: a SETTINGS name or its
   (model bytes, bandwidth B/s, step s) itself."""
@@ -253,11 +262,7 @@ def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
   text += "\n\nconflicts per 1000 worker steps (homogeneous, light): " + ", ".join(
     f"{k} {v:.1f}" for k, v in out["conflicts"].items()
   )
-  with open(os.path.join(out_dir, "ledger.md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(out_dir, "ledger.json"), "w") as f:
-    json.dump(out, f, indent=1)
-  print(text)
+  publish(out_dir, "ledger", text, out)
   return out
 
 
@@ -313,11 +318,7 @@ def sync_overhead(out_dir: str, seeds: int, steps: int) -> dict:
     f"{CLOCKS['light']}; {CLOCKS['heavy']}. The paper: Smart GG's overhead 5.10x lower than AD-PSGD's "
     f"(body, from a summary; unverified).\n\n{table}"
   )
-  with open(os.path.join(out_dir, "sync_overhead.md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(out_dir, "sync_overhead.json"), "w") as f:
-    json.dump(out, f, indent=1)
-  print(text)
+  publish(out_dir, "sync_overhead", text, out)
   return out
 
 
@@ -330,12 +331,8 @@ def sensitivity(out_dir: str, seeds: int, steps: int) -> dict:
   for sweep, points in SWEEPS.items():
     for label, clock in points:
       for claim, _, _, slowdown, (a, b) in CLAIMS:
-        r = [
-          throughput(a, clock, slowdown, seed=s, steps=steps)[0]
-          / throughput(b, clock, slowdown, seed=s, steps=steps)[0]
-          for s in range(seeds)
-        ]
-        out.setdefault(sweep, {}).setdefault(claim, []).append([label, float(np.mean(r)), float(np.std(r))])
+        m, sd = ratio(a, b, clock, slowdown, seeds, steps)
+        out.setdefault(sweep, {}).setdefault(claim, []).append([label, m, sd])
   rows = []
   for claim, *_ in CLAIMS:
     figure = next(iter(FIGURES[claim].values()))
@@ -354,12 +351,8 @@ def sensitivity(out_dir: str, seeds: int, steps: int) -> dict:
     f"The clock alone (no numerics): throughput ratios, 16 workers, {seeds} seeds, {steps} steps; "
     f"points {keys}\n\n{table}"
   )
-  with open(os.path.join(out_dir, "sensitivity.md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(out_dir, "sensitivity.json"), "w") as f:
-    json.dump(out, f, indent=1)
   sensitivity_figure(out, os.path.join(out_dir, "sensitivity.png"))
-  print(text)
+  publish(out_dir, "sensitivity", text, out)
   return out
 
 

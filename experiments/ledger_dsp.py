@@ -91,6 +91,15 @@ def define_flags():
   flags.DEFINE_float("target", 0.92, "Claim (1)'s target test accuracy.")
 
 
+def benches(results: str):
+  """(path, its JSON) of each of BENCHES that results/pipeline holds."""
+  for f in BENCHES:
+    path = os.path.join(results, "pipeline", f"{f}.json")
+    bench = load(path)
+    if bench is not None:
+      yield path, bench
+
+
 def load(path: str):
   """The JSON at path, or None where there is none."""
   if not os.path.exists(path):
@@ -297,11 +306,7 @@ def iteration_times(bench: dict, name: str):
 def throughput_rows(results: str) -> list[dict]:
   """Context for claim (1): DSP's iteration time against each baseline's, paired by repetition."""
   rows = []
-  for f in BENCHES:
-    path = os.path.join(results, "pipeline", f"{f}.json")
-    bench = load(path)
-    if bench is None:
-      continue
+  for path, bench in benches(results):
     dsp = iteration_times(bench, "dsp")
     for b in THROUGHPUT_BASELINES:
       base = iteration_times(bench, b)
@@ -330,11 +335,7 @@ def straggler_rows(results: str) -> list[dict]:
   results/pipeline_slack's random stragglers: each method's iteration with them over without, and the
   share of throughput it keeps against the mean extra compute alone."""
   rows = []
-  for f in BENCHES:
-    path = os.path.join(results, "pipeline", f"{f}.json")
-    bench = load(path)
-    if bench is None:
-      continue
+  for path, bench in benches(results):
     if "_stragglers" not in bench:
       rows.append(
         dict(
@@ -438,11 +439,7 @@ def stored(row: dict):
 def memory_rows(results: str) -> list[dict]:
   """Per benchmark: each method's stored state and XLA temporaries, and DSP's against the stashers'."""
   rows = []
-  for f in BENCHES:
-    path = os.path.join(results, "pipeline", f"{f}.json")
-    bench = load(path)
-    if bench is None:
-      continue
+  for path, bench in benches(results):
     got = {m: stored(bench[m]) for m in MEMORY if m in bench}
     for m, (kept, temp) in got.items():
       ours = "stored: " + (f"{kept / MiB:.2f} MiB" if kept is not None else "not measured")
