@@ -19,7 +19,6 @@ own pinned to one core (the numbers do not depend on it: every run is one proces
 import concurrent.futures
 import json
 import math
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ import numpy as np
 from absl import app, flags
 
 from configs import dsp as dsp_config
+from experiments.pool import pinned_pool
 from ripples_jax import run as run_lib
 from ripples_jax.distributed.host import quiet_library_logs
 from ripples_jax.runlog import write_json
@@ -77,12 +77,6 @@ def _load(path):
   return json.load(open(path)) if os.path.exists(path) else {}
 
 
-def _pin(cores) -> None:
-  """A grid worker's initializer: one core of its own, taken from the queue."""
-  os.sched_setaffinity(0, {cores.get()})
-  quiet_library_logs()
-
-
 def _grid_point(base, run_dir, key, overrides) -> dict:
   return _run(base, run_dir, key, **overrides)
 
@@ -108,13 +102,7 @@ def run_grid(base, out_dir, run_dir, stage_counts, methods, lrs, seeds, epochs, 
   path = os.path.join(out_dir, "runs.json")
   runs = _load(path)
   todo = list(_points(runs, stage_counts, methods, lrs, seeds, epochs))
-  ctx = multiprocessing.get_context("spawn")  # a fresh jax per worker (no forked XLA threads)
-  cores = ctx.Queue()
-  for i in range(workers):
-    cores.put(sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))])
-  with concurrent.futures.ProcessPoolExecutor(
-    workers, mp_context=ctx, initializer=_pin, initargs=(cores,)
-  ) as ex:
+  with pinned_pool(workers) as ex:  # one core each
     futures = {ex.submit(_grid_point, base, run_dir, key, ov): (key, ident) for key, ident, ov in todo}
     for fut in concurrent.futures.as_completed(futures):
       key, ident = futures[fut]

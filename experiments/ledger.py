@@ -36,6 +36,7 @@ each algorithm's synchronisation overhead per iteration beside the paper's 5.10x
   python -m experiments.ledger --out=results/ledger2 --seeds=5 --sensitivity --sync_overhead
 """
 
+import concurrent.futures
 import json
 import os
 
@@ -43,16 +44,22 @@ import numpy as np
 from absl import app, flags
 
 from configs import default as default_config
+from experiments.pool import pinned_pool
 from ripples_jax import analysis, sim, timeline, verdict
 from ripples_jax import schedule as schedule_lib
+from ripples_jax.runlog import write_json
 from ripples_jax.tables import Table
 
 FLAGS = flags.FLAGS
 
-SETTINGS = {  # name: (model bytes, bandwidth B/s, step s)
+SETTINGS = {  # name: (model bytes, bandwidth B/s, step s); docs/ledger_sources.md for each constant
   "light": (2e5, 1.25e9, 0.01),
   "heavy": (528e6, 56e9 / 8, 0.3),
+  # ResNet-50: 25,557,032 fp32 parameters (torchvision) = 102.2e6 bytes; 0.101 s per forward-backward
+  # of 16 224x224 images on a GTX 1080 Ti (jcjohnson/cnn-benchmarks); the 56 Gb/s link is unsourced.
+  "resnet50": (102.2e6, 56e9 / 8, 0.101),
 }
+THROUGHPUT_SETTINGS = ("light", "heavy")  # the throughput table's two columns
 # (claim, paper figure, paper metric, scenario (slowdown, slow workers), ours: (algorithm, baseline))
 CLAIMS = [
   (
@@ -106,7 +113,8 @@ FIGURES = {
   "homogeneous vs All-Reduce (Group Division)": {"arXiv": 1.1, "ASPLOS": 1.2},
   "homogeneous vs Parameter Server (sync)": {"arXiv": 5.1, "ASPLOS": 5.3},
   "homogeneous vs Parameter Server (async)": {"arXiv": 5.1, "ASPLOS": 5.3},
-  "homogeneous vs AD-PSGD": {"arXiv": 4.3, "ASPLOS": 3.7},
+  # "body (summary)": Smart GG's "overall execution time 5.26x faster than AD-PSGD", its setting unknown
+  "homogeneous vs AD-PSGD": {"arXiv": 4.3, "ASPLOS": 3.7, "body (summary)": 5.26},
   "one worker 2x slower vs All-Reduce": {"arXiv": 2.0, "ASPLOS": 4.4},
   "one worker 2x slower vs Parameter Server": {"arXiv": 3.0},
   "one worker 5x slower vs All-Reduce": {"body (summary)": 5.01},
@@ -117,6 +125,9 @@ NUMERICS = "numerics: MNIST-1D MLP, 16 workers, simulator"
 CLOCKS = {
   "light": "clock: light (0.2 MB, 10 Gb/s, 10 ms steps)",
   "heavy": "clock: VGG-16 (528e6 B, 56 Gb/s, 0.3 s steps; unsourced, docs/ledger_sources.md)",
+  "resnet50": (
+    "clock: ResNet-50 (102.2e6 B and 0.101 s steps, sourced; 56 Gb/s unsourced; docs/ledger_sources.md)"
+  ),
 }
 
 
@@ -139,6 +150,7 @@ def define_flags():
     "names as in TTA_SCENARIOS), merged into --out's tta.json; no throughput runs.",
   )
   flags.DEFINE_list("tta_algorithms", None, "With --tta_scenario: only these of each scenario's algorithms.")
+  flags.DEFINE_integer("workers", 1, "Training runs at once, each in its own process on one core.")
 
 
 def publish(out_dir: str, name: str, text: str, out: dict) -> None:
@@ -152,13 +164,14 @@ def publish(out_dir: str, name: str, text: str, out: dict) -> None:
 
 def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=None, group_size=3):
   """Worker steps per (virtual) second and the trace of one clock run. setting: a SETTINGS name or its
-  (model bytes, bandwidth B/s, step s) itself."""
-  nbytes, bandwidth, step = SETTINGS[setting] if isinstance(setting, str) else setting
+  (model bytes, bandwidth B/s, step s[, overlap]) itself (overlap: timeline.overlap, default 0)."""
+  nbytes, bandwidth, step, *rest = SETTINGS[setting] if isinstance(setting, str) else setting
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
   config.hetero.slow_workers = (n - 1,) if slowdown > 1 else ()
   config.hetero.slowdown, config.hetero.jitter, config.seed = slowdown, 0.05, seed
   config.schedule.group_size = group_size
   config.timeline.bandwidth = config.timeline.ps_bandwidth = bandwidth
+  config.timeline.overlap = rest[0] if rest else 0.0
   speed, net = sim.build_clock(config, model_bytes=nbytes, base_time=step)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, seed]))
   trace = timeline.simulate(algorithm, speed, net, steps * n, gg=gg, seed=seed, adpsgd_cost=cost)
@@ -183,7 +196,7 @@ def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
   out = {"claims": [], "adpsgd_cost": [], "scale": [], "conflicts": {}}
   rows = []
   for claim, paper, metric, s, (a, b) in CLAIMS:
-    cells = {k: ratio(a, b, k, s, seeds, steps) for k in SETTINGS}
+    cells = {k: ratio(a, b, k, s, seeds, steps) for k in THROUGHPUT_SETTINGS}
     out["claims"].append(
       {
         "claim": claim,
@@ -269,7 +282,9 @@ def run(out_dir="results/ledger", seeds=3, steps=300) -> dict:
 # The VGG-16 clock's constants swept one at a time (docs/ledger_sources.md): link bandwidth 0.25x-4x
 # (56 Gb/s is an FDR InfiniBand port; 4 GPUs sharing one gives 0.25x), and the message: a CIFAR-10
 # VGG-16 (14.7M parameters, 58.9 MB), the CIFAR trunk with ImageNet's classifier (134.6 MB), the
-# ImageNet VGG-16 (553.4 MB = 527.8 MiB; the clock takes 528e6 bytes, 4.6% less).
+# ImageNet VGG-16 (553.4 MB = 527.8 MiB; the clock takes 528e6 bytes, 4.6% less); and how much of a
+# step's communication its compute hides (timeline.overlap: 0 = none, as the base clock; 2/3 = the
+# backward pass's share of a step; 1 = a whole step), the same for every algorithm.
 SWEEPS = {
   "bandwidth": [(f"{f:g}x", (528e6, 56e9 / 8 * f, 0.3)) for f in (0.25, 0.5, 1.0, 2.0, 4.0)],
   "model": [
@@ -277,6 +292,7 @@ SWEEPS = {
     ("134.6 MB", (134.6e6, 56e9 / 8, 0.3)),
     ("ImageNet VGG-16 528 MB", (528e6, 56e9 / 8, 0.3)),
   ],
+  "overlap": [(f"{f:.2g}", (528e6, 56e9 / 8, 0.3, f)) for f in (0.0, 0.25, 0.5, 2 / 3, 1.0)],
 }
 
 
@@ -391,6 +407,8 @@ TTA_SCENARIOS = {  # name: (setting, config overrides); 16 workers unless num_wo
   "homogeneous, VGG-16 clock": ("heavy", {}),
   "5x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
   "2x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 2.0}),
+  # The ResNet-50 claim's row (accuracy after a fixed time): the numerics stay the MLP's.
+  "homogeneous, ResNet-50 clock": ("resnet50", {}),
   # Smart GG at scale on the paper's metric. MNIST-1D has 4000 training examples: 62-63 per worker at
   # 64 workers, 15-16 at 256, where a batch of 32 walks its shard twice (sharding.batch_indices wraps
   # into the next epoch): each step's gradient is the whole shard's, and the 256 batches together are
@@ -410,6 +428,7 @@ TTA_ALGORITHMS_OF = {  # scenarios whose algorithms are not TTA_ALGORITHMS (All-
   "2x straggler, VGG-16 clock": ("allreduce", "ripples_smart", "ps_sync"),
   "5x straggler, 64 workers": ("allreduce", "ripples_smart"),
   "5x straggler, 256 workers": ("allreduce", "ripples_smart"),
+  "homogeneous, ResNet-50 clock": ("allreduce", "ripples_smart", "adpsgd"),
 }
 
 
@@ -417,43 +436,188 @@ def scenario_workers(name: str) -> int:
   return int(TTA_SCENARIOS[name][1].get("num_workers", 16))
 
 
-def train_run(algorithm, setting, overrides, seed, steps, workdir):
-  """One simulated training run (in a temporary folder under `workdir`, None: the system's), evaluated
-  after every step: its (time, step, accuracy) records, its throughput and its end (virtual s)."""
+# The step size is tuned per algorithm and clock on a validation split (VALIDATION_EXAMPLES of
+# MNIST-1D's 4,000 training examples, held out for every run, the same ones for every seed) from one
+# shared grid: the lr whose median validation time to the target over TUNE_SEEDS seeds is least (a miss
+# counts as never; ties and all-miss broken by final validation accuracy), in the clock's homogeneous
+# scenario (TUNE_SCENARIO). Reported runs use it and report test accuracy.
+VALIDATION_EXAMPLES = 500
+LR_GRID = (0.05, 0.1, 0.2, 0.4, 0.8)
+TUNE_SEEDS = 2
+TUNE_SCENARIO = {
+  "light": "homogeneous",
+  "heavy": "homogeneous, VGG-16 clock",
+  "resnet50": "homogeneous, ResNet-50 clock",
+}
+TARGETS = (0.50, 0.55, 0.58, 0.60)  # every time to accuracy is stored at each (the verdicts use --target)
+CURVE_KEYS = {  # runs.json's curve: record key per column
+  "time": "time",
+  "step": "step",
+  "test": "test_accuracy",  # the averaged model's (which no worker holds)
+  "worker": "worker_test_accuracy",  # the mean of the workers' own models' (first 1,000 test examples)
+  "val": "val_accuracy",  # the averaged model's, on the held-out split
+}
+
+
+def run_key(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> str:
+  return f"{scenario}|{algorithm}|lr={lr:g}|seed={seed}|steps={steps}"
+
+
+def train_run(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> dict:
+  """One simulated training run of `scenario` (in a temporary folder), evaluated after every step: its
+  curve (CURVE_KEYS, one list per column), throughput (worker-steps per virtual s) and end (virtual s)."""
   import tempfile
 
+  setting, overrides = TTA_SCENARIOS[scenario]
   nbytes, bandwidth, step = SETTINGS[setting]
   n = int(overrides.get("num_workers", 16))
   config = default_config.get_config(
     f"algorithm={algorithm},executor=sim,num_workers={n},model=mlp,steps={steps}"
   )
-  config.seed, config.hetero.jitter = seed, 0.05
+  config.seed, config.hetero.jitter, config.optimizer.lr = seed, 0.05, lr
+  config.validation_examples = VALIDATION_EXAMPLES
   # The server's link as fast as every other link, as in the throughput runs (`throughput`).
   config.timeline.compute_time, config.timeline.bandwidth = step, bandwidth
   config.timeline.ps_bandwidth = bandwidth
-  config.timeline.model_bytes = nbytes if setting == "heavy" else 0.0
+  config.timeline.model_bytes = nbytes if setting != "light" else 0.0
   config.log_every = config.eval_every = 1
   config.checkpoint_every = 0
   config.update_from_flattened_dict(overrides)
-  with tempfile.TemporaryDirectory(dir=workdir) as d:
+  with tempfile.TemporaryDirectory() as d:
     summary, _ = sim.simulate_and_train(config, d)
     with open(os.path.join(d, "metrics.jsonl")) as f:
-      records = [json.loads(line) for line in f]
-  evals = [(r["time"], r["step"], r["test_accuracy"]) for r in records if "test_accuracy" in r]
-  return evals, sum(summary["worker_steps"]) / summary["time"], summary["time"]
+      evals = [r for r in map(json.loads, f) if "test_accuracy" in r]
+  digits = {"time": 7, "step": 0}
+  curve = {c: [round(r[k], digits.get(c, 5)) for r in evals] for c, k in CURVE_KEYS.items()}
+  curve["step"] = [int(x) for x in curve["step"]]
+  return {
+    "curve": curve,
+    "throughput": sum(summary["worker_steps"]) / summary["time"],
+    "end": summary["time"],
+  }
 
 
-def crossing(evals, target):
-  """(time, step) of the first evaluation at or above target, or None."""
-  return next(((t, s) for t, s, a in evals if a >= target), None)
+def _quiet_run(args) -> dict:
+  from ripples_jax.distributed.host import quiet_library_logs
+
+  quiet_library_logs()
+  return train_run(*args)
 
 
-def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithms=None, merge=False) -> dict:
+def run_jobs(out_dir: str, jobs: list, workers: int = 1) -> dict:
+  """Every (scenario, algorithm, lr, seed, steps) job whose run out_dir/runs.json does not hold yet,
+  `workers` at once (one core each); returns runs.json's {run_key: run}. Only this process writes
+  runs.json, after each run, so an interrupted study resumes where it stopped. Every curve of every
+  run stays there."""
+  path = os.path.join(out_dir, "runs.json")
+  runs = json.load(open(path)) if os.path.exists(path) else {}
+  todo = {run_key(*j): j for j in jobs if run_key(*j) not in runs}
+  print(f"runs: {len(jobs) - len(todo)} held in {path}, {len(todo)} to run", flush=True)
+
+  def done(key, r):
+    runs[key] = r
+    write_json(path, runs)
+    curve = r["curve"]
+    print(f"{key}: test {curve['test'][-1]:.4f} val {curve['val'][-1]:.4f} end {r['end']:.4g} s", flush=True)
+
+  if workers <= 1:
+    for key, j in todo.items():
+      done(key, train_run(*j))
+  else:
+    with pinned_pool(workers) as ex:
+      futures = {ex.submit(_quiet_run, j): key for key, j in todo.items()}
+      for fut in concurrent.futures.as_completed(futures):
+        done(futures[fut], fut.result())
+  return runs
+
+
+def crossing(curve: dict, target: float, key: str = "test"):
+  """(time, step) of the first evaluation of curve[key] at or above target, or None."""
+  i = next((i for i, a in enumerate(curve[key]) if a >= target), None)
+  return None if i is None else (curve["time"][i], curve["step"][i])
+
+
+def accuracy_at(curve: dict, t: float, key: str = "test") -> float:
+  """curve[key] at the last evaluation at or before virtual time t (0.0 before the first)."""
+  i = int(np.searchsorted(curve["time"], t, side="right"))
+  return curve[key][i - 1] if i else 0.0
+
+
+def tune(out_dir: str, settings, steps: int, target: float, workers: int = 1) -> dict:
+  """The step size per clock and algorithm (see LR_GRID): {setting: {algorithm: lr}}, with
+  tuning.md / tuning.json (every grid point's median validation time and final validation accuracy)."""
+  scenarios = {TUNE_SCENARIO[s]: s for s in settings}
+  jobs = [
+    (name, a, lr, seed, steps)
+    for name in scenarios
+    for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS)
+    for lr in LR_GRID
+    for seed in range(TUNE_SEEDS)
+  ]
+  runs = run_jobs(out_dir, jobs, workers)
+  out, rows = {"grid": list(LR_GRID), "seeds": TUNE_SEEDS, "target": target, "choice": {}, "points": {}}, []
+  for name, setting in scenarios.items():
+    for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS):
+      score = {}
+      for lr in LR_GRID:
+        got = [runs[run_key(name, a, lr, seed, steps)]["curve"] for seed in range(TUNE_SEEDS)]
+        hit = [crossing(c, target, "val") for c in got]
+        vt = float(np.median([h[0] if h else np.inf for h in hit]))
+        score[lr] = (vt, -float(np.mean([c["val"][-1] for c in got])))
+      best = min(LR_GRID, key=lambda lr: score[lr])
+      out["choice"].setdefault(setting, {})[a] = best
+      out["points"].setdefault(setting, {})[a] = {f"{lr:g}": list(score[lr]) for lr in LR_GRID}
+      edge = " (grid edge)" if best in (LR_GRID[0], LR_GRID[-1]) else ""
+      cells = [
+        f"{'never' if np.isinf(v) else f'{v:.3g}'} / {-f:.3f}" + (" *" if lr == best else "")
+        for lr in LR_GRID
+        for v, f in [score[lr]]
+      ]
+      rows.append([setting, a] + cells + [f"{best:g}{edge}"])
+  table = Table(
+    ["clock", "algorithm"]
+    + [f"lr {lr:g}: median val time to {100 * target:.0f}% / final val acc" for lr in LR_GRID]
+    + ["chosen"],
+    rows,
+  )
+  text = (
+    f"{NUMERICS}; step size per algorithm and clock, tuned in each clock's homogeneous scenario on "
+    f"{VALIDATION_EXAMPLES} held-out training examples, {TUNE_SEEDS} seeds, {steps} steps "
+    f"(* chosen: least median validation time to {100 * target:.0f}%, ties by final validation accuracy)"
+    f"\n\n{table}"
+  )
+  publish(out_dir, "tuning", text, out)
+  return out["choice"]
+
+
+def summarize(runs: list, lr: float, target: float) -> dict:
+  """One algorithm's tta.json record from its seeds' runs (in seed order)."""
+  hits = [crossing(r["curve"], target) for r in runs]
+  worker = [crossing(r["curve"], target, "worker") for r in runs]
+  return {
+    "lr": lr,
+    "time": [h[0] if h else None for h in hits],
+    "steps": [h[1] if h else None for h in hits],
+    "end": [r["end"] for r in runs],  # where a miss is censored (ripples_jax.verdict)
+    "final": [r["curve"]["test"][-1] for r in runs],
+    "throughput": [r["throughput"] for r in runs],
+    "times": {f"{t:g}": [(crossing(r["curve"], t) or (None,))[0] for r in runs] for t in TARGETS},
+    "worker_times": {
+      f"{t:g}": [(crossing(r["curve"], t, "worker") or (None,))[0] for r in runs] for t in TARGETS
+    },
+    "worker_time": [h[0] if h else None for h in worker],
+    "final_worker": [r["curve"]["worker"][-1] for r in runs],
+  }
+
+
+def tta(
+  out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithms=None, merge=False, workers=1
+) -> dict:
   """The training runs of `scenarios`, each with its algorithms (TTA_ALGORITHMS_OF, else TTA_ALGORITHMS;
-  `algorithms`: only those of them). merge: into the scenarios and algorithms --out's tta.json already
-  holds (those run here replaced, the rest kept), else a fresh file. Writes tta.json, tta.md (every
-  scenario held), seed 0's accuracy curves (tta_curves.json, compact) and a figure per scenario run
-  whose every algorithm has its curve stored."""
+  `algorithms`: only those of them) at the step size `tune` chose for the scenario's clock. merge: into
+  the scenarios and algorithms --out's tta.json already holds (those run here replaced, the rest
+  kept), else a fresh file. Writes tta.json, tta.md (every scenario held), seed 0's accuracy curves
+  (tta_curves.json, for the figures; runs.json holds every run's) and a figure per scenario."""
   path, curves_path = os.path.join(out_dir, "tta.json"), os.path.join(out_dir, "tta_curves.json")
   out, curves = {}, {}
   if merge and os.path.exists(path):
@@ -465,34 +629,34 @@ def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithm
     if os.path.exists(curves_path):
       with open(curves_path) as f:
         curves = json.load(f)
-  for name in scenarios:
-    setting, overrides = TTA_SCENARIOS[name]
+  lr = tune(out_dir, sorted({TTA_SCENARIOS[name][0] for name in scenarios}), steps, target, workers)
+  plan = {
+    name: [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if algorithms is None or a in algorithms]
+    for name in scenarios
+  }
+  lr_of = lambda name, a: lr[TTA_SCENARIOS[name][0]][a]  # noqa: E731
+  jobs = [
+    (name, a, lr_of(name, a), seed, steps)
+    for name, algs in plan.items()
+    for a in algs
+    for seed in range(seeds)
+  ]
+  runs = run_jobs(out_dir, jobs, workers)
+  for name, algs in plan.items():
     per = out.setdefault(name, {})
-    for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS):
-      if algorithms is not None and a not in algorithms:
-        continue
-      runs = [train_run(a, setting, overrides, s, steps, None) for s in range(seeds)]
-      hits = [crossing(ev, target) for ev, _, _ in runs]
-      per[a] = {
-        "time": [h[0] if h else None for h in hits],
-        "steps": [h[1] if h else None for h in hits],
-        "end": [end for _, _, end in runs],  # where a miss is censored (ripples_jax.verdict)
-        "final": [ev[-1][2] for ev, _, _ in runs],
-        "throughput": [tp for _, tp, _ in runs],
-      }
-      curves.setdefault(name, {})[a] = [[t, acc] for t, _, acc in runs[0][0]]  # seed 0's, for the figure
+    for a in algs:
+      got = [runs[run_key(name, a, lr_of(name, a), seed, steps)] for seed in range(seeds)]
+      per[a] = summarize(got, lr_of(name, a), target)
+      c = got[0]["curve"]
+      curves.setdefault(name, {})[a] = [[t, acc] for t, acc in zip(c["time"], c["test"])]
     # Keep TTA_ALGORITHMS_OF's order in the table, whatever order the merges came in.
     order = [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if a in per]
     out[name] = {a: per[a] for a in order + [a for a in per if a not in order]}
   table = tta_table(out, target)
   for name in scenarios:
-    missing = [a for a in out[name] if a not in curves.get(name, {})]
-    if missing:
-      print(f"{name}: no figure ({curves_path} holds no curve of {missing})")
-      continue
     slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "")
     analysis.accuracy_vs_time(
-      {name: {a: curves[name][a] for a in out[name]}},
+      {name: {a: curves[name][a] for a in out[name] if a in curves.get(name, {})}},
       os.path.join(out_dir, f"tta_{slug}.png"),
       f"{scenario_workers(name)} workers, MNIST-1D MLP, seed 0",
       target=target,
@@ -500,7 +664,7 @@ def tta(out_dir, seeds, steps, target, scenarios=tuple(TTA_SCENARIOS), algorithm
   with open(os.path.join(out_dir, "tta.md"), "w") as f:
     f.write(str(table) + "\n")
   with open(path, "w") as f:
-    json.dump({"target": target, "scenarios": out}, f, indent=1)
+    json.dump({"target": target, "targets": list(TARGETS), "scenarios": out}, f, indent=1)
   with open(curves_path, "w") as f:
     json.dump(curves, f)
   print(table)
@@ -707,11 +871,16 @@ def main(argv):
         tuple(FLAGS.tta_scenario),
         FLAGS.tta_algorithms,
         merge=True,
+        workers=FLAGS.workers,
       )
     }
   else:
     ledger_out = run(FLAGS.out, FLAGS.seeds, FLAGS.steps)
-    tta_out = {"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target)} if FLAGS.tta else None
+    tta_out = (
+      {"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target, workers=FLAGS.workers)}
+      if FLAGS.tta
+      else None
+    )
   text = "\n\n".join(
     [
       verdict_label(tta_out, FLAGS.target),

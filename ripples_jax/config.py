@@ -276,6 +276,8 @@ def _check_schedule(config, n):
       _number(config, f"timeline.{key}", lambda v: v >= 0, "a number >= 0")
     for key in ("bandwidth", "ps_bandwidth"):
       _number(config, f"timeline.{key}", lambda v: v > 0, "a number > 0")
+    if "overlap" in config.timeline:
+      _number(config, "timeline.overlap", lambda v: 0 <= v <= 1, "a fraction of a step in [0, 1]")
     _number(config, "time_budget", lambda v: v >= 0, "seconds >= 0 (0: no budget)")
     _number(config, "target_accuracy", lambda v: 0 <= v <= 1, "a fraction in [0, 1] (0: none)")
   else:  # the lockstep executor has no clock: heterogeneity would be silently ignored
@@ -286,6 +288,14 @@ def _check_schedule(config, n):
         needs = "hetero.* needs executor=sim or executor=async"
         _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: {needs}")
   _check_leave(config, n)
+  if "validation_examples" in config:
+    _int_in(config, "validation_examples", 0, 10**9, "an integer number of training examples >= 0 (0: none)")
+    if config.validation_examples and config.executor != "sim":
+      _fail(
+        "validation_examples",
+        config.validation_examples,
+        f"0 with executor={config.executor} (the simulator records val_accuracy)",
+      )
   if "stop_at_target" in config:
     _bool(config, "stop_at_target")
   if config.get("stop_at_target"):

@@ -47,6 +47,8 @@ def build(config) -> Setup:
     else {}
   )
   data = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed, **kw)
+  if config.get("validation_examples", 0):  # before sharding: held-out examples are no worker's
+    data = data_lib.hold_out(data, config.validation_examples)
   shards = data_lib.shard_indices(data["y_train"], n, config.data_sharding, seed=config.seed)
   model = build_model(config.model, data["num_classes"])
   if config.algorithm == "ps_async":

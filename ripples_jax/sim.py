@@ -49,7 +49,8 @@ def build_clock(config, model_bytes: float, base_time: float):
     config.seed,
     rotate_every=float(hetero.rotate_every),
   )
-  net = timeline.Network(model_bytes, tl.alpha, tl.bandwidth, tl.ps_bandwidth)
+  hidden = float(tl.get("overlap", 0.0)) * base_time  # seconds of each step's transfers compute hides
+  net = timeline.Network(model_bytes, tl.alpha, tl.bandwidth, tl.ps_bandwidth, hidden)
   return speed, net
 
 
@@ -329,13 +330,18 @@ def make_evaluate(s: setup_lib.Setup, slots: slice, membership: list | None = No
   stale model, or a rejoined one's before its first group, is no part of the run's model."""
   eval_fn = engine.make_eval_fn(s.model)
   x_test, y_test = jax.device_put((s.data["x_test"], s.data["y_test"]))
+  val = jax.device_put((s.data["x_val"], s.data["y_val"])) if "x_val" in s.data else None
 
   def evaluate(state, t):
     pick = slots
     if membership:
       live = live_at(membership, slots.stop - slots.start, t)
       pick = slots if live.all() or not live.any() else np.flatnonzero(live) + slots.start
-    return {k: float(v) for k, v in eval_fn(jax.tree.map(lambda a: a[pick], state), x_test, y_test).items()}
+    held = jax.tree.map(lambda a: a[pick], state)
+    out = {k: float(v) for k, v in eval_fn(held, x_test, y_test).items()}
+    if val is not None:  # the averaged model on the held-out examples: what a step size is chosen on
+      out["val_accuracy"] = float(eval_fn(held, *val)["test_accuracy"])
+    return out
 
   return evaluate
 

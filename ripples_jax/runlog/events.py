@@ -14,6 +14,7 @@ TB_TAGS = {
   "test_accuracy": "eval/accuracy",
   "test_loss": "eval/loss",
   "worker_test_accuracy": "eval/worker_accuracy",
+  "val_accuracy": "eval/val_accuracy",
   "consensus_distance": "eval/consensus_distance",
   "modeled_time": "train/modeled_time_s",
   "worker_steps": "train/worker_steps",
