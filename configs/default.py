@@ -43,9 +43,9 @@ def get_config(arg=None):
   # comes from the same seed, cached after the first generation: 512000 gives 4096 workers 100 each.
   c.mnist1d_samples = 5000
   c.data_sharding = "iid"  # iid | noniid (label-skewed)
-  # executor=sim: training examples held out for validation (0: none), a fixed permutation (seed 0, the
-  # same for every run seed); records carry val_accuracy (the averaged model's) beside test_accuracy
-  c.validation_examples = 0
+  c.validation_examples = (
+    0  # sim: training examples held out (the same for every seed); records carry val_accuracy too
+  )
   c.model = arg.model  # mlp | cnn1d | cnn2d | resnet20 | resnet56
   c.batch_size = 32  # per worker
 
@@ -83,10 +83,9 @@ def get_config(arg=None):
   c.timeline.alpha = 5e-6  # per-message latency, s
   c.timeline.bandwidth = 1.25e9  # bytes/s per link (10 Gb/s)
   c.timeline.ps_bandwidth = 1.25e9  # the parameter server's link
-  # the fraction of a base step during which its communication can already run (layer by layer behind
-  # the backward pass): up to overlap x compute_time seconds of each step's transfers are hidden, the
-  # same for every algorithm (timeline.Network.hidden); the numerics do not change
-  c.timeline.overlap = 0.0
+  c.timeline.overlap = (
+    0.0  # share of a base step its transfers may overlap (timeline.Network.hidden), for every algorithm
+  )
   c.timeline.model_bytes = 0.0  # 0: the model's real float32 bytes
   c.timeline.request_rtt = 0.0  # seconds a request to the Group Generator takes to be answered
   c.timeline.authority_service = 0.0  # seconds of the authority's work per request (one FIFO server)

@@ -25,7 +25,6 @@ import os
 
 import numpy as np
 from absl import app, flags
-from scipy import stats
 
 from ripples_jax import verdict
 from ripples_jax.tables import Table
@@ -113,16 +112,6 @@ def finite(x):
   return float(x) if x is not None and math.isfinite(x) else None
 
 
-def t_interval(values, level: float = verdict.LEVEL):
-  """The mean of values and its Student-t interval; (mean, nan, nan) under two values."""
-  v = np.asarray(values, np.float64)
-  mean = float(v.mean())
-  if len(v) < 2:
-    return mean, math.nan, math.nan
-  half = float(stats.t.ppf(0.5 + level / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
-  return mean, mean - half, mean + half
-
-
 # Claim (2): accuracy.
 
 
@@ -175,7 +164,7 @@ def accuracy_rows(results: str) -> list[dict]:
         continue
       seeds = sorted(set(got[1]) & set(bp[1]))
       diff = [100 * (got[1][s] - bp[1][s]) for s in seeds]
-      mean, lo, hi = t_interval(diff) if diff else (math.nan, math.nan, math.nan)
+      mean, lo, hi = verdict.t_interval(diff) if diff else (math.nan, math.nan, math.nan)
       ours = f"{mean:+.2f} [{lo:+.2f}, {hi:+.2f}] points (lr {got[0]:g} vs BP's {bp[0]:g}; seeds {seeds})"
       rows.append(
         {

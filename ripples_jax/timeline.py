@@ -99,10 +99,12 @@ class Network:
 
   `hidden`: seconds of each step's communication that its computation hides (transfers started layer
   by layer behind the backward pass: timeline.overlap x the base step time). Every algorithm's step is
-  charged its transfers minus at most `hidden`, so no method is waived a cost another pays: an
-  All-Reduce, a group's P-Reduce, a synchronous PS step, a gossip round; asynchronous PS's pull and
-  push share one step's `hidden`. AD-PSGD's pair average already runs beside its compute (the clock
-  charges only what outlasts the step), so hiding shortens what it could outlast."""
+  charged its transfers less at most `hidden`, so no method is waived a cost another pays: an
+  All-Reduce, a group's P-Reduce, a synchronous PS step, a gossip round. Asynchronous PS's push may
+  start up to `hidden` before its compute ends, but it holds the server's shared link for its whole
+  length (_ps_async); its pull precedes the compute and hides nothing. AD-PSGD's pair average already
+  runs beside its whole compute (the clock charges only what outlasts the step): `allreduce(2,
+  hide=False)`, so hiding is not counted twice."""
 
   model_bytes: float
   alpha: float = 5e-6
@@ -110,14 +112,15 @@ class Network:
   ps_bandwidth: float = 1.25e9  # the parameter server's link
   hidden: float = 0.0
 
-  def _charged(self, t: float, share: float = 1.0) -> float:
-    return t - min(t, self.hidden * share)
+  def _charged(self, t: float) -> float:
+    return t - min(t, self.hidden)
 
-  def allreduce(self, k: int) -> float:
-    return self._charged(ring_allreduce_time(k, self.model_bytes, self.alpha, self.bandwidth))
+  def allreduce(self, k: int, hide: bool = True) -> float:
+    t = ring_allreduce_time(k, self.model_bytes, self.alpha, self.bandwidth)
+    return self._charged(t) if hide else t
 
-  def ps_transfer(self) -> float:  # a pull or a push of asynchronous PS: two per step
-    return self._charged(self.alpha + self.model_bytes / self.ps_bandwidth, 0.5)
+  def ps_transfer(self) -> float:  # a pull or a push of asynchronous PS: the link's time for it
+    return self.alpha + self.model_bytes / self.ps_bandwidth
 
   def ps_sync_step(self, n: int) -> float:
     # Every worker pushes M and pulls M through the server's one link: 2 n M bytes.
@@ -678,7 +681,7 @@ class _Adpsgd:
     if not len(live):  # every passive worker is gone: this step has no average (3.10)
       return
     j = int(self.rng.choice(live))
-    d = self.net.allreduce(2) + self.cost.fixed
+    d = self.net.allreduce(2, hide=False) + self.cost.fixed
     begin = self.serve(j, d)
     clock.trace.pairs.append((w, j))
     st.landed[w], st.window[w] = False, (begin, begin + d)
@@ -756,7 +759,7 @@ class _AdpsgdMembership:
       self.start(w)
       return
     j = int(self.rng.choice(live))
-    d = self.net.allreduce(2) + self.cost.fixed
+    d = self.net.allreduce(2, hide=False) + self.cost.fixed
     begin = self.serve(j, d) if j % 2 == 0 else clock.now
     clock.interval(w, WAIT, clock.now, begin)
     clock.interval(w, COMM, begin, begin + d)
@@ -779,17 +782,23 @@ def _ps_async(clock: _Clock, net: Network) -> None:
   server = n
   link_free = [0.0]
 
-  def transfer(w, then):
-    begin = max(clock.now, link_free[0])
+  def transfer(w, then, early=0.0):
+    # A push may start `early` before now (behind the backward pass, net.hidden): the link is FIFO and
+    # link_free is the end of its last booking, so any time after it is free, even in the past.
+    begin = max(clock.now - early, link_free[0])
     d = net.ps_transfer()
     link_free[0] = begin + d
-    clock.interval(w, WAIT, clock.now, begin)
-    clock.interval(w, COMM, begin, begin + d)
-    clock.at_w(begin + d, w, then, w)
+    end = max(begin + d, clock.now)
+    clock.interval(w, WAIT, clock.now, max(begin, clock.now))
+    clock.interval(w, COMM, max(begin, clock.now), end)
+    clock.at_w(end, w, then, w)
+
+  def push(w):
+    transfer(w, pushed, net.hidden)
 
   def pulled(w):
     clock.emit(PULL, w, server)
-    clock.start_compute(w, lambda w: transfer(w, pushed))
+    clock.start_compute(w, push)
 
   def pushed(w):
     clock.applied(server, w)
@@ -798,7 +807,7 @@ def _ps_async(clock: _Clock, net: Network) -> None:
 
   def rejoined(w):  # its first pull after a rejoin: the server's model, fresh optimizer state (3.10)
     clock.joined(w, server)
-    clock.start_compute(w, lambda w: transfer(w, pushed))
+    clock.start_compute(w, push)
 
   # Leaving needs nothing more here: what the worker had in flight dies with it (clock.at_w), and the
   # server's link time it had booked is spent.

@@ -83,6 +83,30 @@ def paired(method_times, baseline_times, budget, level: float = LEVEL) -> Estima
   )
 
 
+def t_interval(values, level: float = LEVEL) -> tuple[float, float, float]:
+  """The mean of values and its Student-t interval; (mean, nan, nan) under two values (a paired
+  difference's interval: accuracy points, where a ratio's log does not apply)."""
+  v = np.asarray(values, np.float64)
+  mean = float(v.mean())
+  if len(v) < 2:
+    return mean, math.nan, math.nan
+  half = float(stats.t.ppf(0.5 + level / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
+  return mean, mean - half, mean + half
+
+
+def judge_difference(mean: float, lo: float, hi: float, figure: float) -> str:
+  """The verdict on a published difference (accuracy points): reproduced when the interval holds it;
+  else which way ours lies, and whether it has the published sign at all."""
+  if math.isnan(hi):
+    return "not judged: no interval"
+  if lo <= figure <= hi:
+    return "reproduced"
+  side = "smaller" if hi < figure else "larger"
+  if lo <= 0 <= hi:
+    return f"{side}; the interval holds 0"
+  return f"{side}; {'the same' if (mean > 0) == (figure > 0) else 'the opposite'} sign"
+
+
 def judge(e: Estimate, figure: float, tolerance: float = TOLERANCE, min_seeds: int = MIN_SEEDS) -> str:
   """The verdict on one published figure (module docstring)."""
   if e.seeds < min_seeds:

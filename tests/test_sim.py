@@ -420,7 +420,7 @@ def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
   assert rows["one worker 2x slower vs All-Reduce"][4] == "5.00x [5.00, 5.00]"
   assert rows["one worker 2x slower vs Parameter Server"][4] == "6.00x [6.00, 6.00]"
   verdicts = [v for r in rows.values() for v in r[5:] if v != "-"]  # "-": no figure from that source
-  assert len(verdicts) == 15 and set(verdicts) == {"too few seeds (2 < 5)"}  # two seeds judge nothing
+  assert len(verdicts) == 16 and set(verdicts) == {"too few seeds (2 < 5)"}  # two seeds judge nothing
   assert [r[2] for r in ledger.scale_table(led, {"scenarios": scen}, 0.55).rows] == [
     "5.00x ± 0.00 (2 seeds)"
   ] * 3
@@ -475,3 +475,75 @@ def test_evaluations_come_at_eval_every_whatever_log_every(tmp_path):
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records if "test_accuracy" in r] == [2, 4, 6, 8]
   assert all("train_loss" in r for r in records)
+
+
+def test_overlap_hides_at_most_its_share_of_a_step_from_every_algorithm():
+  """timeline.overlap: each step's transfers less at most overlap x compute_time, for every cost the
+  clock charges, never below zero; in lockstep All-Reduce without jitter the run's end is exact: S
+  compute + (S - 1) charged collectives. Asynchronous PS's push starts up to `hidden` early on the
+  server's link but books it for its whole length (below)."""
+  net = timeline.Network(1e8, 0.0, 1e9, 1e9, hidden=0.05)
+  plain = timeline.Network(1e8, 0.0, 1e9, 1e9)
+  assert net.allreduce(4) == pytest.approx(plain.allreduce(4) - 0.05)
+  assert net.ps_sync_step(4) == pytest.approx(plain.ps_sync_step(4) - 0.05)
+  assert net.ps_transfer() == plain.ps_transfer()  # the link's time; the push starts early instead
+  assert net.allreduce(2, hide=False) == plain.allreduce(2)  # AD-PSGD's average already beside compute
+  assert net.ring_gossip() == pytest.approx(plain.ring_gossip() - 0.05)
+  assert timeline.Network(1e6, 0.0, 1e9, 1e9, hidden=1.0).allreduce(16) == 0.0
+  for f in (0.0, 0.5, 1.0):
+    config = default_config.get_config("algorithm=allreduce,executor=sim,num_workers=8")
+    config.timeline.overlap = f
+    speed, net = sim.build_clock(config, model_bytes=1e8, base_time=0.1)
+    trace = timeline.simulate("allreduce", speed, net, 10 * 8)
+    comm = max(0.0, C.ring_allreduce_time(8, 1e8, config.timeline.alpha, config.timeline.bandwidth) - f * 0.1)
+    assert trace.end_time == pytest.approx(10 * 0.1 + 9 * comm)
+
+
+def test_validation_examples_are_held_out_of_every_shard_and_scored(tmp_path):
+  """validation_examples moves a fixed set of training examples out of the workers' shards; every
+  evaluation record scores the averaged model on them (val_accuracy) beside the test set."""
+  from ripples_jax import setup as setup_lib
+
+  config = default_config.get_config("algorithm=ripples_smart,executor=sim,num_workers=4,model=mlp,steps=3")
+  full = setup_lib.build(config)
+  config.validation_examples = 200
+  s = setup_lib.build(config)
+  assert len(s.data["y_val"]) == 200 and len(s.data["y_train"]) == len(full.data["y_train"]) - 200
+  assert sum(len(sh) for sh in s.shards) == len(s.data["y_train"])
+  held = {x.tobytes() for x in s.data["x_val"]}
+  assert not held & {x.tobytes() for x in s.data["x_train"]}
+  # The evaluation scores the held-out examples, not the test set: against the averaged model by hand.
+  state = engine.init_sim_state(
+    s.model,
+    s.optimizer,
+    jax.random.key(0),
+    s.data["x_train"][:1],
+    4,
+    C.make_worker_mesh(4, jax.devices()[:1]),
+  )
+  got = sim.make_evaluate(s, slice(0, 4))(state, 0.0)
+  mean = jax.tree.map(lambda a: a.mean(0), state["params"])
+  ms = jax.tree.map(lambda a: a[0], state["model_state"])
+  logits, _ = engine.apply_model(s.model, mean, ms, s.data["x_val"], train=False)
+  assert got["val_accuracy"] == pytest.approx(
+    float(np.mean(np.argmax(logits, -1) == s.data["y_val"])), abs=1e-6
+  )
+  config.eval_every = config.log_every = 1
+  config.checkpoint_every = 0
+  sim.simulate_and_train(config, str(tmp_path))
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  evals = [r for r in records if "test_accuracy" in r]
+  assert len(evals) == 3 and all(0 <= r["val_accuracy"] <= 1 for r in evals)
+
+
+def test_async_ps_pushes_start_early_but_hold_the_shared_link_for_their_whole_length():
+  """Two workers, 1 s steps, 0.1 s transfers, 0.05 s hidden. Pulls: w0 [0, 0.1], w1 [0.1, 0.2]. w0's
+  compute ends at 1.1, its push starts 0.05 early: [1.05, 1.15]; its next pull [1.15, 1.25]. w1's
+  compute ends at 1.2, but the link is booked until 1.25: its push [1.25, 1.35]. Without hiding: w0
+  pushes [1.1, 1.2], w1 [1.2, 1.3]."""
+  speed = timeline.SpeedModel(1.0, 2)
+  for hidden, applied in ((0.05, [1.15, 1.35]), (0.0, [1.2, 1.3])):
+    net = timeline.Network(1e8, 0.0, 1e9, 1e9, hidden=hidden)
+    trace = timeline.simulate("ps_async", speed, net, 2)
+    got = [t for t, kind, target, _ in trace.events if kind == timeline.APPLY and target == 2]
+    assert got == pytest.approx(applied)

@@ -123,6 +123,26 @@ def test_validation_names_the_key_and_what_is_allowed(key, value, message):
 SIM = "executor=sim,num_workers=16"
 BAD_SIM = [
   (
+    SIM,
+    "timeline.overlap",
+    1.5,
+    "config.timeline.overlap: 1.5 is not allowed: a fraction of a step in [0, 1]",
+  ),
+  (
+    SIM,
+    "validation_examples",
+    -1,
+    ("config.validation_examples: -1 is not allowed: an integer number of training examples >= 0 (0: none)"),
+  ),
+  (
+    "",
+    "validation_examples",
+    100,
+    (
+      "config.validation_examples: 100 is not allowed: 0 with executor=spmd (the simulator records val_accuracy)"
+    ),
+  ),
+  (
     SIM + ",algorithm=ripples_smart",
     "hetero.slowdown",
     0.5,

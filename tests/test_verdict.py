@@ -57,3 +57,16 @@ def test_parity_claims_are_also_judged_against_one():
   assert verdict.judge(est(0.95, 1.15), 1.1) == "reproduced; not distinguishable from parity"
   assert verdict.judge(est(0.85, 0.95), 1.1) == "smaller; slower than the baseline"
   assert verdict.judge(est(0.85, 1.02), 1.2) == "smaller; not distinguishable from parity"
+
+
+def test_t_interval_and_the_verdict_on_a_published_difference():
+  d = [1.0, 2.0, 3.0, 2.5, 1.5]
+  mean, lo, hi = verdict.t_interval(d)
+  half = stats.t.ppf(0.975, 4) * np.std(d, ddof=1) / math.sqrt(5)
+  assert (mean, lo, hi) == pytest.approx((2.0, 2.0 - half, 2.0 + half), rel=1e-12)
+  assert math.isnan(verdict.t_interval([1.0])[1])
+  assert verdict.judge_difference(mean, lo, hi, 2.5) == "reproduced"
+  assert verdict.judge_difference(mean, lo, hi, 5.93) == "smaller; the same sign"
+  assert verdict.judge_difference(mean, lo, hi, -2.62) == "larger; the opposite sign"
+  assert verdict.judge_difference(0.5, -0.5, 1.5, 5.93) == "smaller; the interval holds 0"
+  assert verdict.judge_difference(1.0, math.nan, math.nan, 2.0) == "not judged: no interval"

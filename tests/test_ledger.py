@@ -1,0 +1,157 @@
+"""experiments.ledger's reading of its runs: crossings, the step-size choice, records per target, the
+accuracy after a fixed time; synthetic curves, so every number is known (no training)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from experiments import ledger
+from ripples_jax import verdict
+
+
+def curve(times, test, worker=None, val=None):
+  n = len(times)
+  return {
+    "time": list(times),
+    "step": list(range(1, n + 1)),
+    "test": list(test),
+    "worker": list(worker if worker is not None else test),
+    "val": list(val if val is not None else test),
+  }
+
+
+def test_crossing_and_accuracy_at_read_the_first_evaluation_at_or_above():
+  c = curve([1.0, 2.0, 3.0, 4.0], [0.2, 0.5, 0.4, 0.6], worker=[0.1, 0.2, 0.5, 0.7])
+  assert ledger.crossing(c, 0.5) == (2.0, 2) and ledger.crossing(c, 0.55) == (4.0, 4)
+  assert ledger.crossing(c, 0.5, "worker") == (3.0, 3) and ledger.crossing(c, 0.8) is None
+  assert ledger.accuracy_at(c, 0.5) == 0.0  # before the first evaluation
+  assert ledger.accuracy_at(c, 2.0) == 0.5 and ledger.accuracy_at(c, 2.9) == 0.5
+  assert ledger.accuracy_at(c, 3.0) == 0.4 and ledger.accuracy_at(c, 99.0) == 0.6
+
+
+def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_accuracy(
+  tmp_path, monkeypatch
+):
+  """allreduce: lr 0.1 reaches the target at 2 and 3 (median 2.5); lr 0.2 at 1 and never (median
+  never); lr 0.05 at 2 and 4 (median 3): 0.1. adpsgd misses everywhere: the best final validation
+  accuracy, 0.2's. The choice is made on validation: test accuracy says otherwise and is ignored."""
+  val = {  # (algorithm, lr, seed) -> validation curve; test curves are the reverse ranking
+    ("allreduce", 0.05, 0): [0.1, 0.6, 0.6, 0.6],
+    ("allreduce", 0.05, 1): [0.1, 0.1, 0.1, 0.6],
+    ("allreduce", 0.1, 0): [0.1, 0.6, 0.6, 0.6],
+    ("allreduce", 0.1, 1): [0.1, 0.1, 0.6, 0.6],
+    ("allreduce", 0.2, 0): [0.6, 0.6, 0.6, 0.6],
+    ("allreduce", 0.2, 1): [0.1, 0.1, 0.1, 0.1],
+  }
+  for seed in (0, 1):
+    for lr, last in ((0.05, 0.3), (0.1, 0.35), (0.2, 0.4)):
+      val[("adpsgd", lr, seed)] = [0.1, 0.2, 0.3, last]
+
+  def fake_jobs(out_dir, jobs, workers=1):
+    return {
+      ledger.run_key(*j): {
+        "curve": curve(
+          [1.0, 2.0, 3.0, 4.0], [0.9 - v for v in val[j[1], j[2], j[3]]], val=val[j[1], j[2], j[3]]
+        )
+      }
+      for j in jobs
+    }
+
+  monkeypatch.setattr(ledger, "run_jobs", fake_jobs)
+  monkeypatch.setitem(ledger.TTA_ALGORITHMS_OF, "homogeneous", ("allreduce", "adpsgd"))
+  got = ledger.tune(str(tmp_path), ["light"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
+  assert got == {"light": {"allreduce": 0.1, "adpsgd": 0.2}}
+  stored = json.loads((tmp_path / "tuning.json").read_text())
+  assert stored["points"]["light"]["allreduce"]["0.1"] == [2.5, -0.6]
+  assert math.isinf(stored["points"]["light"]["allreduce"]["0.2"][0])
+  assert "0.2 (grid edge)" in (tmp_path / "tuning.md").read_text()
+
+
+def test_summarize_stores_every_target_both_evaluations_and_the_ends():
+  runs = [
+    {
+      "curve": curve([1.0, 2.0, 3.0], [0.5, 0.56, 0.6], worker=[0.4, 0.5, 0.55]),
+      "end": 3.5,
+      "throughput": 7.0,
+    },
+    {
+      "curve": curve([1.0, 2.0, 3.0], [0.45, 0.52, 0.57], worker=[0.4, 0.45, 0.5]),
+      "end": 3.2,
+      "throughput": 8.0,
+    },
+  ]
+  r = ledger.summarize(runs, 0.2, target=0.55)
+  assert r["lr"] == 0.2 and r["time"] == [2.0, 3.0] and r["steps"] == [2, 3] and r["end"] == [3.5, 3.2]
+  assert (
+    r["times"]["0.5"] == [1.0, 2.0] and r["times"]["0.58"] == [3.0, None] and r["times"]["0.6"] == [3.0, None]
+  )
+  assert r["worker_times"]["0.55"] == r["worker_time"] == [3.0, None]
+  assert r["final"] == [0.6, 0.57] and r["final_worker"] == [0.55, 0.5]
+
+
+def test_a_claim_at_each_target_is_the_paired_estimate_of_those_times():
+  def rec(times, worker, end):
+    return {"time": times["0.55"], "end": end, "times": times, "worker_times": worker}
+
+  smart_t = {"0.5": [1.0] * 5, "0.55": [2.0] * 5, "0.58": [3.0, 3.0, 3.0, 3.0, None], "0.6": [None] * 5}
+  ar_t = {"0.5": [1.1] * 5, "0.55": [2.4, 2.2, 2.3, 2.2, 2.5], "0.58": [3.3] * 5, "0.6": [None] * 5}
+  tta_out = {
+    "scenarios": {
+      "homogeneous, VGG-16 clock": {
+        "ripples_smart": rec(smart_t, smart_t, [4.0] * 5),
+        "allreduce": rec(ar_t, ar_t, [5.0] * 5),
+      }
+    }
+  }
+  claim = "homogeneous vs All-Reduce"
+  e = ledger.claim_estimate_at(tta_out, claim, "0.55")
+  assert e == verdict.paired(smart_t["0.55"], ar_t["0.55"], ([4.0] * 5, [5.0] * 5))
+  miss = ledger.claim_estimate_at(tta_out, claim, "0.58")
+  assert miss.reached == 4 and miss.censored == 1  # the miss at its run's end (4.0): 3.3 / 4.0
+  assert ledger.claim_estimate_at(tta_out, "homogeneous vs AD-PSGD", "0.55") is None  # no AD-PSGD runs
+  table = ledger.targets_table(tta_out)
+  assert [r[:3] for r in table.rows] == [
+    [claim, "1.1x (arXiv)", "averaged model"],
+    [claim, "1.1x (arXiv)", "workers' mean"],
+  ]
+  assert table.rows[0][4] == f"{e}: {verdict.judge(e, 1.1)}"
+
+
+def test_fixed_time_is_each_algorithms_accuracy_at_fractions_of_the_shortest_run():
+  seeds, steps = 5, 4
+  rng = np.random.default_rng(0)
+  runs, per = {}, {}
+  for a, lr in (("ripples_smart", 0.1), ("adpsgd", 0.2), ("allreduce", 0.4)):
+    ends = []
+    for s in range(seeds):
+      times = np.cumsum(rng.uniform(0.5, 1.0, steps)).tolist()
+      acc = np.sort(rng.uniform(0.2, 0.7, steps)).tolist()
+      runs[ledger.run_key(ledger.FIXED_TIME_SCENARIO, a, lr, s, steps)] = {
+        "curve": curve(times, acc),
+        "end": times[-1],
+      }
+      ends.append(times[-1])
+    per[a] = {"lr": lr, "end": ends}
+  got = ledger.fixed_time(runs, {"scenarios": {ledger.FIXED_TIME_SCENARIO: per}}, steps)
+  shortest = min(min(p["end"]) for p in per.values())
+  assert got["shortest_end"] == shortest
+  half = got["budgets"][1]
+  assert half["time"] == 0.5 * shortest
+  for a, p in per.items():
+    want = [
+      100
+      * ledger.accuracy_at(
+        runs[ledger.run_key(ledger.FIXED_TIME_SCENARIO, a, p["lr"], s, steps)]["curve"], 0.5 * shortest
+      )
+      for s in range(seeds)
+    ]
+    assert half["accuracy"][a] == want
+  d = np.array(half["accuracy"]["ripples_smart"]) - np.array(half["accuracy"]["adpsgd"])
+  m, lo, hi = verdict.t_interval(d)
+  got_d = half["smart_minus"]["adpsgd"]
+  assert (got_d["mean"], got_d["lo"], got_d["hi"]) == (m, lo, hi)
+  assert got_d["paper"] == pytest.approx(64.21 - 58.28)
+  assert got_d["verdict"] == verdict.judge_difference(m, lo, hi, got_d["paper"])
+  assert len(ledger.fixed_time_table(got).rows) == len(ledger.FIXED_TIME_FRACTIONS)
