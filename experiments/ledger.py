@@ -442,7 +442,7 @@ def scenario_workers(name: str) -> int:
 # counts as never; ties and all-miss broken by final validation accuracy), in the clock's homogeneous
 # scenario (TUNE_SCENARIO). Reported runs use it and report test accuracy.
 VALIDATION_EXAMPLES = 500
-LR_GRID = (0.05, 0.1, 0.2, 0.4, 0.8)
+LR_GRID = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 TUNE_SEEDS = 2
 TUNE_SCENARIO = {
   "light": "homogeneous",
