@@ -507,7 +507,9 @@ def test_ledger_sync_overhead(tmp_path):
   from experiments import ledger
 
   out = ledger.sync_overhead(str(tmp_path), seeds=1, steps=10)
-  assert list(out) == list(ledger.SETTINGS) and list(out["heavy"]) == list(ledger.OVERHEAD_ALGORITHMS)
+  assert list(out) == list(ledger.OVERHEAD_SETTINGS) and list(out["heavy"]) == list(
+    ledger.OVERHEAD_ALGORITHMS
+  )
   for a in ("allreduce", "adpsgd"):
     _, trace = ledger.throughput(a, "heavy", 1.0, seed=0, steps=10)
     split = trace.time_split()

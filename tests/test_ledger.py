@@ -155,3 +155,47 @@ def test_fixed_time_is_each_algorithms_accuracy_at_fractions_of_the_shortest_run
   assert got_d["paper"] == pytest.approx(64.21 - 58.28)
   assert got_d["verdict"] == verdict.judge_difference(m, lo, hi, got_d["paper"])
   assert len(ledger.fixed_time_table(got).rows) == len(ledger.FIXED_TIME_FRACTIONS)
+
+
+def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_it(tmp_path, monkeypatch):
+  """tta on "..., overlap 2/3" tunes on the VGG-16 clock's homogeneous scenario (TUNED_ON) and runs
+  at its choice; variants_table judges each claim on each variant from those records."""
+  best = {"allreduce": 0.4, "ripples_smart": 0.2}
+
+  def fake_jobs(out_dir, jobs, workers=1):
+    out = {}
+    for name, a, lr, seed, steps in jobs:
+      assert name in ("homogeneous, VGG-16 clock", "homogeneous, VGG-16 clock, overlap 2/3"), name
+      reach = 0.55 if lr == best[a] else 0.5  # only the best step size reaches the target
+      speed = {"allreduce": 2.0, "ripples_smart": 1.0}[a] * (1 + 0.01 * seed)
+      times = [speed * (i + 1) for i in range(4)]
+      out[ledger.run_key(name, a, lr, seed, steps)] = {
+        "curve": curve(times, [0.3, 0.4, reach, reach]),
+        "end": times[-1],
+        "throughput": 1.0 / speed,
+      }
+    return out
+
+  monkeypatch.setattr(ledger, "run_jobs", fake_jobs)
+  monkeypatch.setattr(ledger.analysis, "accuracy_vs_time", lambda *a, **k: None)
+  got = ledger.tta(
+    str(tmp_path),
+    5,
+    4,
+    0.55,
+    ("homogeneous, VGG-16 clock, overlap 2/3",),
+    ("allreduce", "ripples_smart"),
+    grid=(0.2, 0.4),
+  )
+  variant = got["homogeneous, VGG-16 clock, overlap 2/3"]
+  assert {a: r["lr"] for a, r in variant.items()} == best
+  assert json.loads((tmp_path / "tuning.json").read_text())["choice"] == {"heavy": best}
+  table = ledger.variants_table({"scenarios": got})
+  row = next(r for r in table.rows if r[0] == "homogeneous vs All-Reduce")
+  e = verdict.paired(
+    variant["ripples_smart"]["time"],
+    variant["allreduce"]["time"],
+    (variant["ripples_smart"]["end"], variant["allreduce"]["end"]),
+  )
+  assert row[2] == "-" and row[3] == f"{e}: {verdict.judge(e, 1.1)}"  # no base-clock runs; the variant's
+  assert e.mean == pytest.approx(2.0)
