@@ -1,39 +1,46 @@
 r"""The claims ledger of the Ripples paper: each claim judged on time to accuracy over paired seeds.
 
-  python -m experiments.ledger --out=results/ledger2 --seeds=5 \
-      --tta_scenario="homogeneous, VGG-16 clock" --tta_scenario="5x straggler, VGG-16 clock" \
-      --tta_scenario="2x straggler, VGG-16 clock"          # ~40 minutes on 2 cores; then
-  python -m experiments.ledger --out=results/ledger2 --verdicts_only
+  python -m experiments.ledger --out=results/ledger3 --seeds=5 --workers=2 --tta   # hours on 2 cores
+  python -m experiments.ledger --out=results/ledger3 --verdicts_only                # from stored runs
 
 Numerics and clock, named on every table: the numbers are an MNIST-1D MLP's (40-256-256-10, 16 workers)
-trained in the simulator; the clock is one of SETTINGS. "light": MNIST-1D-sized messages (0.2 MB),
-10 Gb/s links, 10 ms steps. "heavy", the VGG-16 clock: 528e6-byte messages (ImageNet VGG-16, 527.8 MiB),
-56 Gb/s links, 0.3 s steps. Its constants are not the paper's sourced setting (the paper's evaluation
-section could not be read): docs/ledger_sources.md says what each one matches and what is unsourced.
+trained in the simulator; the clock is one of SETTINGS, each constant with its source in
+docs/ledger_sources.md: "light" (MNIST-1D-sized messages, 10 Gb/s links, 10 ms steps), "heavy", the
+VGG-16 clock (528e6-byte messages: ImageNet VGG-16; 56 Gb/s; 0.3 s steps; which VGG-16 the paper ran
+is unknown: its evaluation section could not be read), "resnet50" (102.2e6 bytes, 0.101 s steps:
+sourced; the link is not), and two variants of the VGG-16 clock (2/3 overlap, the CIFAR VGG-16's 58.9 MB).
 
-The verdicts (verdicts.md) take the paper's own metric, time to a target test accuracy of the averaged
-model in virtual time, per seed, baseline over Ripples, paired by seed, and judge every published figure
-(arXiv abstract, ASPLOS abstract, the body's figures known only from a summary) by ripples_jax.verdict:
-a 95% interval over at least 5 seeds, seeds that miss the target counted and censored at their run's
-end. Claims the training runs do not compare fall back to the clock's throughput ratio, marked so.
+Fair comparison: every algorithm's step size is tuned per clock from one grid (LR_GRID) on a
+validation split (VALIDATION_EXAMPLES held-out training examples), least median validation time to
+the target over TUNE_SEEDS seeds (tuning.md); reported runs use it and report test accuracy. Every
+run's curve (test and validation accuracy of the averaged model, the mean of the workers' own models)
+is kept in runs.json, which a study resumes from (only this process writes it; never two ledger
+processes on one --out). --workers runs that many at once, one core each.
+
+The verdicts (verdicts.md) take the paper's metric, time to a target test accuracy of the averaged
+model in virtual time, baseline over Ripples, paired by seed, and judge every published figure (arXiv
+abstract, ASPLOS abstract, the body's figures known only from a summary) by ripples_jax.verdict: a 95%
+interval over at least 5 seeds, seeds that miss the target counted and censored at their run's end.
+Then: what each verdict rests on; the same claims at every target (TARGETS) and for the workers' own
+models; on the clock's variants; the accuracy after a fixed time (the ResNet-50 claim, on the
+ResNet-50 clock); the claims no run compares (sync overhead, conflicts); Smart GG by worker count.
 
 The throughput runs (the clock alone, every claim in both settings, AD-PSGD's cost variants, Smart GG
 against All-Reduce by worker count) write ledger.md / ledger.json. With --tta the training runs of
-every scenario in TTA_SCENARIOS (homogeneous, one worker 5x slower, random slowdowns, a moving
-straggler, label-skewed shards; light, and the VGG-16 clock for the claims): tta.md, tta.json (per
-seed: time and steps to the target, the run's end, final accuracy, throughput), seed 0's curves and
-one figure per scenario. --tta_scenario runs some scenarios alone, merged into --out's tta.json (the
-others kept; ledger.json is made first if --out has none):
+every scenario in TTA_SCENARIOS: tuning.md, tta.md, tta.json (per seed: times to every target for both
+evaluations, steps, the run's end, final accuracies, throughput, the step size), seed 0's curves for
+the figures (tta_curves.json; runs.json holds them all) and one figure per scenario. --tta_scenario runs
+some scenarios alone, merged into --out's tta.json (the others kept; ledger.json is made first if --out
+has none):
 
-  python -m experiments.ledger --out=results/ledger2 --tta_scenario="2x straggler, VGG-16 clock" --seeds=5
-  python -m experiments.ledger --out=results/ledger2 --tta_scenario="homogeneous, VGG-16 clock" \
-      --tta_algorithms=ps_sync,ps_async --seeds=5
+  python -m experiments.ledger --out=results/ledger3 --seeds=5 --workers=2 \
+      --tta_scenario="5x straggler, VGG-16 clock, overlap 2/3"
 
-Clock studies alone (no training, ~5 minutes): --sensitivity, every claim's throughput ratio as one
-constant of the VGG-16 clock moves (SWEEPS: bandwidth 0.25x-4x, the message's size); --sync_overhead,
-each algorithm's synchronisation overhead per iteration beside the paper's 5.10x:
+Clock studies alone (no training, ~10 minutes): --sensitivity, every claim's throughput ratio as one
+constant of the VGG-16 clock moves (SWEEPS: bandwidth 0.25x-4x, the message's size, overlap 0-1);
+--sync_overhead, each algorithm's synchronisation overhead per iteration beside the paper's 5.10x:
 
-  python -m experiments.ledger --out=results/ledger2 --seeds=5 --sensitivity --sync_overhead
+  python -m experiments.ledger --out=results/ledger3 --seeds=5 --sensitivity --sync_overhead
 """
 
 import concurrent.futures
@@ -143,7 +150,7 @@ CLOCKS = {
 def define_flags():
   flags.DEFINE_string("out", "results/ledger", "Output folder.")
   flags.DEFINE_bool(
-    "tta", False, "Also the time-to-accuracy runs (training; about an hour for all scenarios, 3 seeds)."
+    "tta", False, "Also the time-to-accuracy runs of every scenario (training; hours on 2 cores)."
   )
   flags.DEFINE_float("target", 0.55, "Target test accuracy for time to accuracy.")
   flags.DEFINE_integer("tta_steps", 300, "Steps per worker of each training run.")
