@@ -727,7 +727,8 @@ def tta_table(scenarios: dict, target: float) -> Table:
   """One row per scenario and algorithm: reached, mean time and iterations to the target (over the seeds
   that reached it), the speedup over All-Reduce (paired by seed, a 95% interval, misses censored at
   their run's end: ripples_jax.verdict; records without ends, from before, as mean ± std over the
-  seeds both reached), throughput, final accuracy (mean ± sample std)."""
+  seeds both reached), throughput, final accuracy (mean ± sample std) of the averaged model and of the
+  workers' own models (their mean), the step size the runs used."""
   rows = []
   for name, per in scenarios.items():
     ar = per.get("allreduce")
@@ -751,6 +752,8 @@ def tta_table(scenarios: dict, target: float) -> Table:
           cell,
           f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x" if ar else "-",
           f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final'], ddof=1 if seeds > 1 else 0):.1f}",
+          f"{100 * np.mean(p['final_worker']):.1f}" if "final_worker" in p else "-",
+          f"{p['lr']:g}" if "lr" in p else "-",
         ]
       )
   return Table(
@@ -763,6 +766,8 @@ def tta_table(scenarios: dict, target: float) -> Table:
       "time-to-accuracy speedup vs All-Reduce (95% interval)",
       "throughput vs All-Reduce",
       "final accuracy %",
+      "workers' own, final %",
+      "step size",
     ],
     rows,
   )
