@@ -583,12 +583,21 @@ def tune(
   out_dir: str, settings, steps: int, target: float, workers: int = 1, grid=LR_GRID, algorithms=None
 ) -> dict:
   """The step size per clock and algorithm (see LR_GRID; `algorithms`: only those): {setting:
-  {algorithm: lr}}, with tuning.md / tuning.json (every grid point's median validation time to the
-  target and final validation accuracy)."""
-  scenarios = {TUNE_SCENARIO[s]: s for s in settings}
+  {algorithm: lr}}. tuning.md / tuning.json hold every grid point's median validation time to the
+  target (null: never) and final validation accuracy, for these settings and those tuned before in
+  --out with the same grid and target (chosen again from their held runs)."""
+  path = os.path.join(out_dir, "tuning.json")
+  held = json.load(open(path)) if os.path.exists(path) else {}
+  same = (held.get("grid"), held.get("target"), held.get("seeds")) == (list(grid), target, TUNE_SEEDS)
+  # The settings tuned before with this grid are chosen again from their (held) runs, not kept as
+  # written: one rule and one format for every row.
+  before = {s: list(per) for s, per in held.get("choice", {}).items() if same and s not in settings}
+  scenarios = {TUNE_SCENARIO[s]: s for s in list(settings) + list(before)}
   algs = {
-    name: [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if algorithms is None or a in algorithms]
-    for name in scenarios
+    name: before[s]
+    if s in before
+    else [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if algorithms is None or a in algorithms]
+    for name, s in scenarios.items()
   }
   jobs = [
     (name, a, lr, seed, steps)
@@ -598,7 +607,8 @@ def tune(
     for seed in range(TUNE_SEEDS)
   ]
   runs = run_jobs(out_dir, jobs, workers)
-  out, rows = {"grid": list(grid), "seeds": TUNE_SEEDS, "target": target, "choice": {}, "points": {}}, []
+  out = {"grid": list(grid), "seeds": TUNE_SEEDS, "target": target, "choice": {}, "points": {}}
+  choice = {}
   for name, setting in scenarios.items():
     for a in algs[name]:
       score = {}
@@ -608,13 +618,20 @@ def tune(
         vt = float(np.median([h[0] if h else np.inf for h in hit]))
         score[lr] = (vt, -float(np.mean([c["val"][-1] for c in got])))
       best = min(grid, key=lambda lr: score[lr])
+      choice.setdefault(setting, {})[a] = best
       out["choice"].setdefault(setting, {})[a] = best
-      out["points"].setdefault(setting, {})[a] = {f"{lr:g}": list(score[lr]) for lr in grid}
+      out["points"].setdefault(setting, {})[a] = {
+        f"{lr:g}": [None if np.isinf(v) else v, -f] for lr, (v, f) in score.items()
+      }
+  rows = []
+  for setting, per in out["points"].items():
+    for a, points in per.items():
+      best = out["choice"][setting][a]
       edge = " (grid edge)" if len(grid) > 1 and best in (grid[0], grid[-1]) else ""
       cells = [
-        f"{'never' if np.isinf(v) else f'{v:.3g}'} / {-f:.3f}" + (" *" if lr == best else "")
+        f"{'never' if v is None else f'{v:.3g}'} / {f:.3f}" + (" *" if lr == best else "")
         for lr in grid
-        for v, f in [score[lr]]
+        for v, f in [points[f"{lr:g}"]]
       ]
       rows.append([setting, a] + cells + [f"{best:g}{edge}"])
   table = Table(
@@ -630,7 +647,7 @@ def tune(
     f"\n\n{table}"
   )
   publish(out_dir, "tuning", text, out)
-  return out["choice"]
+  return {s: choice[s] for s in settings}
 
 
 def summarize(runs: list, lr: float, target: float) -> dict:

@@ -2,7 +2,6 @@
 accuracy after a fixed time; synthetic curves, so every number is known (no training)."""
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -64,9 +63,15 @@ def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_
   got = ledger.tune(str(tmp_path), ["light"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
   assert got == {"light": {"allreduce": 0.1, "adpsgd": 0.2}}
   stored = json.loads((tmp_path / "tuning.json").read_text())
-  assert stored["points"]["light"]["allreduce"]["0.1"] == [2.5, -0.6]
-  assert math.isinf(stored["points"]["light"]["allreduce"]["0.2"][0])
+  assert stored["points"]["light"]["allreduce"]["0.1"] == [2.5, 0.6]
+  assert stored["points"]["light"]["allreduce"]["0.2"][0] is None  # never (JSON has no infinity)
   assert "0.2 (grid edge)" in (tmp_path / "tuning.md").read_text()
+  # Another clock tuned later in the same folder keeps this one's choice (tuning.json merges).
+  monkeypatch.setitem(ledger.TTA_ALGORITHMS_OF, "homogeneous, VGG-16 clock", ("allreduce",))
+  again = ledger.tune(str(tmp_path), ["heavy"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
+  assert again == {"heavy": {"allreduce": 0.1}}
+  stored = json.loads((tmp_path / "tuning.json").read_text())
+  assert stored["choice"] == {"light": {"allreduce": 0.1, "adpsgd": 0.2}, "heavy": {"allreduce": 0.1}}
 
 
 def test_summarize_stores_every_target_both_evaluations_and_the_ends():
