@@ -500,7 +500,10 @@ def run_key(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> 
 
 def train_run(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> dict:
   """One simulated training run of `scenario` (in a temporary folder), evaluated after every step: its
-  curve (CURVE_KEYS, one list per column), throughput (worker-steps per virtual s) and end (virtual s)."""
+  curve (CURVE_KEYS, one list per column), throughput (worker-steps per virtual s) and end (virtual s).
+  A run that diverges (its loss not finite: the run log stops it) is kept as far as it got, marked
+  "diverged": it reaches no later target, and a step size that diverges is never chosen over one that
+  reaches the target."""
   import tempfile
 
   setting, overrides = TTA_SCENARIOS[scenario]
@@ -520,12 +523,19 @@ def train_run(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -
   config.checkpoint_every = 0
   config.update_from_flattened_dict(overrides)
   with tempfile.TemporaryDirectory() as d:
-    summary, _ = sim.simulate_and_train(config, d)
+    try:
+      summary, _ = sim.simulate_and_train(config, d)
+    except FloatingPointError:  # diverged (a step size too large): its records up to there are its run
+      summary = None
     with open(os.path.join(d, "metrics.jsonl")) as f:
       evals = [r for r in map(json.loads, f) if "test_accuracy" in r]
   digits = {"time": 7, "step": 0}
   curve = {c: [round(r[k], digits.get(c, 5)) for r in evals] for c, k in CURVE_KEYS.items()}
   curve["step"] = [int(x) for x in curve["step"]]
+  if summary is None:
+    end = curve["time"][-1] if evals else 0.0
+    steps_done = curve["step"][-1] * n if evals else 0
+    return {"curve": curve, "throughput": steps_done / end if end else 0.0, "end": end, "diverged": True}
   return {
     "curve": curve,
     "throughput": sum(summary["worker_steps"]) / summary["time"],
@@ -554,7 +564,8 @@ def run_jobs(out_dir: str, jobs: list, workers: int = 1) -> dict:
     runs[key] = r
     write_json(path, runs)
     curve = r["curve"]
-    print(f"{key}: test {curve['test'][-1]:.4f} val {curve['val'][-1]:.4f} end {r['end']:.4g} s", flush=True)
+    last = f"test {curve['test'][-1]:.4f} val {curve['val'][-1]:.4f}" if curve["test"] else "no evaluation"
+    print(f"{key}: {last} end {r['end']:.4g} s{' DIVERGED' if r.get('diverged') else ''}", flush=True)
 
   if workers <= 1:
     for key, j in todo.items():
@@ -571,6 +582,11 @@ def crossing(curve: dict, target: float, key: str = "test"):
   """(time, step) of the first evaluation of curve[key] at or above target, or None."""
   i = next((i for i, a in enumerate(curve[key]) if a >= target), None)
   return None if i is None else (curve["time"][i], curve["step"][i])
+
+
+def final(run: dict, key: str = "test") -> float:
+  """A run's last accuracy; 0.0 for a run that diverged (it ends with no model worth the name)."""
+  return 0.0 if run.get("diverged") or not run["curve"][key] else run["curve"][key][-1]
 
 
 def accuracy_at(curve: dict, t: float, key: str = "test") -> float:
@@ -613,10 +629,10 @@ def tune(
     for a in algs[name]:
       score = {}
       for lr in grid:
-        got = [runs[run_key(name, a, lr, seed, steps)]["curve"] for seed in range(TUNE_SEEDS)]
-        hit = [crossing(c, target, "val") for c in got]
+        got = [runs[run_key(name, a, lr, seed, steps)] for seed in range(TUNE_SEEDS)]
+        hit = [crossing(r["curve"], target, "val") for r in got]
         vt = float(np.median([h[0] if h else np.inf for h in hit]))
-        score[lr] = (vt, -float(np.mean([c["val"][-1] for c in got])))
+        score[lr] = (vt, -float(np.mean([final(r, "val") for r in got])))
       best = min(grid, key=lambda lr: score[lr])
       choice.setdefault(setting, {})[a] = best
       out["choice"].setdefault(setting, {})[a] = best
@@ -659,14 +675,15 @@ def summarize(runs: list, lr: float, target: float) -> dict:
     "time": [h[0] if h else None for h in hits],
     "steps": [h[1] if h else None for h in hits],
     "end": [r["end"] for r in runs],  # where a miss is censored (ripples_jax.verdict)
-    "final": [r["curve"]["test"][-1] for r in runs],
+    "final": [final(r) for r in runs],
     "throughput": [r["throughput"] for r in runs],
     "times": {f"{t:g}": [(crossing(r["curve"], t) or (None,))[0] for r in runs] for t in TARGETS},
     "worker_times": {
       f"{t:g}": [(crossing(r["curve"], t, "worker") or (None,))[0] for r in runs] for t in TARGETS
     },
     "worker_time": [h[0] if h else None for h in worker],
-    "final_worker": [r["curve"]["worker"][-1] for r in runs],
+    "final_worker": [final(r, "worker") for r in runs],
+    "diverged": sum(bool(r.get("diverged")) for r in runs),
   }
 
 

@@ -204,3 +204,12 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
   )
   assert row[2] == "-" and row[3] == f"{e}: {verdict.judge(e, 1.1)}"  # no base-clock runs; the variant's
   assert e.mean == pytest.approx(2.0)
+
+
+def test_a_diverged_run_is_kept_as_far_as_it_got_and_counts_zero():
+  """A step size far too large: the run log stops the run at its first non-finite loss; the ledger
+  keeps its records, marks it diverged and scores its final accuracy 0 (a real 10-step run)."""
+  r = ledger.train_run("homogeneous", "allreduce", 1e4, 0, 10)
+  assert r["diverged"] and ledger.final(r) == 0.0 and ledger.final(r, "val") == 0.0
+  assert 0 < len(r["curve"]["time"]) < 10 and r["end"] == r["curve"]["time"][-1]
+  assert ledger.summarize([r], 1e4, 0.55)["diverged"] == 1
