@@ -213,3 +213,22 @@ def test_a_diverged_run_is_kept_as_far_as_it_got_and_counts_zero():
   assert r["diverged"] and ledger.final(r) == 0.0 and ledger.final(r, "val") == 0.0
   assert 0 < len(r["curve"]["time"]) < 10 and r["end"] == r["curve"]["time"][-1]
   assert ledger.summarize([r], 1e4, 0.55)["diverged"] == 1
+
+
+def test_verdicts_text_names_what_each_verdict_rests_on_and_the_claims_no_run_compares(tmp_path):
+  """verdicts.md's parts from stored records alone: the verdict table, what each verdict rests on, the
+  sync-overhead and conflict rows (from sync_overhead.json and ledger.json)."""
+  ledger_out = {
+    "claims": [{"throughput_heavy": [1.0, 0.0]} for _ in ledger.CLAIMS],
+    "scale": [],
+    "conflicts": {"ripples_random": 650.0},
+  }
+  (tmp_path / "sync_overhead.json").write_text(
+    json.dumps({"heavy": {"ripples_smart": [0.1, 0.12], "adpsgd": [0.0, 0.0]}})
+  )
+  text = ledger.verdicts_text(str(tmp_path), ledger_out, None, 0.55, 300)
+  assert "What each verdict rests on:" in text and "vs AD-PSGD: AD-PSGD's sync overhead" in text
+  assert (
+    "Smart GG 110.00 ms, AD-PSGD 0.00 ms: AD-PSGD's over Smart GG's 0.00x against the paper's 5.10x" in text
+  )
+  assert "ripples_random 650.0 (the paper publishes no count)" in text
