@@ -562,7 +562,7 @@ def run_jobs(out_dir: str, jobs: list, workers: int = 1) -> dict:
 
   def done(key, r):
     runs[key] = r
-    write_json(path, runs)
+    write_json(path, runs, indent=None)  # every curve of every run: compact
     curve = r["curve"]
     last = f"test {curve['test'][-1]:.4f} val {curve['val'][-1]:.4f}" if curve["test"] else "no evaluation"
     print(f"{key}: {last} end {r['end']:.4g} s{' DIVERGED' if r.get('diverged') else ''}", flush=True)
@@ -740,7 +740,7 @@ def tta(
     out[name] = {a: per[a] for a in order + [a for a in per if a not in order]}
   table = tta_table(out, target)
   for name in scenarios:
-    slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "")
+    slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "").replace("/", "")
     analysis.accuracy_vs_time(
       {name: {a: curves[name][a] for a in out[name] if a in curves.get(name, {})}},
       os.path.join(out_dir, f"tta_{slug}.png"),

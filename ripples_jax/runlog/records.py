@@ -38,11 +38,13 @@ def to_python(v):
   return v
 
 
-def write_json(path: str, obj: dict) -> None:
-  """Atomic write: a reader never sees a half-written file."""
+def write_json(path: str, obj: dict, indent: int | None = 2) -> None:
+  """Atomic write: a reader never sees a half-written file. indent=None: compact (large stores)."""
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
-    json.dump({k: to_python(v) for k, v in obj.items()}, f, indent=2)
+    json.dump(
+      {k: to_python(v) for k, v in obj.items()}, f, indent=indent, separators=None if indent else (",", ":")
+    )
   os.replace(tmp, path)
 
 
