@@ -1108,13 +1108,17 @@ SCALE_SCENARIOS = {16: "5x straggler", 64: "5x straggler, 64 workers", 256: "5x 
 
 def scale_table(ledger_out: dict, tta_out: dict | None, target: float) -> Table:
   """Smart GG against All-Reduce with one worker 5x slower (light) by worker count: throughput (the
-  ledger's clock runs) beside time to accuracy (the training runs), with the seeds each one used."""
+  ledger's clock runs) beside time to accuracy (the training runs: paired by seed with a 95% interval,
+  misses censored; older records without ends as mean ± std), with the seeds each one used."""
   rows = []
   for c in ledger_out["scale"]:
     name = SCALE_SCENARIOS.get(c["n"])
     t = (tta_out or {}).get("scenarios", {}).get(name, {})
     r = tta_ratios(tta_out, name, "ripples_smart", "allreduce") if tta_out and name else []
-    if r:
+    if "allreduce" in t and "ripples_smart" in t and "end" in t["allreduce"]:  # paired, misses censored
+      m, b = t["ripples_smart"], t["allreduce"]
+      cell = f"{verdict.paired(m['time'], b['time'], (m['end'], b['end']))} ({len(m['time'])} seeds)"
+    elif r:  # records from before runs kept their ends
       cell = f"{fmt(np.mean(r), np.std(r))} ({len(r)} seed{'s' * (len(r) != 1)})"
     elif "allreduce" in t and "ripples_smart" in t:  # run, but one of them missed the target
       cell = "not reached: " + ", ".join(

@@ -233,3 +233,14 @@ def test_verdicts_text_names_what_each_verdict_rests_on_and_the_claims_no_run_co
     "Smart GG 110.00 ms, AD-PSGD 0.00 ms: AD-PSGD's over Smart GG's 0.00x against the paper's 5.10x" in text
   )
   assert "ripples_random 650.0 (the paper publishes no count)" in text
+
+
+def test_the_scale_rows_pair_seeds_and_censor_misses_when_the_records_hold_ends():
+  smart = {"time": [1.0, 1.1, None, 1.0, 0.9], "end": [3.0] * 5}
+  ar = {"time": [4.0, 4.2, 4.1, 3.9, 4.0], "end": [9.0] * 5}
+  led = {"scale": [{"n": 64, "smart_vs_allreduce": [4.6, 0.0], "limit": 4.94}]}
+  rows = ledger.scale_table(
+    led, {"scenarios": {"5x straggler, 64 workers": {"allreduce": ar, "ripples_smart": smart}}}, 0.55
+  ).rows
+  want = verdict.paired(smart["time"], ar["time"], (smart["end"], ar["end"]))
+  assert want.censored == 1 and rows[0][2] == f"{want} (5 seeds)"
