@@ -608,7 +608,8 @@ def tune(
   # The settings tuned before with this grid are chosen again from their (held) runs, not kept as
   # written: one rule and one format for every row.
   before = {s: list(per) for s, per in held.get("choice", {}).items() if same and s not in settings}
-  scenarios = {TUNE_SCENARIO[s]: s for s in list(settings) + list(before)}
+  ordered = sorted({*settings, *before}, key=list(SETTINGS).index)  # tuning.md's rows in one order
+  scenarios = {TUNE_SCENARIO[s]: s for s in ordered}
   algs = {
     name: before[s]
     if s in before
