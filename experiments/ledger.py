@@ -178,16 +178,24 @@ def publish(out_dir: str, name: str, text: str, out: dict) -> None:
   print(text)
 
 
+def set_clock(config, clock) -> tuple[float, float]:
+  """config.timeline from a clock, (model bytes, bandwidth B/s, step s[, overlap]), with the server's
+  link as fast as every other link; returns (model bytes, step s)."""
+  nbytes, bandwidth, step, *rest = clock
+  config.timeline.bandwidth = config.timeline.ps_bandwidth = bandwidth
+  config.timeline.compute_time, config.timeline.model_bytes = step, nbytes
+  config.timeline.overlap = rest[0] if rest else 0.0
+  return nbytes, step
+
+
 def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=None, group_size=3):
   """Worker steps per (virtual) second and the trace of one clock run. setting: a SETTINGS name or its
   (model bytes, bandwidth B/s, step s[, overlap]) itself (overlap: timeline.overlap, default 0)."""
-  nbytes, bandwidth, step, *rest = SETTINGS[setting] if isinstance(setting, str) else setting
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
   config.hetero.slow_workers = (n - 1,) if slowdown > 1 else ()
   config.hetero.slowdown, config.hetero.jitter, config.seed = slowdown, 0.05, seed
   config.schedule.group_size = group_size
-  config.timeline.bandwidth = config.timeline.ps_bandwidth = bandwidth
-  config.timeline.overlap = rest[0] if rest else 0.0
+  nbytes, step = set_clock(config, SETTINGS[setting] if isinstance(setting, str) else setting)
   speed, net = sim.build_clock(config, model_bytes=nbytes, base_time=step)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, seed]))
   trace = timeline.simulate(algorithm, speed, net, steps * n, gg=gg, seed=seed, adpsgd_cost=cost)
@@ -507,18 +515,15 @@ def train_run(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -
   import tempfile
 
   setting, overrides = TTA_SCENARIOS[scenario]
-  nbytes, bandwidth, step, *rest = SETTINGS[setting]
   n = int(overrides.get("num_workers", 16))
   config = default_config.get_config(
     f"algorithm={algorithm},executor=sim,num_workers={n},model=mlp,steps={steps}"
   )
   config.seed, config.hetero.jitter, config.optimizer.lr = seed, 0.05, lr
   config.validation_examples = VALIDATION_EXAMPLES
-  # The server's link as fast as every other link, as in the throughput runs (`throughput`).
-  config.timeline.compute_time, config.timeline.bandwidth = step, bandwidth
-  config.timeline.ps_bandwidth = bandwidth
-  config.timeline.model_bytes = nbytes if setting != "light" else 0.0
-  config.timeline.overlap = rest[0] if rest else 0.0
+  set_clock(config, SETTINGS[setting])
+  if setting == "light":  # the MLP's own fp32 bytes (the simulator measures them)
+    config.timeline.model_bytes = 0.0
   config.log_every = config.eval_every = 1
   config.checkpoint_every = 0
   config.update_from_flattened_dict(overrides)
@@ -625,7 +630,6 @@ def tune(
   ]
   runs = run_jobs(out_dir, jobs, workers)
   out = {"grid": list(grid), "seeds": TUNE_SEEDS, "target": target, "choice": {}, "points": {}}
-  choice = {}
   for name, setting in scenarios.items():
     for a in algs[name]:
       score = {}
@@ -635,7 +639,6 @@ def tune(
         vt = float(np.median([h[0] if h else np.inf for h in hit]))
         score[lr] = (vt, -float(np.mean([final(r, "val") for r in got])))
       best = min(grid, key=lambda lr: score[lr])
-      choice.setdefault(setting, {})[a] = best
       out["choice"].setdefault(setting, {})[a] = best
       out["points"].setdefault(setting, {})[a] = {
         f"{lr:g}": [None if np.isinf(v) else v, -f] for lr, (v, f) in score.items()
@@ -664,7 +667,7 @@ def tune(
     f"\n\n{table}"
   )
   publish(out_dir, "tuning", text, out)
-  return {s: choice[s] for s in settings}
+  return {s: out["choice"][s] for s in settings}
 
 
 def summarize(runs: list, lr: float, target: float) -> dict:
@@ -839,10 +842,13 @@ def tta_ratio(tta_out: dict, scenario: str, num: str, den: str) -> float | None:
   return float(np.mean(r)) if r else None
 
 
-def claim_estimate(tta_out: dict | None, claim: str, suffix: str = "") -> verdict.Estimate | None:
+def claim_estimate(
+  tta_out: dict | None, claim: str, suffix: str = "", target: str | None = None, kind: str = "times"
+) -> verdict.Estimate | None:
   """The baseline's time to the target over Ripples', paired by seed, misses censored at their run's
-  end (ripples_jax.verdict); None where the runs do not make the claim's comparison. suffix: on a
-  variant of the claim's clock (CLOCK_VARIANTS)."""
+  end (ripples_jax.verdict); None where the records do not make the claim's comparison. suffix: on a
+  variant of the claim's clock (CLOCK_VARIANTS); target: one of TARGETS instead of --target's, of
+  `kind` ("times": the averaged model; "worker_times": the mean of the workers' own models)."""
   if not tta_out or claim not in TTA_OF_CLAIM:
     return None
   scenario, (num, den) = TTA_OF_CLAIM[claim]
@@ -850,9 +856,15 @@ def claim_estimate(tta_out: dict | None, claim: str, suffix: str = "") -> verdic
   if num not in t or den not in t:
     return None
   m, b = t[num], t[den]
-  n = min(len(m["time"]), len(b["time"]))
+  if target is None:
+    times_m, times_b = m["time"], b["time"]
+  elif target in m.get(kind, {}):
+    times_m, times_b = m[kind][target], b[kind][target]
+  else:
+    return None
+  n = min(len(times_m), len(times_b))
   ends = (m.get("end", [None] * n)[:n], b.get("end", [None] * n)[:n])
-  return verdict.paired(m["time"][:n], b["time"][:n], ends)
+  return verdict.paired(times_m[:n], times_b[:n], ends)
 
 
 def verdict_table(ledger_out: dict, tta_out: dict | None, target: float) -> Table:
@@ -960,20 +972,6 @@ def verdicts_text(out_dir: str, ledger_out: dict, tta_out: dict | None, target: 
   return "\n\n".join(parts)
 
 
-def claim_estimate_at(tta_out: dict, claim: str, target: str, kind: str = "times"):
-  """claim_estimate at one of TARGETS (kind "times": the averaged model; "worker_times": the mean of
-  the workers' own models); None where the records do not hold it."""
-  if claim not in TTA_OF_CLAIM:
-    return None
-  scenario, (num, den) = TTA_OF_CLAIM[claim]
-  t = tta_out["scenarios"].get(scenario, {})
-  if num not in t or den not in t or target not in t[num].get(kind, {}):
-    return None
-  m, b = t[num][kind][target], t[den][kind][target]
-  n = min(len(m), len(b))
-  return verdict.paired(m[:n], b[:n], (t[num]["end"][:n], t[den]["end"][:n]))
-
-
 def targets_table(tta_out: dict) -> Table:
   """Every claim the runs compare, judged on its first published figure at every target (TARGETS),
   for the averaged model and for the workers' own models: does a verdict hang on the target or on
@@ -984,7 +982,7 @@ def targets_table(tta_out: dict) -> Table:
     for kind, model in (("times", "averaged model"), ("worker_times", "workers' mean")):
       cells = []
       for t in TARGETS:
-        e = claim_estimate_at(tta_out, claim, f"{t:g}", kind)
+        e = claim_estimate(tta_out, claim, target=f"{t:g}", kind=kind)
         cells.append("-" if e is None else f"{e}: {verdict.judge(e, figure)}")
       if any(c != "-" for c in cells):
         rows.append([claim, f"{figure:g}x ({src})", model] + cells)

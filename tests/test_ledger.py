@@ -111,11 +111,11 @@ def test_a_claim_at_each_target_is_the_paired_estimate_of_those_times():
     }
   }
   claim = "homogeneous vs All-Reduce"
-  e = ledger.claim_estimate_at(tta_out, claim, "0.55")
+  e = ledger.claim_estimate(tta_out, claim, target="0.55")
   assert e == verdict.paired(smart_t["0.55"], ar_t["0.55"], ([4.0] * 5, [5.0] * 5))
-  miss = ledger.claim_estimate_at(tta_out, claim, "0.58")
+  miss = ledger.claim_estimate(tta_out, claim, target="0.58")
   assert miss.reached == 4 and miss.censored == 1  # the miss at its run's end (4.0): 3.3 / 4.0
-  assert ledger.claim_estimate_at(tta_out, "homogeneous vs AD-PSGD", "0.55") is None  # no AD-PSGD runs
+  assert ledger.claim_estimate(tta_out, "homogeneous vs AD-PSGD", target="0.55") is None  # no AD-PSGD runs
   table = ledger.targets_table(tta_out)
   assert [r[:3] for r in table.rows] == [
     [claim, "1.1x (arXiv)", "averaged model"],
