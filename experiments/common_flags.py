@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from ripples_jax import config_doc, runlog
 from ripples_jax.data import DatasetError
-from ripples_jax.distributed.host import init_distributed, quiet_library_logs, use_cpu_devices
+from ripples_jax.distributed.host import init_distributed, quiet_library_logs, recoverable, use_cpu_devices
 from ripples_jax.errors import ConfigError
 
 from .config_args import config_spec, shipped_configs
@@ -273,11 +273,15 @@ def check_workdir(workdir: str | None) -> None:
     )
 
 
-def set_up_host() -> None:
+def set_up_host(config=None) -> None:
   """The console's log filter (host.quiet_library_logs, off with --verbose_libraries), forced CPU
-  devices (before the first device use), then jax.distributed when asked."""
+  devices (before the first device use), then jax.distributed when asked (recoverable when the
+  config's runtime is elastic)."""
   quiet_library_logs(verbose=_VERBOSE_LIBRARIES.value)
   use_cpu_devices(CPU_DEVICES.value)
+  rt = config.get("runtime") if config is not None else None
+  if _JAX_DISTRIBUTED.value and rt is not None and rt.get("elastic") is True:
+    recoverable(2 * rt.heartbeat_timeout)  # longer than a removal takes: a stalled peer is gone by then
   if _JAX_DISTRIBUTED.value:
     init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICE_IDS.value)
 

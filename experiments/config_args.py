@@ -81,3 +81,20 @@ def runs_async(module: str, args) -> bool:
     return load_config(spec).executor == "async"
   except Exception:  # noqa: BLE001
     return False
+
+
+def runs_elastic(module: str, args) -> bool:
+  """Whether `python -m module args` is an elastic executor=async run (runtime.elastic): the launcher
+  then restarts a dead worker alone (--max_restarts) and the others go on, instead of stopping them."""
+  if not runs_async(module, args):
+    return False
+  given = dict(overrides(args)).get("runtime.elastic")
+  if given is not None:
+    return given.strip("'\"") in ("True", "true", "1")
+  spec = config_spec(shipped_configs(list(args)))
+  if not os.path.isabs(spec.split(":", 1)[0]) and not os.path.exists(spec.split(":", 1)[0]):
+    spec = os.path.join(_ROOT, spec)
+  try:
+    return load_config(spec).runtime.get("elastic", False) is True
+  except Exception:  # noqa: BLE001
+    return False

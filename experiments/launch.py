@@ -42,7 +42,14 @@ _MODULE = flags.DEFINE_string(
   "module", f"{__package__ or 'experiments'}.train", "The entry point each process runs."
 )
 _PORT = flags.DEFINE_integer("port", 0, "The coordinator's port on 127.0.0.1 (0: a free one).")
-_OWN = (_NUM_PROCESSES, _CPU_DEVICES, _PLATFORM, _GRACE, _MODULE, _PORT)
+_MAX_RESTARTS = flags.DEFINE_integer(
+  "max_restarts",
+  0,
+  "Restarts after a failure (torchrun's name). An elastic run (--config.runtime.elastic=True): per "
+  "worker, the others go on and the restarted worker rejoins. Otherwise every process restarts and "
+  "resumes from the newest checkpoint.",
+)
+_OWN = (_NUM_PROCESSES, _CPU_DEVICES, _PLATFORM, _GRACE, _MODULE, _PORT, _MAX_RESTARTS)
 _KINDS = {"int": "an integer", "float": "a number"}
 
 
@@ -86,6 +93,8 @@ def main(argv):
       _GRACE.value,
       port=_PORT.value,
       coordinator=config_args.runs_async(_MODULE.value, argv[1:]),
+      max_restarts=_MAX_RESTARTS.value,
+      elastic=config_args.runs_elastic(_MODULE.value, argv[1:]),
     )
   except ValueError as e:  # bad input, found before anything starts
     sys.stderr.write(f"error: {e}\n")

@@ -23,7 +23,7 @@ _CONFIG = common_flags.config_flag("default.py")
 
 def main(argv):
   del argv
-  common_flags.set_up_host()
+  common_flags.set_up_host(_CONFIG.value)
   summary = common_flags.run_or_exit(run.train_and_evaluate, _CONFIG.value, common_flags.WORKDIR.value)
   if "final_test_accuracy" not in summary:  # an asynchronous worker other than process 0
     print(f"worker {summary['worker']}: {summary['worker_steps']} local steps")

@@ -165,6 +165,13 @@ def validate_train_config(
     if config.batch_size % local:
       _fail("batch_size", config.batch_size, f"a multiple of the {local} devices of each worker")
     _check_runtime(config)
+  elif config.get("runtime") is not None and config.runtime.get("elastic"):
+    _fail(
+      "runtime.elastic",
+      config.runtime.elastic,
+      f"False with executor={config.executor} (elastic membership is the runtime's, executor=async; the "
+      "simulator's is hetero.leave)",
+    )
 
   _check_optimizer(config)
   if "on_config_change" in config:
@@ -203,6 +210,8 @@ def _check_runtime(config):
     f"-1 (none) or a worker id < num_workers={config.num_workers}",
   )
   _int_in(config, "runtime.fail_step", 0, 10**9, "an integer >= 0")
+  _one_of(config, "runtime.fail_where", FAIL_WHERE)
+  _check_elastic(config)
   _one_of(config, "runtime.adpsgd_passive", ADPSGD_PASSIVE)
   _one_of(config, "runtime.preduce", PREDUCE_MODES)
   _number(config, "runtime.step_time", lambda v: v >= 0, "seconds >= 0 (0: no padding)")
@@ -216,6 +225,38 @@ def _check_runtime(config):
   if not rt.stall_timeout > rt.heartbeat_timeout:
     _fail(
       "runtime.stall_timeout", rt.stall_timeout, f"seconds > runtime.heartbeat_timeout={rt.heartbeat_timeout}"
+    )
+
+
+FAIL_WHERE = ("step", "preduce")
+# Why an algorithm cannot run elastic (runtime.elastic; docs/design.md 3.12).
+NO_ELASTIC = {
+  "allreduce": "every step averages over all workers, so no step can exclude a dead one (its elastic "
+  "form is the restart of every worker from the newest checkpoint: experiments.launch --max_restarts)",
+  "ripples_static": "its groups are fixed in advance and cannot exclude a member",
+  "adpsgd": "its passive side has no membership yet (the simulator's hetero.leave has it)",
+}
+
+
+def _check_elastic(config):
+  rt = config.runtime
+  if "elastic" not in rt:
+    return
+  _bool(config, "runtime.elastic")
+  if rt.fail_where == "preduce" and not rt.elastic:
+    _fail(
+      "runtime.fail_where", rt.fail_where, "step without runtime.elastic (preduce needs runtime.elastic=True)"
+    )
+  if not rt.elastic:
+    return
+  if config.algorithm in NO_ELASTIC:
+    _fail("runtime.elastic", True, f"False with algorithm={config.algorithm}: {NO_ELASTIC[config.algorithm]}")
+  if rt.preduce == "group":
+    _fail(
+      "runtime.preduce",
+      rt.preduce,
+      "pairs or auto with runtime.elastic (pairs are connected before the run, so an exchange with a "
+      "dead worker fails at once; a group's first use waits 30 s for it)",
     )
 
 

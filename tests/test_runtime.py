@@ -13,7 +13,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from configs import default as default_config
-from experiments.config_args import runs_async
+from experiments.config_args import runs_async, runs_elastic
 from ripples_jax import timeline
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.launcher import launch
@@ -120,7 +120,7 @@ def run_args(workdir, algorithm, n, steps, extra=()):
   ]
 
 
-def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="experiments.train"):
+def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="experiments.train", max_restarts=0):
   """launch() in a thread; on timeout every child is SIGKILLed by PID and the test fails."""
   out, pids, result = io.StringIO(), [], {}
 
@@ -141,6 +141,8 @@ def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="exp
         cwd=ROOT,
         grace_s=grace_s,
         coordinator=runs_async(module, args),  # as experiments.launch does
+        max_restarts=max_restarts,
+        elastic=runs_elastic(module, args),
       ),
     ),
     daemon=True,

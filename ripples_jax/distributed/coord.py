@@ -38,6 +38,8 @@ import time
 PREFIX = "ripples"
 EXIT_LOST = 75  # a peer was lost: distinct from crashes (1) and bad input (2); resume to go on
 EXIT_TERM = 143  # stopped by SIGTERM: 128 + 15, what a shell reports for a SIGTERM death; resume to go on
+EXIT_REMOVED = 76  # runtime.elastic: this worker was removed (it stalled); restart it to rejoin
+EXIT_REFUSED = 78  # runtime.elastic: a rejoin the run cannot take (the line says why); not restarted
 LAUNCHER_PID_ENV = "RIPPLES_LAUNCHER_PID"  # set by the local launcher: its workers stop when it dies
 COORDINATOR = "coordinator"  # process 0 of an executor=async run (its watchdog's name in exit lines)
 WARMUP = "warmup"  # publish_estimate's block of the workers' warm-up step times (the authority's first plan)
@@ -106,6 +108,8 @@ class Watchdog:
     role: str = "worker",
     hosts_service: bool | None = None,
     service_host: str = "worker 0",
+    on_lost=None,
+    incarnation: int | None = None,
   ):
     self.kv, self.worker, self.n = kv, worker, num_workers
     self.role = role  # what the exit line calls a process: worker, or stage (pipeline)
@@ -123,6 +127,10 @@ class Watchdog:
     self.steps = {w: 0 for w in range(num_workers)}
     self.done = {w: False for w in range(num_workers)}
     self._contact = now
+    # Elastic membership (runtime/membership.py). The coordinator's: on_lost(w) for a worker silent for
+    # timeout_s, which the run then goes on without (`gone` until it beats again: a rejoin). A worker's
+    # (incarnation not None): peers are not its concern; it exits when the coordinator removed it.
+    self.on_lost, self.incarnation, self.gone = on_lost, incarnation, set()
     self.fired = False
     self._fire_lock = threading.RLock()  # the watchdog thread and a SIGTERM may want to exit at once
     self._thread = threading.Thread(target=self._run, name="ripples-watchdog", daemon=True)
@@ -170,22 +178,43 @@ class Watchdog:
         continue
       if value != self.seen[w][0]:
         self.seen[w] = (value, now)
+        self.gone.discard(w)
       _, s, e, d = value.split()
       self.steps[w], self.done[w] = int(s), d == "1"
       if e != self.moved[w][0]:
         self.moved[w] = (e, now)
     if self._stop.is_set():
       return
+    if self.incarnation is not None:
+      return self._removed()
     silent = [w for w in range(self.n) if w != self.worker and now - self.seen[w][1] > self.timeout]
+    if self.on_lost is not None:
+      for w in silent:
+        if w not in self.gone and not self.done[w]:
+          self.gone.add(w)
+          self.on_lost(w)
+      silent = []
     if silent:
       return self._lost(f"{self.role}(s) {silent} lost: no heartbeat for {self.timeout:.0f} s", silent)
-    running = [w for w in range(self.n) if not self.done[w]]
+    running = [w for w in range(self.n) if not self.done[w] and w not in self.gone]
     if running and all(now - self.moved[w][1] > self.stall_timeout for w in running):
       stalled = min(running, key=lambda w: self.moved[w][1])
       self._lost(
         f"no progress for {self.stall_timeout:.0f} s; {self.role} {stalled} stalled first "
         f"({self.role}s {running} are blocked)",
         [],
+      )
+
+  def _removed(self) -> None:
+    """An elastic worker: exits (EXIT_REMOVED) once the coordinator has removed this incarnation."""
+    key = f"{PREFIX}/removed/{self.worker}"
+    value = dict(self.kv.key_value_dir_get(f"{PREFIX}/removed/")).get(key)
+    if value is not None and int(value) == self.incarnation:
+      self._finish(
+        f"removed from the run (no heartbeat reached the coordinator for {self.timeout:.0f} s: it "
+        "stalled); restart it to rejoin",
+        [],
+        EXIT_REMOVED,
       )
 
   def _lost(self, why: str, lost: list) -> None:

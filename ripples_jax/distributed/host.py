@@ -1,7 +1,9 @@
 """Host set-up before the first device use: the console's log filter, forced CPU devices, jax.distributed."""
 
 import logging as std_logging
+import math
 import os
+import re
 import socket
 import sysconfig
 import time
@@ -22,6 +24,18 @@ def use_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
   except RuntimeError as e:  # the backend is already up: its device count stands
     logging.warning("cpu devices: keeping %d (%s)", jax.device_count(), str(e).splitlines()[0][:80])
+
+
+def recoverable(collective_timeout_s: float) -> None:
+  """Elastic membership (runtime.elastic; docs/design.md 3.8): the survivors of a dead process live on
+  (jax_enable_recoverability, before jax.distributed.initialize), and a collective whose peer never
+  comes (a stalled worker's) fails after collective_timeout_s instead of gloo's 1,800 s. Call before
+  the backend starts: XLA reads its flags once."""
+  jax.config.update("jax_enable_recoverability", True)
+  flags = re.sub(r"--xla_cpu_collective_timeout_seconds=\S+", "", os.environ.get("XLA_FLAGS", ""))
+  os.environ["XLA_FLAGS"] = (
+    f"{flags} --xla_cpu_collective_timeout_seconds={int(math.ceil(collective_timeout_s))}".strip()
+  )
 
 
 def init_distributed(

@@ -41,7 +41,13 @@ import time
 from ripples_jax.distributed import coord
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-MEANING = {coord.EXIT_LOST: "it lost a peer", coord.EXIT_TERM: "it was stopped by SIGTERM"}
+MEANING = {
+  coord.EXIT_LOST: "it lost a peer",
+  coord.EXIT_TERM: "it was stopped by SIGTERM",
+  coord.EXIT_REMOVED: "it was removed from the run after a stall",
+  coord.EXIT_REFUSED: "the run could not take it back",
+}
+RESTART_ENV = "RIPPLES_RESTART"  # a restarted process's restart count (its fault injection stays off)
 
 
 def free_port() -> int:
@@ -271,8 +277,12 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def check_args(num_processes: int, cpu_devices: int, grace_s: float, port: int) -> None:
+def check_args(
+  num_processes: int, cpu_devices: int, grace_s: float, port: int, max_restarts: int = 0
+) -> None:
   """ValueError, one line naming the flag and what is allowed, for launch()'s arguments that cannot run."""
+  if max_restarts < 0:
+    raise ValueError(f"--max_restarts={max_restarts} is not allowed: an integer >= 0")
   if num_processes < 1:
     raise ValueError(f"--num_processes={num_processes} is not allowed: at least 1 process is needed")
   if cpu_devices < 1:
@@ -324,6 +334,7 @@ def start_worker(
   launched: bool = True,
   text: bool = False,
   coordinator: bool = False,
+  restart: int = 0,
 ):
   """Process i of n: `python -m module args` with the coordinator flags, in a session of its own (the
   launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe (bytes, or
@@ -343,6 +354,8 @@ def start_worker(
   env = child_env(cpu_devices, platform, max(i - int(coordinator), 0), coordinator and i == 0)
   if not launched:
     env.pop(coord.LAUNCHER_PID_ENV, None)
+  if restart:
+    env[RESTART_ENV] = str(restart)
   return subprocess.Popen(
     cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd, text=text
   )
@@ -367,6 +380,55 @@ def _watch(procs, threads, signals, clues, address: str, grace_s: float, out, ro
   return None
 
 
+class _Elastic:
+  """An elastic run's policy (runtime.elastic): a worker that exits non-zero is restarted alone, under
+  its process id, up to max_restarts times (it rejoins; runtime/membership.py), and otherwise left
+  out: the others go on. Only the coordinator's failure stops the job. A worker the run refused
+  (coord.EXIT_REFUSED) or that was given bad input (2) is not restarted."""
+
+  def __init__(self, max_restarts: int, start, out, roles: Roles, grace_s: float):
+    self.max_restarts, self.start, self.out, self.roles = max_restarts, start, out, roles
+    self.grace_s = grace_s
+    self.restarts, self.left = {}, set()
+
+  def watch(self, procs, threads, signals, clues, address: str):
+    """Polls every child every 0.1 s until the coordinator exits; returns (0, code) on its failure, or
+    None."""
+    while not signals.got:
+      code0 = procs[0].poll()
+      if code0 not in (None, 0):
+        threads[0].join(timeout=2)
+        self.out.write(
+          f"[launch] {failure_line((0, code0), procs, clues, address, self.roles)}; stopping the others\n"
+        )
+        return (0, code0)
+      for i in range(1, len(procs)):
+        code = procs[i].poll()
+        if code in (None, 0) or i in self.left:
+          continue
+        threads[i].join(timeout=2)
+        self._failed(i, code, procs, threads)
+      if code0 == 0:  # the run is over: the live workers follow it out (the rest are stopped)
+        _wait(procs, time.monotonic() + self.grace_s, lambda: bool(signals.got))
+        return None
+      time.sleep(0.1)
+    return None
+
+  def _failed(self, i: int, code: int, procs, threads) -> None:
+    name, done = self.roles.name(i), self.restarts.get(i, 0)
+    if done < self.max_restarts and code not in (coord.EXIT_REFUSED, 2):
+      self.restarts[i] = done + 1
+      self.out.write(
+        f"[launch] {name} exited with {describe(code)}; restarting it ({done + 1} of {self.max_restarts}): "
+        f"it rejoins the run\n"
+      )
+      procs[i], threads[i] = self.start(i, done + 1)
+      return
+    self.left.add(i)
+    self.out.write(f"[launch] {name} exited with {describe(code)}; the run goes on without it\n")
+    self.out.flush()
+
+
 def launch(
   num_processes: int,
   args: list[str],
@@ -379,16 +441,54 @@ def launch(
   cwd=None,
   port: int = 0,
   coordinator: bool = False,
+  max_restarts: int = 0,
+  elastic: bool = False,
 ) -> int:
   """Runs `python -m module args --jax_distributed ...` N times (N + 1 with `coordinator`: an
   executor=async run's process 0, which trains nothing); returns the first non-zero exit code (a
   signal's -k as 128 + k), 128 + k after signal k to the launcher, 0 when every process succeeds.
 
+  max_restarts (torchrun's name): with `elastic` (runtime.elastic) a failed worker is restarted alone
+  and rejoins while the others go on (_Elastic; the exit code is the coordinator's); otherwise every
+  process is stopped and the whole job started again, resuming from the newest checkpoint (torchrun's
+  elastic restart), up to max_restarts times.
+
   Raises ValueError, before starting anything, for arguments that cannot run (check_args): fewer than
   1 process or CPU device, a negative or non-finite grace period, a port outside 0..65535 or one that
-  cannot be bound.
+  cannot be bound, a negative max_restarts.
   """
-  check_args(num_processes, cpu_devices, grace_s, port)
+  check_args(num_processes, cpu_devices, grace_s, port, max_restarts)
+  kw = dict(module=module, cpu_devices=cpu_devices, platform=platform, grace_s=grace_s, out=out, cwd=cwd)
+  kw.update(port=port, coordinator=coordinator, elastic=elastic)
+  attempt = 0
+  while True:
+    code, signalled = _launch_once(num_processes, args, on_start, max_restarts, attempt, **kw)
+    if elastic or signalled or code in (0, 2) or attempt >= max_restarts:
+      return code
+    attempt += 1
+    (out or sys.stdout).write(
+      f"[launch] restarting every process ({attempt} of {max_restarts}): they resume from the newest "
+      "checkpoint\n"
+    )
+
+
+def _launch_once(
+  num_processes: int,
+  args: list[str],
+  on_start,
+  max_restarts: int,
+  attempt: int,
+  module: str,
+  cpu_devices: int,
+  platform: str,
+  grace_s: float,
+  out,
+  cwd,
+  port: int,
+  coordinator: bool,
+  elastic: bool,
+) -> tuple[int, bool]:
+  """One start of the job (launch()'s docstring); returns (its exit code, whether a signal ended it)."""
   out = out or sys.stdout
   if num_processes > (cores := usable_cores()):
     out.write(
@@ -402,28 +502,43 @@ def launch(
   roles = Roles(num_processes, coordinator)
   shown = _LibraryLines(any(VERBOSE_FLAG.match(a) for a in args))
   first = None  # (worker, exit code) of the first failure
+
+  def start(i: int, restart: int = 0):
+    p = start_worker(
+      i,
+      roles.total,
+      module,
+      args,
+      address,
+      cpu_devices,
+      platform,
+      cwd,
+      coordinator=coordinator,
+      restart=restart,
+    )
+    t = threading.Thread(target=_stream, args=(i, p.stdout, out, clues, shown, roles.prefix(i)), daemon=True)
+    t.start()
+    return p, t
+
   with _Signals() as signals:
     try:
       for i in range(roles.total):
         if signals.got:
           break
-        procs.append(
-          start_worker(
-            i, roles.total, module, args, address, cpu_devices, platform, cwd, coordinator=coordinator
-          )
-        )
-        threads.append(
-          threading.Thread(
-            target=_stream, args=(i, procs[-1].stdout, out, clues, shown, roles.prefix(i)), daemon=True
-          )
-        )
-        threads[-1].start()
+        p, t = start(i, attempt)
+        procs.append(p)
+        threads.append(t)
       who = f"{num_processes} workers and a coordinator" if coordinator else f"{num_processes} workers"
       out.write(f"[launch] {who} on {address} ({platform}), pids {[p.pid for p in procs]}\n")
       out.flush()
       if on_start and not signals.got:
         on_start([p.pid for p in procs])
-      first = _watch(procs, threads, signals, clues, address, grace_s, out, roles)
+      if elastic and coordinator:
+        first = _Elastic(max_restarts, start, out, roles, grace_s).watch(
+          procs, threads, signals, clues, address
+        )
+      else:
+        first = _watch(procs, threads, signals, clues, address, grace_s, out, roles)
       if signals.got and not first:
         out.write(
           f"[launch] received {signal.Signals(signals.got[0]).name}; stopping the workers "
@@ -443,8 +558,10 @@ def launch(
   if first:
     code = first[1]
   elif signals.got:
-    return 128 + signals.got[0]
+    return 128 + signals.got[0], True
+  elif elastic and coordinator:  # the run's outcome is its coordinator's (the others may have died)
+    code = codes[0]
   else:
     code = next((c for c in codes if c), 0)
   # A signal's negative return code becomes the shell's 128 + signal.
-  return 128 - code if code < 0 else code
+  return (128 - code if code < 0 else code), bool(signals.got)

@@ -39,6 +39,7 @@ import numpy as np
 from absl import logging
 
 from ripples_jax.distributed.coord import PREFIX
+from ripples_jax.runtime import membership
 from ripples_jax.schedule.online import MARK, STOP, decode, encode
 
 _GET_MS = 1000  # blocking gets wake this often to see whether the run is over
@@ -53,6 +54,16 @@ def paged(prefix: str, j: int) -> str:
 def _is_timeout(e: Exception) -> bool:
   text = str(e)
   return "DEADLINE_EXCEEDED" in text or "NOT_FOUND" in text or "timed out" in text.lower()
+
+
+class _Either:
+  """Set when either event is (the run's stop, or one listener's own)."""
+
+  def __init__(self, a: threading.Event, b: threading.Event):
+    self.a, self.b = a, b
+
+  def is_set(self) -> bool:
+    return self.a.is_set() or self.b.is_set()
 
 
 def values_in_order(kv, prefix: str, stop: threading.Event | None = None, page: bool = False):
@@ -77,9 +88,15 @@ class Authority:
   `snapshots[c]` until take_snapshot). `epochs[w]`: the checkpoint markers worker w has passed (its
   start reports)."""
 
-  def __init__(self, kv, service, poll_s: float = 0.05, on_checkpoint=None):
+  def __init__(self, kv, service, poll_s: float = 0.05, on_checkpoint=None, elastic: bool = False, now=None):
     self.kv, self.service, self.poll_s = kv, service, poll_s
     self.n = service.n
+    # Elastic membership (runtime/membership.py): who is live, each worker's incarnation, what happened.
+    self.elastic, self.now = elastic, now or time.perf_counter
+    self.incs = [0] * self.n
+    self.events = []  # (run time, worker, "leave" | "rejoin" | "refused")
+    if elastic:
+      service.view.alive = np.ones(self.n, bool)
     self.on_checkpoint = on_checkpoint or (lambda ident, state: self.snapshots.__setitem__(ident, state))
     self.epochs = [0] * self.n
     self._reported = [0] * self.n  # the newest step whose start report was applied, per worker
@@ -95,12 +112,17 @@ class Authority:
     self._seen = {}
     self._stop = threading.Event()
     self._writers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="ripples-gg-post")
-    self._threads = [
-      threading.Thread(target=self._listen, args=(w,), name=f"ripples-gg-listen-{w}", daemon=True)
-      for w in range(self.n)
-    ]
+    self._quiet = [threading.Event() for _ in range(self.n)]  # a listener's own stop (its worker died)
+    self._threads = [self._listener(w) for w in range(self.n)]
+    if elastic:
+      self._threads.append(threading.Thread(target=self._joins, name="ripples-gg-joins", daemon=True))
     self._threads.append(threading.Thread(target=self._serve, name="ripples-gg", daemon=True))
     self.error = None
+
+  def _listener(self, w: int) -> threading.Thread:
+    return threading.Thread(
+      target=self._listen, args=(w, self.incs[w], self._quiet[w]), name=f"ripples-gg-listen-{w}", daemon=True
+    )
 
   def start(self):
     for t in self._threads:
@@ -112,7 +134,7 @@ class Authority:
     self._writers.shutdown(wait=False)
     for w, r in enumerate(self._read):  # each worker's last page of requests, read or not
       try:
-        self.kv.key_value_delete(f"{PREFIX}/req/{w}/{r // PAGE}")
+        self.kv.key_value_delete(f"{membership.request_prefix(w, self.incs[w])}/{r // PAGE}")
       except Exception:  # noqa: BLE001  the service is gone: nothing is left to tidy
         return
 
@@ -121,17 +143,71 @@ class Authority:
     self._threads[-1].join(timeout_s)
     return not self._threads[-1].is_alive()
 
-  def _listen(self, w: int) -> None:
+  def _listen(self, w: int, inc: int, quiet: threading.Event) -> None:
+    prefix = membership.request_prefix(w, inc)
+    stop = _Either(self._stop, quiet)
     try:
-      for r, value in enumerate(values_in_order(self.kv, f"{PREFIX}/req/{w}", self._stop, page=True)):
+      for r, value in enumerate(values_in_order(self.kv, prefix, stop, page=True)):
         want, ready_at, step_time, *report = value.split()
-        item = (w, int(want), float(ready_at), float(step_time), time.perf_counter(), report)
+        item = (w, int(want), float(ready_at), float(step_time), time.perf_counter(), report, inc)
         self._read[w] = r + 1
         self.inbox.put(item)
         if (r + 1) % PAGE == 0:  # a page read: the store keeps no history
-          self.kv.key_value_delete(f"{PREFIX}/req/{w}/{r // PAGE}")
+          self.kv.key_value_delete(f"{prefix}/{r // PAGE}")
     except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
       return
+
+  # -- elastic membership (runtime/membership.py) -----------------------------------------------------
+
+  def leave(self, w: int) -> None:
+    """Worker w is lost (the coordinator's watchdog): applied by the serving thread, in order."""
+    self.inbox.put(("leave", w))
+
+  def _joins(self) -> None:
+    try:
+      for slot, value in enumerate(values_in_order(self.kv, f"{PREFIX}/join", self._stop)):
+        self.inbox.put(("join", int(value), slot))
+    except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+      return
+
+  def _member(self, item) -> None:
+    kind, w, *slot = item
+    if kind == "leave":
+      if not self.service.view.alive[w]:
+        return  # already out (a removed worker seen silent again)
+      membership.leave(self.service, w, self.incs[w])
+      self.posted[w] = self.service.appended(w)
+      self._quiet[w].set()
+      self.kv.key_value_set(membership.removed_key(w), str(self.incs[w]), allow_overwrite=True)
+      self.events.append((self.now(), w, "leave"))
+      logging.warning("worker %d (incarnation %d) left the run; the others go on", w, self.incs[w])
+      return
+    svc, alive = self.service, self.service.view.alive
+    if alive[w]:  # a stalled worker's restart before its death was noticed: it left first
+      self._member(("leave", w))
+    full = membership.exhausted(w, self.incs, alive)
+    refused = ""
+    if svc.stopped:
+      refused = "the run has ended"
+    elif full:
+      refused = (
+        f"its pairs with workers {full} have used both connection keys (device orders) gloo offers with "
+        f"one CPU device per worker (docs/design.md 3.8)"
+      )
+    if refused:
+      self.events.append((self.now(), w, "refused"))
+      membership.answer(self.kv, slot[0], self.incs[w], 0, self.now(), svc.marks, self.incs, 0, refused)
+      return
+    self.incs[w] += 1
+    taken = membership.rejoin(svc, w, self.incs[w], self.now())
+    self.posted[w], self.batches[w], self._read[w] = taken, 0, 0
+    self._reported[w] = 0
+    self._quiet[w] = threading.Event()
+    self._listener(w).start()
+    g0 = svc.gid0 + svc.buffer.count
+    membership.answer(self.kv, slot[0], self.incs[w], taken, self.now(), svc.marks, self.incs, g0)
+    self.events.append((self.now(), w, "rejoin"))
+    logging.warning("worker %d rejoined the run (incarnation %d)", w, self.incs[w])
 
   def take_snapshot(self, ident: int):
     """The service's state at checkpoint marker `ident` (process 0 saves it); older ones are dropped."""
@@ -150,7 +226,8 @@ class Authority:
     """A start report "<steps> <started at> <step time> <last gid> <epoch>", unless a newer one (one
     that rode on a request) was applied already."""
     steps, started, step_time, last_gid, epoch = fields
-    if int(steps) < self._reported[w]:
+    alive = self.service.view.alive
+    if int(steps) < self._reported[w] or (alive is not None and not alive[w]):
       return
     self._reported[w] = int(steps)
     self.service.report(w, float(started), float(step_time), int(steps), int(last_gid))
@@ -177,8 +254,18 @@ class Authority:
 
   def _round(self, batch) -> None:
     t0 = time.perf_counter()
+    for item in batch:  # membership first: no group is made with a worker known to be dead
+      if isinstance(item[0], str):
+        self._member(item)
+    alive = self.service.view.alive
+    # A request of a dead worker's (or of an incarnation since replaced) is not served.
+    batch = [
+      i
+      for i in batch
+      if not isinstance(i[0], str) and (alive is None or (alive[i[0]] and i[-1] == self.incs[i[0]]))
+    ]
     self._reports()  # the freshest starts and step times before generating (Smart GG reads them)
-    for w, *_, report in batch:
+    for w, *_, report, _inc in batch:
       if report:
         self._report(w, report)
     for w, want, ready_at, step_time, *_ in batch:
@@ -189,7 +276,7 @@ class Authority:
         self.last_ckpt = ident
     self._post()
     done = time.perf_counter()
-    self.handled.extend(done - arrived for *_, arrived, _ in batch)
+    self.handled.extend(done - item[4] for item in batch)
     self.rounds += bool(batch)
     self.busy_s += done - t0
 
@@ -197,11 +284,18 @@ class Authority:
     """One batch per queue that grew, written in parallel (the store's client releases the GIL: 8
     writers set ~2.5x the keys per second of one), all done before the round ends, so a queue's
     batches land in order."""
-    writes = []
+    writes, alive = [], self.service.view.alive
     for w, entries in enumerate(self.service.entries):
       new = entries[self.posted[w] - self.service.base[w] :]
+      if new and alive is not None and not alive[w]:  # a dead worker's queue: nobody reads it
+        self.posted[w] += len(new)
+        continue
+      if new and alive is not None:  # elastic: STOP names the live workers (the end barrier's)
+        live = tuple(int(v) for v in np.flatnonzero(alive))
+        new = [(STOP, live) if e == (STOP,) else e for e in new]
       if new:
-        writes.append((paged(f"{PREFIX}/q/{w}", self.batches[w]), "|".join(encode(e) for e in new)))
+        prefix = membership.queue_prefix(w, self.incs[w])
+        writes.append((paged(prefix, self.batches[w]), "|".join(encode(e) for e in new)))
         self.batches[w] += 1
         self.posted[w] += len(new)
     if len(writes) > 1:
@@ -214,10 +308,16 @@ class Authority:
 class Feed:
   """A worker's side of the protocol: its queue, prefetched; requests when it is empty."""
 
-  def __init__(self, kv, worker: int, now, ahead: bool = True, lead: bool = False):
+  def __init__(
+    self, kv, worker: int, now, ahead: bool = True, lead: bool = False, inc: int = 0, taken: int = 0
+  ):
     self.kv, self.me, self.now, self.ahead, self.lead = kv, worker, now, ahead, lead
+    self.queue, self.requests_at = (
+      membership.queue_prefix(worker, inc),
+      membership.request_prefix(worker, inc),
+    )
     self.local = queue.Queue()
-    self.taken = 0  # entries this worker has consumed
+    self.taken = taken  # entries of this worker's queue consumed (a rejoined one's starts where it joined)
     self.requests = 0
     self.asked = None  # (queue index, when sent) of the request in flight
     self.rtts = []  # seconds from a request to its answer's arrival here
@@ -232,13 +332,13 @@ class Feed:
 
   def _fetch(self) -> None:
     try:
-      for j, value in enumerate(values_in_order(self.kv, f"{PREFIX}/q/{self.me}", self._stop, page=True)):
+      for j, value in enumerate(values_in_order(self.kv, self.queue, self._stop, page=True)):
         arrived = time.perf_counter()
         entries = [decode(text) for text in value.split("|")]
         for entry in entries:
           self.local.put((entry, arrived))
         if entries[-1][0] == STOP or (j + 1) % PAGE == 0:  # a page read (or the last)
-          self._forget(f"{PREFIX}/q/{self.me}/{j // PAGE}", last=entries[-1][0] == STOP)
+          self._forget(f"{self.queue}/{j // PAGE}", last=entries[-1][0] == STOP)
         if entries[-1][0] == STOP:
           return
     except Exception as e:  # noqa: BLE001  raised in the worker's loop, at its next entry
@@ -263,7 +363,7 @@ class Feed:
 
   def _request(self, ready_at: float, report: str = "") -> None:
     value = f"{self.taken} {ready_at!r} {self.step_time!r}" + (f" {report}" if report else "")
-    self.kv.key_value_set(paged(f"{PREFIX}/req/{self.me}", self.requests), value)
+    self.kv.key_value_set(paged(self.requests_at, self.requests), value)
     self.requests += 1
     self.asked = (self.taken, time.perf_counter())
 

@@ -34,6 +34,7 @@ from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import authority as authority_lib
+from ripples_jax.runtime import membership
 from ripples_jax.runtime import summary as summary_lib
 from ripples_jax.runtime.worker import start_clock
 from ripples_jax.schedule import make_group_generator
@@ -77,8 +78,9 @@ def trim_snapshots(workdir: str, epochs, keep: int) -> None:
       os.remove(os.path.join(folder, name))
 
 
-def make_authority(config, kv, workdir: str, state: dict | None, estimate: float):
-  """The Group Generator service, from the resumed state, with its snapshots written to files."""
+def make_authority(config, kv, workdir: str, state: dict | None, estimate: float, now=None):
+  """The Group Generator service, from the resumed state, with its snapshots written to files (`now`:
+  the run's clock, for membership events)."""
   c, n, keep = config, config.num_workers, config.runtime.checkpoint_keep
   cadence = Cadence(c.num_steps * n, c.eval_every * n, c.runtime.checkpoint_every * n)
   service = Service(n, make_group_generator(c, np.random.default_rng([4, c.seed])), cadence, estimate)
@@ -90,7 +92,9 @@ def make_authority(config, kv, workdir: str, state: dict | None, estimate: float
     save_snapshot(workdir, ident, snapshot)
     trim_snapshots(workdir, authority.epochs, keep)
 
-  authority = authority_lib.Authority(kv, service, on_checkpoint=on_checkpoint)
+  authority = authority_lib.Authority(
+    kv, service, on_checkpoint=on_checkpoint, elastic=bool(c.runtime.elastic), now=now
+  )
   return authority
 
 
@@ -126,12 +130,21 @@ def await_workers(watchdog, authority, workdir: str, timeout_s: float) -> None:
         raise RuntimeError(f"the Group Generator's authority stopped: {authority.error}")
     save_snapshot(workdir, authority.last_ckpt + 1, authority.service.state())
   deadline = time.monotonic() + timeout_s if authority is not None else None
-  while not all(watchdog.done.values()):
+  gone = getattr(watchdog, "gone", set())  # elastic: the dead are not waited for
+  while not all(d or w in gone for w, d in watchdog.done.items()):
     if deadline is None and any(watchdog.done.values()):
       deadline = time.monotonic() + timeout_s
     if deadline is not None and time.monotonic() > deadline:
       raise TimeoutError(f"the workers did not finish within {timeout_s:.0f} s of the run's end")
     time.sleep(0.1)
+
+
+def end_processes(authority) -> list | None:
+  """Who meets at the end barrier: every process, or (elastic) the coordinator and the live workers,
+  as the STOP entries name them."""
+  if authority is None or not authority.elastic:
+    return None
+  return [0] + [coord.worker_process(int(w)) for w in np.flatnonzero(authority.service.view.alive)]
 
 
 def run(config, workdir: str) -> dict:
@@ -148,6 +161,13 @@ def run(config, workdir: str) -> dict:
     epoch = resume_records(log, resume_lib.await_point(kv, rt.stall_timeout * 4))
     dynamic = config.algorithm in DYNAMIC
     state = load_snapshot(workdir, epoch) if dynamic and epoch else None
+    clock = {"t0": time.perf_counter()}
+    authority = None
+    if dynamic:  # its first plan: the workers' median warm-up step (each worker's own arrives with it)
+      estimate = float(np.median(coord.fetch_estimates(kv, coord.WARMUP, n, rt.stall_timeout * 4)))
+      authority = make_authority(
+        config, kv, workdir, state, estimate, lambda: time.perf_counter() - clock["t0"]
+      )
     watchdog = coord.Watchdog(
       kv,
       None,
@@ -157,13 +177,12 @@ def run(config, workdir: str) -> dict:
       rt.heartbeat_timeout,
       rt.stall_timeout,
       hosts_service=True,
+      on_lost=authority.leave if rt.elastic else None,  # elastic: the run goes on without it
     )
     sigterm.watchdog = watchdog
-    authority = None
-    if dynamic:  # its first plan: the workers' median warm-up step (each worker's own arrives with it)
-      estimate = float(np.median(coord.fetch_estimates(kv, coord.WARMUP, n, rt.stall_timeout * 4)))
-      authority = make_authority(config, kv, workdir, state, estimate)
-    start_clock(kv, None, n, epoch, 0.0, timeout_ms)
+    clock["t0"] = start_clock(kv, None, n, epoch, 0.0, timeout_ms)
+    if rt.elastic:  # a worker process started from now on is a restart: it rejoins (membership.py)
+      kv.key_value_set(membership.RUNNING, "1", allow_overwrite=True)
     if authority is not None:
       authority.start()
     watchdog.start()
@@ -173,7 +192,7 @@ def run(config, workdir: str) -> dict:
     ).start()
     try:
       await_workers(watchdog, authority, workdir, 10 * rt.stall_timeout)
-      kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+      kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000), end_processes(authority))
     except Exception:
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)  # a lost worker is named first
       raise

@@ -27,10 +27,12 @@ import time
 
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ripples_jax.distributed.arrays import LOCAL, WORKER
+from ripples_jax.runtime.membership import pair_key, pair_rows
 from ripples_jax.schedule.online import DYNAMIC
 
 
@@ -45,6 +47,8 @@ def member_sets_per_worker(config) -> int:
 def choose(config) -> str:
   """'group' or 'pairs' for this run."""
   mode = config.runtime.preduce
+  if config.runtime.get("elastic", False):  # every pair connected before the run: a dead one fails at once
+    return "pairs"
   if mode != "auto":
     return mode
   return "pairs" if member_sets_per_worker(config) > config.runtime.cache_size else "group"
@@ -121,19 +125,22 @@ class PairAverager(_Averager):
     self._means = {}  # k -> the jitted local mean of k buffers
     self.precompile_s = 0.0
 
-  def _program(self, pair: tuple, like=None):
-    """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given."""
-    if pair in self.cache:
-      return self.cache[pair], self.cache[pair][0] not in self._ran
-    mesh = Mesh(np.array([self.devices_of[m] for m in pair]), (WORKER, LOCAL))
+  def _program(self, pair: tuple, like=None, key: int = 0):
+    """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given.
+    `key` (elastic): its connection key, the order of the pair's devices (membership.pair_rows): a
+    process restarted under its id needs a device order its peer has not used with its last life."""
+    if (pair, key) in self.cache:
+      fn_sharding = self.cache[(pair, key)]
+      return fn_sharding, fn_sharding[0] not in self._ran
+    mesh = Mesh(np.array([self.devices_of[m] for m in pair_rows(pair, key)]), (WORKER, LOCAL))
     gather = lambda x_1xD: jax.lax.all_gather(x_1xD, WORKER, axis=0, tiled=True)  # (2, D) on both
     fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(WORKER), out_specs=P(), check_vma=False))
     sharding = NamedSharding(mesh, P(WORKER))
     if like is not None:  # compiling needs no peer: only the first run connects (gloo, NCCL)
       fn = fn.lower(jax.ShapeDtypeStruct((2, *like.shape), like.dtype, sharding=sharding)).compile()
-    self.cache[pair] = (fn, sharding)
+    self.cache[(pair, key)] = (fn, sharding)
     self.compiles += 1
-    return self.cache[pair], True
+    return self.cache[(pair, key)], True
 
   def connect_all(self, flat_D: jax.Array) -> float:
     """Runs every pair program once, before the run, so that no group pays a pair's connection set-up
@@ -164,6 +171,42 @@ class PairAverager(_Averager):
         self._program(tuple(sorted((self.me, other))), like)
     self.ahead_s += time.perf_counter() - t0
     return time.perf_counter() - t0
+
+  def average_elastic(self, members, flat_D, joiners=(), incs=None, on_exchange=None):
+    """average() under elastic membership (runtime/membership.py): (the result, the members whose
+    exchange failed). Every pair of this worker's is tried in the global order, even after a failure,
+    so no live partner waits for an exchange that never comes; a failed exchange (its partner died:
+    gloo raises at once on a connection set up before) leaves this worker's model as it was. Joiners
+    (a rejoined worker's first group) have weight 0: every member takes the others' mean.
+    on_exchange(): called after each exchange (fault injection inside a P-Reduce)."""
+    size, ordered = flat_D.shape[0], sorted(members)
+    pieces = [s.data[None] for s in flat_D.addressable_shards]
+    buffers, failed = {self.me: flat_D}, []
+    for other in (m for m in ordered if m != self.me):
+      pair = tuple(sorted((self.me, other)))
+      key = 0 if incs is None else pair_key(pair, incs)
+      try:
+        (fn, sharding), first = self._program(pair, key=key)
+        x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)
+        both = self._local(self._timed_first(fn, x_2xD, first), (2, size))
+        both.block_until_ready()
+        self._ran.add(fn)
+        buffers[other] = both[pair_rows(pair, key).index(other)]
+      except Exception as e:  # noqa: BLE001  jax's runtime error: the collective failed in this pair only
+        failed.append(other)
+        logging.warning(
+          "worker %d: the exchange with worker %d failed (%s): %s",
+          self.me,
+          other,
+          type(e).__name__,
+          str(e).splitlines()[0][:160],
+        )
+      if on_exchange is not None:
+        on_exchange()
+    if failed:
+      return flat_D, failed
+    weighted = [m for m in ordered if m not in joiners] or ordered
+    return self._mean(len(weighted))(*(buffers[m] for m in weighted)), []
 
   def _mean(self, k: int):
     if k not in self._means:  # a left-to-right sum in member order: the same on every member

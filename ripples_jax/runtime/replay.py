@@ -17,9 +17,11 @@ from ripples_jax.runtime import trace as trace_lib
 
 
 def worker_sequence(events: list) -> list:
-  """One worker's order as ("start", s) / ("apply", s) / ("group", key) tokens, in record order.
-  AD-PSGD's passive side serves from another thread and says where each average landed: "during"
-  step s (between its start and apply) or "after" k applied steps (before step k starts)."""
+  """One worker's order as ("start", s) / ("apply", s) / ("group", key) / ("rejoin", g0) tokens, in
+  record order. AD-PSGD's passive side serves from another thread and says where each average landed:
+  "during" step s (between its start and apply) or "after" k applied steps (before step k starts). An
+  elastic worker's restarted process begins with a rejoin line: g0 is the number of groups made
+  before it (every group of its earlier lives has a smaller id)."""
   during, after = {}, {}
   for e in events:
     if e["k"] == "group" and "during" in e:
@@ -34,15 +36,15 @@ def worker_sequence(events: list) -> list:
       seq += [("group", g) for g in after.get(s + 1, [])]
     elif e["k"] == "group" and "during" not in e and "after" not in e:
       seq.append(("group", e["g"]))
+    elif e["k"] == "rejoin":
+      seq.append(("rejoin", e["g0"]))
   return seq
 
 
-def merged_events(traces: dict, num_workers: int) -> list:
-  """Timeline events (START/APPLY per step, AVG per group) in one order consistent with every trace.
-
-  A topological merge: a group is emitted once it is next for all its members. The run executed some
-  such order, so one exists; if none does, the traces contradict each other (an error)."""
-  seqs, members = {}, {}
+def _groups(traces: dict, num_workers: int) -> tuple[dict, dict]:
+  """(each worker's token sequence, each group's members and outcome: who applied its average, who
+  recorded it as failed (runtime.elastic: an exchange with a dead member failed), its joiners)."""
+  seqs, info = {}, {}
   for w in range(num_workers):
     events = traces.get(w, [])
     steps = [e["s"] for e in events if e["k"] == "step"]
@@ -50,38 +52,100 @@ def merged_events(traces: dict, num_workers: int) -> list:
       raise ValueError(f"worker {w}: steps recorded out of order: {steps[:10]}...")
     for e in events:
       if e["k"] == "group":
-        members[e["g"]] = tuple(e["m"])
+        g = info.setdefault(e["g"], {"m": tuple(e["m"]), "applied": set(), "failed": set()})
+        g["join"] = set(e.get("join", ()))
+        (g["failed"] if e.get("failed") else g["applied"]).add(w)
     seqs[w] = worker_sequence(events)
+  return seqs, info
+
+
+def merged_events(traces: dict, num_workers: int) -> list:
+  """Timeline events (START/APPLY per step, AVG per group) in one order consistent with every trace.
+
+  A topological merge: a group is emitted once it is next for all its members. The run executed some
+  such order, so one exists; if none does, the traces contradict each other (an error).
+
+  Elastic runs (runtime/membership.py): a group nobody applied is a no-op for whoever recorded it. A
+  member that did not record a group someone applied died in it (its exchanges reached some members
+  before the death): it takes part with its state at the end of that life (its next rejoin line, or
+  its trace's end). Members that recorded the group as failed keep their model: their state is set
+  aside in a scratch slot (num_workers + w) around the average (PULL, AVG, PULL back). A joiner has
+  weight 0: AVG of the others, then JOIN (their mean and fresh optimizer state, docs/design.md 3.10)."""
+  n = num_workers
+  seqs, info = _groups(traces, n)
   pos = {w: 0 for w in seqs}
-  out = []
-  waiting = {}  # group key -> members at it
+  out, emitted = [], set()
+  lives = {w: [(i, t[1]) for i, t in enumerate(seq) if t[0] == "rejoin"] for w, seq in seqs.items()}
 
-  def advance(w):
-    seq = seqs[w]
-    while pos[w] < len(seq) and seq[pos[w]][0] != "group":
-      kind, _ = seq[pos[w]]
-      out.append((0.0, timeline.START, w, None) if kind == "start" else (0.0, timeline.APPLY, w, w))
+  def life_end(m, g):
+    """Where member m's life that holds group g ends in its sequence."""
+    return next((i for i, g0 in lives[m] if g0 > g), len(seqs[m]))
+
+  def ready(g):
+    i = info[g]
+    for m in i["m"]:
+      if m in i["applied"] or m in i["failed"]:
+        if pos[m] >= len(seqs[m]) or seqs[m][pos[m]] != ("group", g):
+          return False
+      elif m not in i["join"] and pos[m] != life_end(m, g):  # it died in the group
+        return False
+    return True
+
+  def emit(g):
+    i = info[g]
+    for f in sorted(i["failed"]):
+      out.append((0.0, timeline.PULL, n + f, f))
+    weighted = tuple(m for m in i["m"] if m not in i["join"]) or i["m"]
+    if len(weighted) > 1:
+      out.append((0.0, timeline.AVG, weighted, None))
+    for j in sorted(i["join"] & i["applied"]):
+      out.append((0.0, timeline.JOIN, j, weighted[0]))
+    for f in sorted(i["failed"]):
+      out.append((0.0, timeline.PULL, f, n + f))
+    emitted.add(g)
+
+  def owed(w, g0):
+    """Groups someone applied that w died in, before its life starting at g0, not yet emitted."""
+    return any(
+      w in i["m"] and w not in i["applied"] | i["failed"] and g < g0 and g not in emitted and i["applied"]
+      for g, i in info.items()
+    )
+
+  def advance(w) -> bool:
+    seq, moved = seqs[w], False
+    while pos[w] < len(seq):
+      kind, key = seq[pos[w]]
+      if kind in ("start", "apply"):
+        out.append((0.0, timeline.START, w, None) if kind == "start" else (0.0, timeline.APPLY, w, w))
+      elif kind == "rejoin":
+        if owed(w, key):
+          return moved
+      elif info[key]["applied"]:
+        if not ready(key):
+          return moved
+        emit(key)
+        for m in info[key]["applied"] | info[key]["failed"]:
+          if m != w:
+            pos[m] += 1
       pos[w] += 1
-    if pos[w] < len(seq):
-      key = seq[pos[w]][1]
-      waiting.setdefault(key, set()).add(w)
-      if waiting[key] == set(members[key]):
-        del waiting[key]
-        out.append((0.0, timeline.AVG, members[key], None))
-        for m in members[key]:
-          pos[m] += 1
-        return list(members[key])
-    return []
+      moved = True
+    return moved
 
-  ready = list(seqs)
-  while ready:
-    ready = [m for w in ready for m in advance(w)]
-  if waiting:
+  while any([advance(w) for w in seqs]):
+    pass
+  stuck = [seqs[w][pos[w]] for w in seqs if pos[w] < len(seqs[w])]
+  if stuck:
     raise ValueError(
-      f"the traces contradict one global order: groups {sorted(waiting, key=str)[:5]} "
+      f"the traces contradict one global order: groups {sorted({k for _, k in stuck}, key=str)[:5]} "
       "never had all their members"
     )
   return out
+
+
+def scratch_slots(traces: dict) -> bool:
+  """Whether the replay needs a scratch slot per worker (a member kept its model in a group another
+  member applied: merged_events)."""
+  return any(e["k"] == "group" and e.get("failed") for events in traces.values() for e in events)
 
 
 def replay(config, workdir: str) -> dict:
@@ -89,14 +153,19 @@ def replay(config, workdir: str) -> dict:
   n = config.num_workers
   s = setup_lib.build(config)
   data, shards, model, optimizer = s.data, s.shards, s.model, s.optimizer
-  mesh = make_worker_mesh(n, jax.devices()[:1])
-  state = engine.init_sim_state(model, optimizer, jax.random.key(config.seed), data["x_train"][:1], n, mesh)
-  round_fn = engine.make_sim_round_fn(model, optimizer, mesh, n, n)
+  traces = trace_lib.load_traces(workdir)
+  slots = 2 * n if scratch_slots(traces) else n
+  elastic = bool(config.runtime.get("elastic", False))  # pulls and joins: runtime/membership.py
+  mesh = make_worker_mesh(slots, jax.devices()[:1])
+  state = engine.init_sim_state(
+    model, optimizer, jax.random.key(config.seed), data["x_train"][:1], slots, mesh
+  )
+  round_fn = engine.make_sim_round_fn(model, optimizer, mesh, n, slots, pull=elastic)
   sharding = engine.worker_sharding(mesh)
   put = lambda a: jax.device_put(a, sharding)
-  starts = np.zeros(n, np.int64)
-  shape = (n, config.batch_size) + data["x_train"].shape[1:]
-  for r in timeline.pack_rounds(merged_events(trace_lib.load_traces(workdir), n), n, n):
+  starts = np.zeros(slots, np.int64)
+  shape = (slots, config.batch_size) + data["x_train"].shape[1:]
+  for r in timeline.pack_rounds(merged_events(traces, n), n, slots):
     x, y = np.zeros(shape, data["x_train"].dtype), np.zeros(shape[:2], data["y_train"].dtype)
     started = np.flatnonzero(r["start"])
     if len(started):
@@ -111,8 +180,13 @@ def replay(config, workdir: str) -> dict:
       put(r["apply_src"]),
       put(r["gid"]),
       False,
-      put(np.arange(n, dtype=np.int32)),
+      put(r["pull_src"]),
       put(r["start"]),
+      *([put(r["reset"])] if "reset" in r else []),
     )
     starts += r["start"]
-  return {"params": state["params"], "model_state": state["model_state"]}
+  keep = lambda a: a[:n]  # the workers' slots, not the scratch ones
+  return {
+    "params": jax.tree.map(keep, state["params"]),
+    "model_state": jax.tree.map(keep, state["model_state"]),
+  }

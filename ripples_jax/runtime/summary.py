@@ -25,7 +25,7 @@ def _stacked(unravel, flats):
 
 def eval_points(traces: dict, n: int) -> list:
   """[(id, time, worker steps by then, mean train loss since the previous point)] of the evaluation
-  markers every worker reached: the time is the last worker's arrival there."""
+  markers `n` workers reached (n=1, elastic: any): the time is the last worker's arrival there."""
   marks = {}
   for events in traces.values():
     since = []
@@ -37,14 +37,16 @@ def eval_points(traces: dict, n: int) -> list:
         marks[e["id"]] = (max(t, e["t"]), s + e["s"], seen + 1, l + since)
         since = []
   return [
-    (i, t, s, float(np.mean(l)) if l else None) for i, (t, s, seen, l) in sorted(marks.items()) if seen == n
+    (i, t, s, float(np.mean(l)) if l else None) for i, (t, s, seen, l) in sorted(marks.items()) if seen >= n
   ]
 
 
 def window_throughput(traces: dict) -> tuple[float, float]:
   """(worker steps per second, window end): steps finished by the time the first worker finished its
-  last step, over that time; the tail where some workers have stopped is left out."""
-  ends = [max((e["t1"] for e in events if e["k"] == "step"), default=0.0) for events in traces.values()]
+  last step, over that time; the tail where some workers have stopped is left out (and, elastic, the
+  workers that died for good: their traces have no end)."""
+  finished = [ev for ev in traces.values() if any(e["k"] == "end" for e in ev)] or list(traces.values())
+  ends = [max((e["t1"] for e in events if e["k"] == "step"), default=0.0) for events in finished]
   t_end = min(ends) if ends else 0.0
   done = sum(1 for events in traces.values() for e in events if e["k"] == "step" and e["t1"] <= t_end)
   return (done / t_end if t_end > 0 else 0.0), t_end
@@ -62,14 +64,18 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None) -> dict
   x_test, y_test = jax.device_put((data["x_test"], data["y_test"]))
   records, time_to_target = [], None
   snap = os.path.join(workdir, "snapshots")
+  elastic = bool(config.runtime.get("elastic", False))
+  # Elastic: the run's model at a marker is the live workers' average there (a dead worker's stale
+  # model, or a rejoined one's before its first group, saved nothing: docs/design.md 3.10).
+  held = lambda name: [w for w in range(n) if os.path.exists(os.path.join(snap, f"{name}-{w}.npy"))]
   points = [
     (f"eval{i}", t, total, loss)
-    for i, t, total, loss in eval_points(traces, n)
-    if all(os.path.exists(os.path.join(snap, f"eval{i}-{w}.npy")) for w in range(n))
+    for i, t, total, loss in eval_points(traces, 1 if elastic else n)
+    if len(held(f"eval{i}")) == n or (elastic and held(f"eval{i}"))
   ]
   points.append(("final", end, int(steps.sum()), None))
   for name, t, total, loss in points:
-    flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in range(n)]
+    flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in held(name)]
     ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
     record = {"step": total // n, "time": t, "worker_steps": total, "train_loss": loss, **ev}
     records.append(record)
@@ -118,6 +124,18 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None) -> dict
     authority_handling=authority_lib.percentiles(handled),
     request_blocked=authority_lib.percentiles(blocked),
     request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)],
+    **({"membership": membership_events(traces, authority)} if elastic else {}),
   )
   trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
   return summary
+
+
+def membership_events(traces: dict, authority) -> list:
+  """[(run time, worker, leave | rejoin | refused | first_group)] in time order: the authority's
+  decisions, and each rejoined worker's first group (its trace's)."""
+  events = [list(e) for e in (authority.events if authority is not None else [])]
+  for w, trace in traces.items():
+    for e in trace:
+      if e["k"] == "group" and w in e.get("join", ()) and not e.get("failed"):
+        events.append([e["t1"], w, "first_group"])
+  return sorted(events)

@@ -7,6 +7,10 @@ the number of checkpoint markers the worker had passed (a resume keeps the event
                  "t0": call, "t1": return, "during": the local step it landed in (AD-PSGD's passive side)}
   {"k": "mark",  "c", "kind": "eval" | "ckpt", "id", "t", "s": local steps completed}
   {"k": "end",   "c", "t", "s", "compiles", "rtt": request round trips (s), "handled": authority times}
+Elastic runs (runtime/membership.py) add: on a group, "join" (rejoined members, weight 0) and "failed"
+(the members whose exchange with this one failed: it kept its model); {"k": "member", "kind": leave |
+join, "w", "inc", "t"} (its queue's membership entries); {"k": "rejoin", "inc", "g0": groups made
+before it, "t", "s"} (a restarted process's first line: what follows is its new life).
 A step is compute up to "c_end", then the padding and any injected slowdown (shown as compute). A
 group's wait is from this member's call to the last member's call; the rest is communication.
 """
@@ -23,10 +27,12 @@ def trace_path(workdir: str, worker: int) -> str:
 
 
 class TraceWriter:
-  """Buffers events and appends them at block boundaries (and at exit)."""
+  """Buffers events and appends them at block boundaries (and at exit). write_through (elastic): every
+  event is appended as it is added, so a worker killed anywhere has recorded every state it shared
+  (the replay needs them); a write is one line to the page cache, which outlives the process."""
 
-  def __init__(self, workdir: str, worker: int, keep_before_epoch: int | None = None):
-    self.path = trace_path(workdir, worker)
+  def __init__(self, workdir: str, worker: int, keep_before_epoch: int | None = None, write_through=False):
+    self.path, self.write_through = trace_path(workdir, worker), write_through
     if keep_before_epoch is not None and os.path.exists(self.path):
       # A resumed run continues from checkpoint marker `keep_before_epoch`: drop what the lost run did
       # after it (its events carry a later epoch).
@@ -39,6 +45,8 @@ class TraceWriter:
 
   def add(self, **event) -> None:
     self.events.append(event)
+    if self.write_through:
+      self.flush()
 
   def flush(self) -> None:
     if self.events:

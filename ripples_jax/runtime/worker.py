@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import glob
 import os
+import sys
 import time
 
 import jax
@@ -41,11 +42,14 @@ from ripples_jax.distributed.markers import fail_now
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import authority as authority_lib
+from ripples_jax.runtime import membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import make_averager
 from ripples_jax.schedule import static_layouts
-from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, STOP, asks_ahead
+from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, MEMBER, STOP, asks_ahead
 from ripples_jax.timeline import slow_at
+
+RESTART_ENV = "RIPPLES_RESTART"  # set by the local launcher in a restarted process: its restart count
 
 
 def snapshot_path(workdir: str, name, worker: int) -> str:
@@ -92,6 +96,11 @@ class Loop:
   last_step_time: float = 0.0  # its newest step's measured time (what its reports carry)
   time: float = 0.0  # seconds of the run before this process started (resume)
   resumed_at: int | None = None  # the checkpoint marker this process resumed from
+  # Elastic membership (runtime/membership.py): every worker's incarnation as this worker's queue has
+  # told it (pair connection keys), and whether it is a rejoined worker whose first group has not landed.
+  incs: list | None = None
+  joining: bool = False
+  live: tuple | None = None  # the live workers the STOP entry named (who meet at the end barrier)
 
 
 class Worker:
@@ -115,6 +124,10 @@ class Worker:
     self.averager = make_averager(config, self.local_mesh, self.devices_of, self.me)
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
+    # A rejoined worker's first group: fresh optimizer state for the mean it takes (docs/design.md 3.10).
+    self.init_opt = jax.jit(
+      lambda flat: s.optimizer.init(self.unravel(flat)["params"]), out_shardings=self.rep
+    )
     self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
 
   def now(self) -> float:
@@ -233,12 +246,14 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
   return loop
 
 
-def make_feed(worker: Worker, loop: Loop, kv):
-  """The queue this worker reads: the authority's (dynamic generators) or the fixed schedule's."""
+def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
+  """The queue this worker reads: the authority's (dynamic generators) or the fixed schedule's
+  (inc, taken: a rejoined worker's incarnation and its new queue's first index)."""
   c, me = worker.config, worker.me
   if c.algorithm in DYNAMIC:
     ahead = asks_ahead(c)  # Random GG, Group Division: at a step's start; Smart GG: just before its end
-    return authority_lib.Feed(kv, me, worker.now, ahead, lead=bool(c.schedule.request_ahead) and not ahead)
+    lead = bool(c.schedule.request_ahead) and not ahead
+    return authority_lib.Feed(kv, me, worker.now, ahead, lead=lead, inc=inc, taken=taken)
   layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
   point = loop.syncs if loop.resumed_at is not None else 0
   return authority_lib.LocalFeed(
@@ -257,6 +272,8 @@ def run(config, workdir: str) -> dict:
   worker = Worker(config, s)
   me = worker.me
   estimate = worker.warm_up()
+  if rt.elastic and membership.started(kv):  # the run is on: this process is a restart
+    return rejoin(worker, kv, workdir, estimate, sigterm)
   coord.publish_estimate(kv, coord.WARMUP, me, estimate)  # the authority's first plan (the coordinator)
   if hasattr(worker.averager, "precompile"):  # pairs: every program and connection, before the run
     like = jax.ShapeDtypeStruct(worker._flat0.shape, worker._flat0.dtype)
@@ -272,33 +289,21 @@ def run(config, workdir: str) -> dict:
   with worker.run_log(workdir) as log:
     loop = resume(worker, log, kv, workdir)
     loop.last_step_time = loop.last_step_time or estimate
+    loop.incs = [0] * n if rt.elastic else None
     if rt.checkpoint_every:  # compiles the checkpoint fingerprint now, not at the first marker
       ckpt_lib.fingerprint(jax.device_put(jax.device_get(worker.pack(loop))))
     trace = trace_lib.TraceWriter(
-      workdir, me, keep_before_epoch=loop.epoch if loop.resumed_at is not None else None
+      workdir,
+      me,
+      keep_before_epoch=loop.epoch if loop.resumed_at is not None else None,
+      write_through=rt.elastic,  # a worker killed anywhere has recorded every state it shared
     )
-    progress, watchdog = watch(kv, me, n, rt, sigterm, steps=loop.steps_done)
+    progress, watchdog = watch(
+      kv, me, n, rt, sigterm, steps=loop.steps_done, incarnation=0 if rt.elastic else None
+    )
     worker.t_start = start_clock(kv, me, n, loop.epoch, loop.time, int(rt.stall_timeout * 1000))
     feed = make_feed(worker, loop, kv)
-    watchdog.start()
-    try:
-      with watched(watchdog, trace, rt):
-        run_loop(worker, loop, log, feed, trace, progress, workdir)
-        end_of_run(
-          worker,
-          loop,
-          log,
-          kv,
-          trace,
-          progress,
-          workdir,
-          rtt=feed.rtts,
-          blocked=feed.blocked,
-          requests=feed.requests,
-        )
-    finally:
-      feed.close()
-    watchdog.stop()
+    train(worker, loop, log, kv, feed, trace, progress, watchdog, workdir)
     logging.info(
       "worker %d: %d local steps, %d P-Reduce programs compiled, %.2f s in their first runs",
       me,
@@ -306,6 +311,63 @@ def run(config, workdir: str) -> dict:
       worker.averager.compiles,
       worker.averager.setup_s,
     )
+    return result(worker, loop, log, workdir)
+
+
+def train(worker: Worker, loop: Loop, log: RunLog, kv, feed, trace, progress, watchdog, workdir) -> None:
+  """The run's body, from the common start (or a rejoin) to the end barrier."""
+  watchdog.start()
+  try:
+    with watched(watchdog, trace, worker.rt):
+      run_loop(worker, loop, log, feed, trace, progress, workdir, watchdog)
+      end_of_run(
+        worker,
+        loop,
+        log,
+        kv,
+        trace,
+        progress,
+        workdir,
+        rtt=feed.rtts,
+        blocked=feed.blocked,
+        requests=feed.requests,
+      )
+  finally:
+    feed.close()
+  watchdog.stop()
+
+
+def rejoin(worker: Worker, kv, workdir: str, estimate: float, sigterm) -> dict:
+  """A restarted process of an elastic run (runtime/membership.py): asks the authority to take it
+  back, continues its trace and its data shard where its last life's record ends, and takes no step
+  before its first group lands (there it has weight 0 and takes the others' mean, fresh optimizer)."""
+  rt, me, n = worker.rt, worker.me, worker.config.num_workers
+  got = membership.ask_to_join(kv, me, rt.stall_timeout)
+  if got["refused"]:
+    print(f"worker {me}: cannot rejoin the run: {got['refused']}; exiting", file=sys.stderr, flush=True)
+    os._exit(coord.EXIT_REFUSED)
+  worker.t_start = got["received"] - got["now"]  # the coordinator's run clock, up to half a round trip
+  path = trace_lib.trace_path(workdir, me)
+  before = trace_lib.read_trace(path) if os.path.exists(path) else []
+  loop = Loop(
+    worker.fresh(),
+    steps_done=sum(e["k"] == "step" for e in before),  # the batches continue where the record ends
+    last_gid=max((e["g"] for e in before if e["k"] == "group"), default=-1),
+    epoch=got["ckpt"],
+    evals=got["evals"],
+    last_step_time=estimate,
+    incs=got["incs"],
+    joining=True,
+  )
+  logging.warning(
+    "worker %d: rejoining the run as incarnation %d after %d local steps", me, got["inc"], loop.steps_done
+  )
+  with worker.run_log(workdir) as log:
+    trace = trace_lib.TraceWriter(workdir, me, keep_before_epoch=10**9, write_through=True)
+    trace.add(k="rejoin", c=loop.epoch, inc=got["inc"], g0=got["g0"], t=worker.now(), s=loop.steps_done)
+    progress, watchdog = watch(kv, me, n, rt, sigterm, steps=loop.steps_done, incarnation=got["inc"])
+    feed = make_feed(worker, loop, kv, inc=got["inc"], taken=got["taken"])
+    train(worker, loop, log, kv, feed, trace, progress, watchdog, workdir)
     return result(worker, loop, log, workdir)
 
 
@@ -327,9 +389,10 @@ def start_clock(kv, me: int | None, n: int, epoch: int, own_time: float, timeout
   return released - max(times)
 
 
-def watch(kv, me: int, n: int, rt, sigterm, steps: int = 0):
+def watch(kv, me: int, n: int, rt, sigterm, steps: int = 0, incarnation: int | None = None):
   """(progress, watchdog): what this worker's heartbeats report (local steps, queue entries taken,
-  done) and the watchdog that beats them; SIGTERM then says every worker's last step."""
+  done) and the watchdog that beats them; SIGTERM then says every worker's last step. incarnation
+  (elastic): the coordinator judges the peers; this worker exits once it is removed."""
   progress = {"steps": steps, "events": 0, "done": False}
   watchdog = coord.Watchdog(
     kv,
@@ -341,6 +404,7 @@ def watch(kv, me: int, n: int, rt, sigterm, steps: int = 0):
     rt.stall_timeout,
     hosts_service=False,
     service_host=f"the {coord.COORDINATOR}",
+    incarnation=incarnation,
   )
   sigterm.watchdog = watchdog
   return progress, watchdog
@@ -391,7 +455,8 @@ def end_of_run(
   trace.flush()
   log.wait()
   progress["done"] = True
-  kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+  live = None if loop.live is None else [0] + [coord.worker_process(w) for w in loop.live]
+  kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000), live)
 
 
 def result(worker: Worker, loop: Loop, log: RunLog, workdir: str) -> dict:
@@ -414,38 +479,84 @@ def cursor(worker: Worker, loop: Loop, mark: int | None = None) -> dict:
   }
 
 
-def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, workdir) -> None:
-  """Step, then the head of the queue (markers, then one group or none), until STOP.
+def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, workdir, watchdog=None) -> None:
+  """Step, then the head of the queue (markers and membership entries, then one group or none), until
+  STOP.
 
   A resumed worker starts by taking its next entry: it saved its state right after a marker, at the
-  point where it takes the entry that follows."""
-  rt, me = worker.rt, worker.me
+  point where it takes the entry that follows. A rejoined worker (elastic) takes no step before its
+  first group lands: it has no model of the run's to step on."""
+  rt = worker.rt
   saved = loop.resumed_at
-  step_first = loop.resumed_at is None
+  step_first = loop.resumed_at is None and not loop.joining
   if step_first:  # the initial model is evaluation point 0
     mark(worker, loop, log, trace, (MARK, "eval", 0), workdir)
   while True:
     if step_first:
-      if me == rt.fail_worker and loop.steps_done == rt.fail_step:
-        fail_now(log, saved, loop.steps_done, me)
+      if fails_here(worker, loop, "step"):
+        fail_now(log, saved, loop.steps_done, worker.me)
       run_step(worker, loop, log, feed, trace)
       progress["steps"] = loop.steps_done
-    step_first = True
     entry = feed.next(rt.stall_timeout)
-    while entry[0] == MARK:
-      saved = mark(worker, loop, log, trace, entry, workdir) or saved
+    while entry[0] in (MARK, MEMBER):
+      if entry[0] == MARK:
+        saved = mark(worker, loop, log, trace, entry, workdir) or saved
+      else:
+        member(worker, loop, trace, entry)
       entry = feed.next(rt.stall_timeout)
     if entry[0] == STOP:
+      loop.live = entry[1] if len(entry) > 1 else None
       return
     loop.syncs += 1
     if entry[0] == GROUP:
-      _, gid, members = entry
-      t0 = worker.now()
-      loop.state["flat"] = worker.averager.average(members, loop.state["flat"])
-      loop.state["flat"].block_until_ready()
-      loop.last_gid = gid
-      trace.add(k="group", c=loop.epoch, g=gid, m=list(members), t0=t0, t1=worker.now())
+      average(worker, loop, log, trace, entry, saved)
+    elif loop.joining:  # no group was made for it (Smart GG skipped it): ask again a base step later
+      time.sleep(loop.last_step_time)
+    step_first = not loop.joining  # a joiner whose first group failed asks again, without a step
     progress["events"] += 1
+
+
+def fails_here(worker: Worker, loop: Loop, where: str) -> bool:
+  """Fault injection (runtime.fail_worker/fail_step/fail_where), in a process's first life only: a
+  restarted one (the launcher's RIPPLES_RESTART, or a rejoined worker) runs on."""
+  rt = worker.rt
+  if worker.me != rt.fail_worker or loop.steps_done != rt.fail_step or rt.fail_where != where:
+    return False
+  return os.environ.get(RESTART_ENV, "0") == "0" and not (loop.incs and loop.incs[worker.me])
+
+
+def member(worker: Worker, loop: Loop, trace, entry) -> None:
+  """A membership entry (elastic): a rejoined worker's pairs use its new connection key from here on."""
+  _, kind, w, inc = entry
+  if kind == "join":
+    loop.incs[w] = inc
+  trace.add(k="member", kind=kind, w=w, inc=inc, c=loop.epoch, t=worker.now())
+
+
+def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> None:
+  """P-Reduce over the entry's group. Elastic: members whose exchange with a dead member failed keep
+  their model (trace "failed"); a joiner (weight 0) takes the others' mean and fresh optimizer state."""
+  gid, members = entry[1], entry[2]
+  joiners = entry[3] if len(entry) > 3 else ()
+  t0, failed = worker.now(), []
+  if loop.incs is None:
+    flat = worker.averager.average(members, loop.state["flat"])
+  else:
+    inject = fails_here(worker, loop, "preduce")
+    hook = (lambda: fail_now(log, saved, loop.steps_done, worker.me)) if inject else None
+    flat, failed = worker.averager.average_elastic(members, loop.state["flat"], joiners, loop.incs, hook)
+  flat.block_until_ready()
+  loop.state["flat"] = flat
+  loop.last_gid = gid
+  event = {"k": "group", "c": loop.epoch, "g": gid, "m": list(members), "t0": t0, "t1": worker.now()}
+  if joiners:
+    event["join"] = list(joiners)
+  if failed:
+    event["failed"] = failed
+  elif worker.me in joiners:
+    loop.state["opt_state"] = worker.init_opt(flat)
+    loop.joining = False
+  trace.add(**event)
 
 
 def mark(worker: Worker, loop: Loop, log: RunLog, trace, entry, workdir) -> int | None:
@@ -455,9 +566,12 @@ def mark(worker: Worker, loop: Loop, log: RunLog, trace, entry, workdir) -> int 
   trace.add(k="mark", kind=kind, id=ident, c=loop.epoch, t=worker.now(), s=loop.steps_done)
   if kind == "eval":
     loop.evals = ident
-    np.save(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
+    if not loop.joining:  # a joiner holds no model of the run's yet: no part of its average
+      np.save(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
     return None
   loop.epoch = ident
+  if loop.joining:
+    return None
   log.checkpoint(ident, worker.pack(loop), cursor(worker, loop, ident), force=True)
   trace.flush()
   return ident

@@ -7,6 +7,10 @@ queue of entries that only the authority appends to:
   ("N",)                the answer to your request when no group was made for you: step again
   ("M", kind, id)       a point of the global order (a checkpoint or an evaluation): act, then go on
   ("S",)                the run is over
+  ("E", kind, w, inc)   a membership entry (runtime.elastic, runtime/membership.py): worker w left
+                        (kind "leave") or rejoined as its incarnation inc ("join") at this point of
+                        the global order; a group made for a rejoined worker's first average carries
+                        it as a fourth field, ("G", gid, members, joiners): its weight there is 0
 Per local step a worker takes the head of its queue, markers first; with an empty queue it sends a
 request carrying its measured step time and waits for its next entry. With request-ahead
 (schedule.request_ahead, the default; `asks_ahead`) a worker whose queue is empty when a step
@@ -38,7 +42,7 @@ import numpy as np
 
 from ripples_jax.schedule.group_gen import GGView, GroupBuffer
 
-GROUP, NONE, MARK, STOP = "G", "N", "M", "S"
+GROUP, NONE, MARK, STOP, MEMBER = "G", "N", "M", "S", "E"
 DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart")
 FIXED = ("allreduce", "ripples_static")
 RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd",)  # what executor=async runs
@@ -49,18 +53,29 @@ PREDUCE_MODES = ("auto", "group", "pairs")  # runtime.preduce (runtime/preduce.p
 def encode(entry: tuple) -> str:
   """An entry as the coordination service's string value."""
   if entry[0] == GROUP:
-    return f"G {entry[1]} {','.join(map(str, entry[2]))}"
+    joiners = f" {','.join(map(str, entry[3]))}" if len(entry) > 3 and entry[3] else ""
+    return f"G {entry[1]} {','.join(map(str, entry[2]))}{joiners}"
   if entry[0] == MARK:
     return f"M {entry[1]} {entry[2]}"
+  if entry[0] == MEMBER:
+    return f"E {entry[1]} {entry[2]} {entry[3]}"
+  if entry[0] == STOP and len(entry) > 1:  # elastic: the live workers, who meet at the end barrier
+    return f"S {','.join(map(str, entry[1]))}"
   return entry[0]
 
 
 def decode(text: str) -> tuple:
   parts = text.split()
+  ints = lambda field: tuple(int(m) for m in field.split(","))
   if parts[0] == GROUP:
-    return (GROUP, int(parts[1]), tuple(int(m) for m in parts[2].split(",")))
+    group = (GROUP, int(parts[1]), ints(parts[2]))
+    return group + (ints(parts[3]),) if len(parts) > 3 else group
   if parts[0] == MARK:
     return (MARK, parts[1], int(parts[2]))
+  if parts[0] == MEMBER:
+    return (MEMBER, parts[1], int(parts[2]), int(parts[3]))
+  if parts[0] == STOP and len(parts) > 1:
+    return (STOP, ints(parts[1]))
   return (parts[0],)
 
 
@@ -97,6 +112,7 @@ class Service:
     self.marks = {"eval": 0, "ckpt": 0}  # markers inserted so far, per kind
     self.stopped = False
     self.gid0 = 0  # global sequence numbers continue across a resume
+    self.joining = set()  # rejoined workers (runtime.elastic) whose first group is not yet made
     self.view = GGView(0.0, self.buffer, self.started_at, self.estimates, lambda j: int(self.steps[j]))
 
   # -- what workers tell the authority -----------------------------------------------------------
@@ -124,8 +140,13 @@ class Service:
     if not self.stopped:
       self.gg(worker, self.view)
     for g in self.buffer.groups[before:]:
+      entry = (GROUP, self.gid0 + g.gid, g.members)
+      joiners = tuple(m for m in g.members if m in self.joining)
+      if joiners and len(joiners) < len(g.members):  # their first average: weight 0 (3.10)
+        entry += (joiners,)
+        self.joining.difference_update(joiners)
       for m in g.members:
-        self.entries[m].append((GROUP, self.gid0 + g.gid, g.members))
+        self.entries[m].append(entry)
     if want >= self.appended(worker):
       self.entries[worker].append((NONE,))
     return True

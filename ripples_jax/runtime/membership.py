@@ -1,0 +1,140 @@
+"""Elastic membership (runtime.elastic): workers die, stall, restart and rejoin while the others go on.
+
+What jax.distributed gives on CPU (docs/design.md 3.8, measured): with `jax_enable_recoverability` the
+survivors of a death live on; a collective with a dead member fails in that group only, as a Python
+exception (at once when its connection was set up before: every pair is connected before the run,
+runtime/preduce.py); a process restarted under its old id works in groups it never used, while a
+device order it used before needs a new connection key. So:
+
+  death    the coordinator's watchdog sees a worker's heartbeat stop for runtime.heartbeat_timeout
+           and the authority appends ("E", "leave", w, inc) to every live queue: no group made after
+           it holds w (the generators read GGView.alive), its pending groups leave the Group Buffer,
+           and removed/<w> tells a stalled w, should it continue, that it was removed
+  in flight a group with a dead member fails for the members whose exchange with it fails; they go
+           on without that average (keep their own model), as the simulator's members do (3.10).
+           Members whose exchanges all succeeded (the death came after theirs) apply the mean: the
+           outcome is recorded per member (trace "failed"), and the replay reproduces both
+  stall    a SIGSTOPped worker is a death after the timeout; once continued, its watchdog reads
+           removed/<w> and it exits (coord.EXIT_REMOVED) to be restarted: it never joins a group made
+           after its removal (those hold no removed worker) and its peers' collectives with it time out
+           (--xla_cpu_collective_timeout_seconds, set for elastic runs: host.recoverable_flags)
+  rejoin   a restarted process (the launcher's --max_restarts, or by hand under its id) asks through
+           join/<slot>; the authority appends ("E", "join", w, inc), gives it a queue of its own
+           (keys q/<w>.<inc>) and marks it joining: the first group made with it carries it as a
+           joiner, weight 0 (the others' mean is kept, and it takes that mean with fresh optimizer
+           state: 3.10). Pair (a, b) uses connection key inc[a] + inc[b]: the device order of the pair
+           (two keys with one device per worker, `KEYS`); a rejoin that would need a third for some
+           pair is refused with one line (coord.EXIT_REFUSED) and the run goes on without it
+  end      the step budget counts every worker's steps (the live make up the dead ones'); STOP
+           carries the live workers, who meet the coordinator at the end barrier
+
+A worker's incarnation 0 is its first process; each accepted rejoin adds one.
+"""
+
+import time
+
+from ripples_jax.distributed.coord import PREFIX
+from ripples_jax.schedule.online import MEMBER
+
+KEYS = 2  # connection keys per pair with one device per worker: the two orders of its devices
+RUNNING = f"{PREFIX}/running/0"  # set by the coordinator once the run has started
+
+
+def started(kv) -> bool:
+  """Whether the run has started: a worker process starting now is a restart, and rejoins."""
+  return bool(kv.key_value_dir_get(f"{PREFIX}/running/"))
+
+
+def queue_prefix(worker: int, inc: int) -> str:
+  """Worker w's queue keys in its incarnation inc (incarnation 0: the non-elastic layout)."""
+  return f"{PREFIX}/q/{worker}" if inc == 0 else f"{PREFIX}/q/{worker}.{inc}"
+
+
+def request_prefix(worker: int, inc: int) -> str:
+  return f"{PREFIX}/req/{worker}" if inc == 0 else f"{PREFIX}/req/{worker}.{inc}"
+
+
+def pair_rows(pair: tuple, key: int) -> tuple:
+  """The order of a pair's two workers in the mesh of connection key `key` (0: sorted)."""
+  if not 0 <= key < KEYS:
+    raise ValueError(f"pair {pair}: connection key {key} beyond the {KEYS} device orders of a pair")
+  return tuple(pair) if key == 0 else tuple(reversed(pair))
+
+
+def pair_key(pair: tuple, incs) -> int:
+  return int(incs[pair[0]] + incs[pair[1]])
+
+
+def exhausted(worker: int, incs, alive) -> list:
+  """The live workers whose pair with `worker` would need a key beyond KEYS after its rejoin."""
+  return [o for o, live in enumerate(alive) if live and o != worker and incs[o] + incs[worker] + 1 >= KEYS]
+
+
+# -- the authority's side (it holds the Service) ----------------------------------------------------
+
+
+def leave(service, worker: int, inc: int) -> None:
+  """Worker left at this point of the global order (docs/design.md 3.10)."""
+  alive = service.view.alive
+  alive[worker] = False
+  buf = service.buffer
+  buf.npending[worker] = 0
+  buf.queues[worker] = []
+  service.joining.discard(worker)
+  service.base[worker] += len(service.entries[worker])  # nothing more is posted to its queue
+  service.entries[worker] = []
+  for w, live in enumerate(alive):
+    if live:
+      service.entries[w].append((MEMBER, "leave", worker, inc))
+
+
+def rejoin(service, worker: int, inc: int, now: float) -> int:
+  """Worker rejoins as incarnation inc: live again, joining (its first group weights it 0), ready now
+  (Smart GG); returns its new queue's first index (its Feed counts from there)."""
+  for w, live in enumerate(service.view.alive):
+    if live:
+      service.entries[w].append((MEMBER, "join", worker, inc))
+  service.view.alive[worker] = True
+  service.joining.add(worker)
+  service.started_at[worker] = now - service.estimates[worker]
+  service.base[worker] += len(service.entries[worker])
+  service.entries[worker] = []
+  return service.appended(worker)
+
+
+# -- the rejoining worker's side --------------------------------------------------------------------
+
+
+def ask_to_join(kv, worker: int, timeout_s: float) -> dict:
+  """Asks the authority to take this worker back; blocks until it answers. The answer: inc, taken (its
+  queue's first index), now (the run's clock when answered), marks (checkpoint and eval markers in
+  the global order so far), incs (every worker's incarnation), g0 (groups made so far), refused (a
+  line, or absent)."""
+  slot = int(kv.key_value_increment(f"{PREFIX}/joins", 1)) - 1
+  sent = time.perf_counter()
+  kv.key_value_set(f"{PREFIX}/join/{slot}", str(worker))
+  answer = kv.blocking_key_value_get(f"{PREFIX}/joined/{slot}", int(timeout_s * 1000))
+  got = time.perf_counter()
+  inc, taken, now, ckpt, evals, incs, g0, *refused = answer.split(" ", 7)
+  return {
+    "inc": int(inc),
+    "taken": int(taken),
+    "now": float(now) + (got - sent) / 2,  # the answer's age: half the round trip
+    "received": got,
+    "ckpt": int(ckpt),
+    "evals": int(evals),
+    "incs": [int(i) for i in incs.split(",")],
+    "g0": int(g0),
+    "refused": refused[0] if refused else None,
+  }
+
+
+def answer(kv, slot: int, inc: int, taken: int, now: float, marks: dict, incs, g0: int, refused: str = ""):
+  value = f"{inc} {taken} {now!r} {marks['ckpt']} {marks['eval']} {','.join(map(str, incs))} {g0}" + (
+    f" {refused}" if refused else ""
+  )
+  kv.key_value_set(f"{PREFIX}/joined/{slot}", value)
+
+
+def removed_key(worker: int) -> str:
+  return f"{PREFIX}/removed/{worker}"
