@@ -64,11 +64,12 @@ def setup_row(r, n) -> dict:
   }
 
 
-def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=()) -> dict:
-  """The simulator's throughput for a run, fed with what that run measured: its unslowed step time and
-  jitter, request round trip, the authority's service time per request (busy seconds / requests; its
-  queueing is the simulator's), and the group time as a ring latency (bench_online.fit_alpha). Set-up
-  is not charged: the pairs are compiled and connected before the run (its group_setup_s is 0)."""
+def fed_simulation(r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), leave=(), total=None):
+  """The simulator fed with what a run measured: its unslowed step time and jitter, request round trip,
+  the authority's service time per request (busy seconds / requests; its queueing is the simulator's),
+  and the group time as a ring latency (bench_online.fit_alpha). Set-up is not charged: the pairs are
+  compiled and connected before the run (its group_setup_s is 0). leave: (worker, t_leave, t_rejoin)
+  membership events (docs/design.md 3.10). Returns (its timeline.Trace, what it was fed)."""
   from benchmarks.bench_online import fit_alpha
   from configs import default as default_config
   from ripples_jax import schedule as schedule_lib
@@ -95,20 +96,35 @@ def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=()) -> dict
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
   cost = timeline.AuthorityCost(service=service)
   trace = timeline.simulate(
-    algorithm, speed, net, 4000 * n, time_budget=120.0, gg=gg, rtt=rtt / 1e3, server=cost
+    algorithm,
+    speed,
+    net,
+    total or 4000 * n,
+    time_budget=120.0,
+    gg=gg,
+    rtt=rtt / 1e3,
+    server=cost,
+    leave=tuple(leave),
   )
+  fed = {
+    "base_s": base,
+    "jitter": jitter,
+    "rtt_ms": rtt,
+    "service_ms": 1e3 * service,
+    "alpha_s": config.timeline.alpha,
+  }
+  return trace, fed
+
+
+def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=()) -> dict:
+  """The simulator's throughput for a run, fed with what that run measured (fed_simulation)."""
+  trace, fed = fed_simulation(r, n, algorithm, slowdown, slow)
   throughput = trace.worker_steps.sum() / trace.end_time
   return {
     "measured": r["window_throughput"],
     "predicted": float(throughput),
     "error": float(throughput / r["window_throughput"] - 1),
-    "fed": {
-      "base_s": base,
-      "jitter": jitter,
-      "rtt_ms": rtt,
-      "service_ms": 1e3 * service,
-      "alpha_s": config.timeline.alpha,
-    },
+    "fed": fed,
   }
 
 

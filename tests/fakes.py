@@ -29,6 +29,12 @@ class FakeKV:
       self.store[key] = value
       self.cond.notify_all()
 
+  def key_value_increment(self, key, delta):
+    with self.cond:
+      self.store[key] = str(int(self.store.get(key, "0")) + delta)
+      self.cond.notify_all()
+      return int(self.store[key])
+
   def key_value_delete(self, key):
     """The key and, as the coordination service does, every key in its directory (key/...)."""
     with self.cond:

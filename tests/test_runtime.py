@@ -120,7 +120,9 @@ def run_args(workdir, algorithm, n, steps, extra=()):
   ]
 
 
-def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="experiments.train", max_restarts=0):
+def launch_bounded(
+  n, args, timeout_s=240, on_pids=None, grace_s=10, module="experiments.train", max_restarts=0
+):
   """launch() in a thread; on timeout every child is SIGKILLed by PID and the test fails."""
   out, pids, result = io.StringIO(), [], {}
 
@@ -159,11 +161,11 @@ def launch_bounded(n, args, timeout_s=240, on_pids=None, grace_s=10, module="exp
   return result["code"], out.getvalue()
 
 
-def replay_error(config, workdir, traces_dir=None):
+def replay_error(config, workdir, traces_dir=None, workers=None):
   """Relative L2 distance per worker between the runtime's final state and the engine's replay."""
   want = replay(config, traces_dir or workdir)
   out = []
-  for w in range(config.num_workers):
+  for w in range(config.num_workers) if workers is None else workers:
     got = np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy"))
     tree = {
       "params": jax.tree.map(lambda a: a[w], want["params"]),

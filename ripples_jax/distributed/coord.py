@@ -131,6 +131,7 @@ class Watchdog:
     # timeout_s, which the run then goes on without (`gone` until it beats again: a rejoin). A worker's
     # (incarnation not None): peers are not its concern; it exits when the coordinator removed it.
     self.on_lost, self.incarnation, self.gone = on_lost, incarnation, set()
+    self.incarnations = {w: 0 for w in range(num_workers)}  # each worker's, as its heartbeat says
     self.fired = False
     self._fire_lock = threading.RLock()  # the watchdog thread and a SIGTERM may want to exit at once
     self._thread = threading.Thread(target=self._run, name="ripples-watchdog", daemon=True)
@@ -167,8 +168,9 @@ class Watchdog:
     steps, events, done = self.progress()
     self._beat += 1
     if self.worker is not None:
+      inc = f" {self.incarnation}" if self.incarnation else ""  # an elastic worker's later lives
       self.kv.key_value_set(
-        f"{PREFIX}/hb/{self.worker}", f"{self._beat} {steps} {events} {int(done)}", allow_overwrite=True
+        f"{PREFIX}/hb/{self.worker}", f"{self._beat} {steps} {events} {int(done)}{inc}", allow_overwrite=True
       )
     values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
     self._contact = now
@@ -179,8 +181,8 @@ class Watchdog:
       if value != self.seen[w][0]:
         self.seen[w] = (value, now)
         self.gone.discard(w)
-      _, s, e, d = value.split()
-      self.steps[w], self.done[w] = int(s), d == "1"
+      _, s, e, d, *inc = value.split()
+      self.steps[w], self.done[w], self.incarnations[w] = int(s), d == "1", int(inc[0]) if inc else 0
       if e != self.moved[w][0]:
         self.moved[w] = (e, now)
     if self._stop.is_set():
@@ -192,7 +194,7 @@ class Watchdog:
       for w in silent:
         if w not in self.gone and not self.done[w]:
           self.gone.add(w)
-          self.on_lost(w)
+          self.on_lost(w, self.incarnations[w])  # the life that went silent (a newer one may be joining)
       silent = []
     if silent:
       return self._lost(f"{self.role}(s) {silent} lost: no heartbeat for {self.timeout:.0f} s", silent)

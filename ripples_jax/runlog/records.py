@@ -80,7 +80,7 @@ def archive(workdir: str) -> int | None:
 
   Its TensorBoard events go to the folder tensorboard.<k>/ (TensorBoard shows it as a run of its own).
   """
-  names = ("metrics.jsonl", "config.json", "summary.json")
+  names = ("metrics.jsonl", "config.json", "summary.json", "clock.jsonl")  # clock.jsonl: the runtime's starts
   present = [n for n in names if os.path.exists(os.path.join(workdir, n))]
   events = event_files(workdir)
   if not present and not events:

@@ -159,9 +159,21 @@ class Authority:
 
   # -- elastic membership (runtime/membership.py) -----------------------------------------------------
 
-  def leave(self, w: int) -> None:
-    """Worker w is lost (the coordinator's watchdog): applied by the serving thread, in order."""
-    self.inbox.put(("leave", w))
+  def leave(self, w: int, inc: int) -> None:
+    """Worker w's incarnation inc is lost (the coordinator's watchdog): applied by the serving thread,
+    in order; ignored if w has rejoined since (the silence was its earlier life's)."""
+    self.inbox.put(("leave", w, inc))
+
+  def settle(self) -> None:
+    """After the serving thread has ended: the membership items it left (a death noticed after the
+    run's last round is still recorded; a rejoin then is refused: the run has ended)."""
+    while True:
+      try:
+        item = self.inbox.get_nowait()
+      except queue.Empty:
+        return
+      if isinstance(item[0], str):
+        self._member(item)
 
   def _joins(self) -> None:
     try:
@@ -171,10 +183,10 @@ class Authority:
       return
 
   def _member(self, item) -> None:
-    kind, w, *slot = item
+    kind, w, arg = item
     if kind == "leave":
-      if not self.service.view.alive[w]:
-        return  # already out (a removed worker seen silent again)
+      if not self.service.view.alive[w] or arg != self.incs[w]:
+        return  # already out (a removed worker seen silent again), or a later life is in
       membership.leave(self.service, w, self.incs[w])
       self.posted[w] = self.service.appended(w)
       self._quiet[w].set()
@@ -183,8 +195,9 @@ class Authority:
       logging.warning("worker %d (incarnation %d) left the run; the others go on", w, self.incs[w])
       return
     svc, alive = self.service, self.service.view.alive
-    if alive[w]:  # a stalled worker's restart before its death was noticed: it left first
-      self._member(("leave", w))
+    slot = [arg]
+    if alive[w]:  # a restart before its death was noticed (or a stalled one's): it left first
+      self._member(("leave", w, self.incs[w]))
     full = membership.exhausted(w, self.incs, alive)
     refused = ""
     if svc.stopped:
@@ -290,9 +303,6 @@ class Authority:
       if new and alive is not None and not alive[w]:  # a dead worker's queue: nobody reads it
         self.posted[w] += len(new)
         continue
-      if new and alive is not None:  # elastic: STOP names the live workers (the end barrier's)
-        live = tuple(int(v) for v in np.flatnonzero(alive))
-        new = [(STOP, live) if e == (STOP,) else e for e in new]
       if new:
         prefix = membership.queue_prefix(w, self.incs[w])
         writes.append((paged(prefix, self.batches[w]), "|".join(encode(e) for e in new)))

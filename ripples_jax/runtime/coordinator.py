@@ -139,12 +139,13 @@ def await_workers(watchdog, authority, workdir: str, timeout_s: float) -> None:
     time.sleep(0.1)
 
 
-def end_processes(authority) -> list | None:
-  """Who meets at the end barrier: every process, or (elastic) the coordinator and the live workers,
-  as the STOP entries name them."""
-  if authority is None or not authority.elastic:
-    return None
-  return [0] + [coord.worker_process(int(w)) for w in np.flatnonzero(authority.service.view.alive)]
+def record_start(workdir: str, run_time: float) -> None:
+  """clock.jsonl: one line per start of the run (fresh, or each resume): the wall-clock time (unix
+  seconds) at which the run's clock read `run` seconds. A resumed run's clock continues from its
+  marker's saved time, so the time lost to a failure (the work redone, the restart) is in no trace:
+  the wall time of a trace event at run time t is wall + (t - run) of the start it belongs to."""
+  with open(os.path.join(workdir, "clock.jsonl"), "a") as f:
+    f.write(json.dumps({"wall": time.time(), "run": run_time}) + "\n")
 
 
 def run(config, workdir: str) -> dict:
@@ -181,6 +182,7 @@ def run(config, workdir: str) -> dict:
     )
     sigterm.watchdog = watchdog
     clock["t0"] = start_clock(kv, None, n, epoch, 0.0, timeout_ms)
+    record_start(workdir, time.perf_counter() - clock["t0"])
     if rt.elastic:  # a worker process started from now on is a restart: it rejoins (membership.py)
       kv.key_value_set(membership.RUNNING, "1", allow_overwrite=True)
     if authority is not None:
@@ -192,7 +194,12 @@ def run(config, workdir: str) -> dict:
     ).start()
     try:
       await_workers(watchdog, authority, workdir, 10 * rt.stall_timeout)
-      kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000), end_processes(authority))
+      if authority is not None:
+        authority.settle()
+      if rt.elastic:  # every worker done or gone: a barrier's fixed membership would wait for the dead
+        kv.key_value_set(membership.ENDED, "1")
+      else:
+        kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
     except Exception:
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)  # a lost worker is named first
       raise

@@ -25,8 +25,9 @@ device order it used before needs a new connection key. So:
            state: 3.10). Pair (a, b) uses connection key inc[a] + inc[b]: the device order of the pair
            (two keys with one device per worker, `KEYS`); a rejoin that would need a third for some
            pair is refused with one line (coord.EXIT_REFUSED) and the run goes on without it
-  end      the step budget counts every worker's steps (the live make up the dead ones'); STOP
-           carries the live workers, who meet the coordinator at the end barrier
+  end      the step budget counts every worker's steps (the live make up the dead ones'); the
+           coordinator waits until every worker is done or gone, then sets ENDED, which the done
+           workers wait for (a barrier's fixed membership would wait for a worker that died late)
 
 A worker's incarnation 0 is its first process; each accepted rejoin adds one.
 """
@@ -38,6 +39,7 @@ from ripples_jax.schedule.online import MEMBER
 
 KEYS = 2  # connection keys per pair with one device per worker: the two orders of its devices
 RUNNING = f"{PREFIX}/running/0"  # set by the coordinator once the run has started
+ENDED = f"{PREFIX}/ended"  # set by the coordinator once every worker is done or gone: the workers may exit
 
 
 def started(kv) -> bool:

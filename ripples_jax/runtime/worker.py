@@ -100,7 +100,6 @@ class Loop:
   # told it (pair connection keys), and whether it is a rejoined worker whose first group has not landed.
   incs: list | None = None
   joining: bool = False
-  live: tuple | None = None  # the live workers the STOP entry named (who meet at the end barrier)
 
 
 class Worker:
@@ -124,10 +123,6 @@ class Worker:
     self.averager = make_averager(config, self.local_mesh, self.devices_of, self.me)
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
-    # A rejoined worker's first group: fresh optimizer state for the mean it takes (docs/design.md 3.10).
-    self.init_opt = jax.jit(
-      lambda flat: s.optimizer.init(self.unravel(flat)["params"]), out_shardings=self.rep
-    )
     self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
 
   def now(self) -> float:
@@ -455,8 +450,10 @@ def end_of_run(
   trace.flush()
   log.wait()
   progress["done"] = True
-  live = None if loop.live is None else [0] + [coord.worker_process(w) for w in loop.live]
-  kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000), live)
+  if loop.incs is not None:  # elastic: who is left at the end is the coordinator's to say
+    kv.blocking_key_value_get(membership.ENDED, int(10 * rt.stall_timeout * 1000))
+  else:
+    kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
 
 
 def result(worker: Worker, loop: Loop, log: RunLog, workdir: str) -> dict:
@@ -505,7 +502,6 @@ def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, wor
         member(worker, loop, trace, entry)
       entry = feed.next(rt.stall_timeout)
     if entry[0] == STOP:
-      loop.live = entry[1] if len(entry) > 1 else None
       return
     loop.syncs += 1
     if entry[0] == GROUP:
@@ -535,7 +531,7 @@ def member(worker: Worker, loop: Loop, trace, entry) -> None:
 
 def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> None:
   """P-Reduce over the entry's group. Elastic: members whose exchange with a dead member failed keep
-  their model (trace "failed"); a joiner (weight 0) takes the others' mean and fresh optimizer state."""
+  their model (trace "failed"); a joiner (weight 0) takes the others' mean."""
   gid, members = entry[1], entry[2]
   joiners = entry[3] if len(entry) > 3 else ()
   t0, failed = worker.now(), []
@@ -553,8 +549,7 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
     event["join"] = list(joiners)
   if failed:
     event["failed"] = failed
-  elif worker.me in joiners:
-    loop.state["opt_state"] = worker.init_opt(flat)
+  elif worker.me in joiners:  # its optimizer state is fresh already: a new process's (worker.fresh)
     loop.joining = False
   trace.add(**event)
 

@@ -59,8 +59,6 @@ def encode(entry: tuple) -> str:
     return f"M {entry[1]} {entry[2]}"
   if entry[0] == MEMBER:
     return f"E {entry[1]} {entry[2]} {entry[3]}"
-  if entry[0] == STOP and len(entry) > 1:  # elastic: the live workers, who meet at the end barrier
-    return f"S {','.join(map(str, entry[1]))}"
   return entry[0]
 
 
@@ -74,8 +72,6 @@ def decode(text: str) -> tuple:
     return (MARK, parts[1], int(parts[2]))
   if parts[0] == MEMBER:
     return (MEMBER, parts[1], int(parts[2]), int(parts[3]))
-  if parts[0] == STOP and len(parts) > 1:
-    return (STOP, ints(parts[1]))
   return (parts[0],)
 
 

@@ -1,0 +1,398 @@
+"""Elastic membership (runtime.elastic, runtime/membership.py): the authority's membership entries, the
+watchdogs' roles, the replay's merge across deaths and rejoins, refused configs; and real runs where
+workers die (inside and outside a P-Reduce, twice), stall, restart and rejoin, and the coordinator dies."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from configs import default as default_config
+from ripples_jax import config as config_lib
+from ripples_jax import schedule as schedule_lib
+from ripples_jax import timeline
+from ripples_jax.distributed import coord
+from ripples_jax.errors import ConfigError
+from ripples_jax.runtime import membership
+from ripples_jax.runtime.authority import Authority
+from ripples_jax.runtime.replay import merged_events
+from ripples_jax.schedule.online import GROUP, MEMBER, STOP, Cadence, Service, decode, encode
+from tests.fakes import FakeKV
+
+
+def service_for(algorithm="ripples_random", n=4, seed=0):
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
+  config.schedule.group_size = 3
+  gg = schedule_lib.make_group_generator(config, np.random.default_rng(seed))
+  service = Service(n, gg, Cadence(10**6), estimate=1.0)
+  service.view.alive = np.ones(n, bool)
+  return service
+
+
+def test_entries_round_trip_through_the_store():
+  for entry in [
+    (GROUP, 7, (0, 2, 3)),
+    (GROUP, 8, (0, 1, 2), (2,)),
+    (MEMBER, "leave", 2, 0),
+    (MEMBER, "join", 2, 1),
+    (STOP,),
+  ]:
+    assert decode(encode(entry)) == entry
+
+
+@pytest.mark.parametrize("algorithm", ["ripples_random", "ripples_division", "ripples_smart"])
+def test_no_group_after_a_leave_holds_the_dead_worker_and_a_rejoiner_has_weight_0(algorithm):
+  n, service = 4, service_for(algorithm)
+  for step in range(20):
+    for w in range(n):
+      service.report(w, float(step), 1.0, step + 1, -1)
+      service.request(w, service.appended(w), float(step) + 1.0, 1.0)
+  membership.leave(service, 2, 0)
+  assert service.buffer.queues[2] == [] and service.entries[2] == []
+  for w in (0, 1, 3):
+    assert service.entries[w][-1] == (MEMBER, "leave", 2, 0)
+  before = service.buffer.count
+  for step in range(20, 60):
+    for w in (0, 1, 3):
+      service.report(w, float(step), 1.0, step + 1, 10**6)
+      service.request(w, service.appended(w), float(step) + 1.0, 1.0)
+  made = [e for w in (0, 1, 3) for e in service.entries[w] if e[0] == GROUP and e[1] >= before]
+  assert made and all(2 not in e[2] for e in made)
+  taken = membership.rejoin(service, 2, 1, 60.0)
+  assert taken == service.appended(2) and service.joining == {2}
+  for w in (0, 1, 3):
+    assert service.entries[w][-1] == (MEMBER, "join", 2, 1)
+  first = None
+  for step in range(60, 100):
+    for w in (2, 0, 1, 3):
+      service.report(w, float(step), 1.0, step + 1, 10**6)
+      service.request(w, service.appended(w), float(step) + 1.0, 1.0)
+    first = next((e for e in service.entries[2] if e[0] == GROUP), None)
+    if first:
+      break
+  # Its first group carries it as a joiner (weight 0); its later groups do not.
+  assert first is not None and first[3] == (2,) and 2 not in service.joining
+
+
+def test_pair_keys_are_device_orders_and_run_out():
+  assert membership.pair_rows((1, 3), 0) == (1, 3) and membership.pair_rows((1, 3), 1) == (3, 1)
+  with pytest.raises(ValueError, match="connection key 2"):
+    membership.pair_rows((1, 3), 2)
+  assert membership.pair_key((1, 3), [0, 1, 0, 0]) == 1
+  # Worker 1 rejoined once: worker 3 can rejoin only where no live pair of its would need a third key.
+  assert membership.exhausted(3, [0, 1, 0, 0], [True, True, True, False]) == [1]
+  assert membership.exhausted(3, [0, 0, 0, 0], [True, True, True, False]) == []
+
+
+def test_the_authority_removes_and_takes_back_a_worker():
+  kv, n = FakeKV(), 3
+  service = service_for(n=n)
+  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0).start()
+  try:
+    authority.leave(1, 0)
+    deadline = time.monotonic() + 5
+    while not authority.events and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert authority.events == [(5.0, 1, "leave")]
+    assert dict(kv.key_value_dir_get(f"{coord.PREFIX}/removed/")) == {membership.removed_key(1): "0"}
+    got = membership.ask_to_join(kv, 1, 5.0)
+    assert got["inc"] == 1 and got["incs"] == [0, 1, 0] and got["refused"] is None
+    assert authority.events[-1] == (5.0, 1, "rejoin") and service.joining == {1}
+    # Worker 2 cannot rejoin now: its pair with worker 1 would need a third connection key.
+    authority.leave(2, 0)
+    got = membership.ask_to_join(kv, 2, 5.0)
+    assert got["refused"] and "workers [1]" in got["refused"]
+  finally:
+    authority.stop()
+
+
+def test_the_coordinators_watchdog_reports_a_silent_worker_once_and_goes_on():
+  kv, lost, exits = FakeKV(), [], []
+  progress = lambda: (1, 1, False)
+  dogs = [
+    coord.Watchdog(kv, w, 3, progress, 1.0, 5.0, 30.0, lambda m: None, exits.append, incarnation=0)
+    for w in range(3)
+  ]
+  on_lost = lambda w, inc: lost.append((w, inc))
+  boss = coord.Watchdog(
+    kv, None, 3, lambda: (0, 0, False), 1.0, 5.0, 30.0, lambda m: None, exits.append, on_lost=on_lost
+  )
+  for t in range(3):
+    for d in [*dogs, boss]:
+      d.check(100.0 + t)
+  for t in range(3, 20):  # worker 2 stops beating; the others and the coordinator go on
+    for d in [*dogs[:2], boss]:
+      d.check(100.0 + t)
+  assert lost == [(2, 0)] and exits == [] and boss.gone == {2}
+  # Its next beat (a restarted process, incarnation 1) makes it a member again for the watchdog.
+  dogs[2].incarnation = 1
+  dogs[2].check(120.0)
+  boss.check(120.0)
+  assert boss.gone == set() and boss.incarnations[2] == 1
+
+
+def test_a_worker_exits_once_its_incarnation_is_removed():
+  kv, logs, exits = FakeKV(), [], []
+  dog = coord.Watchdog(
+    kv, 1, 3, lambda: (4, 4, False), 1.0, 5.0, 30.0, logs.append, exits.append, incarnation=1
+  )
+  kv.key_value_set(membership.removed_key(1), "0")  # its earlier life was removed: not this one
+  dog.check(1.0)
+  assert exits == []
+  kv.key_value_set(membership.removed_key(1), "1", allow_overwrite=True)
+  dog.check(2.0)
+  assert exits == [coord.EXIT_REMOVED] and "removed from the run" in logs[0]
+
+
+def _group(g, m, **kw):
+  return {"k": "group", "g": g, "m": list(m), "t0": 0.0, "t1": 0.0, "c": 0, **kw}
+
+
+def _step(s):
+  return {"k": "step", "s": s, "t0": 0.0, "t1": 0.0, "c": 0, "loss": 0.0}
+
+
+def test_merge_keeps_a_failed_members_model_and_uses_a_dead_members_state():
+  """Worker 2 died inside group 0 after its exchange with worker 1: worker 1 applied the mean of all
+  three (2's state at its death), worker 0 recorded the group as failed. Group 1 failed for everyone
+  who recorded it: no average at all."""
+  traces = {
+    0: [_step(0), _group(0, (0, 1, 2), failed=[2]), _group(1, (0, 2), failed=[2]), _step(1)],
+    1: [_step(0), _group(0, (0, 1, 2)), _step(1)],
+    2: [_step(0), _step(1)],
+  }
+  events = merged_events(traces, 3)
+  groups = [e for e in events if e[1] != timeline.START and e[1] != timeline.APPLY]
+  assert groups == [
+    (0.0, timeline.PULL, 3, 0),  # worker 0 set aside
+    (0.0, timeline.AVG, (0, 1, 2), None),
+    (0.0, timeline.PULL, 0, 3),  # and restored
+  ]
+  # The average comes after worker 2's last step (its state at its death), not before it.
+  order = [(e[1], e[2]) for e in events]
+  assert order.index((timeline.APPLY, 2)) < order.index((timeline.AVG, (0, 1, 2)))
+
+
+def test_merge_joins_a_rejoined_worker_with_weight_0_after_its_earlier_life():
+  traces = {
+    0: [_step(0), _group(0, (0, 1)), _step(1), _group(5, (0, 1, 2), join=[2]), _step(2)],
+    1: [_step(0), _group(0, (0, 1)), _step(1), _group(5, (0, 1, 2), join=[2]), _step(2)],
+    2: [
+      _step(0),
+      {"k": "rejoin", "g0": 5, "inc": 1, "t": 0.0, "s": 1, "c": 0},
+      _group(5, (0, 1, 2), join=[2]),
+      _step(1),
+    ],
+  }
+  groups = [e for e in merged_events(traces, 3) if e[1] in (timeline.AVG, timeline.JOIN)]
+  assert groups == [
+    (0.0, timeline.AVG, (0, 1), None),
+    (0.0, timeline.AVG, (0, 1), None),
+    (0.0, timeline.JOIN, 2, 0),
+  ]
+
+
+@pytest.mark.parametrize(
+  "algorithm,extra,message",
+  [
+    ("allreduce", {}, "every step averages over all workers"),
+    ("ripples_static", {}, "fixed in advance"),
+    ("adpsgd", {}, "passive side has no membership"),
+    ("ripples_random", {"runtime.preduce": "group"}, "a group's first use waits 30 s"),
+  ],
+)
+def test_elastic_refuses_what_cannot_exclude_a_member(algorithm, extra, message):
+  config = default_config.get_config(f"algorithm={algorithm},executor=async,num_workers=4")
+  config.runtime.elastic = True
+  config.update_from_flattened_dict(extra)
+  with pytest.raises(ConfigError, match=message) as e:
+    config_lib.validate_train_config(config, num_devices=5, num_processes=5)
+  assert "\n" not in str(e.value)
+
+
+def test_elastic_belongs_to_the_runtime_and_fail_where_preduce_to_elastic():
+  config = default_config.get_config("algorithm=ripples_random,executor=sim,num_workers=4")
+  config.runtime.elastic = True
+  with pytest.raises(ConfigError, match="runtime.elastic.*executor=sim"):
+    config_lib.validate_train_config(config, num_devices=4)
+  config = default_config.get_config("algorithm=ripples_random,executor=async,num_workers=4")
+  config.runtime.fail_where = "preduce"
+  with pytest.raises(ConfigError, match="runtime.fail_where"):
+    config_lib.validate_train_config(config, num_devices=5, num_processes=5)
+
+
+def test_the_launcher_reads_elastic_from_the_command_line():
+  from experiments.config_args import runs_elastic
+
+  base = ["--config=configs/default.py:executor=async,num_workers=4,algorithm=ripples_random"]
+  assert runs_elastic("experiments.train", base + ["--config.runtime.elastic=True"])
+  assert not runs_elastic("experiments.train", base)
+  assert not runs_elastic("experiments.train_dsp", base + ["--config.runtime.elastic=True"])
+
+
+# -- real runs: 4 workers and the coordinator ---------------------------------------------------------
+
+from tests.test_runtime import MODEL, launch_bounded, make_config, replay_error, run_args  # noqa: E402
+
+ELASTIC = [
+  "--config.runtime.elastic=True",
+  "--config.runtime.step_time=0.05",
+  "--config.runtime.heartbeat_s=0.5",
+  "--config.runtime.heartbeat_timeout=5",
+]
+
+
+def elastic_run(tmp_path, steps, extra=(), max_restarts=0, on_pids=None, algorithm="ripples_random"):
+  workdir = str(tmp_path / "run")
+  args = run_args(workdir, algorithm, 4, steps, [*ELASTIC, *extra])
+  code, out = launch_bounded(4, args, timeout_s=300, on_pids=on_pids, max_restarts=max_restarts)
+  summary = json.load(open(os.path.join(workdir, "summary.json"))) if code == 0 else None
+  return code, out, workdir, summary
+
+
+def traces_of(workdir):
+  from ripples_jax.runtime import trace as trace_lib
+
+  return trace_lib.load_traces(workdir)
+
+
+def assert_replayed(workdir, steps, algorithm="ripples_random"):
+  """The survivors' (and rejoined workers') final models are what the engine computes from the traces."""
+  config = make_config(algorithm, 4, steps, MODEL)
+  config.runtime.elastic = True
+  live = [w for w in range(4) if os.path.exists(os.path.join(workdir, "snapshots", f"final-{w}.npy"))]
+  err = replay_error(config, workdir, workers=live)
+  assert max(err) < 1e-5, err
+
+
+def when_steps(workdir, worker, steps, action):
+  """on_pids for launch_bounded: action(pids) once `worker` has recorded `steps` local steps (elastic
+  traces are written through), from a thread."""
+
+  def watch(pids):
+    def wait():
+      path, deadline = os.path.join(workdir, f"trace-{worker}.jsonl"), time.monotonic() + 200
+      while time.monotonic() < deadline:
+        if os.path.exists(path) and sum('"k": "step"' in l for l in open(path)) >= steps:
+          return action(pids)
+        time.sleep(0.05)
+
+    threading.Thread(target=wait, daemon=True).start()
+
+  return watch
+
+
+def groups_after_leave(traces, worker):
+  """Groups holding `worker` that the others executed after its leave entry reached them."""
+  bad = []
+  for w, events in traces.items():
+    left = False
+    for e in events:
+      if e["k"] == "member" and e["w"] == worker:
+        left = e["kind"] == "leave"
+      elif e["k"] == "group" and left and worker in e["m"]:
+        bad.append((w, e["g"]))
+  return bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,step", [("step", 20), ("preduce", 20), ("preduce", 1)])
+def test_a_killed_worker_leaves_and_the_others_finish(tmp_path, where, step):
+  """Killed before a local step, inside a P-Reduce (after its first exchange), and during its first
+  group: the others go on, end with exit 0 at the step budget, and their models are the replay's."""
+  steps = 120
+  fail = [
+    "--config.runtime.fail_worker=2",
+    f"--config.runtime.fail_step={step}",
+    f"--config.runtime.fail_where={where}",
+  ]
+  code, out, workdir, summary = elastic_run(tmp_path, steps, fail)
+  assert code == 0, out[-3000:]
+  assert "worker 2 exited with -9 (SIGKILL); the run goes on without it" in out
+  assert [e[1:] for e in summary["membership"]] == [[2, "leave"]], summary["membership"]
+  assert sum(summary["worker_steps"]) >= 4 * steps and summary["worker_steps"][2] == step
+  traces = traces_of(workdir)
+  assert not groups_after_leave(traces, 2)
+  failed = [e for w in (0, 1, 3) for e in traces[w] if e["k"] == "group" and e.get("failed") == [2]]
+  assert failed  # the groups in flight with it failed for the survivors, who went on
+  assert_replayed(workdir, steps)
+  # Every evaluation marker kept its record (metrics.jsonl), the ones before the kill included.
+  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert len([r for r in records if "test_accuracy" in r]) >= steps // 8
+
+
+@pytest.mark.slow
+def test_a_restarted_worker_rejoins_with_weight_0_and_trains(tmp_path):
+  steps = 120
+  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=20"]
+  code, out, workdir, summary = elastic_run(tmp_path, steps, fail, max_restarts=1)
+  assert code == 0, out[-3000:]
+  assert "worker 2 exited with -9 (SIGKILL); restarting it (1 of 1): it rejoins the run" in out
+  assert [e[1:] for e in summary["membership"]] == [[2, "leave"], [2, "rejoin"], [2, "first_group"]]
+  traces = traces_of(workdir)
+  rejoin = next(e for e in traces[2] if e["k"] == "rejoin")
+  assert rejoin["inc"] == 1 and rejoin["s"] == 20  # its data continue where its record ended
+  first = next(e for e in traces[2] if e["k"] == "group" and e["g"] >= rejoin["g0"] and not e.get("failed"))
+  assert first["join"] == [2]
+  assert summary["worker_steps"][2] > 20 + 10  # it trained again after its first group
+  assert "exit codes: coordinator 0, workers [0, 0, 0, 0]" in out
+  assert_replayed(workdir, steps)
+
+
+@pytest.mark.slow
+def test_two_deaths(tmp_path):
+  """Worker 2 kills itself; worker 0 is killed from outside once worker 2's leave has happened."""
+  steps = 80
+  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=15"]
+
+  kill_0 = when_steps(str(tmp_path / "run"), 0, 40, lambda pids: os.kill(pids[1], signal.SIGKILL))
+  code, out, workdir, summary = elastic_run(tmp_path, steps, fail, on_pids=kill_0)
+  assert code == 0, out[-3000:]
+  left = sorted(e[1] for e in summary["membership"] if e[2] == "leave")
+  assert left == [0, 2], summary["membership"]
+  assert sum(summary["worker_steps"]) >= 4 * steps
+  traces = traces_of(workdir)
+  assert not groups_after_leave(traces, 2) and not groups_after_leave(traces, 0)
+  assert_replayed(workdir, steps)
+
+
+@pytest.mark.slow
+def test_a_stalled_worker_is_removed_and_rejoins_after_it_continues(tmp_path):
+  steps = 150
+
+  def stall(pids):
+    os.kill(pids[2], signal.SIGSTOP)
+    time.sleep(8)  # longer than heartbeat_timeout: the coordinator removes it
+    os.kill(pids[2], signal.SIGCONT)
+
+  stall_1 = when_steps(str(tmp_path / "run"), 1, 20, stall)
+  code, out, workdir, summary = elastic_run(tmp_path, steps, max_restarts=1, on_pids=stall_1)
+  assert code == 0, out[-3000:]
+  assert "worker 1: removed from the run" in out, out[-3000:]
+  assert "worker 1 exited with 76 (it was removed from the run after a stall); restarting it" in out
+  kinds = [e[2] for e in summary["membership"] if e[1] == 1]
+  assert kinds == ["leave", "rejoin", "first_group"], summary["membership"]
+  traces = traces_of(workdir)
+  assert not [e for e in groups_after_leave(traces, 1)]
+  assert_replayed(workdir, steps)
+
+
+@pytest.mark.slow
+def test_the_coordinators_death_stops_the_run_and_it_resumes(tmp_path):
+  steps = 120
+
+  workdir = str(tmp_path / "run")
+  kill_coordinator = when_steps(workdir, 0, 40, lambda pids: os.kill(pids[0], signal.SIGKILL))
+  args = run_args(workdir, "ripples_random", 4, steps, ELASTIC)
+  code, out = launch_bounded(4, args, timeout_s=300, on_pids=kill_coordinator)
+  assert code != 0 and "[launch] coordinator exited with -9 (SIGKILL)" in out, out[-3000:]
+  code, out = launch_bounded(4, args, timeout_s=300)
+  assert code == 0, out[-3000:]
+  assert "resuming at checkpoint marker" in out
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert sum(summary["worker_steps"]) >= 4 * steps and summary["membership"] == []
+  assert_replayed(workdir, steps)
