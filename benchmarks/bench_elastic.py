@@ -41,10 +41,10 @@ def define_flags() -> None:
   flags.DEFINE_string("out", "/tmp/bench_elastic", "Every run's folder.")
   flags.DEFINE_string("json_out", "results/elastic/bench.json", "The figures (JSON).")
   flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the accuracy and time-to-target runs.")
-  flags.DEFINE_integer("steps", 300, "Steps per worker (config.num_steps).")
-  flags.DEFINE_integer("kill_step", 150, "Worker 2 dies before this local step.")
+  flags.DEFINE_integer("steps", 400, "Steps per worker (config.num_steps).")
+  flags.DEFINE_integer("kill_step", 200, "Worker 2 dies before this local step.")
   flags.DEFINE_float("step_time", 0.05, "Seconds every step is padded to.")
-  flags.DEFINE_float("target", 0.55, "Test accuracy for the time to target.")
+  flags.DEFINE_list("targets", ["0.55", "0.58", "0.6"], "Test accuracies for the times to target.")
   flags.DEFINE_string("algorithm", "ripples_random", "The elastic Ripples generator.")
   flags.DEFINE_list("parts", ["kill", "restart", "seeds", "predict"], "Parts to run.")
 
