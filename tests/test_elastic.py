@@ -319,6 +319,12 @@ def test_a_killed_worker_leaves_and_the_others_finish(tmp_path, where, step):
   assert not groups_after_leave(traces, 2)
   failed = [e for w in (0, 1, 3) for e in traces[w] if e["k"] == "group" and e.get("failed") == [2]]
   assert failed  # the groups in flight with it failed for the survivors, who went on
+  if where == "preduce":  # it died after one exchange: that partner applied the mean with its state
+    own = {e["g"] for e in traces[2] if e["k"] == "group"}
+    applied = [
+      e for w in (0, 1, 3) for e in traces[w] if e["k"] == "group" and 2 in e["m"] and not e.get("failed")
+    ]
+    assert any(e["g"] not in own for e in applied), applied
   assert_replayed(workdir, steps)
   # Every evaluation marker kept its record (metrics.jsonl), the ones before the kill included.
   records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]

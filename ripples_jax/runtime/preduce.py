@@ -124,6 +124,7 @@ class PairAverager(_Averager):
     self._ran = set()  # programs run at least once (their connection is set up)
     self._means = {}  # k -> the jitted local mean of k buffers
     self.precompile_s = 0.0
+    self.broken = set()  # (pair, key) connections that failed (elastic): never tried again
 
   def _program(self, pair: tuple, like=None, key: int = 0):
     """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given.
@@ -176,8 +177,10 @@ class PairAverager(_Averager):
     """average() under elastic membership (runtime/membership.py): (the result, the members whose
     exchange failed). Every pair of this worker's is tried in the global order, even after a failure,
     so no live partner waits for an exchange that never comes; a failed exchange (its partner died:
-    gloo raises at once on a connection set up before) leaves this worker's model as it was. Joiners
-    (a rejoined worker's first group) have weight 0: every member takes the others' mean.
+    gloo raises at once on a connection set up before) leaves this worker's model as it was. A failed
+    connection is never tried again (gloo keeps it failed on both sides, docs/design.md 3.8): until the
+    death is noticed, groups with the dead worker fail here at no cost. Joiners (a rejoined worker's
+    first group) have weight 0: every member takes the others' mean.
     on_exchange(): called after each exchange (fault injection inside a P-Reduce)."""
     size, ordered = flat_D.shape[0], sorted(members)
     pieces = [s.data[None] for s in flat_D.addressable_shards]
@@ -185,6 +188,9 @@ class PairAverager(_Averager):
     for other in (m for m in ordered if m != self.me):
       pair = tuple(sorted((self.me, other)))
       key = 0 if incs is None else pair_key(pair, incs)
+      if (pair, key) in self.broken:
+        failed.append(other)
+        continue
       try:
         (fn, sharding), first = self._program(pair, key=key)
         x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)
@@ -194,6 +200,7 @@ class PairAverager(_Averager):
         buffers[other] = both[pair_rows(pair, key).index(other)]
       except Exception as e:  # noqa: BLE001  jax's runtime error: the collective failed in this pair only
         failed.append(other)
+        self.broken.add((pair, key))
         logging.warning(
           "worker %d: the exchange with worker %d failed (%s): %s",
           self.me,
