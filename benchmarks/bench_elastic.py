@@ -44,7 +44,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("steps", 400, "Steps per worker (config.num_steps).")
   flags.DEFINE_integer("kill_step", 200, "Worker 2 dies before this local step.")
   flags.DEFINE_float("step_time", 0.05, "Seconds every step is padded to.")
-  flags.DEFINE_list("targets", ["0.6", "0.62", "0.64"], "Test accuracies for the times to target (after the kill).")
+  flags.DEFINE_list(
+    "targets", ["0.6", "0.62", "0.64"], "Test accuracies for the times to target (after the kill)."
+  )
   flags.DEFINE_string("algorithm", "ripples_random", "The elastic Ripples generator.")
   flags.DEFINE_list("parts", ["kill", "restart", "seeds", "predict"], "Parts to run.")
 
