@@ -121,7 +121,8 @@ def get_config(arg=None):
   c.runtime.fail_where = "step"  # step (before that local step) | preduce (inside the P-Reduce after
   # it, after its first exchange; runtime.elastic)
   c.runtime.elastic = False  # Random GG, Group Division, Smart GG: a worker that dies or stalls is
-  # removed and the others go on; a restarted one (experiments.launch --max_restarts) rejoins (docs/design.md 3.12)
+  # removed and the others go on; a restarted one (experiments.launch --max_restarts) rejoins
+  # (docs/design.md 3.12)
 
   c.num_steps = arg.steps  # steps per worker
   c.log_every = 50  # steps between log records (metrics.jsonl, TensorBoard)
