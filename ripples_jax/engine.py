@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ripples_jax import collectives
+from ripples_jax import collectives, optim
 from ripples_jax.collectives import WORKER_AXIS, Layout
 from ripples_jax.models import apply_model, init_model
 
@@ -238,11 +238,13 @@ def _masked(mask, new, old):
 
 
 def _reset(optimizer, reset, params, opt_state):
-  """Fresh optimizer state (optimizer.init) where `reset`: a rejoined worker (docs/design.md 3.10).
-  None traces nothing, so the rounds of a run without leave/join are the programs they always were."""
+  """Fresh optimizer state (optimizer.init: zero momentum) where `reset`: a rejoined worker (docs/design.md
+  3.10), its learning-rate schedule kept at its own step count (optim.at_schedule_step). None traces
+  nothing, so the rounds of a run without leave/join are the programs they always were."""
   if reset is None:
     return opt_state
-  return _masked(reset, jax.vmap(optimizer.init)(params), opt_state)
+  fresh = optim.at_schedule_step(jax.vmap(optimizer.init)(params), opt_state)
+  return _masked(reset, fresh, opt_state)
 
 
 def _grad_step(model, params, model_state, x_BxI, y_B):

@@ -1,5 +1,7 @@
 """optax optimizers from config.optimizer."""
 
+import jax
+import jax.numpy as jnp
 import optax
 from absl import logging
 
@@ -28,3 +30,23 @@ def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
   if opt.weight_decay:
     tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
   return tx
+
+
+def _is_schedule(node) -> bool:
+  return isinstance(node, optax.ScaleByScheduleState)
+
+
+def at_schedule_step(fresh, count):
+  """`fresh` optimizer state (optimizer.init: zero momentum) whose learning-rate schedule stands at
+  step `count` (an array, or a state whose schedule position to keep): a rejoined worker's (docs/design.md
+  3.10) schedule goes on where its own steps left it, as a restored checkpoint's would, not from its
+  warm-up again while the others have decayed."""
+  if any(map(_is_schedule, jax.tree.leaves(count, is_leaf=_is_schedule))):  # a state: its positions
+    return jax.tree.map(
+      lambda f, o: f._replace(count=o.count) if _is_schedule(f) else f, fresh, count, is_leaf=_is_schedule
+    )
+  return jax.tree.map(
+    lambda f: f._replace(count=jnp.asarray(count, f.count.dtype)) if _is_schedule(f) else f,
+    fresh,
+    is_leaf=_is_schedule,
+  )

@@ -402,3 +402,23 @@ def test_the_coordinators_death_stops_the_run_and_it_resumes(tmp_path):
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= 4 * steps and summary["membership"] == []
   assert_replayed(workdir, steps)
+
+
+@pytest.mark.slow
+def test_restart_all_resumes_every_process_from_the_newest_checkpoint(tmp_path):
+  """All-Reduce's elastic form (torchrun's): --max_restarts without runtime.elastic restarts the whole
+  job, which resumes from the newest marker; the fault injection stays off in the restarted job."""
+  workdir, steps = str(tmp_path / "run"), 80
+  fail = [
+    "--config.runtime.fail_worker=2",
+    "--config.runtime.fail_step=50",
+    "--config.runtime.step_time=0.05",
+  ]
+  code, out = launch_bounded(4, run_args(workdir, "allreduce", 4, steps, fail), timeout_s=300, max_restarts=1)
+  assert code == 0, out[-3000:]
+  assert "[launch] restarting every process (1 of 1): they resume from the newest checkpoint" in out
+  assert out.count("kills itself") == 1 and "resuming at checkpoint marker" in out
+  starts = [json.loads(line) for line in open(os.path.join(workdir, "clock.jsonl"))]
+  assert len(starts) == 2 and starts[1]["run"] > 0 and starts[1]["wall"] > starts[0]["wall"]
+  config = make_config("allreduce", 4, steps, MODEL)
+  assert max(replay_error(config, workdir)) < 1e-5

@@ -9,7 +9,7 @@ import pytest
 
 from configs import default as default_config
 from ripples_jax import collectives as C
-from ripples_jax import engine, run, sim, timeline
+from ripples_jax import engine, optim, run, sim, timeline
 from ripples_jax import schedule as schedule_lib
 from ripples_jax.config import ConfigError, validate_train_config
 from ripples_jax.data import batch_indices, load_dataset, shard_indices
@@ -120,7 +120,7 @@ def _engine_setup(config, steps):
 def test_a_rejoined_worker_starts_from_the_others_mean_with_fresh_optimizer_state():
   """Event by event: at its JOIN the rejoined worker holds the mean of its group's other members
   (numpy, before their average; its own weight 0), and its optimizer state is optimizer.init's
-  (momentum zero, step count zero) where before it was not."""
+  (momentum zero) where before it was not, with its schedule at its own step count."""
   config = config_of("ripples_random", leave=((3, 0.03, 0.08),))
   trace, model, opt, mesh, init, batch = _engine_setup(config, steps=12)
   fn = engine.make_sim_round_fn(model, opt, mesh, 8, 8, pull=True)
@@ -131,6 +131,7 @@ def test_a_rejoined_worker_starts_from_the_others_mean_with_fresh_optimizer_stat
   for i, event in enumerate(trace.events):
     before.append(flat(state["params"]))
     opt_before = [np.array(a) for a in jax.tree.leaves(state["opt_state"])]  # copies: the state is donated
+    opt_before_tree = jax.tree.map(np.array, state["opt_state"])
     r = next(timeline.pack_rounds([event], 8, 8))
     x, y = batch(starts)
     reset = r.get("reset", np.zeros(8, bool))
@@ -148,8 +149,17 @@ def test_a_rejoined_worker_starts_from_the_others_mean_with_fresh_optimizer_stat
     now = flat(state["params"])
     np.testing.assert_allclose(now[w], ref[others].mean(0), rtol=1e-6, atol=1e-7)
     assert not np.allclose(now[w], ref[others + [w]].mean(0), rtol=1e-4)  # its own weight is 0
-    opt_w = [np.asarray(a)[w] for a in jax.tree.leaves(state["opt_state"])]
-    assert all((a == 0).all() for a in opt_w)  # optimizer.init: zero momentum, zero step count
+    counts = lambda s: [
+      np.asarray(x.count)[w] for x in jax.tree.leaves(s, is_leaf=optim._is_schedule) if optim._is_schedule(x)
+    ]  # noqa: E731
+    momentum = [
+      np.asarray(a)[w]
+      for a in jax.tree.leaves(optim.at_schedule_step(state["opt_state"], np.zeros(8, np.int32)))
+    ]
+    assert all((a == 0).all() for a in momentum)  # optimizer.init: zero momentum
+    assert (
+      counts(state["opt_state"]) == counts(opt_before_tree) and counts(opt_before_tree)[0] > 0
+    )  # its schedule goes on
     assert all((a[w] != 0).any() for a in opt_before)  # what it had before its leave
   assert joins == 1
 

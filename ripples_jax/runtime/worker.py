@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from ripples_jax import checkpoint as ckpt_lib
 from ripples_jax import data as data_lib
-from ripples_jax import engine
+from ripples_jax import engine, optim
 from ripples_jax import setup as setup_lib
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
@@ -123,6 +123,8 @@ class Worker:
     self.averager = make_averager(config, self.local_mesh, self.devices_of, self.me)
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
+    # A rejoined worker's optimizer state: its schedule at its own step count (optim.at_schedule_step).
+    self.schedule_at = jax.jit(optim.at_schedule_step, out_shardings=self.rep)
     self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
 
   def now(self) -> float:
@@ -549,7 +551,8 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
     event["join"] = list(joiners)
   if failed:
     event["failed"] = failed
-  elif worker.me in joiners:  # its optimizer state is fresh already: a new process's (worker.fresh)
+  elif worker.me in joiners:  # fresh momentum (a new process's), its schedule at its own step count
+    loop.state["opt_state"] = worker.schedule_at(loop.state["opt_state"], loop.steps_done)
     loop.joining = False
   trace.add(**event)
 
