@@ -5,7 +5,7 @@ r"""Elastic Ripples in wall-clock time: a worker dies, comes back, and the other
 4 workers and the coordinator (experiments.train, executor=async, runtime.elastic), MLP on MNIST-1D
 padded to `step_time` per step, Random GG, heartbeats every 0.5 s, a worker lost after 3 s without one.
 Worker 2 is SIGKILLed before its local step `kill_step` (runtime.fail_worker) in every interrupted run.
-  kill      no restart: the survivors' throughput (worker steps per second, windows of 10 steps) against
+  kill      no restart: the survivors' throughput (worker steps per second, windows of 20 steps) against
             (n-1)/n of the level before the kill; target: >= 0.9 x it within heartbeat_s + 2 steps
   restart   --max_restarts=1: the restarted worker's first group after its restart (target: within 10 s
             here) and the run's throughput against its level before the kill (target: >= 0.9 x)
@@ -35,6 +35,7 @@ from ripples_jax.runtime import trace as trace_lib
 FLAGS = flags.FLAGS
 N, KILLED = 4, 2
 HEARTBEAT_S, HEARTBEAT_TIMEOUT = 0.5, 3.0
+WINDOW = 20  # steps of step_time in a throughput window (1 s at 0.05 s: shorter ones are mostly noise)
 
 
 def define_flags() -> None:
@@ -49,10 +50,14 @@ def define_flags() -> None:
   )
   flags.DEFINE_string("algorithm", "ripples_random", "The elastic Ripples generator.")
   flags.DEFINE_list("parts", ["kill", "restart", "seeds", "predict"], "Parts to run.")
+  flags.DEFINE_bool("reuse", False, "Analyse the runs already in --out instead of launching them.")
 
 
 def run_one(workdir, algorithm, seed, steps, step_time, extra=(), max_restarts=0, elastic=True) -> dict:
-  """One launch (or, with restarts, the job's launches); its summary, traces and clock."""
+  """One launch (or, with restarts, the job's launches); its summary, traces and clock (--reuse: the
+  finished run already in workdir)."""
+  if FLAGS.reuse and os.path.exists(os.path.join(workdir, "summary.json")):
+    return load(workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
   args = [
@@ -74,13 +79,18 @@ def run_one(workdir, algorithm, seed, steps, step_time, extra=(), max_restarts=0
     code = launch(N, args, out=log, grace_s=10, coordinator=True, max_restarts=max_restarts, elastic=elastic)
   if code:
     raise RuntimeError(f"{workdir} failed with exit code {code}: see its launch.log")
+  r = load(workdir)
+  r["launch_wall_s"] = time.monotonic() - t0
+  print(f"{workdir}: {r['final_test_accuracy']:.4f}, {r['launch_wall_s']:.0f} s", flush=True)
+  return r
+
+
+def load(workdir: str) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     r = json.load(f)
   r["traces"] = trace_lib.load_traces(workdir)
   r["starts"] = [json.loads(line) for line in open(os.path.join(workdir, "clock.jsonl"))]
   r["records"] = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  r["launch_wall_s"] = time.monotonic() - t0
-  print(f"{workdir}: {r['final_test_accuracy']:.4f}, {r['launch_wall_s']:.0f} s", flush=True)
   return r
 
 
@@ -133,7 +143,7 @@ def membership_time(r, worker: int, kind: str) -> float | None:
 
 def kill_part(r, step_time: float) -> dict:
   """The survivors' throughput after the kill against (n-1)/n of the level before it."""
-  traces, window = r["traces"], 10 * step_time
+  traces, window = r["traces"], WINDOW * step_time
   t_kill = death_time(traces, KILLED)
   before = rate(step_ends(traces), t_kill - 40 * step_time, t_kill)
   survivors = step_ends(traces, [w for w in range(N) if w != KILLED])
@@ -156,7 +166,7 @@ def kill_part(r, step_time: float) -> dict:
 
 def restart_part(r, step_time: float) -> dict:
   """The restarted worker's first group after its restart, and the run's throughput after it."""
-  traces, window = r["traces"], 10 * step_time
+  traces, window = r["traces"], WINDOW * step_time
   t_kill = death_time(traces, KILLED)
   first = membership_time(r, KILLED, "first_group")
   ends = step_ends(traces)
