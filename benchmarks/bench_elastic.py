@@ -201,14 +201,17 @@ def time_to(r, target: float) -> float | None:
 
 
 def kept_before_kill(r) -> dict:
-  """Whether every evaluation before the kill kept its record with every worker's snapshot."""
-  t_kill = death_time(r["traces"], KILLED)
+  """Whether every evaluation before the kill kept its record with every worker's snapshot. A
+  restart-all run's traces are cut back to its checkpoint and go on from there, so the kill's time is
+  not in them: every evaluation is counted."""
+  t_kill = death_time(r["traces"], KILLED) if "membership" in r else float("inf")
   marks = sorted(
     {e["id"] for e in r["traces"][KILLED] if e["k"] == "mark" and e["kind"] == "eval" and e["t"] < t_kill}
   )
   snap = os.path.join(r["workdir"], "snapshots")
   whole = [i for i in marks if all(os.path.exists(os.path.join(snap, f"eval{i}-{w}.npy")) for w in range(N))]
-  return {"evals_before_kill": len(marks), "kept_whole": len(whole), "records": len(r["records"])}
+  key = "evals_before_kill" if "membership" in r else "evals"
+  return {key: len(marks), "kept_whole": len(whole), "records": len(r["records"])}
 
 
 # -- the simulator, fed with a run's measured costs and events --------------------------------------------
