@@ -220,15 +220,18 @@ def kept_before_kill(r) -> dict:
 def predict_part(r, algorithm: str, step_time: float, rejoin: bool) -> dict:
   """Measured against simulated throughput before the kill, between the kill and its detection
   (undetected), while the worker is out, and after its first group (rejoin). The simulator's clock
-  events are the measured times: it leaves at its death (the simulator detects at once) and rejoins
-  when the authority took it back. Its run is not cut at the step budget (the phases end first)."""
+  events are the measured times: it dies at the kill, is removed when the coordinator noticed
+  (timeline.simulate's detect; `at_once`: detect=0, removed at its death) and rejoins when the
+  authority took it back. Its run is not cut at the step budget (the phases end first)."""
   traces = r["traces"]
   t_kill, t_leave = death_time(traces, KILLED), membership_time(r, KILLED, "leave")
   t_back = membership_time(r, KILLED, "rejoin") if rejoin else None
   first = membership_time(r, KILLED, "first_group") if rejoin else None
   leave = ((KILLED, t_kill, t_back if t_back is not None else -1),)
-  sim_trace, fed = fed_simulation(r, N, algorithm, leave=leave)
-  sim_ends = np.sort([t for t, kind, *_ in sim_trace.events if kind == timeline.APPLY])
+  sims = {}
+  for name, detect in (("predicted", t_leave - t_kill), ("at_once", 0.0)):
+    sim_trace, fed = fed_simulation(r, N, algorithm, leave=leave, detect=detect)
+    sims[name] = np.sort([t for t, kind, *_ in sim_trace.events if kind == timeline.APPLY])
   ends = step_ends(traces)
   t_end = min(
     max(e["t1"] for e in ev if e["k"] == "step") for w, ev in traces.items() if rejoin or w != KILLED
@@ -240,16 +243,13 @@ def predict_part(r, algorithm: str, step_time: float, rejoin: bool) -> dict:
   }
   if rejoin:
     phases["after"] = (first, t_end)
-  out = {"fed": fed}
+  out = {"fed": fed, "detect_s": t_leave - t_kill}
   for name, (a, b) in phases.items():
-    measured, predicted = rate(ends, a, b), rate(sim_ends, a, b)
-    out[name] = {
-      "from": a,
-      "to": b,
-      "measured": measured,
-      "predicted": predicted,
-      "error": predicted / measured - 1,
-    }
+    measured = rate(ends, a, b)
+    out[name] = {"from": a, "to": b, "measured": measured}
+    for sim_name, sim_ends in sims.items():
+      out[name][sim_name] = rate(sim_ends, a, b)
+      out[name]["error" if sim_name == "predicted" else "error_at_once"] = rate(sim_ends, a, b) / measured - 1
   return out
 
 

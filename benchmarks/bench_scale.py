@@ -64,12 +64,15 @@ def setup_row(r, n) -> dict:
   }
 
 
-def fed_simulation(r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), leave=(), total=None):
+def fed_simulation(
+  r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), leave=(), total=None, detect=0.0
+):
   """The simulator fed with what a run measured: its unslowed step time and jitter, request round trip,
   the authority's service time per request (busy seconds / requests; its queueing is the simulator's),
   and the group time as a ring latency (bench_online.fit_alpha). Set-up is not charged: the pairs are
   compiled and connected before the run (its group_setup_s is 0). leave: (worker, t_leave, t_rejoin)
-  membership events (docs/design.md 3.10). Returns (its timeline.Trace, what it was fed)."""
+  membership events (docs/design.md 3.10), noticed `detect` seconds after the death. Returns (its
+  timeline.Trace, what it was fed)."""
   from benchmarks.bench_online import fit_alpha
   from configs import default as default_config
   from ripples_jax import schedule as schedule_lib
@@ -105,6 +108,7 @@ def fed_simulation(r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), le
     rtt=rtt / 1e3,
     server=cost,
     leave=tuple(leave),
+    detect=detect,
   )
   fed = {
     "base_s": base,

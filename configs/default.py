@@ -91,6 +91,8 @@ def get_config(arg=None):
   c.timeline.authority_service = 0.0  # seconds of the authority's work per request (one FIFO server)
   c.timeline.group_setup = 0.0  # seconds a group pays the first time it meets a member set / pair
   c.timeline.setup_unit = "group"  # group (runtime.preduce=group) | pair (runtime.preduce=pairs)
+  c.timeline.detect_s = 0.0  # hetero.leave: seconds from a death to its removal (the runtime's
+  # heartbeat timeout; 0: at once); in between its groups fail after their live members' exchanges
   c.timeline.adpsgd_serial = (
     True  # AD-PSGD (timeline.AdpsgdCost): a passive worker serves one average at a time
   )

@@ -307,6 +307,14 @@ def _check_schedule(config, n):
     _number(config, "timeline.authority_service", lambda v: v >= 0, "seconds >= 0")
     _number(config, "timeline.group_setup", lambda v: v >= 0, "seconds >= 0")
     _one_of(config, "timeline.setup_unit", ("group", "pair"))
+    if "detect_s" in config.timeline:
+      _number(config, "timeline.detect_s", lambda v: v >= 0, "seconds >= 0")
+      if config.timeline.detect_s and config.algorithm in ("adpsgd", "ps_async"):
+        _fail(
+          "timeline.detect_s",
+          config.timeline.detect_s,
+          f"0 with algorithm={config.algorithm} (it models the Group Buffer's removal)",
+        )
     _number(config, "timeline.adpsgd_fixed_cost", lambda v: v >= 0, "seconds >= 0")
     for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
       _bool(config, f"timeline.{key}")

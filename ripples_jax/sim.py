@@ -168,6 +168,7 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
       config.timeline.authority_service, config.timeline.group_setup, config.timeline.setup_unit
     ),
     leave_plan(config),
+    config.timeline.get("detect_s", 0.0),
   )
   logging.info(
     "%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, %.0f model bytes",

@@ -170,6 +170,7 @@ def simulate(
   adpsgd_cost: "AdpsgdCost | None" = None,
   server: "AuthorityCost | None" = None,
   leave: tuple = (),
+  detect: float = 0.0,
 ) -> Trace:
   """Runs the clock until `total_steps` gradients (all workers together) are applied or time runs out.
 
@@ -177,8 +178,10 @@ def simulate(
   a worker requests its next group when its step starts (schedule.request_ahead); `adpsgd_cost`: the
   AD-PSGD cost model's parts (AdpsgdCost; default: as published); `server`: what the runtime's
   authority and group set-up cost (AuthorityCost; default: nothing); `leave`: (worker, t_leave,
-  t_rejoin) triples, t_rejoin < 0 or inf for never (docs/design.md 3.10). The live workers make up the
-  steps of the dead: the run still ends at the total_steps-th gradient."""
+  t_rejoin) triples, t_rejoin < 0 or inf for never (docs/design.md 3.10); `detect`: seconds from a
+  death to its removal (the runtime's heartbeat timeout; Group Buffer algorithms only): in between the
+  generators still draw the dead worker and its groups fail after their live members' exchanges. The
+  live workers make up the steps of the dead: the run still ends at the total_steps-th gradient."""
   budget = time_budget or float("inf")
   if leave and (algorithm in NO_LEAVE or isinstance(gg, Fixed)):
     raise ValueError(
@@ -186,7 +189,9 @@ def simulate(
     )
   if algorithm in SYNC_ALGORITHMS:
     return _simulate_sync(algorithm, speed, net, total_steps, budget)
-  clock = _Clock(speed, total_steps, budget, leave)
+  if detect and (algorithm == "adpsgd" or algorithm == "ps_async"):
+    raise ValueError(f"detect is not allowed with {algorithm}: it models the Group Buffer's removal")
+  clock = _Clock(speed, total_steps, budget, leave, detect)
   if algorithm == "adpsgd":
     _adpsgd(clock, net, np.random.default_rng([3, seed]), adpsgd_cost or AdpsgdCost())
   elif algorithm == "ps_async":
@@ -252,7 +257,9 @@ def _simulate_sync(algorithm, speed, net, total_steps, budget) -> Trace:
 class _Clock:
   """A heap of timed callbacks plus the bookkeeping every asynchronous protocol shares."""
 
-  def __init__(self, speed: SpeedModel, total_steps: int, budget: float, leave: tuple = ()):
+  def __init__(
+    self, speed: SpeedModel, total_steps: int, budget: float, leave: tuple = (), detect: float = 0.0
+  ):
     self.speed, self.n, self.total, self.budget = speed, speed.num_workers, total_steps, budget
     self.rngs = speed.streams()
     self.trace = Trace(self.n)
@@ -268,6 +275,7 @@ class _Clock:
     self.plan = tuple(tuple(x) for x in leave)
     self.alive = np.ones(self.n, bool) if self.plan else None  # an array: the generators read all of it
     self.epoch = [0] * self.n if self.plan else None  # one more at every leave and rejoin
+    self.detect, self.unnoticed = detect, set()  # dead workers not yet removed (detect > 0)
 
   def at(self, t: float, fn: Callable, *args) -> None:
     heapq.heappush(self.heap, (t, self.seq, fn, args))
@@ -285,18 +293,34 @@ class _Clock:
     if self.epoch[w] == epoch:
       fn(*args)
 
-  def plan_membership(self, on_leave: Callable, on_rejoin: Callable) -> None:
-    """Puts the planned leaves and rejoins on the heap; the protocol's handlers act on them."""
+  def plan_membership(self, on_leave: Callable, on_rejoin: Callable, on_death: Callable = None) -> None:
+    """Puts the planned leaves and rejoins on the heap; the protocol's handlers act on them. With
+    `detect`, a worker dies at t_leave and is removed `detect` seconds later (on_death at its death)."""
     for w, t_leave, t_rejoin in self.plan:
-      self.at(t_leave, self._leave, w, on_leave)
+      if self.detect:
+        self.at(t_leave, self._die, w, on_death)
+      self.at(t_leave + self.detect, self._leave, w, on_leave)
       if 0 <= t_rejoin < float("inf"):
-        self.at(t_rejoin, self._rejoin, w, on_rejoin)
+        self.at(max(t_rejoin, t_leave + self.detect), self._rejoin, w, on_rejoin)
 
-  def _leave(self, w: int, on_leave: Callable) -> None:
+  def _die(self, w: int, on_death: Callable) -> None:
+    """Its life ends (its compute, request and averages in flight die) while the generators still draw
+    it: its groups fail when their live members have exchanged (on_death, _GroupBuffer.arrive)."""
+    self._stop_life(w)
+    self.unnoticed.add(w)
+    on_death(w)
+
+  def _stop_life(self, w: int) -> None:
     if self.computing[w]:  # the step it was computing is lost; the time was spent
       self.computing[w] = False
       self.interval(w, COMPUTE, self.started_at[w], self.now)
     self.epoch[w] += 1
+
+  def _leave(self, w: int, on_leave: Callable) -> None:
+    if w in self.unnoticed:
+      self.unnoticed.discard(w)
+    else:
+      self._stop_life(w)
     self.alive[w] = False
     self.trace.membership.append((self.now, w, "leave"))
     on_leave(w)
@@ -405,7 +429,7 @@ class _GroupBuffer:
     clock, service = self.clock, self.service
     if clock.plan:
       self.hooks = _BufferMembership(clock, service, self.st, self.go_on, self.ask, self.start)
-      clock.plan_membership(self.hooks.leave, self.hooks.rejoin)
+      clock.plan_membership(self.hooks.leave, self.hooks.rejoin, self.died)
     for w in range(clock.n):
       self.start(w)
     clock.run()
@@ -491,17 +515,49 @@ class _GroupBuffer:
   def arrive(self, w: int, entry: tuple) -> None:
     """w reaches its group; the last member to arrive starts the average."""
     clock = self.clock
-    _, gid, members = entry
+    _, gid, members = entry[:3]
     g = self.st.groups.setdefault(gid, [members, set(), {}])
     g[1].add(w)
     g[2][w] = clock.now
-    if len(g[1]) == len(members):
-      d = self.net.allreduce(len(members)) + (self.setup_cost(members) if self.server.setup else 0.0)
-      for m in members:
-        clock.interval(m, WAIT, g[2][m], clock.now)
-        clock.interval(m, COMM, clock.now, clock.now + d)
-      # Not clock.at_w: the average is no one member's; a member leaving meanwhile fails it (released).
-      clock.at(clock.now + d, self.group_end, gid)
+    if clock.unnoticed:
+      self.fail_if_dead(gid)
+    elif len(g[1]) == len(members):
+      self.arrive_complete(gid)
+
+  def arrive_complete(self, gid: int) -> None:
+    """Every member is there: the average runs."""
+    clock = self.clock
+    members, _, times = self.st.groups[gid]
+    d = self.net.allreduce(len(members)) + (self.setup_cost(members) if self.server.setup else 0.0)
+    for m in members:
+      clock.interval(m, WAIT, times[m], clock.now)
+      clock.interval(m, COMM, clock.now, clock.now + d)
+    # Not clock.at_w: the average is no one member's; a member leaving meanwhile fails it (released).
+    clock.at(clock.now + d, self.group_end, gid)
+
+  def died(self, w: int) -> None:
+    """A death not yet noticed (detect > 0): groups whose live members are all there fail now."""
+    for gid in [gid for gid, g in self.st.groups.items() if w in g[0]]:
+      self.fail_if_dead(gid)
+
+  def fail_if_dead(self, gid: int) -> None:
+    """A group with a dead, unnoticed member, once its live members have all arrived: they exchange
+    among themselves (the runtime's pairs), find the dead one gone, and go on without the average."""
+    clock, st = self.clock, self.st
+    members, arrived, times = st.groups[gid]
+    live = [m for m in members if m not in clock.unnoticed]
+    if len(live) == len(members):
+      if len(arrived) == len(members):  # nobody in it is dead: the average runs as usual
+        self.arrive_complete(gid)
+      return
+    if not set(live) <= arrived or gid in st.released:
+      return
+    d = self.net.allreduce(len(live)) if len(live) > 1 else 0.0
+    for m in live:
+      clock.interval(m, WAIT, times[m], clock.now)
+      clock.interval(m, COMM, clock.now, clock.now + d)
+    st.released[gid] = set(live)  # group_end: the live members go on, no average
+    clock.at(clock.now + d, self.group_end, gid)
 
   def group_end(self, gid: int) -> None:
     st = self.st
@@ -555,7 +611,7 @@ class _BufferMembership:
       if entry[0] == GROUP:
         self._fail(entry[1], entry[2])
     for gid, (members, arrived, times) in list(st.groups.items()):
-      if w not in members:
+      if w not in members or (clock.detect and gid in st.released):  # failing already (fail_if_dead)
         continue
       self._fail(gid, members)
       if len(arrived) == len(members):  # its average is in flight: the rest go on at its end

@@ -263,3 +263,49 @@ def test_leave_needs_the_simulator(executor, algorithm):
   assert str(refused.value).startswith(
     f"config.hetero.leave: ((3, 0.1, -1),) is not allowed: () with executor={executor}"
   )
+
+
+@pytest.mark.parametrize("algorithm", ["ripples_random", "ripples_division", "ripples_smart"])
+def test_a_death_noticed_late_fails_its_groups_until_it_is_removed(algorithm):
+  """timeline.simulate(detect=d), the runtime's heartbeat timeout: worker 5 dies at 0.1 s and is removed
+  at 0.1 + d. In between it takes no step and no average holds it, while the generators still draw
+  it; its groups fail for the live members; the membership says when it was removed; and the rejoin
+  (of worker 2, dying at 0.05, planned at 0.07) waits for the removal."""
+  d, config = 0.1, config_of(algorithm, leave=((2, 0.05, 0.07), (5, 0.1, -1)))
+  speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
+  make_gg = lambda: schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))  # noqa: E731
+  trace = timeline.simulate(
+    algorithm, speed, net, 40 * 8, gg=make_gg(), leave=sim.leave_plan(config), detect=d
+  )
+  assert [(round(t, 6), w, e) for t, w, e in trace.membership if e != "first_group"] == [
+    (round(0.05 + d, 6), 2, "leave"),
+    (round(0.05 + d, 6), 2, "rejoin"),  # planned at 0.07: a worker is taken back once removed
+    (round(0.1 + d, 6), 5, "leave"),
+  ]
+  made = [(g.created, g.members) for g in trace.buffer.groups]  # the simulator keeps every group
+  for w, t_death, t_back in ((2, 0.05, 0.05 + d), (5, 0.1, np.inf)):
+    applies = [
+      t for t, kind, a, b in trace.events if kind == timeline.APPLY and a == w and t_death < t < t_back
+    ]
+    averages = [
+      t for t, kind, a, b in trace.events if kind == timeline.AVG and w in a and t_death < t < t_back
+    ]
+    assert applies == [] and averages == [], (w, applies, averages)
+  # A group's `created` is when its requester expects to be ready (a request sent ahead: up to a step
+  # after it was made). Random GG and Group Division still drew worker 5 while its death was unnoticed
+  # (Smart GG waits for its report, which never comes); no generator did after its removal.
+  step = 0.02
+  assert any(0.1 + step < t < 0.1 + d and 5 in m for t, m in made) or algorithm == "ripples_smart"
+  assert not any(t > 0.1 + d + step and 5 in m for t, m in made)
+  # detect=0 is the earlier clock, event for event.
+  same = clock(config_of(algorithm, leave=((2, 0.05, 0.07), (5, 0.1, -1))))
+  again = timeline.simulate(
+    algorithm,
+    speed,
+    net,
+    40 * 8,
+    gg=schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed])),
+    leave=sim.leave_plan(config),
+    detect=0.0,
+  )
+  assert again.events == same.events
