@@ -333,7 +333,7 @@ def test_a_killed_worker_leaves_and_the_others_finish(tmp_path, where, step):
 
 @pytest.mark.slow
 def test_a_restarted_worker_rejoins_with_weight_0_and_trains(tmp_path):
-  steps = 120
+  steps = 240  # long enough that the restart (5-10 s of start-up on 2 cores) leaves steps to train
   fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=20"]
   code, out, workdir, summary = elastic_run(tmp_path, steps, fail, max_restarts=1)
   assert code == 0, out[-3000:]
@@ -368,7 +368,7 @@ def test_two_deaths(tmp_path):
 
 @pytest.mark.slow
 def test_a_stalled_worker_is_removed_and_rejoins_after_it_continues(tmp_path):
-  steps = 150
+  steps = 300  # the stall (8 s) and the restart (5-10 s) end well before the run does
 
   def stall(pids):
     os.kill(pids[2], signal.SIGSTOP)

@@ -555,7 +555,7 @@ def test_gloo_connection_lines_are_hidden_unless_verbose_libraries(verbose):
     assert hidden == ["[launch] 8 more gloo connection lines hidden (--verbose_libraries shows them)"]
 
 
-OWN_FLAGS = "--num_processes, --cpu_devices, --platform, --grace_s, --module, --port"
+OWN_FLAGS = "--num_processes, --cpu_devices, --platform, --grace_s, --module, --port, --max_restarts"
 LAUNCHER_BAD_FLAGS = [
   ("--num_processes=abc", "--num_processes=abc is not allowed: an integer"),
   ("--grace_s=x", "--grace_s=x is not allowed: a number"),

@@ -6,6 +6,8 @@ authority  the online Group Generator: the coordinator's authority, per-worker q
            coordination service (schedule/online.py is the protocol, shared with the simulator)
 preduce    P-Reduce between processes: one cached program per member set, or pairwise exchanges
            (at most n-1 programs per worker)
+membership elastic membership (runtime.elastic): deaths and stalls become membership entries in the
+           global order, restarted workers rejoin with weight 0 under fresh connection keys
 coord      heartbeats and the watchdog, through the coordination service
 worker     one process's worker loop, marker checkpoints (per worker, no barrier), eval snapshots
 adpsgd     AD-PSGD: active workers average with a random passive one while computing (Lian et al.'s
