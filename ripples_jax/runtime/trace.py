@@ -31,15 +31,18 @@ class TraceWriter:
   event is appended as it is added, so a worker killed anywhere has recorded every state it shared
   (the replay needs them); a write is one line to the page cache, which outlives the process."""
 
-  def __init__(self, workdir: str, worker: int, keep_before_epoch: int | None = None, write_through=False):
+  def __init__(
+    self, workdir: str, worker: int, keep_before_epoch: int | None = None, write_through=False, append=False
+  ):
+    """append: a rejoined worker's new life continues its file as it is (elastic)."""
     self.path, self.write_through = trace_path(workdir, worker), write_through
-    if keep_before_epoch is not None and os.path.exists(self.path):
+    if not append and keep_before_epoch is not None and os.path.exists(self.path):
       # A resumed run continues from checkpoint marker `keep_before_epoch`: drop what the lost run did
       # after it (its events carry a later epoch).
       kept = [e for e in read_trace(self.path) if e["c"] < keep_before_epoch]
       with open(self.path, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in kept)
-    elif keep_before_epoch is None and os.path.exists(self.path):
+    elif not append and keep_before_epoch is None and os.path.exists(self.path):
       os.remove(self.path)
     self.events = []
 

@@ -316,7 +316,7 @@ def train(worker: Worker, loop: Loop, log: RunLog, kv, feed, trace, progress, wa
   watchdog.start()
   try:
     with watched(watchdog, trace, worker.rt):
-      run_loop(worker, loop, log, feed, trace, progress, workdir, watchdog)
+      run_loop(worker, loop, log, feed, trace, progress, workdir)
       end_of_run(
         worker,
         loop,
@@ -360,7 +360,7 @@ def rejoin(worker: Worker, kv, workdir: str, estimate: float, sigterm) -> dict:
     "worker %d: rejoining the run as incarnation %d after %d local steps", me, got["inc"], loop.steps_done
   )
   with worker.run_log(workdir) as log:
-    trace = trace_lib.TraceWriter(workdir, me, keep_before_epoch=10**9, write_through=True)
+    trace = trace_lib.TraceWriter(workdir, me, append=True, write_through=True)
     trace.add(k="rejoin", c=loop.epoch, inc=got["inc"], g0=got["g0"], t=worker.now(), s=loop.steps_done)
     progress, watchdog = watch(kv, me, n, rt, sigterm, steps=loop.steps_done, incarnation=got["inc"])
     feed = make_feed(worker, loop, kv, inc=got["inc"], taken=got["taken"])
@@ -478,7 +478,7 @@ def cursor(worker: Worker, loop: Loop, mark: int | None = None) -> dict:
   }
 
 
-def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, workdir, watchdog=None) -> None:
+def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, workdir) -> None:
   """Step, then the head of the queue (markers and membership entries, then one group or none), until
   STOP.
 
