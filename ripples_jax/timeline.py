@@ -788,9 +788,9 @@ class _Adpsgd:
 class _AdpsgdMembership:
   """Leaving and joining under AD-PSGD (3.10): an active worker picks its partner among the live
   passive ones; an average whose partner leaves before it lands fails, and the active worker applies
-  its gradient to its own model. A rejoined worker first copies a live neighbour on the other side
-  of the bipartite graph (the pair average with its own weight 0; a passive one serves it on its
-  channel like an average), then steps as before."""
+  its gradient to its own model. A rejoined worker first copies a random live passive worker other
+  than itself (the pair average with its own weight 0, served on that worker's channel like an
+  average), then steps as before."""
 
   def __init__(self, clock: _Clock, net: Network, rng, cost: AdpsgdCost, st: _AdpsgdState, start, serve):
     self.clock, self.net, self.rng, self.cost, self.st = clock, net, rng, cost, st
@@ -805,18 +805,15 @@ class _AdpsgdMembership:
 
   def rejoin(self, w: int) -> None:
     clock, n = self.clock, self.clock.n
-    side = np.arange(1 - w % 2, n, 2)  # the workers AD-PSGD pairs it with
-    live = side[clock.alive[side]]
-    if not len(live):
-      live = np.flatnonzero(clock.alive)
-      live = live[live != w]
-    if not len(live):  # alone: its own parameters, fresh optimizer state
+    passive = np.arange(0, n, 2)  # the side that serves (the runtime's rule: runtime/adpsgd.py)
+    live = passive[clock.alive[passive] & (passive != w)]
+    if not len(live):  # no passive worker to copy: its own parameters, fresh optimizer state
       clock.joined(w, w)
       self.start(w)
       return
     j = int(self.rng.choice(live))
     d = self.net.allreduce(2, hide=False) + self.cost.fixed
-    begin = self.serve(j, d) if j % 2 == 0 else clock.now
+    begin = self.serve(j, d)
     clock.interval(w, WAIT, clock.now, begin)
     clock.interval(w, COMM, begin, begin + d)
     clock.at_w(begin + d, w, self._copied, w, j, clock.epoch[j])

@@ -201,7 +201,6 @@ def test_merge_joins_a_rejoined_worker_with_weight_0_after_its_earlier_life():
   [
     ("allreduce", {}, "every step averages over all workers"),
     ("ripples_static", {}, "fixed in advance"),
-    ("adpsgd", {}, "passive side has no membership"),
     ("ripples_random", {"runtime.preduce": "group"}, "a group's first use waits 30 s"),
   ],
 )
@@ -422,3 +421,57 @@ def test_restart_all_resumes_every_process_from_the_newest_checkpoint(tmp_path):
   assert len(starts) == 2 and starts[1]["run"] > 0 and starts[1]["wall"] > starts[0]["wall"]
   config = make_config("allreduce", 4, steps, MODEL)
   assert max(replay_error(config, workdir)) < 1e-5
+
+
+# -- AD-PSGD: membership without an authority (membership.Roster) -------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker,where", [(1, "step"), (2, "preduce")])
+def test_adpsgd_goes_on_without_a_killed_worker(tmp_path, worker, where):
+  """An active worker killed before a step, a passive one inside an exchange it serves: the others end
+  at the run's step budget (the live make up the dead one's steps; the step the dead one had taken a
+  ticket for is lost with it), the exchanges with it fail and keep the survivors' models, and the
+  models are the replay's."""
+  steps = 60
+  fail = [
+    f"--config.runtime.fail_worker={worker}",
+    "--config.runtime.fail_step=20",
+    f"--config.runtime.fail_where={where}",
+  ]
+  code, out, workdir, summary = elastic_run(tmp_path, steps, fail, algorithm="adpsgd")
+  assert code == 0, out[-3000:]
+  assert [e[1:] for e in summary["membership"]] == [[worker, "leave"]], summary["membership"]
+  assert summary["worker_steps"][worker] == 20
+  assert 4 * steps - 1 <= sum(summary["worker_steps"]) <= 4 * steps
+  traces = traces_of(workdir)
+  failed = [e for w in range(4) if w != worker for e in traces[w] if e["k"] == "group" and e.get("failed")]
+  assert all(e["failed"] == [worker] for e in failed)
+  if worker % 2 == 0:  # the active workers that picked it until its removal went on without the average
+    assert failed
+  assert_replayed(workdir, steps, "adpsgd")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker", [1, 2])
+def test_adpsgd_rejoin_copies_a_live_passive_worker_and_trains(tmp_path, worker):
+  """A restarted active (1) or passive (2) worker: it copies a live passive worker other than itself
+  (weight 0), then trains; the run ends at its budget with every worker's exit 0, replayed exactly."""
+  steps = 240
+  fail = [f"--config.runtime.fail_worker={worker}", "--config.runtime.fail_step=20"]
+  code, out, workdir, summary = elastic_run(tmp_path, steps, fail, max_restarts=1, algorithm="adpsgd")
+  assert code == 0, out[-3000:]
+  assert [e[1:] for e in summary["membership"]] == [
+    [worker, "leave"],
+    [worker, "rejoin"],
+    [worker, "first_group"],
+  ]
+  traces = traces_of(workdir)
+  rejoin = next(i for i, e in enumerate(traces[worker]) if e["k"] == "rejoin")
+  assert traces[worker][rejoin]["inc"] == 1 and traces[worker][rejoin]["s"] == 20
+  copy = next(e for e in traces[worker][rejoin:] if e["k"] == "group" and not e.get("failed"))
+  source = next(m for m in copy["m"] if m != worker)
+  assert copy["join"] == [worker] and source % 2 == 0 and copy["i"][copy["m"].index(worker)] == 1
+  assert summary["worker_steps"][worker] > 20 + 10  # it trained again after its copy
+  assert "exit codes: coordinator 0, workers [0, 0, 0, 0]" in out
+  assert_replayed(workdir, steps, "adpsgd")

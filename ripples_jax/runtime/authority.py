@@ -38,48 +38,9 @@ import time
 import numpy as np
 from absl import logging
 
-from ripples_jax.distributed.coord import PREFIX
+from ripples_jax.distributed.coord import PAGE, PREFIX, Either, paged, values_in_order
 from ripples_jax.runtime import membership
 from ripples_jax.schedule.online import MARK, STOP, decode, encode
-
-_GET_MS = 1000  # blocking gets wake this often to see whether the run is over
-PAGE = 8  # queue batches (requests) per store directory: one delete call removes a page
-
-
-def paged(prefix: str, j: int) -> str:
-  """The key of the j-th value under `prefix`, in its page's directory."""
-  return f"{prefix}/{j // PAGE}/{j}"
-
-
-def _is_timeout(e: Exception) -> bool:
-  text = str(e)
-  return "DEADLINE_EXCEEDED" in text or "NOT_FOUND" in text or "timed out" in text.lower()
-
-
-class _Either:
-  """Set when either event is (the run's stop, or one listener's own)."""
-
-  def __init__(self, a: threading.Event, b: threading.Event):
-    self.a, self.b = a, b
-
-  def is_set(self) -> bool:
-    return self.a.is_set() or self.b.is_set()
-
-
-def values_in_order(kv, prefix: str, stop: threading.Event | None = None, page: bool = False):
-  """The values of <prefix>/0, <prefix>/1, ... (with `page`: paged(prefix, j)) as each is set, until
-  `stop` is set: blocking gets that wake every _GET_MS to look at it. Any other error of the service
-  (it is gone) is raised."""
-  j = 0
-  while stop is None or not stop.is_set():
-    try:
-      value = kv.blocking_key_value_get(paged(prefix, j) if page else f"{prefix}/{j}", _GET_MS)
-    except Exception as e:  # noqa: BLE001
-      if _is_timeout(e):
-        continue
-      raise
-    yield value
-    j += 1
 
 
 class Authority:
@@ -145,7 +106,7 @@ class Authority:
 
   def _listen(self, w: int, inc: int, quiet: threading.Event) -> None:
     prefix = membership.request_prefix(w, inc)
-    stop = _Either(self._stop, quiet)
+    stop = Either(self._stop, quiet)
     try:
       for r, value in enumerate(values_in_order(self.kv, prefix, stop, page=True)):
         want, ready_at, step_time, *report = value.split()

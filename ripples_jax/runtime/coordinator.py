@@ -169,6 +169,10 @@ def run(config, workdir: str) -> dict:
       authority = make_authority(
         config, kv, workdir, state, estimate, lambda: time.perf_counter() - clock["t0"]
       )
+    roster = None
+    if rt.elastic and not dynamic:  # AD-PSGD: membership without an authority (membership.Roster)
+      now = lambda: time.perf_counter() - clock["t0"]  # noqa: E731
+      roster = membership.Roster(kv, n, config.num_steps * n, now).start()
     watchdog = coord.Watchdog(
       kv,
       None,
@@ -178,7 +182,7 @@ def run(config, workdir: str) -> dict:
       rt.heartbeat_timeout,
       rt.stall_timeout,
       hosts_service=True,
-      on_lost=authority.leave if rt.elastic else None,  # elastic: the run goes on without it
+      on_lost=(authority or roster).leave if rt.elastic else None,  # elastic: the run goes on without it
     )
     sigterm.watchdog = watchdog
     clock["t0"] = start_clock(kv, None, n, epoch, 0.0, timeout_ms)
@@ -207,5 +211,7 @@ def run(config, workdir: str) -> dict:
       stop.set()
       if authority is not None:
         authority.stop()
+      if roster is not None:
+        roster.stop()
     watchdog.stop()
-    return summary_lib.summarize(config, workdir, s, unravel, log, authority)
+    return summary_lib.summarize(config, workdir, s, unravel, log, authority, roster)

@@ -30,11 +30,21 @@ device order it used before needs a new connection key. So:
            workers wait for (a barrier's fixed membership would wait for a worker that died late)
 
 A worker's incarnation 0 is its first process; each accepted rejoin adds one.
+
+AD-PSGD has no authority and no global order: the coordinator's `Roster` serves the same membership
+(the watchdog's leave, join/<slot>, removed/<w>) and publishes who is live and each worker's
+incarnation in one key (ROSTER) that every worker polls (`RosterView`). Its step budget is the run's
+total: each local step first takes a ticket (TICKETS, an atomic increment), so the live make up the
+dead ones' steps (runtime/adpsgd.py has the rest).
 """
 
+import threading
 import time
 
-from ripples_jax.distributed.coord import PREFIX
+import numpy as np
+from absl import logging
+
+from ripples_jax.distributed.coord import PREFIX, values_in_order
 from ripples_jax.schedule.online import MEMBER
 
 KEYS = 2  # connection keys per pair with one device per worker: the two orders of its devices
@@ -140,3 +150,142 @@ def answer(kv, slot: int, inc: int, taken: int, now: float, marks: dict, incs, g
 
 def removed_key(worker: int) -> str:
   return f"{PREFIX}/removed/{worker}"
+
+
+# -- without an authority (AD-PSGD): the coordinator's roster, the workers' view of it --------------
+
+ROSTER = f"{PREFIX}/roster/0"  # "<version> <incarnations, comma-separated> <alive, one 0/1 per worker>"
+TICKETS = f"{PREFIX}/ad/tickets"  # local steps taken by every worker so far (each takes one first)
+
+
+def encode_roster(version: int, incs, alive) -> str:
+  return f"{version} {','.join(map(str, incs))} {''.join('1' if a else '0' for a in alive)}"
+
+
+def decode_roster(value: str) -> tuple:
+  version, incs, alive = value.split()
+  return int(version), [int(i) for i in incs.split(",")], np.array([a == "1" for a in alive])
+
+
+def take_ticket(kv, budget: int) -> bool:
+  """Whether the run's step budget (num_steps x num_workers local steps in all) has a step left for
+  this worker; taking it counts it."""
+  return int(kv.key_value_increment(TICKETS, 1)) <= budget
+
+
+class Roster:
+  """Membership without an authority (AD-PSGD): the coordinator's watchdog calls leave(w, inc) for a
+  silent worker; a restarted one asks through join/<slot>. Each change is published to ROSTER before
+  the rejoiner is answered, so every request the rejoiner makes finds its peers' view of it live (a
+  peer polls ROSTER every heartbeat_s: until then it picks no rejoiner and fails fast at a dead one)."""
+
+  def __init__(self, kv, n: int, budget: int, now=None):
+    self.kv, self.n, self.budget, self.now = kv, n, budget, now or time.perf_counter
+    self.incs, self.alive, self.version = [0] * n, [True] * n, 0
+    self.events = []  # (run time, worker, "leave" | "rejoin" | "refused"): summary.json's membership
+    self._lock = threading.RLock()  # the watchdog's thread (leave) and the joins thread (join)
+    self._stop = threading.Event()
+    self._publish()
+    self._thread = threading.Thread(target=self._joins, name="ripples-roster-joins", daemon=True)
+
+  def start(self):
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def _publish(self) -> None:
+    self.version += 1
+    self.kv.key_value_set(ROSTER, encode_roster(self.version, self.incs, self.alive), allow_overwrite=True)
+
+  def leave(self, w: int, inc: int) -> None:
+    with self._lock:
+      if not self.alive[w] or inc != self.incs[w]:
+        return  # already out, or the silence was an earlier life's
+      self.alive[w] = False
+      self.kv.key_value_set(removed_key(w), str(inc), allow_overwrite=True)
+      self._publish()
+      self.events.append((self.now(), w, "leave"))
+      logging.warning("worker %d (incarnation %d) left the run; the others go on", w, inc)
+
+  def _joins(self) -> None:
+    try:
+      for slot, value in enumerate(values_in_order(self.kv, f"{PREFIX}/join", self._stop)):
+        self.join(int(value), slot)
+    except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+      return
+
+  def join(self, w: int, slot: int) -> None:
+    with self._lock:
+      if self.alive[w]:  # a restart before its death was noticed: it left first
+        self.leave(w, self.incs[w])
+      full = exhausted(w, self.incs, self.alive)
+      refused = ""
+      if int(self.kv.key_value_increment(TICKETS, 0)) >= self.budget:
+        refused = "the run has ended"
+      elif full:
+        refused = (
+          f"its pairs with workers {full} have used both connection keys (device orders) gloo offers "
+          "with one CPU device per worker (docs/design.md 3.8)"
+        )
+      marks = {"ckpt": 0, "eval": 0}  # no markers: AD-PSGD checkpoints its final state only
+      if refused:
+        self.events.append((self.now(), w, "refused"))
+        answer(self.kv, slot, self.incs[w], 0, self.now(), marks, self.incs, 0, refused)
+        return
+      self.incs[w] += 1
+      self.alive[w] = True
+      self._publish()
+      answer(self.kv, slot, self.incs[w], 0, self.now(), marks, self.incs, 0)
+      self.events.append((self.now(), w, "rejoin"))
+      logging.warning("worker %d rejoined the run (incarnation %d)", w, self.incs[w])
+
+
+class RosterView:
+  """A worker's view of the Roster: `incs` and `alive`, polled every `interval_s` from a thread;
+  on_change(incs, alive) is called (from that thread) after each new version."""
+
+  def __init__(self, kv, interval_s: float, on_change=None):
+    self.kv, self.interval, self.on_change = kv, interval_s, on_change
+    self.version, self.incs, self.alive = decode_roster(kv.blocking_key_value_get(ROSTER, 60_000))
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="ripples-roster-view", daemon=True)
+
+  def start(self):
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def poll(self) -> None:
+    value = dict(self.kv.key_value_dir_get(f"{PREFIX}/roster/")).get(ROSTER)
+    if value is None:
+      return
+    version, incs, alive = decode_roster(value)
+    if version > self.version:
+      self.version, self.incs, self.alive = version, incs, alive
+      if self.on_change is not None:
+        self.on_change(incs, alive)
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.interval):
+      try:
+        self.poll()
+      except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+        return
+
+
+def channel(server: int, server_inc: int, client: int, client_inc: int) -> str:
+  """The keys of client's requests to server (AD-PSGD): one channel per pair of lives, so a restarted
+  process never reads what its earlier life was sent, nor is sent what was meant for that life."""
+  if server_inc == 0 and client_inc == 0:
+    return f"{PREFIX}/ad/{server}/{client}"
+  return f"{PREFIX}/ad/{server}.{server_inc}/{client}.{client_inc}"
+
+
+def exchange_id(client: int, client_inc: int, server: int, server_inc: int, r: int) -> str:
+  """An AD-PSGD exchange's name in both traces (its channel's r-th request)."""
+  lives = f"@{client_inc}.{server_inc}" if client_inc or server_inc else ""
+  return f"{client}.{server}.{r}{lives}"

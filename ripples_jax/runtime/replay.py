@@ -17,33 +17,67 @@ from ripples_jax.runtime import trace as trace_lib
 
 
 def worker_sequence(events: list) -> list:
-  """One worker's order as ("start", s) / ("apply", s) / ("group", key) / ("rejoin", g0) tokens, in
+  """One worker's order as ("start", s) / ("apply", s) / ("group", key) / ("rejoin", life) tokens, in
   record order. AD-PSGD's passive side serves from another thread and says where each average landed:
   "during" step s (between its start and apply) or "after" k applied steps (before step k starts). An
-  elastic worker's restarted process begins with a rejoin line: g0 is the number of groups made
-  before it (every group of its earlier lives has a smaller id)."""
+  elastic worker's restarted process begins with a rejoin line, which starts its next life (life k:
+  incarnation k); each life's during/after indices are its own (its steps continue the last life's
+  count), and a life that ended inside a step (killed) still took the averages that landed during
+  that step: at its end."""
+  lives = [[]]
+  for e in events:
+    if e["k"] == "rejoin":
+      lives.append([])
+    lives[-1].append(e)
+  seq = []
+  for k, life in enumerate(lives):
+    seq += [("rejoin", k)] if k else []
+    seq += _life_sequence(life)
+  return seq
+
+
+def _life_sequence(events: list) -> list:
   during, after = {}, {}
   for e in events:
     if e["k"] == "group" and "during" in e:
       during.setdefault(e["during"], []).append(e["g"])
     elif e["k"] == "group" and "after" in e:
       after.setdefault(e["after"], []).append(e["g"])
-  seq = [("group", g) for g in after.get(0, [])]
+  first = events[0]["s"] if events and events[0]["k"] == "rejoin" else 0  # steps before this life
+  seq, stepped = [], set()
   for e in events:
     if e["k"] == "step":
       s = e["s"]
+      if not stepped:
+        seq += [("group", g) for g in after.get(first, [])]
+      stepped.add(s)
       seq += [("start", s)] + [("group", g) for g in during.get(s, [])] + [("apply", s)]
       seq += [("group", g) for g in after.get(s + 1, [])]
     elif e["k"] == "group" and "during" not in e and "after" not in e:
       seq.append(("group", e["g"]))
-    elif e["k"] == "rejoin":
-      seq.append(("rejoin", e["g0"]))
+  if not stepped:
+    seq += [("group", g) for g in after.get(first, [])]
+  for s in sorted(set(during) - stepped):  # the step in flight when this life ended
+    seq += [("group", g) for g in during[s]]
   return seq
+
+
+def _lives(traces: dict, info: dict) -> None:
+  """info[g]["life"][m]: the life of member m that group g belongs to (its incarnation). AD-PSGD's
+  events name their members' incarnations ("i"); the authority's groups are numbered in one order,
+  so a member's life is the number of its rejoins made before the group (their g0 <= g)."""
+  g0s = {w: [e["g0"] for e in events if e["k"] == "rejoin"] for w, events in traces.items()}
+  for g, i in info.items():
+    if i["incs"] is not None:
+      i["life"] = dict(zip(i["m"], i["incs"]))
+    else:
+      i["life"] = {m: sum(g0 <= g for g0 in g0s.get(m, [])) for m in i["m"]}
 
 
 def _groups(traces: dict, num_workers: int) -> tuple[dict, dict]:
   """(each worker's token sequence, each group's members and outcome: who applied its average, who
-  recorded it as failed (runtime.elastic: an exchange with a dead member failed), its joiners)."""
+  recorded it as failed (runtime.elastic: an exchange with a dead member failed), its joiners, and
+  each member's life)."""
   seqs, info = {}, {}
   for w in range(num_workers):
     events = traces.get(w, [])
@@ -52,10 +86,12 @@ def _groups(traces: dict, num_workers: int) -> tuple[dict, dict]:
       raise ValueError(f"worker {w}: steps recorded out of order: {steps[:10]}...")
     for e in events:
       if e["k"] == "group":
-        g = info.setdefault(e["g"], {"m": tuple(e["m"]), "applied": set(), "failed": set()})
+        g = info.setdefault(e["g"], {"m": tuple(e["m"]), "applied": set(), "failed": set(), "incs": None})
         g["join"] = set(e.get("join", ()))
+        g["incs"] = e.get("i", g["incs"])
         (g["failed"] if e.get("failed") else g["applied"]).add(w)
     seqs[w] = worker_sequence(events)
+  _lives(traces, info)
   return seqs, info
 
 
@@ -75,11 +111,11 @@ def merged_events(traces: dict, num_workers: int) -> list:
   seqs, info = _groups(traces, n)
   pos = {w: 0 for w in seqs}
   out, emitted = [], set()
-  lives = {w: [(i, t[1]) for i, t in enumerate(seq) if t[0] == "rejoin"] for w, seq in seqs.items()}
+  starts = {w: {t[1]: i for i, t in enumerate(seq) if t[0] == "rejoin"} for w, seq in seqs.items()}
 
   def life_end(m, g):
-    """Where member m's life that holds group g ends in its sequence."""
-    return next((i for i, g0 in lives[m] if g0 > g), len(seqs[m]))
+    """Where member m's life that holds group g ends in its sequence (its next life's rejoin)."""
+    return starts[m].get(info[g]["life"][m] + 1, len(seqs[m]))
 
   def ready(g):
     i = info[g]
@@ -104,10 +140,14 @@ def merged_events(traces: dict, num_workers: int) -> list:
       out.append((0.0, timeline.PULL, f, n + f))
     emitted.add(g)
 
-  def owed(w, g0):
-    """Groups someone applied that w died in, before its life starting at g0, not yet emitted."""
+  def owed(w, life):
+    """Groups someone applied that w died in, in its lives before `life`, not yet emitted."""
     return any(
-      w in i["m"] and w not in i["applied"] | i["failed"] and g < g0 and g not in emitted and i["applied"]
+      w in i["m"]
+      and w not in i["applied"] | i["failed"]
+      and i["life"][w] < life
+      and g not in emitted
+      and i["applied"]
       for g, i in info.items()
     )
 

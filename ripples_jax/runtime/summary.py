@@ -52,9 +52,10 @@ def window_throughput(traces: dict) -> tuple[float, float]:
   return (done / t_end if t_end > 0 else 0.0), t_end
 
 
-def summarize(config, workdir: str, setup, unravel, log, authority=None) -> dict:
+def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=None) -> dict:
   """Evaluates the marker snapshots, records them through the RunLog, writes summary.json and the Gantt
-  (the coordinator, after the run; `authority`: its Group Generator service, if it ran one)."""
+  (the coordinator, after the run; `authority`: its Group Generator service, if it ran one; `roster`:
+  AD-PSGD's membership, if elastic)."""
   model, data = setup.model, setup.data
   n = config.num_workers
   traces = trace_lib.load_traces(workdir)
@@ -124,16 +125,16 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None) -> dict
     authority_handling=authority_lib.percentiles(handled),
     request_blocked=authority_lib.percentiles(blocked),
     request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)],
-    **({"membership": membership_events(traces, authority)} if elastic else {}),
+    **({"membership": membership_events(traces, authority or roster)} if elastic else {}),
   )
   trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
   return summary
 
 
-def membership_events(traces: dict, authority) -> list:
-  """[(run time, worker, leave | rejoin | refused | first_group)] in time order: the authority's
-  decisions, and each rejoined worker's first group (its trace's)."""
-  events = [list(e) for e in (authority.events if authority is not None else [])]
+def membership_events(traces: dict, decider) -> list:
+  """[(run time, worker, leave | rejoin | refused | first_group)] in time order: the decisions of the
+  authority (or AD-PSGD's roster), and each rejoined worker's first group (its trace's)."""
+  events = [list(e) for e in (decider.events if decider is not None else [])]
   for w, trace in traces.items():
     for e in trace:
       if e["k"] == "group" and w in e.get("join", ()) and not e.get("failed"):
