@@ -122,9 +122,9 @@ def get_config(arg=None):
   c.runtime.fail_step = 0  # fault injection: the local step before which fail_worker dies
   c.runtime.fail_where = "step"  # step (before that local step) | preduce (inside the P-Reduce after
   # it, after its first exchange; runtime.elastic)
-  c.runtime.elastic = False  # Random GG, Group Division, Smart GG: a worker that dies or stalls is
-  # removed and the others go on; a restarted one (experiments.launch --max_restarts) rejoins
-  # (docs/design.md 3.12)
+  c.runtime.elastic = False  # Random GG, Group Division, Smart GG, AD-PSGD: a worker that dies or
+  # stalls is removed and the others go on; a restarted one (experiments.launch --max_restarts)
+  # rejoins (docs/design.md 3.12)
 
   c.num_steps = arg.steps  # steps per worker
   c.log_every = 50  # steps between log records (metrics.jsonl, TensorBoard)

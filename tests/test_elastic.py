@@ -135,6 +135,32 @@ def test_the_coordinators_watchdog_reports_a_silent_worker_once_and_goes_on():
   assert boss.gone == set() and boss.incarnations[2] == 1
 
 
+def test_silence_counts_from_the_watchdogs_start_not_its_construction():
+  """The coordinator builds its watchdog before the start barrier, which can outlast the timeout; a
+  worker's first beat comes an interval after its own start. Neither is a silence."""
+  kv, lost = FakeKV(), []
+  boss = coord.Watchdog(
+    kv,
+    None,
+    2,
+    lambda: (0, 0, False),
+    0.05,
+    0.3,
+    30.0,
+    lambda m: None,
+    lambda code: None,
+    on_lost=lambda w, inc: lost.append(w),
+  )
+  time.sleep(0.5)  # the barrier
+  boss.start()
+  time.sleep(0.1)
+  for w in range(2):
+    kv.key_value_set(f"{coord.PREFIX}/hb/{w}", "1 0 0 0", allow_overwrite=True)
+  time.sleep(0.1)
+  boss.stop()
+  assert lost == []
+
+
 def test_a_worker_exits_once_its_incarnation_is_removed():
   kv, logs, exits = FakeKV(), [], []
   dog = coord.Watchdog(
@@ -194,6 +220,92 @@ def test_merge_joins_a_rejoined_worker_with_weight_0_after_its_earlier_life():
     (0.0, timeline.AVG, (0, 1), None),
     (0.0, timeline.JOIN, 2, 0),
   ]
+
+
+def test_the_roster_serves_membership_without_an_authority():
+  """AD-PSGD's membership: a leave is published (roster, removed/<w>) once per life; a rejoin takes
+  the next incarnation, is published before it is answered, and is refused once the run's step budget
+  is spent or a pair would need a third connection key."""
+  kv, n = FakeKV(), 4
+  roster = membership.Roster(kv, n, budget=10, now=lambda: 3.0).start()
+  view = membership.RosterView(kv, 0.01)
+  changes = []
+  view.on_change = lambda incs, alive: changes.append((list(incs), alive.tolist()))
+  try:
+    roster.leave(2, 0)
+    roster.leave(2, 0)  # the watchdog's second report of the same silence changes nothing
+    view.poll()
+    assert changes == [([0, 0, 0, 0], [True, True, False, True])]
+    assert dict(kv.key_value_dir_get(f"{coord.PREFIX}/removed/")) == {membership.removed_key(2): "0"}
+    got = membership.ask_to_join(kv, 2, 5.0)
+    assert got["inc"] == 1 and got["incs"] == [0, 0, 1, 0] and got["refused"] is None
+    view.poll()  # the answer came after the roster had it
+    assert changes[-1] == ([0, 0, 1, 0], [True, True, True, True])
+    roster.leave(2, 0)  # its earlier life's silence, reported late: not this life's
+    assert roster.alive[2] and roster.events == [(3.0, 2, "leave"), (3.0, 2, "rejoin")]
+    roster.leave(3, 0)
+    got = membership.ask_to_join(kv, 3, 5.0)  # its pair with 2 would need key 2
+    assert got["refused"] and "workers [2]" in got["refused"]
+    for _ in range(10):
+      assert membership.take_ticket(kv, 10)
+    assert not membership.take_ticket(kv, 10)  # the run's 10 steps are taken
+    roster.leave(1, 0)
+    got = membership.ask_to_join(kv, 1, 5.0)
+    assert got["refused"] == "the run has ended" and roster.events[-1] == (3.0, 1, "refused")
+  finally:
+    roster.stop()
+
+
+def test_adpsgd_sequences_place_each_life_s_averages_in_it():
+  """A passive worker killed inside its step 2: the average it served during that step still landed
+  (at its life's end); its next life starts at step 2 again, and an average it served before that
+  life's first step comes before it, after its copy."""
+  from ripples_jax.runtime.replay import worker_sequence
+
+  events = [
+    _step(0),
+    _group("1.0.0", (0, 1), during=1),
+    _step(1),
+    _group("3.0.0", (0, 3), during=2),
+    {"k": "rejoin", "g0": 0, "inc": 1, "t": 0.0, "s": 2, "c": 0},
+    _group("0.2.0@1.0", (0, 2), join=[0], i=[1, 0]),
+    _group("1.0.1@0.1", (0, 1), after=2, i=[1, 0]),
+    _step(2),
+  ]
+  assert worker_sequence(events) == [
+    ("start", 0),
+    ("apply", 0),
+    ("start", 1),
+    ("group", "1.0.0"),
+    ("apply", 1),
+    ("group", "3.0.0"),  # during the step it died in
+    ("rejoin", 1),
+    ("group", "0.2.0@1.0"),
+    ("group", "1.0.1@0.1"),
+    ("start", 2),
+    ("apply", 2),
+  ]
+
+
+def test_merge_places_an_exchange_by_its_members_lives():
+  """Passive worker 0 died after its exchange with active 1 reached 1 (1 applied it, 0 never recorded
+  it), then rejoined by copying passive 2. The average uses 0's state at the end of the life the
+  exchange names (incarnation 0), before its rejoin, not its new life's."""
+  traces = {
+    0: [
+      _step(0),
+      {"k": "rejoin", "g0": 0, "inc": 1, "t": 0.0, "s": 1, "c": 0},
+      _group("0.2.0@1.0", (0, 2), join=[0], i=[1, 0]),
+      _step(1),
+    ],
+    1: [_step(0), _group("1.0.0", (0, 1), during=1, own=True, i=[0, 0]), _step(1)],
+    2: [_step(0), _group("0.2.0@1.0", (0, 2), join=[0], after=1, i=[1, 0]), _step(1)],
+  }
+  order = [(e[1], e[2]) for e in merged_events(traces, 3)]
+  avg, join = order.index((timeline.AVG, (0, 1))), order.index((timeline.JOIN, 0))
+  assert order.index((timeline.APPLY, 0)) < avg < join  # its first life's state, then its copy
+  at = lambda kind: [k for k, x in enumerate(order) if x == (kind, 1)]  # noqa: E731
+  assert at(timeline.START)[1] < avg < at(timeline.APPLY)[1]  # during worker 1's step 1
 
 
 @pytest.mark.parametrize(
@@ -474,4 +586,32 @@ def test_adpsgd_rejoin_copies_a_live_passive_worker_and_trains(tmp_path, worker)
   assert copy["join"] == [worker] and source % 2 == 0 and copy["i"][copy["m"].index(worker)] == 1
   assert summary["worker_steps"][worker] > 20 + 10  # it trained again after its copy
   assert "exit codes: coordinator 0, workers [0, 0, 0, 0]" in out
+  assert_replayed(workdir, steps, "adpsgd")
+
+
+@pytest.mark.slow
+def test_adpsgd_a_stalled_passive_worker_is_removed_and_rejoins(tmp_path):
+  """Passive worker 2 stopped for 8 s: removed after the timeout; the exchanges the active workers had
+  asked of it fail (at the collective timeout: once it continues it reads the roster before serving,
+  and serves nothing across its removal); it exits 76, is restarted, copies a live passive worker and
+  trains; replayed exactly."""
+  steps = 300
+
+  def stall(pids):
+    os.kill(pids[3], signal.SIGSTOP)
+    time.sleep(8)
+    os.kill(pids[3], signal.SIGCONT)
+
+  stall_2 = when_steps(str(tmp_path / "run"), 2, 20, stall)
+  code, out, workdir, summary = elastic_run(
+    tmp_path, steps, max_restarts=1, on_pids=stall_2, algorithm="adpsgd"
+  )
+  assert code == 0, out[-3000:]
+  assert "worker 2 exited with 76 (it was removed from the run after a stall); restarting it" in out
+  assert [e[2] for e in summary["membership"] if e[1] == 2] == ["leave", "rejoin", "first_group"]
+  traces = traces_of(workdir)
+  leave = next(e[0] for e in summary["membership"] if e[2] == "leave")
+  rejoin = next(i for i, e in enumerate(traces[2]) if e["k"] == "rejoin")
+  # No exchange it served began after its removal (it served none once it knew).
+  assert not [e for e in traces[2][:rejoin] if e["k"] == "group" and e["t0"] > leave]
   assert_replayed(workdir, steps, "adpsgd")

@@ -137,6 +137,12 @@ class Watchdog:
     self._thread = threading.Thread(target=self._run, name="ripples-watchdog", daemon=True)
 
   def start(self):
+    # Silence counts from here, not from construction: the start barrier between the two can outlast
+    # the timeout, and a peer's first beat comes an interval after its own start.
+    now = time.monotonic()
+    self.seen = {w: (None, now) for w in self.seen}
+    self.moved = {w: (None, now) for w in self.moved}
+    self._contact = now
     self._thread.start()
     return self
 

@@ -152,6 +152,10 @@ class Passive:
     if value == DONE:
       self.done.add((client, inc))
       return True
+    if self.view is not None and not self.view.fresh().alive[[self.worker.me, client]].all():
+      # This worker was removed (it stalled: its watchdog exits it) or the client was (a stalled one
+      # that went on): no average across a removal. The client's exchange times out and fails.
+      return True
     me, loop = self.worker.me, self.loop
     with self.lock:  # atomic on this worker's parameters: no gradient is applied halfway through
       t0 = self.worker.now()
@@ -376,6 +380,8 @@ def average_with_passive(worker: Worker, loop: Loop, log: RunLog, kv, trace, rng
   that worker's server joins it). The request is posted first, so the passive side can join at once.
   None when no passive worker is live (elastic): the step has no average."""
   s, me = loop.steps_done, worker.me
+  if view is not None and not view.fresh().alive[me]:
+    return None  # removed (it stalled): no average; its watchdog exits it at its next beat
   p = pick_passive(worker, rng, view)
   if p is None:
     return None

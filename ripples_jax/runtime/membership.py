@@ -249,6 +249,7 @@ class RosterView:
   def __init__(self, kv, interval_s: float, on_change=None):
     self.kv, self.interval, self.on_change = kv, interval_s, on_change
     self.version, self.incs, self.alive = decode_roster(kv.blocking_key_value_get(ROSTER, 60_000))
+    self.polled_at = time.monotonic()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="ripples-roster-view", daemon=True)
 
@@ -259,7 +260,15 @@ class RosterView:
   def stop(self) -> None:
     self._stop.set()
 
+  def fresh(self) -> "RosterView":
+    """Polls now if the last poll is older than the interval (a process that was stopped: it must not
+    act on the view it had before the stop); returns self."""
+    if time.monotonic() - self.polled_at > self.interval:
+      self.poll()
+    return self
+
   def poll(self) -> None:
+    self.polled_at = time.monotonic()
     value = dict(self.kv.key_value_dir_get(f"{PREFIX}/roster/")).get(ROSTER)
     if value is None:
       return
