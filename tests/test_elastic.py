@@ -246,9 +246,7 @@ def test_the_roster_serves_membership_without_an_authority():
     roster.leave(3, 0)
     got = membership.ask_to_join(kv, 3, 5.0)  # its pair with 2 would need key 2
     assert got["refused"] and "workers [2]" in got["refused"]
-    for _ in range(10):
-      assert membership.take_ticket(kv, 10)
-    assert not membership.take_ticket(kv, 10)  # the run's 10 steps are taken
+    assert [membership.take_ticket(kv, 10) for _ in range(11)] == [*range(1, 11), None]  # 10 steps in all
     roster.leave(1, 0)
     got = membership.ask_to_join(kv, 1, 5.0)
     assert got["refused"] == "the run has ended" and roster.events[-1] == (3.0, 1, "refused")
@@ -306,6 +304,29 @@ def test_merge_places_an_exchange_by_its_members_lives():
   assert order.index((timeline.APPLY, 0)) < avg < join  # its first life's state, then its copy
   at = lambda kind: [k for k, x in enumerate(order) if x == (kind, 1)]  # noqa: E731
   assert at(timeline.START)[1] < avg < at(timeline.APPLY)[1]  # during worker 1's step 1
+
+
+def test_adpsgd_evaluation_markers_follow_the_run_when_elastic():
+  """Without elastic, eval k after a worker's own step k x eval_every (ids below num_steps); elastic,
+  after its first step once the run's tickets passed k x eval_every x num_workers, one id at a time."""
+  from types import SimpleNamespace
+
+  from ripples_jax.runtime.adpsgd import eval_due
+  from ripples_jax.runtime.worker import Loop
+
+  worker = SimpleNamespace(config=SimpleNamespace(eval_every=20, num_steps=50, num_workers=4))
+
+  def markers(loop, points):
+    got = []
+    for point in points:
+      if (k := eval_due(worker, loop, point)) is not None:
+        loop.evals = k  # what the loop does
+        got.append((point, k))
+    return got
+
+  assert markers(Loop({}), range(1, 51)) == [(20, 1), (40, 2)]  # own steps
+  got = markers(Loop({}, incs=[0, 0, 0, 0]), (78, 81, 85, 163, 170, 199))  # one worker's tickets
+  assert got == [(81, 1), (163, 2)]  # 200 = 50 x 4 is the run's end: no marker there
 
 
 @pytest.mark.parametrize(

@@ -307,7 +307,7 @@ def train(
     view.start()
   watchdog.start()
   with watched(watchdog, trace, rt):
-    while more_steps(worker, loop, kv):
+    while (point := next_step(worker, loop, kv)) is not None:
       if fails_here(worker, loop, "step"):
         fail_now(log, None, loop.steps_done, me)
       average = average_with_passive(worker, loop, log, kv, trace, rng, sent, comm, view) if me % 2 else None
@@ -315,10 +315,8 @@ def train(
       progress["steps"] = loop.steps_done
       if passive is not None and passive.thread is None:
         passive.drain()
-      if (
-        config.eval_every and loop.steps_done % config.eval_every == 0 and loop.steps_done < config.num_steps
-      ):
-        ident = loop.steps_done // config.eval_every
+      if (ident := eval_due(worker, loop, point)) is not None:
+        loop.evals = ident
         np.save(snapshot_path(workdir, f"eval{ident}", me), np.asarray(loop.state["flat"]))
         trace.add(k="mark", kind="eval", id=ident, c=0, t=worker.now(), s=loop.steps_done)
       progress["events"] += 1
@@ -334,13 +332,27 @@ def train(
   watchdog.stop()
 
 
-def more_steps(worker: Worker, loop: Loop, kv) -> bool:
-  """Whether this worker takes another step: num_steps of its own, or (elastic) a ticket of the run's
-  num_steps x num_workers."""
+def next_step(worker: Worker, loop: Loop, kv) -> int | None:
+  """The point of the run this worker's next step is (None: no step left): its own step count of
+  num_steps, or (elastic) its ticket of the run's num_steps x num_workers."""
   c = worker.config
   if loop.incs is None:
-    return loop.steps_done < c.num_steps
+    return loop.steps_done + 1 if loop.steps_done < c.num_steps else None
   return membership.take_ticket(kv, c.num_steps * c.num_workers)
+
+
+def eval_due(worker: Worker, loop: Loop, point: int) -> int | None:
+  """The evaluation marker this step ends at, if any. Each worker saves eval k after its own step
+  k x eval_every; elastic, after its first step once the run's tickets passed k x eval_every x
+  num_workers, so every live worker saves k within about a step of the others, a rejoiner included
+  (its own step count lags the run's: its snapshots would come late, and the evaluation's time is
+  its last worker's)."""
+  c = worker.config
+  if not c.eval_every:
+    return None
+  per = c.eval_every * (1 if loop.incs is None else c.num_workers)
+  ident = point // per
+  return ident if loop.evals < ident and ident * c.eval_every < c.num_steps else None
 
 
 def send_done(worker: Worker, kv, sent: dict, view) -> None:

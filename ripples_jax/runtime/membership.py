@@ -167,10 +167,11 @@ def decode_roster(value: str) -> tuple:
   return int(version), [int(i) for i in incs.split(",")], np.array([a == "1" for a in alive])
 
 
-def take_ticket(kv, budget: int) -> bool:
-  """Whether the run's step budget (num_steps x num_workers local steps in all) has a step left for
-  this worker; taking it counts it."""
-  return int(kv.key_value_increment(TICKETS, 1)) <= budget
+def take_ticket(kv, budget: int) -> int | None:
+  """This worker's next step's number in the run (1, 2, ...), if the run's step budget (num_steps x
+  num_workers local steps in all) has one left; taking it counts it. None: the budget is spent."""
+  ticket = int(kv.key_value_increment(TICKETS, 1))
+  return ticket if ticket <= budget else None
 
 
 class Roster:
