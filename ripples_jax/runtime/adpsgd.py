@@ -42,7 +42,6 @@ runtime.elastic (docs/design.md 3.12; runtime/membership.py's Roster, served by 
 import concurrent.futures
 import os
 import queue
-import sys
 import threading
 import time
 
@@ -61,6 +60,7 @@ from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.worker import (
   Loop,
   Worker,
+  ask_back,
   end_of_run,
   end_step,
   fails_here,
@@ -415,13 +415,7 @@ def rejoin(worker: Worker, kv, workdir: str, sigterm) -> dict:
   its trace and data shard where its last life's record ends, copies a live passive worker (weight 0;
   fresh optimizer state at its own schedule step) and trains on to the run's end."""
   rt, me, n = worker.rt, worker.me, worker.config.num_workers
-  got = membership.ask_to_join(kv, me, rt.stall_timeout)
-  if got["refused"]:
-    print(f"worker {me}: cannot rejoin the run: {got['refused']}; exiting", file=sys.stderr, flush=True)
-    os._exit(coord.EXIT_REFUSED)
-  worker.t_start = got["received"] - got["now"]  # the coordinator's run clock, up to half a round trip
-  path = trace_lib.trace_path(workdir, me)
-  before = trace_lib.read_trace(path) if os.path.exists(path) else []
+  got, before = ask_back(worker, kv, workdir)
   loop = Loop(
     worker.fresh(), steps_done=sum(e["k"] == "step" for e in before), incs=got["incs"], joining=True
   )

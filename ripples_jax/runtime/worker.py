@@ -339,13 +339,7 @@ def rejoin(worker: Worker, kv, workdir: str, estimate: float, sigterm) -> dict:
   back, continues its trace and its data shard where its last life's record ends, and takes no step
   before its first group lands (there it has weight 0 and takes the others' mean, fresh optimizer)."""
   rt, me, n = worker.rt, worker.me, worker.config.num_workers
-  got = membership.ask_to_join(kv, me, rt.stall_timeout)
-  if got["refused"]:
-    print(f"worker {me}: cannot rejoin the run: {got['refused']}; exiting", file=sys.stderr, flush=True)
-    os._exit(coord.EXIT_REFUSED)
-  worker.t_start = got["received"] - got["now"]  # the coordinator's run clock, up to half a round trip
-  path = trace_lib.trace_path(workdir, me)
-  before = trace_lib.read_trace(path) if os.path.exists(path) else []
+  got, before = ask_back(worker, kv, workdir)
   loop = Loop(
     worker.fresh(),
     steps_done=sum(e["k"] == "step" for e in before),  # the batches continue where the record ends
@@ -366,6 +360,19 @@ def rejoin(worker: Worker, kv, workdir: str, estimate: float, sigterm) -> dict:
     feed = make_feed(worker, loop, kv, inc=got["inc"], taken=got["taken"])
     train(worker, loop, log, kv, feed, trace, progress, watchdog, workdir)
     return result(worker, loop, log, workdir)
+
+
+def ask_back(worker: Worker, kv, workdir: str) -> tuple[dict, list]:
+  """A restarted process asks to be taken back (membership.ask_to_join); refused, it exits with one
+  line (coord.EXIT_REFUSED). Returns the answer and its earlier lives' trace; the run's clock is set."""
+  me = worker.me
+  got = membership.ask_to_join(kv, me, worker.rt.stall_timeout)
+  if got["refused"]:
+    print(f"worker {me}: cannot rejoin the run: {got['refused']}; exiting", file=sys.stderr, flush=True)
+    os._exit(coord.EXIT_REFUSED)
+  worker.t_start = got["received"] - got["now"]  # the coordinator's run clock, up to half a round trip
+  path = trace_lib.trace_path(workdir, me)
+  return got, trace_lib.read_trace(path) if os.path.exists(path) else []
 
 
 def start_clock(kv, me: int | None, n: int, epoch: int, own_time: float, timeout_ms: int) -> float:
