@@ -251,6 +251,7 @@ class RosterView:
     self.kv, self.interval, self.on_change = kv, interval_s, on_change
     self.version, self.incs, self.alive = decode_roster(kv.blocking_key_value_get(ROSTER, 60_000))
     self.polled_at = time.monotonic()
+    self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="ripples-roster-view", daemon=True)
 
@@ -269,15 +270,17 @@ class RosterView:
     return self
 
   def poll(self) -> None:
-    self.polled_at = time.monotonic()
-    value = dict(self.kv.key_value_dir_get(f"{PREFIX}/roster/")).get(ROSTER)
-    if value is None:
-      return
-    version, incs, alive = decode_roster(value)
-    if version > self.version:
-      self.version, self.incs, self.alive = version, incs, alive
-      if self.on_change is not None:
-        self.on_change(incs, alive)
+    # Its thread and the worker's (fresh) may poll at once: one of them applies a version, once.
+    with self._lock:
+      self.polled_at = time.monotonic()
+      value = dict(self.kv.key_value_dir_get(f"{PREFIX}/roster/")).get(ROSTER)
+      if value is None:
+        return
+      version, incs, alive = decode_roster(value)
+      if version > self.version:
+        self.version, self.incs, self.alive = version, incs, alive
+        if self.on_change is not None:
+          self.on_change(incs, alive)
 
   def _run(self) -> None:
     while not self._stop.wait(self.interval):
