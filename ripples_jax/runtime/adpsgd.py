@@ -29,7 +29,8 @@ runtime.elastic (docs/design.md 3.12; runtime/membership.py's Roster, served by 
            applies its gradient to its own model (the simulator's rule, 3.10); a passive worker serves
            on, and stops waiting for a dead active one's DONE once the roster drops it
   budget   the run's total, num_steps x num_workers local steps: each step first takes a ticket
-           (membership.take_ticket), so the live make up the dead ones' steps
+           (membership.take_ticket), so the live make up the dead ones' steps; a leave gives the dead
+           life's ticket back (the step it died inside is made up too)
   rejoin   a restarted process copies a random live passive worker other than itself (weight 0 in
            that exchange: fresh optimizer state at its own schedule step) before its first step, then
            serves (passive) or picks partners (active) as before. A passive rejoiner copies a passive

@@ -56,6 +56,7 @@ class Authority:
     self.elastic, self.now = elastic, now or time.perf_counter
     self.incs = [0] * self.n
     self.events = []  # (run time, worker, "leave" | "rejoin" | "refused")
+    self.unmade = 0  # dead workers' started steps the run did not make up (membership.leave)
     if elastic:
       service.view.alive = np.ones(self.n, bool)
     self.on_checkpoint = on_checkpoint or (lambda ident, state: self.snapshots.__setitem__(ident, state))
@@ -148,7 +149,8 @@ class Authority:
     if kind == "leave":
       if not self.service.view.alive[w] or arg != self.incs[w]:
         return  # already out (a removed worker seen silent again), or a later life is in
-      membership.leave(self.service, w, self.incs[w])
+      completed = membership.completed_steps(self.kv, w, self.incs[w])
+      self.unmade += membership.leave(self.service, w, self.incs[w], completed)
       self.posted[w] = self.service.appended(w)
       self._quiet[w].set()
       self.kv.key_value_set(membership.removed_key(w), str(self.incs[w]), allow_overwrite=True)

@@ -25,7 +25,8 @@ device order it used before needs a new connection key. So:
            state: 3.10). Pair (a, b) uses connection key inc[a] + inc[b]: the device order of the pair
            (two keys with one device per worker, `KEYS`); a rejoin that would need a third for some
            pair is refused with one line (coord.EXIT_REFUSED) and the run goes on without it
-  end      the step budget counts every worker's steps (the live make up the dead ones'); the
+  end      the step budget counts every worker's steps (the live make up the dead ones', the one a
+           dead worker started and never completed too: `leave`); the
            coordinator waits until every worker is done or gone, then sets ENDED, which the done
            workers wait for (a barrier's fixed membership would wait for a worker that died late)
 
@@ -35,7 +36,7 @@ AD-PSGD has no authority and no global order: the coordinator's `Roster` serves 
 (the watchdog's leave, join/<slot>, removed/<w>) and publishes who is live and each worker's
 incarnation in one key (ROSTER) that every worker polls (`RosterView`). Its step budget is the run's
 total: each local step first takes a ticket (TICKETS, an atomic increment), so the live make up the
-dead ones' steps (runtime/adpsgd.py has the rest).
+dead ones' steps; a leave gives the dead life's ticket back (runtime/adpsgd.py has the rest).
 """
 
 import threading
@@ -85,8 +86,27 @@ def exhausted(worker: int, incs, alive) -> list:
 # -- the authority's side (it holds the Service) ----------------------------------------------------
 
 
-def leave(service, worker: int, inc: int) -> None:
-  """Worker left at this point of the global order (docs/design.md 3.10)."""
+def completed_steps(kv, worker: int, inc: int) -> int | None:
+  """The local steps `worker` had completed by its last heartbeat in life `inc` (None: no beat of that
+  life), read from its heartbeat key, which outlives the process."""
+  value = dict(kv.key_value_dir_get(f"{PREFIX}/hb/")).get(f"{PREFIX}/hb/{worker}")
+  if value is None:
+    return None
+  _, steps, _, _, *life = value.split()
+  return int(steps) if (int(life[0]) if life else 0) == inc else None
+
+
+def leave(service, worker: int, inc: int, completed: int | None = None) -> int:
+  """Worker left at this point of the global order (docs/design.md 3.10). The step budget counts steps
+  started (reports): a worker that died inside a step started one it never completed, so its last
+  started step is taken off unless its last heartbeat (`completed`, this life's) shows it completed:
+  the live make that step up. A beat may predate the worker's last completion, so the run may take one
+  step more than its budget per death. Returns the steps taken off that the run will not make up (1
+  when STOP was out before the leave: the budget was handed out, the live end without it; else 0)."""
+  started, unmade = int(service.steps[worker]), 0
+  if started and (completed is None or completed < started):
+    service.steps[worker] = started - 1
+    unmade = int(service.stopped)
   alive = service.view.alive
   alive[worker] = False
   buf = service.buffer
@@ -98,6 +118,7 @@ def leave(service, worker: int, inc: int) -> None:
   for w, live in enumerate(alive):
     if live:
       service.entries[w].append((MEMBER, "leave", worker, inc))
+  return unmade
 
 
 def rejoin(service, worker: int, inc: int, now: float) -> int:
@@ -167,6 +188,19 @@ def decode_roster(value: str) -> tuple:
   return int(version), [int(i) for i in incs.split(",")], np.array([a == "1" for a in alive])
 
 
+def give_back_ticket(kv, budget: int) -> int:
+  """A dead worker's ticket goes back to the run: a worker takes its next ticket right after its last
+  step, so a death almost always comes inside a step it holds a ticket for (if it held none, the run
+  takes one step more than its budget). Once a ticket past the budget has been refused, the worker
+  refused has ended and the budget stays spent for all (the give-back is undone: a ticket freed then
+  would be taken by some live workers and not others); returns 1 then (the step is not made up), else
+  0 (the live are all still taking tickets: the next one takes it)."""
+  if int(kv.key_value_increment(TICKETS, -1)) < budget:
+    return 0
+  kv.key_value_increment(TICKETS, 1)
+  return 1
+
+
 def take_ticket(kv, budget: int) -> int | None:
   """This worker's next step's number in the run (1, 2, ...), if the run's step budget (num_steps x
   num_workers local steps in all) has one left; taking it counts it. None: the budget is spent."""
@@ -184,6 +218,7 @@ class Roster:
     self.kv, self.n, self.budget, self.now = kv, n, budget, now or time.perf_counter
     self.incs, self.alive, self.version = [0] * n, [True] * n, 0
     self.events = []  # (run time, worker, "leave" | "rejoin" | "refused"): summary.json's membership
+    self.unmade = 0  # dead workers' steps the run did not make up (give_back_ticket)
     self._lock = threading.RLock()  # the watchdog's thread (leave) and the joins thread (join)
     self._stop = threading.Event()
     self._publish()
@@ -205,6 +240,7 @@ class Roster:
       if not self.alive[w] or inc != self.incs[w]:
         return  # already out, or the silence was an earlier life's
       self.alive[w] = False
+      self.unmade += give_back_ticket(self.kv, self.budget)
       self.kv.key_value_set(removed_key(w), str(inc), allow_overwrite=True)
       self._publish()
       self.events.append((self.now(), w, "leave"))

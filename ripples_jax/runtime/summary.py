@@ -125,7 +125,17 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
     authority_handling=authority_lib.percentiles(handled),
     request_blocked=authority_lib.percentiles(blocked),
     request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)],
-    **({"membership": membership_events(traces, authority or roster)} if elastic else {}),
+    **(
+      {
+        "membership": membership_events(traces, authority or roster),
+        # Steps dead workers started and never completed that the live did not make up: their leave
+        # came after the run's budget was handed out (runtime/membership.py). worker_steps + this
+        # reaches the budget.
+        "unmade_steps": (authority or roster).unmade,
+      }
+      if elastic
+      else {}
+    ),
   )
   trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
   return summary
