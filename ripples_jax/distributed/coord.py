@@ -84,6 +84,12 @@ def _say(log, line: str) -> None:
     pass
 
 
+def read_beat(value: str) -> tuple[int, str, bool, int]:
+  """A heartbeat value (Watchdog's format) as (completed steps, events, done, incarnation)."""
+  _, steps, events, done, *inc = value.split()
+  return int(steps), events, done == "1", int(inc[0]) if inc else 0
+
+
 class Watchdog:
   """A daemon thread: beats this worker's heartbeat and checks everybody's.
 
@@ -187,8 +193,7 @@ class Watchdog:
       if value != self.seen[w][0]:
         self.seen[w] = (value, now)
         self.gone.discard(w)
-      _, s, e, d, *inc = value.split()
-      self.steps[w], self.done[w], self.incarnations[w] = int(s), d == "1", int(inc[0]) if inc else 0
+      self.steps[w], e, self.done[w], self.incarnations[w] = read_beat(value)
       if e != self.moved[w][0]:
         self.moved[w] = (e, now)
     if self._stop.is_set():
@@ -243,7 +248,7 @@ class Watchdog:
         values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
         for w in range(self.n):
           if (value := values.get(f"{PREFIX}/hb/{w}")) is not None:
-            self.steps[w] = int(value.split()[1])
+            self.steps[w] = read_beat(value)[0]
         if self.worker is not None:
           self.steps[self.worker] = int(self.progress()[0])
       except Exception:  # noqa: BLE001

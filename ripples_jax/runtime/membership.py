@@ -45,7 +45,7 @@ import time
 import numpy as np
 from absl import logging
 
-from ripples_jax.distributed.coord import PREFIX, values_in_order
+from ripples_jax.distributed.coord import PREFIX, read_beat, values_in_order
 from ripples_jax.schedule.online import MEMBER
 
 KEYS = 2  # connection keys per pair with one device per worker: the two orders of its devices
@@ -92,8 +92,8 @@ def completed_steps(kv, worker: int, inc: int) -> int | None:
   value = dict(kv.key_value_dir_get(f"{PREFIX}/hb/")).get(f"{PREFIX}/hb/{worker}")
   if value is None:
     return None
-  _, steps, _, _, *life = value.split()
-  return int(steps) if (int(life[0]) if life else 0) == inc else None
+  steps, _, _, life = read_beat(value)
+  return steps if life == inc else None
 
 
 def leave(service, worker: int, inc: int, completed: int | None = None) -> int:
