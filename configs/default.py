@@ -131,6 +131,8 @@ def get_config(arg=None):
   c.eval_every = 500  # steps between evaluations of the averaged model
   c.checkpoint_every = 1000  # steps between orbax checkpoints (0: none); a rerun resumes
   c.checkpoint_keep = 2  # checkpoints kept
+  c.stuck_timeout_s = 30.0  # spmd: a round whose collective has not completed after this many seconds
+  # ends the run with one line and exit 75 (resume from the last checkpoint); under XLA's 40 s abort; 0: off
   c.profile_steps = ""  # "a:b": a jax.profiler trace of steps [a, b) in WORKDIR/profile (spmd)
   c.on_config_change = "refuse"  # a rerun whose workdir holds another config: refuse | new | force
   return c

@@ -143,6 +143,8 @@ def validate_train_config(
     _positive_int(config, key)
   _int_in(config, "checkpoint_every", 0, 10**9, "an integer number of steps >= 0 (0: no checkpoints)")
   _int_in(config, "seed", 0, 2**32 - 1, "an integer in [0, 2**32)")
+  if "stuck_timeout_s" in config:  # the collective guard stays under XLA's own 40 s abort to speak first
+    _number(config, "stuck_timeout_s", lambda v: v == 0 or 0 < v < 40, "seconds in (0, 40), or 0 (off)")
   n = config.num_workers
   if config.executor == "spmd" and n > num_devices and n % num_devices:  # the simulator uses one device
     _fail("num_workers", n, f"at most the {num_devices} devices or a multiple of {num_devices}")

@@ -7,6 +7,7 @@ stays asynchronous; process 0 writes the run's files (RunLog).
 """
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -18,6 +19,7 @@ from ripples_jax import engine
 from ripples_jax import schedule as schedule_lib
 from ripples_jax import setup as setup_lib
 from ripples_jax.collectives import make_worker_mesh
+from ripples_jax.distributed.collective_guard import CollectiveGuard
 from ripples_jax.models import num_params
 from ripples_jax.profiling import StepProfiler
 from ripples_jax.runlog import RunLog, make_workdir
@@ -77,19 +79,24 @@ def train(config, workdir: str | None = None) -> dict:
       )
 
     profiler = StepProfiler(config.get("profile_steps", ""), workdir, log.is_lead)
+    guard = CollectiveGuard(config.get("stuck_timeout_s", 0.0), workdir, lambda: newest_checkpoint(log))
+    what = [preduce_name(layout) for layout in schedule.layouts]
     for i in range(cur.step, config.num_steps):
       profiler.step(i)
       x_WxB, y_WxB = data_lib.batch_at(
         s.data["x_train"], s.data["y_train"], s.shards, config.batch_size, config.seed, i, workers=local_rows
       )
       r = schedule.round(i)
+      guard.admit()  # at most two rounds in flight (docs/design.md 5.2)
       state, loss_W = round_fn(state, put(x_WxB), put(y_WxB), put(r.step_mask[local_rows]), r.layout_idx)
+      guard.dispatched(i + 1, loss_W, what[r.layout_idx])
       worker_steps += r.step_mask
       step = i + 1
       if pending is not None:
         flush(*pending)
         pending = None
       if step % config.eval_every == 0 or step == config.num_steps:
+        guard.drain()  # the evaluation's collectives alone on the pools
         flush(step, loss_W, {k: float(v) for k, v in eval_fn(state, x_test, y_test).items()})
       elif step % config.log_every == 0:
         pending = (step, loss_W)
@@ -97,11 +104,28 @@ def train(config, workdir: str | None = None) -> dict:
         if pending is not None:  # the checkpoint's metrics line count includes this step's record
           flush(*pending)
           pending = None
+        guard.drain()  # the checkpoint's fingerprint (collectives too) alone on the pools
         save(step)
       log.progress(step)
     profiler.close()
+    guard.drain()
     save(config.num_steps, force=True)
+    guard.close()
     return log.finish(time=time.time() - t0, worker_steps=worker_steps)
+
+
+def preduce_name(layout) -> str:
+  """The collective a round with `layout` runs, as the stuck-collective line names it."""
+  if len(layout) == 1:
+    return "the all-reduce (psum of every worker)"
+  return "the P-Reduce (grouped psum over " + " ".join(str(list(g)) for g in layout if len(g) > 1) + ")"
+
+
+def newest_checkpoint(log) -> str:
+  """The newest committed checkpoint folder of the run, or 'none' (orbax names a committed one by its
+  step; an unfinished write is a temporary folder)."""
+  steps = [int(d) for d in os.listdir(log.ckpt_dir) if d.isdigit()] if os.path.isdir(log.ckpt_dir) else []
+  return os.path.join(log.ckpt_dir, str(max(steps))) if steps else "none"
 
 
 def worker_feeder(mesh, num_workers: int, sharding):

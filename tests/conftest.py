@@ -6,6 +6,11 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's intra-op pool with a thread per device beside the cores' (docs/design.md 5.2): with one per
+# core, collectives of 8 devices on 2 cores can deadlock. Read when the backend starts, as XLA_FLAGS.
+from ripples_jax.distributed import host  # noqa: E402  (jax reads neither variable at import)
+
+host.size_cpu_pool(8)
 
 import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
 

@@ -274,3 +274,16 @@ def test_a_short_run_prints_few_lines(tmp_path):
   )
   assert loud.returncode == 0, loud.stderr[-3000:]
   assert "checkpoint_manager.py" in loud.stderr and len(loud.stderr.splitlines()) > 40
+
+
+def test_cpu_pool_has_a_thread_per_device_beside_the_cores(monkeypatch):
+  """docs/design.md 5.2: collectives of more devices than cores deadlock in a pool of one thread per
+  core; the entry points size it before the backend starts, the user's NPROC stands."""
+  monkeypatch.delenv("NPROC", raising=False)
+  monkeypatch.setattr(platform.os, "cpu_count", lambda: 2)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
+  platform.use_cpu_devices(8)  # the forced count wins: its devices are the ones that block
+  assert platform.os.environ["NPROC"] == "34"  # 2 x 16 held at most, 2 cores free
+  monkeypatch.setenv("NPROC", "5")
+  platform.size_cpu_pool(8)
+  assert platform.os.environ["NPROC"] == "5"

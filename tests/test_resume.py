@@ -225,3 +225,60 @@ def test_a_second_run_in_the_same_workdir_refuses_and_the_first_is_unharmed(tmp_
   )
   assert out.returncode != 0 and "optimizer.lr 0.1 -> 0.05" in out.stderr.strip().splitlines()[-1]
   assert open(os.path.join(wd, "metrics.jsonl")).read() == before
+
+
+# A real stuck collective: device 0 waits forever in a host callback just before its P-Reduce of
+# round STALL, so the other participants wait in XLA's rendezvous (which would abort after 40 s).
+STALL_SCRIPT = """
+import sys, time
+import numpy as np, jax
+from jax.experimental import io_callback
+from ripples_jax import collectives, run
+STALL = int(sys.argv[1])
+seen = [0] * 8
+def hold(dev):
+  seen[int(dev)] += 1
+  if int(dev) == 0 and seen[0] == STALL:
+    time.sleep(3600)
+  return np.float32(0)
+original = collectives.switched_grouped_mean_in_shard
+def stalling(buf, layouts, layout_idx, axis_name=collectives.WORKER_AXIS):
+  dev = jax.lax.axis_index(axis_name)
+  zero = io_callback(hold, jax.ShapeDtypeStruct((), np.float32), dev, ordered=False)
+  return original(buf + zero, layouts, layout_idx, axis_name)
+collectives.switched_grouped_mean_in_shard = stalling
+from configs import default
+c = default.get_config("model=mlp,steps=400")
+c.log_every, c.eval_every, c.checkpoint_every, c.stuck_timeout_s = 25, 200, 100, 3.0
+run.train_and_evaluate(c, sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_a_stuck_collective_ends_with_one_line_and_the_rerun_resumes(tmp_path, caplog):
+  workdir = str(tmp_path / "run")
+  out = subprocess.run(
+    [sys.executable, "-c", STALL_SCRIPT, "250", workdir],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 75, out.stderr[-3000:]
+  lines = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1, out.stderr[-3000:]
+  assert "the P-Reduce (grouped psum over " in lines[0], lines[0]
+  assert "of step 250 " in lines[0] and workdir in lines[0], lines[0]
+  assert f"{workdir}/ckpt/200" in lines[0], lines[0]  # the newest committed checkpoint, named
+  assert "Termination timeout" not in out.stderr  # the guard spoke before XLA's abort
+  # The rerun (no stall) resumes from step 200 and logs every step once.
+  from configs import default
+  from ripples_jax import run as run_lib
+
+  c = default.get_config("model=mlp,steps=400")
+  c.log_every, c.eval_every, c.checkpoint_every = 25, 200, 100
+  caplog.set_level("INFO")
+  run_lib.train_and_evaluate(c, workdir)
+  assert f"resuming from {workdir}/ckpt/200" in caplog.text
+  steps = [r["step"] for r in records(workdir)]
+  assert steps == list(range(25, 401, 25)), steps

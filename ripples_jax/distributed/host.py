@@ -13,17 +13,41 @@ from absl import logging
 
 
 def use_cpu_devices(count: int) -> None:
-  """Gives the CPU backend `count` devices (accelerators are unaffected).
+  """Gives the CPU backend `count` devices (accelerators are unaffected) and an intra-op pool that
+  their collectives cannot exhaust (size_cpu_pool).
 
   Call before the first device use. XLA_FLAGS's --xla_force_host_platform_device_count, when set (the
   tests' conftest, the local launcher, users), takes precedence; so does a backend already started.
   """
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+  forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  size_cpu_pool(int(forced.group(1)) if forced else count)
+  if forced:
     return
   try:
     jax.config.update("jax_num_cpu_devices", count)
   except RuntimeError as e:  # the backend is already up: its device count stands
     logging.warning("cpu devices: keeping %d (%s)", jax.device_count(), str(e).splitlines()[0][:80])
+
+
+def cpu_pool_size(devices: int) -> int:
+  """Threads for XLA:CPU's two pools (the launch pool that runs each device's program, the intra-op pool
+  that runs its parallel ops) with `devices` CPU devices in this process: two per device plus one per
+  core (docs/design.md 5.2).
+
+  A device's launch holds a launch thread while it waits for its inputs, and a participant of a
+  collective holds a thread while it waits in the rendezvous for the others. With the executors'
+  window of two rounds in flight (collective_guard.CollectiveGuard.admit) at most one launch per device
+  waits for inputs and one participant per device waits in a rendezvous, so 2 x devices threads can be
+  held at once and the cores' share stays free for the participants still on their way. XLA's default
+  (one thread per core) deadlocked 8 devices on 2 cores within seconds of unbounded dispatch.
+  """
+  return 2 * devices + (os.cpu_count() or 1)
+
+
+def size_cpu_pool(devices: int) -> None:
+  """Sets NPROC, the size XLA:CPU gives its launch and intra-op pools (xla's DefaultThreadPoolSize), to
+  cpu_pool_size(devices) unless the user set it. Read once, when the CPU backend starts: call first."""
+  os.environ.setdefault("NPROC", str(cpu_pool_size(devices)))
 
 
 def recoverable(collective_timeout_s: float) -> None:

@@ -50,6 +50,7 @@ IDENTITY_FREE = (
   "runtime.pin_cores",
   "on_config_change",
   "profile_steps",
+  "stuck_timeout_s",
 )
 
 
