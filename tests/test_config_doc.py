@@ -95,6 +95,7 @@ def test_field_comments_read_the_line_its_continuation_or_the_block_above(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_the_entry_point_writes_the_reference(tmp_path):
   out = tmp_path / "config.md"
   run = subprocess.run(

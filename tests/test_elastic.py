@@ -343,7 +343,7 @@ def test_adpsgd_evaluation_markers_follow_the_run_when_elastic():
   from types import SimpleNamespace
 
   from ripples_jax.runtime.adpsgd import eval_due
-  from ripples_jax.runtime.worker import Loop
+  from ripples_jax.runtime.process import Loop
 
   worker = SimpleNamespace(config=SimpleNamespace(eval_every=20, num_steps=50, num_workers=4))
 
@@ -463,7 +463,14 @@ def groups_after_leave(traces, worker):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,step", [("step", 20), ("preduce", 20), ("preduce", 1)])
+@pytest.mark.parametrize(
+  "where,step",
+  [
+    ("step", 20),
+    pytest.param("preduce", 20, marks=pytest.mark.nightly),
+    pytest.param("preduce", 1, marks=pytest.mark.nightly),
+  ],
+)
 def test_a_killed_worker_leaves_and_the_others_finish(tmp_path, where, step):
   """Killed before a local step, inside a P-Reduce (after its first exchange), and during its first
   group: the others go on, end with exit 0 at the step budget, and their models are the replay's."""
@@ -533,6 +540,7 @@ def test_two_deaths(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_a_stalled_worker_is_removed_and_rejoins_after_it_continues(tmp_path):
   steps = 300  # the stall (8 s) and the restart (5-10 s) end well before the run does
 
@@ -554,6 +562,7 @@ def test_a_stalled_worker_is_removed_and_rejoins_after_it_continues(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_the_coordinators_death_stops_the_run_and_it_resumes(tmp_path):
   steps = 120
 
@@ -571,6 +580,7 @@ def test_the_coordinators_death_stops_the_run_and_it_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_restart_all_resumes_every_process_from_the_newest_checkpoint(tmp_path):
   """All-Reduce's elastic form (torchrun's): --max_restarts without runtime.elastic restarts the whole
   job, which resumes from the newest marker; the fault injection stays off in the restarted job."""
@@ -594,7 +604,7 @@ def test_restart_all_resumes_every_process_from_the_newest_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("worker,where", [(1, "step"), (2, "preduce")])
+@pytest.mark.parametrize("worker,where", [(1, "step"), pytest.param(2, "preduce", marks=pytest.mark.nightly)])
 def test_adpsgd_goes_on_without_a_killed_worker(tmp_path, worker, where):
   """An active worker killed before a step, a passive one inside an exchange it serves: the others end
   at the run's step budget (the live make up the dead one's steps, the one it died inside too: its
@@ -622,7 +632,7 @@ def test_adpsgd_goes_on_without_a_killed_worker(tmp_path, worker, where):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("worker", [1, 2])
+@pytest.mark.parametrize("worker", [1, pytest.param(2, marks=pytest.mark.nightly)])
 def test_adpsgd_rejoin_copies_a_live_passive_worker_and_trains(tmp_path, worker):
   """A restarted active (1) or passive (2) worker: it copies a live passive worker other than itself
   (weight 0), then trains; the run ends at its budget with every worker's exit 0, replayed exactly."""
@@ -648,6 +658,7 @@ def test_adpsgd_rejoin_copies_a_live_passive_worker_and_trains(tmp_path, worker)
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_adpsgd_a_stalled_passive_worker_is_removed_and_rejoins(tmp_path):
   """Passive worker 2 stopped for 8 s: removed after the timeout; the exchanges the active workers had
   asked of it fail (at the collective timeout: once it continues it reads the roster before serving,

@@ -45,6 +45,7 @@ def test_bench_collectives():
 
 
 @pytest.mark.slow  # a benchmark's run at tiny sizes: seconds of timing loops
+@pytest.mark.nightly
 def test_bench_engine():
   from benchmarks import bench_engine
 
@@ -65,6 +66,7 @@ def test_bench_timeline():
 
 
 @pytest.mark.slow  # a benchmark's run at tiny sizes: seconds of timing loops
+@pytest.mark.nightly
 def test_bench_dsp():
   from benchmarks import bench_dsp
 
@@ -76,6 +78,7 @@ def test_bench_dsp():
 
 
 @pytest.mark.slow  # a benchmark's run at tiny sizes: seconds of timing loops
+@pytest.mark.nightly
 def test_bench_checkpoint():
   from benchmarks import bench_checkpoint
 
@@ -86,6 +89,7 @@ def test_bench_checkpoint():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_runtime(tmp_path):
   from benchmarks import bench_runtime
 
@@ -106,6 +110,7 @@ def test_bench_runtime(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_pipeline(tmp_path):
   out_json = tmp_path / "k2.json"
   rows = ("bp_model_parallel", "dsp_weight_stash", "gpipe", "pipedream")
@@ -160,6 +165,7 @@ def test_bench_pipeline(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_sim_scale(tmp_path):
   out_json, png = tmp_path / "scale.json", tmp_path / "scale.png"
   run(
@@ -193,6 +199,7 @@ def test_bench_sim_scale(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_slack(tmp_path):
   """Two rows of the slack benchmark, once: lockstep and slack at link delay 2, and their ratio."""
   out = tmp_path / "slack.json"
@@ -218,6 +225,7 @@ def test_bench_slack(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_reproduce_ripples(tmp_path):
   out_dir = tmp_path / "rep"
   out = run(
@@ -235,6 +243,7 @@ def test_reproduce_ripples(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_reproduce_dsp(tmp_path):
   out_dir = tmp_path / "dsp"
   out = run(
@@ -255,6 +264,7 @@ def test_reproduce_dsp(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_dsp_accuracy_grid(tmp_path):
   out_dir = tmp_path / "acc"
   run(
@@ -339,6 +349,7 @@ def test_time_to_accuracy_censors_misses_and_pairs_by_seed():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_reproduce_regenerates_a_step_with_its_provenance(tmp_path):
   results = tmp_path / "results"
   run(
@@ -383,6 +394,7 @@ def test_the_passive_wait_figure_counts_only_workers_that_can_wait():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_preduce_pairs_are_exact_and_bounded(tmp_path):
   from benchmarks import bench_preduce
 
@@ -396,6 +408,7 @@ def test_bench_preduce_pairs_are_exact_and_bounded(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_authority_keeps_the_store_and_its_state_bounded(tmp_path):
   from benchmarks import bench_authority
 
@@ -415,6 +428,7 @@ def test_bench_authority_keeps_the_store_and_its_state_bounded(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_scale_measures_and_predicts_a_run(tmp_path):
   from benchmarks import bench_scale
 
@@ -426,6 +440,7 @@ def test_bench_scale_measures_and_predicts_a_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_online(tmp_path):
   from benchmarks import bench_online
 
@@ -438,6 +453,7 @@ def test_bench_online(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_ledger(tmp_path):
   from experiments import ledger
 
@@ -466,6 +482,7 @@ def test_ledger(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_ledger_sensitivity(tmp_path):
   """Every claim at every point of every sweep; the base point of each sweep is the VGG-16 clock
   itself, so its ratio equals the ledger's heavy-setting throughput ratio exactly."""
@@ -501,6 +518,7 @@ def test_ledger_dsp_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_ledger_sync_overhead(tmp_path):
   """Wait + comm over worker-steps, from the clock's own intervals; All-Reduce, which computes in
   lockstep and then averages everything, pays more per step than Smart GG's groups on the VGG-16 clock."""
@@ -556,6 +574,7 @@ def test_compare_reads_curves_and_times_to_target(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_compare_entry_point(tmp_path):
   fake_run(tmp_path / "a", "ripples_smart", "sim", [(1.0, 0.5), (2.0, 0.85)])
   out = run("experiments.compare", str(tmp_path / "a"), f"--plot={tmp_path / 'c.png'}", tmp_path=tmp_path)
@@ -594,6 +613,7 @@ def test_gg_scale_gap_is_the_dense_second_eigenvalue():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_gg_scale_end_to_end(tmp_path):
   out_dir = tmp_path / "gg"
   run(

@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   path = os.path.join(ROOT, "examples", "quickstart.ipynb")
   nb = nbformat.read(path, as_version=4)

@@ -464,6 +464,7 @@ def test_the_first_failing_worker_is_named_and_the_others_stopped_process_0_last
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_a_worker_that_ignores_sigterm_is_killed_at_the_end_of_the_grace_period():
   out, pids, finish = launch_thread(3, ["--fake=1:ignore,2:exit:1:0.5"], module=FAKE, grace_s=3, timeout_s=30)
   t0 = time.monotonic()
@@ -475,7 +476,15 @@ def test_a_worker_that_ignores_sigterm_is_killed_at_the_end_of_the_grace_period(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+  "sig",
+  [
+    signal.SIGTERM,
+    pytest.param(signal.SIGHUP, marks=pytest.mark.nightly),
+    pytest.param(signal.SIGINT, marks=pytest.mark.nightly),
+  ],
+  ids=lambda s: s.name,
+)
 def test_a_signal_to_the_launcher_stops_every_worker(sig):
   proc, pids, port = cli(3, ["--fake="], extra=[f"--module={FAKE}"])  # --module: any entry point
   try:
@@ -493,6 +502,7 @@ def test_a_signal_to_the_launcher_stops_every_worker(sig):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_workers_stop_when_the_launcher_is_killed():
   proc, pids, port = cli(2, ["--fake="], extra=[f"--module={FAKE}"])
   try:
@@ -509,6 +519,7 @@ def test_workers_stop_when_the_launcher_is_killed():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_more_workers_than_cores_is_one_warning_and_the_job_runs(monkeypatch):
   from ripples_jax.distributed import launcher
 
@@ -539,6 +550,7 @@ def test_each_workers_first_gloo_line_shows_and_the_rest_are_counted():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @pytest.mark.parametrize("verbose", [False, True])
 def test_gloo_connection_lines_are_hidden_unless_verbose_libraries(verbose):
   args = ["--fake=0:exit:0:0,1:exit:0:0", "--gloo_lines=5"] + (["--verbose_libraries"] if verbose else [])
@@ -573,7 +585,11 @@ LAUNCHER_BAD_FLAGS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,message", LAUNCHER_BAD_FLAGS, ids=[f for f, _ in LAUNCHER_BAD_FLAGS])
+@pytest.mark.parametrize(
+  "flag,message",
+  [pytest.param(*c, marks=() if k == 0 else pytest.mark.nightly) for k, c in enumerate(LAUNCHER_BAD_FLAGS)],
+  ids=[f for f, _ in LAUNCHER_BAD_FLAGS],
+)
 def test_launcher_bad_flags_are_one_line_and_exit_2(flag, message):
   r = subprocess.run(
     [sys.executable, "-m", "experiments.launch", flag, "--", "--x"],
@@ -587,6 +603,7 @@ def test_launcher_bad_flags_are_one_line_and_exit_2(flag, message):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_launcher_help_still_prints_the_flags():
   r = subprocess.run(
     [sys.executable, "-m", "experiments.launch", "--help"],
@@ -600,6 +617,7 @@ def test_launcher_help_still_prints_the_flags():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @pytest.mark.parametrize(
   "module,config", [("experiments.train", "configs/default.py"), ("experiments.train_dsp", "configs/dsp.py")]
 )
@@ -632,6 +650,7 @@ def test_entry_point_help_lists_its_flags_and_every_config_field(module, config)
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_launcher_rejects_zero_processes_with_one_line():
   r = subprocess.run(
     [sys.executable, "-m", "experiments.launch", "--num_processes=0", "--", "--x"],
@@ -689,6 +708,7 @@ def is_loopback(ip) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_worker_lost_during_start_up_is_named(tmp_path):
   """Worker 1 is killed once jax.distributed has connected, before any heartbeat: worker 0 would wait
   for it (topology exchange, first collective); the launcher names worker 1 and stops worker 0 and
@@ -757,6 +777,7 @@ def renamed_host(name):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_no_worker_listens_off_loopback_where_the_host_name_resolves_to_a_network_address(tmp_path):
   """Every listener of the local launcher's workers is on loopback: the coordination service and gloo's
   (the CPU collectives), which JAX would put on what the host name resolves to, here a network address."""
@@ -829,6 +850,7 @@ INTRUDER = (
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_an_unknown_process_registering_at_the_coordinator_is_named_not_worker_0(tmp_path):
   """Any local user can connect to the (unauthenticated) coordination service and register as one of the
   tasks; the service then aborts every worker, worker 0 among the first. The launcher's line says so."""
@@ -860,6 +882,7 @@ def test_an_unknown_process_registering_at_the_coordinator_is_named_not_worker_0
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_sigterm_to_a_worker_is_one_line_and_stops_the_job(tmp_path):
   out, pids, finish = launch_thread(2, real_args(tmp_path / "run", 2), grace_s=10, timeout_s=120)
   try:
@@ -936,6 +959,7 @@ def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_a_taken_port_is_one_line_not_a_hang(tmp_path):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.nightly]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Top-level folders of the checkout that ship inside the package (pyproject [tool.setuptools.package-dir]).

@@ -132,20 +132,20 @@ def final_params(workdir):
 
 
 # (method, runtime mode, delay, the single-process run it must equal: method, mode)
+NIGHTLY = (pytest.mark.slow, pytest.mark.nightly)  # each its own two-process launch: nightly tier
+# The slow tier keeps one case each of link delay 2 with slack, stashed residuals, and a flush (GPipe).
 CASES = [
-  pytest.param("dsp", "recompute", 1, ("dsp", "recompute"), id="dsp-recompute", marks=pytest.mark.slow),
+  pytest.param("dsp", "recompute", 1, ("dsp", "recompute"), id="dsp-recompute", marks=NIGHTLY),
   pytest.param("dsp", "recompute", 2, ("dsp", "recompute"), id="dsp-recompute-d2", marks=pytest.mark.slow),
-  pytest.param("dsp", "fused", 1, ("dsp", "recompute"), id="dsp-fused", marks=pytest.mark.slow),
-  pytest.param("dsp", "fused", 2, ("dsp", "recompute"), id="dsp-fused-d2", marks=pytest.mark.slow),
+  pytest.param("dsp", "fused", 1, ("dsp", "recompute"), id="dsp-fused", marks=NIGHTLY),
+  pytest.param("dsp", "fused", 2, ("dsp", "recompute"), id="dsp-fused-d2", marks=NIGHTLY),
   pytest.param("dsp", "residuals", 1, ("dsp", "stash"), id="dsp-residuals", marks=pytest.mark.slow),
-  pytest.param("dsp", "residuals", 2, ("dsp", "stash"), id="dsp-residuals-d2", marks=pytest.mark.slow),
-  pytest.param("fr", "recompute", 1, ("fr", "recompute"), id="fr", marks=pytest.mark.slow),
-  pytest.param("ddg", "recompute", 1, ("ddg", "recompute"), id="ddg", marks=pytest.mark.slow),
-  pytest.param(
-    "pipedream", "recompute", 1, ("pipedream", "recompute"), id="pipedream", marks=pytest.mark.slow
-  ),
-  pytest.param("pipemare", "recompute", 1, ("pipemare", "recompute"), id="pipemare", marks=pytest.mark.slow),
-  pytest.param("bp", "recompute", 1, ("bp", "recompute"), id="bp", marks=pytest.mark.slow),
+  pytest.param("dsp", "residuals", 2, ("dsp", "stash"), id="dsp-residuals-d2", marks=NIGHTLY),
+  pytest.param("fr", "recompute", 1, ("fr", "recompute"), id="fr", marks=NIGHTLY),
+  pytest.param("ddg", "recompute", 1, ("ddg", "recompute"), id="ddg", marks=NIGHTLY),
+  pytest.param("pipedream", "recompute", 1, ("pipedream", "recompute"), id="pipedream", marks=NIGHTLY),
+  pytest.param("pipemare", "recompute", 1, ("pipemare", "recompute"), id="pipemare", marks=NIGHTLY),
+  pytest.param("bp", "recompute", 1, ("bp", "recompute"), id="bp", marks=NIGHTLY),
   pytest.param("gpipe", "recompute", 1, ("gpipe", "recompute"), id="gpipe", marks=pytest.mark.slow),
 ]
 
@@ -251,6 +251,7 @@ def test_killed_stage_is_named_and_the_rerun_resumes_the_same_numerics(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_chunked_residual_calls_keep_the_numerics(tmp_path):
   """chunks=4: every residual call over four chunks of the batch; the parameters still equal the
   single-process stash tick's (the same gradients, summed in another order)."""

@@ -244,6 +244,7 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_pairwise_preduce_replays_through_the_engine_with_bounded_programs(tmp_path):
   """runtime.preduce=pairs: groups of 3 averaged by pairwise exchanges compute what the engine's group
   mean computes, with at most n-1 pair programs per worker, compiled before the run."""
@@ -267,7 +268,7 @@ def test_pairwise_preduce_replays_through_the_engine_with_bounded_programs(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["concurrent", "blocking"])
+@pytest.mark.parametrize("mode", ["concurrent", pytest.param("blocking", marks=pytest.mark.nightly)])
 def test_adpsgd_passive_side_replays_through_the_engine(tmp_path, mode):
   """AD-PSGD as published: the passive worker's averages land while it computes (between a step's
   start and its apply), and the engine's AD-PSGD semantics reproduce the parameters from the traces."""
@@ -356,6 +357,7 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_launcher_leaves_no_process_behind_on_ctrl_c(tmp_path):
   import subprocess
   import sys

@@ -453,6 +453,7 @@ def test_ledger_tta_merges_into_the_stored_results(tmp_path):
     scenarios=("homogeneous",),
     algorithms=("allreduce",),
     merge=True,
+    grid=(0.1,),  # one step size: the merge is what is tested, not the tuning
   )
   stored = json.loads((tmp_path / "tta.json").read_text())["scenarios"]
   assert stored == got and stored["x"] == held["x"]

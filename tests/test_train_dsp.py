@@ -15,7 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dsp", "gpipe", "dni"])
+@pytest.mark.parametrize(
+  "method",
+  ["dsp", pytest.param("gpipe", marks=pytest.mark.nightly), pytest.param("dni", marks=pytest.mark.nightly)],
+)
 def test_entry_point_runs_and_writes_outputs(tmp_path, method):
   workdir = tmp_path / method
   env = dict(os.environ, RIPPLES_JAX_CACHE=str(tmp_path / "cache"))

@@ -6,6 +6,7 @@ import types
 
 import jax.numpy as jnp
 
+from ripples_jax.runtime import process as process_lib
 from ripples_jax.runtime import worker as worker_lib
 from ripples_jax.schedule.online import GROUP, MARK, NONE, STOP
 
@@ -28,7 +29,7 @@ def run(entries, resumed: bool, monkeypatch):
   averager = types.SimpleNamespace(average=lambda members, flat: events.append(members) or flat)
   rt = types.SimpleNamespace(fail_worker=-1, fail_step=0, stall_timeout=1.0)
   worker = types.SimpleNamespace(rt=rt, me=0, averager=averager, now=lambda: 0.0)
-  loop = worker_lib.Loop({"flat": jnp.zeros(2)}, resumed_at=0 if resumed else None)
+  loop = process_lib.Loop({"flat": jnp.zeros(2)}, resumed_at=0 if resumed else None)
   trace = types.SimpleNamespace(add=lambda **kw: None)
   worker_lib.run_loop(worker, loop, None, Queue(entries), trace, {"steps": 0, "events": 0}, "")
   return events, loop
@@ -60,7 +61,7 @@ def test_resumed_workers_share_one_clock():
 
     def worker(w, saved=saved, kv=kv, epoch=epoch, starts=starts):
       time.sleep(0.05 * w)  # they reach the barrier at different moments
-      starts[w] = worker_lib.start_clock(kv, w, 3, epoch, saved[w], 5000)
+      starts[w] = process_lib.start_clock(kv, w, 3, epoch, saved[w], 5000)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
     for t in threads:

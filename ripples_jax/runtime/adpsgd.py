@@ -58,7 +58,7 @@ from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import membership
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.runtime.worker import (
+from ripples_jax.runtime.process import (
   Loop,
   Worker,
   ask_back,

@@ -36,7 +36,7 @@ from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import membership
 from ripples_jax.runtime import summary as summary_lib
-from ripples_jax.runtime.worker import start_clock
+from ripples_jax.runtime.process import start_clock
 from ripples_jax.schedule import make_group_generator
 from ripples_jax.schedule.online import DYNAMIC, Cadence, Service
 
