@@ -19,8 +19,6 @@ import glob
 import json
 import os
 
-from ripples_jax import analysis
-
 
 def trace_path(workdir: str, worker: int) -> str:
   return os.path.join(workdir, f"trace-{worker}.jsonl")
@@ -128,6 +126,8 @@ def write_gantt(
   if not traces:
     raise FileNotFoundError(f"{workdir}: no trace-<worker>.jsonl files")
   path = path or os.path.join(workdir, "gantt.png")
+  from ripples_jax import analysis  # here, not at the top: it loads matplotlib, which no worker needs
+
   analysis.gantt(
     intervals(traces),
     max(traces) + 1,
