@@ -206,6 +206,7 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
   assert e.mean == pytest.approx(2.0)
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 @pytest.mark.filterwarnings("ignore:Mean of empty slice")  # the diverged step's losses are all NaN
 def test_a_diverged_run_is_kept_as_far_as_it_got_and_counts_zero():
   """A step size far too large: the run log stops the run at its first non-finite loss; the ledger

@@ -106,6 +106,7 @@ def test_conv1d_patches_is_same_conv(length, k, stride, c):
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_resnet20_forward_backward_and_batchnorm_state():
   model = build_model("resnet20", 10)
   x = jax.random.normal(jax.random.key(1), (2, 32, 32, 3))
@@ -162,7 +163,12 @@ def test_batchnorm_eval_returns_state_unchanged_and_uses_running_stats():
 
 @pytest.mark.parametrize(
   "name,shape",
-  [("mlp", (4, 40, 1)), ("cnn1d", (4, 40, 1)), ("cnn2d", (4, 8, 8, 1)), ("tiny_resnet", (4, 8, 8, 3))],
+  [
+    ("mlp", (4, 40, 1)),
+    ("cnn1d", (4, 40, 1)),
+    pytest.param("cnn2d", (4, 8, 8, 1), marks=pytest.mark.slow),
+    pytest.param("tiny_resnet", (4, 8, 8, 3), marks=pytest.mark.slow),
+  ],
 )
 def test_vmap_over_stacked_workers_matches_per_worker(name, shape):
   model = _tiny_resnet() if name == "tiny_resnet" else build_model(name, 10)

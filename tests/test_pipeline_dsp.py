@@ -204,6 +204,7 @@ def test_stash_uses_the_stored_version(data):
     )
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_dsp_k4_drives_the_full_gradient_to_zero(data):
   """The paper's convergence claim, numerically: full-batch DSP (K=4, S = {6,4,2,0}) with a decaying
   step size on a smooth problem (tanh network, weight decay) reaches a small full-gradient norm."""

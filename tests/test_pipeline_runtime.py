@@ -37,7 +37,10 @@ ALIGNED = [("dsp", mode, delay) for mode in ("recompute", "stash") for delay in 
 ]
 
 
-@pytest.mark.parametrize("method,mode,delay", ALIGNED)
+@pytest.mark.parametrize(
+  "method,mode,delay",
+  [a if a == ("dsp", "recompute", 1) else pytest.param(*a, marks=pytest.mark.slow) for a in ALIGNED],
+)
 def test_each_stage_gets_the_bp_gradient_of_its_scheduled_batch(method, mode, delay):
   K, n = 3, 12
   stages = mlp_stages(K)

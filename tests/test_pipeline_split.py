@@ -101,7 +101,15 @@ def test_units_follow_model_kwargs():
   assert split.model_units("resnet20", 10, widths=(4, 8, 16))[-2].features == 16
 
 
-@pytest.mark.parametrize("name,k", [(n, k) for n in INPUTS for k in range(1, 5) if k <= MAX_STAGES[n]])
+@pytest.mark.parametrize(
+  "name,k",
+  [
+    pytest.param(n, k, marks=pytest.mark.slow if n.startswith("resnet") else ())
+    for n in INPUTS
+    for k in range(1, 5)
+    if k <= MAX_STAGES[n]
+  ],
+)
 def test_stages_compose_to_the_unsplit_model(name, k):
   x = _x(name)
   model_params, model_state, want = _unsplit(name)
@@ -119,7 +127,9 @@ def test_stages_compose_to_the_unsplit_model(name, k):
   assert len(shapes) == k and shapes[-1] == (B, 10)
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=pytest.mark.slow if n.startswith("resnet") else ()) for n in MODEL_NAMES]
+)
 def test_one_stage_is_the_whole_model(name):
   (stage,) = split.split_model(name, 10, 1)
   assert len(stage.units) == MAX_STAGES[name]
@@ -132,7 +142,9 @@ def test_one_stage_is_the_whole_model(name):
     assert _shapes(split.params_to_model([s["batch_stats"]])) == _shapes(ms["batch_stats"])
 
 
-@pytest.mark.parametrize("name,k", [("mlp", 2), ("cnn1d", 2), ("cnn2d", 2), ("resnet20", 3)])
+@pytest.mark.parametrize(
+  "name,k", [("mlp", 2), ("cnn1d", 2), ("cnn2d", 2), pytest.param("resnet20", 3, marks=pytest.mark.slow)]
+)
 def test_stage_init_is_the_model_init(name, k):
   """Stages initialised on their own draw each layer from the model's distribution."""
   x = _x(name)
@@ -157,6 +169,7 @@ def test_stage_init_is_the_model_init(name, k):
   jax.tree.map(close, split.params_to_model(params), model_params)
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_resnet20_stages_in_train_mode_are_the_model_and_update_batchnorm():
   x = _x("resnet20") * 2.0 + 1.0
   model = build_model("resnet20", 10)

@@ -138,7 +138,7 @@ def _small_config(algorithm, **kw):
   return config
 
 
-@pytest.mark.parametrize("algorithm", GGS)
+@pytest.mark.parametrize("algorithm", [GGS[0]] + [pytest.param(a, marks=pytest.mark.slow) for a in GGS[1:]])
 def test_ripples_with_one_group_of_all_equals_allreduce(tmp_path, algorithm):
   kw = {"schedule.group_size": 8, "schedule.workers_per_node": 8}
   ref, _ = sim.simulate_and_train(_small_config("allreduce", **kw), str(tmp_path / "ar"))
@@ -149,6 +149,7 @@ def test_ripples_with_one_group_of_all_equals_allreduce(tmp_path, algorithm):
   assert got["time"] == ref["time"] and got["worker_steps"] == ref["worker_steps"]
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_same_seed_gives_byte_identical_metrics(tmp_path):
   kw = {"hetero.slow_workers": (1,), "hetero.slowdown": 3.0, "hetero.jitter": 0.2}
   for d in ("a", "b"):
@@ -170,7 +171,10 @@ def _round_setup(algorithm, n):
   return trace, data, shards, model, optax.sgd(0.05, momentum=0.9), slots, mesh
 
 
-@pytest.mark.parametrize("algorithm", ["ripples_random", "adpsgd", "ps_async", "dpsgd"])
+@pytest.mark.parametrize(
+  "algorithm",
+  ["ripples_random"] + [pytest.param(a, marks=pytest.mark.slow) for a in ("adpsgd", "ps_async", "dpsgd")],
+)
 def test_packed_rounds_equal_one_event_at_a_time(algorithm):
   """Packing many events into one round must compute exactly what executing them in order does."""
   n = 8
@@ -206,7 +210,14 @@ def test_packed_rounds_equal_one_event_at_a_time(algorithm):
   )
 
 
-@pytest.mark.parametrize("algorithm", ["ripples_random", "ripples_smart", "adpsgd", "ps_async", "allreduce"])
+@pytest.mark.parametrize(
+  "algorithm",
+  ["adpsgd"]
+  + [
+    pytest.param(a, marks=pytest.mark.slow)
+    for a in ("ripples_random", "ripples_smart", "ps_async", "allreduce")
+  ],
+)
 def test_compact_rounds_equal_full_rounds_bit_for_bit(algorithm):
   """The executor's compact rounds (only the slots a round touches, gathered and scattered back)
   compute exactly the full round's values, to the last bit, for every slot: they run the same per-slot
@@ -254,6 +265,7 @@ def test_compact_round_positions():
   np.testing.assert_array_equal(c["start"], [False, False, False, True, False, False])
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_stop_at_target_ends_at_the_first_evaluation_that_reaches_it(tmp_path):
   full, _ = sim.simulate_and_train(_small_config("ripples_random", steps=40), str(tmp_path / "full"))
   records = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
@@ -291,6 +303,7 @@ def test_time_budget_ends_the_run(algorithm):
   assert max(e[0] for e in cut.events) <= budget
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_a_time_budget_run_ends_with_an_evaluation(tmp_path):
   config = _small_config("ripples_smart", time_budget=0.035)
   summary, trace = sim.simulate_and_train(config, str(tmp_path))
@@ -500,6 +513,7 @@ def test_overlap_hides_at_most_its_share_of_a_step_from_every_algorithm():
     assert trace.end_time == pytest.approx(10 * 0.1 + 9 * comm)
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_validation_examples_are_held_out_of_every_shard_and_scored(tmp_path):
   """validation_examples moves a fixed set of training examples out of the workers' shards; every
   evaluation record scores the averaged model on them (val_accuracy) beside the test set."""

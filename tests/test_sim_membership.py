@@ -188,6 +188,7 @@ def test_compact_rounds_equal_full_rounds_with_leave_and_join():
   assert resets == 1
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_a_run_with_leave_and_join_reports_its_membership(tmp_path):
   leave = ((2, 0.01, 0.03), (5, 0.02, -1))
   summary, trace = sim.simulate_and_train(

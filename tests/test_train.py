@@ -269,6 +269,7 @@ def test_default_config_is_valid():
   validate_train_config(default_config.get_config("algorithm=allreduce,num_workers=16"), num_devices=8)
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_in_process_run_learns_and_writes_metrics(tmp_path):
   config = default_config.get_config("dataset=digits,model=mlp,steps=60")
   config.eval_every, config.log_every = 30, 10

@@ -176,6 +176,7 @@ def test_bad_stage_count_stops_before_compile(tmp_path):
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_evaluations_come_at_eval_every_whatever_log_every(tmp_path):
   from ripples_jax import run
 
