@@ -64,7 +64,7 @@ def test_ripples_one_group_of_all_workers_equals_allreduce_exactly(setup):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-@pytest.mark.parametrize("impl", ["collective", "segment"])
+@pytest.mark.parametrize("impl", ["collective", pytest.param("segment", marks=pytest.mark.slow)])
 def test_static_gg_matches_a_per_worker_reference_loop(setup, impl):
   """Local step per worker (separately, unstacked), then x <- W x with the round's mixing matrix."""
   model, data, batches = setup
@@ -154,6 +154,7 @@ def test_eval_reports_consensus_distance(setup):
   assert 0 <= float(ev["test_accuracy"]) <= 1
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_eval_in_chunks_is_the_whole_test_set_and_workers_use_its_head(setup, monkeypatch):
   """The averaged model is scored over the whole test set chunk by chunk (the chunks' means weighted
   by their sizes), each worker on the first WORKER_EVAL_EXAMPLES examples, WORKER_CHUNK at a time."""

@@ -60,6 +60,7 @@ def test_param_counts(name):
   assert set(state) == ({"batch_stats"} if name.startswith("resnet") else set())
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_mlp_gelu_is_the_mlp_with_gelu():
   x = jax.random.normal(jax.random.key(1), (3, 40, 1))
   params, _ = init_model(build_model("mlp", 10), jax.random.key(0), x)
@@ -140,6 +141,7 @@ def test_unknown_model_raises():
     build_model("vgg16", 10)
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_batchnorm_eval_returns_state_unchanged_and_uses_running_stats():
   model = _tiny_resnet()
   x = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))

@@ -418,7 +418,14 @@ def one_f_one_b_reference(stages, opt, bs, x0, stash: bool, lr_anneal=0, ema_dec
   return [jax.tree.map(np.asarray, p) for p in w]
 
 
-@pytest.mark.parametrize("method", ["pipedream", "ddg", "pipemare"])
+@pytest.mark.parametrize(
+  "method",
+  [
+    "pipedream",
+    pytest.param("ddg", marks=pytest.mark.slow),
+    pytest.param("pipemare", marks=pytest.mark.slow),
+  ],
+)
 def test_1f1b_methods_equal_the_reference(data, method):
   bs = batches(data, 10)
   stages = mlp_stages(4)
@@ -431,6 +438,7 @@ def test_1f1b_methods_equal_the_reference(data, method):
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-5, atol=2e-6), a, b)
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_pipemare_is_not_pipedream(data):
   """Without stashing the backward's weights differ from the forward's: the runs part (the reference
   test above would pass for both if the correction were exact or the mode ignored)."""

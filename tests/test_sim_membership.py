@@ -164,6 +164,7 @@ def test_a_rejoined_worker_starts_from_the_others_mean_with_fresh_optimizer_stat
   assert joins == 1
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_compact_rounds_equal_full_rounds_with_leave_and_join():
   """The executor's two round programs agree to the bit on a trace with a JOIN (a pull that resets)."""
   config = config_of("ripples_division", leave=((3, 0.03, 0.08), (6, 0.05, -1)))

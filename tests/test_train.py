@@ -307,6 +307,7 @@ def test_in_process_run_learns_and_writes_metrics(tmp_path):
   )
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_profile_steps_write_a_trace(tmp_path):
   config = default_config.get_config("dataset=synthetic,model=mlp,steps=6")
   config.profile_steps, config.checkpoint_every = "2:4", 0

@@ -190,6 +190,7 @@ def test_evaluations_come_at_eval_every_whatever_log_every(tmp_path):
   assert {r["step"] for r in records} == {*range(6, n + 1, 6), *evals}
 
 
+@pytest.mark.slow  # in process, too long for the fast tier
 def test_validation_is_held_out_of_training_and_evaluated_beside_test(tmp_path):
   from ripples_jax import data as data_lib
   from ripples_jax import run, setup
