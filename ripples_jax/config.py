@@ -420,60 +420,14 @@ def _int_in(config, key, lo, hi, allowed):
     _fail(key, value, allowed)
 
 
-def validate_dsp_config(config, num_processes: int = 1) -> None:
-  """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
-  from ripples_jax.models.split import max_stages
+def _check_dsp_placement(config, num_processes: int) -> None:
+  """validate_dsp_config's placement keys: per_process's own (process count, method, mode, chunks,
+  runtime.*), or what the one-process placements refuse."""
   from ripples_jax.pipeline.tick import PROCESS_MODES
 
   _one_of(config, "placement", PLACEMENTS)
   if config.placement == "per_process":
-    if num_processes != config.num_stages:
-      _fail(
-        "placement",
-        "per_process",
-        f"one process per stage: num_stages={config.num_stages} processes "
-        f"(python -m experiments.launch --num_processes={config.num_stages} "
-        f"--module=experiments.train_dsp -- ...), this job has {num_processes}",
-      )
-    if config.method == "dni":
-      # DNI's predictors train on the true gradient one iteration late and update every stage at once
-      # from a synthetic one: a step over the whole model (baselines.make_dni_step), not a tick.
-      _fail(
-        "method",
-        "dni",
-        "one of bp, gpipe, ddg, pipedream, pipemare, fr, dsp with placement=per_process (DNI runs in "
-        "one process: its synthetic-gradient step is a whole-model step, not a pipeline tick)",
-      )
-    if config.mode in PROCESS_MODES and config.method != "dsp":
-      _fail(
-        "mode",
-        config.mode,
-        f"recompute or stash for method={config.method} (the runtime picks its "
-        "mode: bp, ddg and pipedream keep residuals, fr recomputes, pipemare corrects)",
-      )
-    if config.mode == "fused" and config.delay < 1:
-      _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
-    _positive_int(config, "chunks")
-    if config.batch_size % config.chunks:
-      _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
-    if config.chunks > 1 and not (config.method in ("bp", "ddg", "pipedream") or config.mode == "residuals"):
-      _fail(
-        "chunks",
-        config.chunks,
-        "1 unless the stage calls keep residuals (method bp, ddg or pipedream, or dsp with mode=residuals)",
-      )
-    for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
-      _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
-    _bool(config, "runtime.pin_cores")
-    _bool(config, "runtime.slack")
-    _int_in(config, "runtime.fail_tick", 0, 10**9, "an integer >= 0")
-    _int_in(
-      config,
-      "runtime.fail_stage",
-      -1,
-      config.num_stages - 1,
-      f"a stage in [0, num_stages={config.num_stages}) or -1 for none",
-    )
+    _check_per_process(config, num_processes, PROCESS_MODES)
   elif config.chunks != 1:
     _fail("chunks", config.chunks, "1 unless placement=per_process")
   elif num_processes > 1:
@@ -489,6 +443,63 @@ def validate_dsp_config(config, num_processes: int = 1) -> None:
       "recompute or stash unless placement=per_process (the fused call and the "
       "residual ring exist in the multi-process runtime)",
     )
+
+
+def _check_per_process(config, num_processes: int, process_modes) -> None:
+  if num_processes != config.num_stages:
+    _fail(
+      "placement",
+      "per_process",
+      f"one process per stage: num_stages={config.num_stages} processes "
+      f"(python -m experiments.launch --num_processes={config.num_stages} "
+      f"--module=experiments.train_dsp -- ...), this job has {num_processes}",
+    )
+  if config.method == "dni":
+    # DNI's predictors train on the true gradient one iteration late and update every stage at once
+    # from a synthetic one: a step over the whole model (baselines.make_dni_step), not a tick.
+    _fail(
+      "method",
+      "dni",
+      "one of bp, gpipe, ddg, pipedream, pipemare, fr, dsp with placement=per_process (DNI runs in "
+      "one process: its synthetic-gradient step is a whole-model step, not a pipeline tick)",
+    )
+  if config.mode in process_modes and config.method != "dsp":
+    _fail(
+      "mode",
+      config.mode,
+      f"recompute or stash for method={config.method} (the runtime picks its "
+      "mode: bp, ddg and pipedream keep residuals, fr recomputes, pipemare corrects)",
+    )
+  if config.mode == "fused" and config.delay < 1:
+    _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
+  _positive_int(config, "chunks")
+  if config.batch_size % config.chunks:
+    _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
+  if config.chunks > 1 and not (config.method in ("bp", "ddg", "pipedream") or config.mode == "residuals"):
+    _fail(
+      "chunks",
+      config.chunks,
+      "1 unless the stage calls keep residuals (method bp, ddg or pipedream, or dsp with mode=residuals)",
+    )
+  for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
+    _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
+  _bool(config, "runtime.pin_cores")
+  _bool(config, "runtime.slack")
+  _int_in(config, "runtime.fail_tick", 0, 10**9, "an integer >= 0")
+  _int_in(
+    config,
+    "runtime.fail_stage",
+    -1,
+    config.num_stages - 1,
+    f"a stage in [0, num_stages={config.num_stages}) or -1 for none",
+  )
+
+
+def validate_dsp_config(config, num_processes: int = 1) -> None:
+  """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
+  from ripples_jax.models.split import max_stages
+
+  _check_dsp_placement(config, num_processes)
   _one_of(config, "method", DSP_METHODS)
   _one_of(config, "mode", MODES)
   if "split" in config:
