@@ -6,6 +6,7 @@ and each process feeds only its own workers' batches. The loss is fetched one ro
 stays asynchronous; process 0 writes the run's files (RunLog).
 """
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -60,7 +61,11 @@ def train(config, workdir: str | None = None) -> dict:
     len(schedule.layouts),
   )
 
-  with RunLog(workdir, config, config.num_steps) as log:
+  stuck_s = config.get("stuck_timeout_s", 0.0)
+  with (
+    RunLog(workdir, config, config.num_steps) as log,
+    contextlib.closing(CollectiveGuard(stuck_s, workdir, lambda: newest_checkpoint(log))) as guard,
+  ):
     cur = Loop(worker_steps=[0] * n)
     got = log.restore(state)
     if got is not None:
@@ -79,7 +84,6 @@ def train(config, workdir: str | None = None) -> dict:
       )
 
     profiler = StepProfiler(config.get("profile_steps", ""), workdir, log.is_lead)
-    guard = CollectiveGuard(config.get("stuck_timeout_s", 0.0), workdir, lambda: newest_checkpoint(log))
     what = [preduce_name(layout) for layout in schedule.layouts]
     for i in range(cur.step, config.num_steps):
       profiler.step(i)
@@ -110,7 +114,6 @@ def train(config, workdir: str | None = None) -> dict:
     profiler.close()
     guard.drain()
     save(config.num_steps, force=True)
-    guard.close()
     return log.finish(time=time.time() - t0, worker_steps=worker_steps)
 
 
@@ -123,7 +126,8 @@ def preduce_name(layout) -> str:
 
 def newest_checkpoint(log) -> str:
   """The newest committed checkpoint folder of the run, or 'none' (orbax names a committed one by its
-  step; an unfinished write is a temporary folder)."""
+  step; an unfinished write is a temporary folder). Read from the folder, not orbax's manager: the
+  guard's thread calls it while the main thread may be inside orbax."""
   steps = [int(d) for d in os.listdir(log.ckpt_dir) if d.isdigit()] if os.path.isdir(log.ckpt_dir) else []
   return os.path.join(log.ckpt_dir, str(max(steps))) if steps else "none"
 
