@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ripples_jax import runlog
+from tests.test_runlog import assert_tensorboard_once, tensorboard_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,16 +31,25 @@ def run(module, workdir, args, timeout=300):
   return out
 
 
-def run_and_kill(module, workdir, args, checkpoint_step, timeout=300):
-  """Starts a run, SIGKILLs it once checkpoint `checkpoint_step` is committed; returns the lines it had
-  written to metrics.jsonl by then."""
+def past_checkpoint(workdir) -> bool:
+  """Whether metrics.jsonl holds a record after the newest committed checkpoint (a kill now loses it)."""
+  ckpt = os.path.join(workdir, "ckpt")
+  steps = [int(d) for d in os.listdir(ckpt) if d.isdigit()] if os.path.isdir(ckpt) else []
+  got = records(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else []
+  return bool(steps and got and got[-1]["step"] > max(steps))
+
+
+def run_and_kill(module, workdir, args, checkpoint_step, timeout=300, between=False):
+  """Starts a run, SIGKILLs it once checkpoint `checkpoint_step` is committed (and, with `between`,
+  once a record follows the newest checkpoint: the kill falls between checkpoints); returns the lines
+  it had written to metrics.jsonl by then."""
   proc = subprocess.Popen(
     command(module, workdir, args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
   )
   target = os.path.join(workdir, "ckpt", str(checkpoint_step))
   deadline = time.monotonic() + timeout
   try:
-    while not os.path.isdir(target):
+    while not os.path.isdir(target) or (between and not past_checkpoint(workdir)):
       assert proc.poll() is None, "the run ended before it could be interrupted"
       assert time.monotonic() < deadline, "no checkpoint appeared"
       time.sleep(0.02)
@@ -52,7 +62,12 @@ def run_and_kill(module, workdir, args, checkpoint_step, timeout=300):
 
 
 def records(workdir):
-  return [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  # A line being written as it is read is not a record yet.
+  out = []
+  for line in open(os.path.join(workdir, "metrics.jsonl")):
+    if line.endswith("\n"):
+      out.append(json.loads(line))
+  return out
 
 
 SIM = [
@@ -71,9 +86,10 @@ def test_simulation_resumes_byte_identical_and_survives_a_corrupt_checkpoint(tmp
   run("experiments.train", whole, SIM)
   expected = open(os.path.join(whole, "metrics.jsonl"), "rb").read()
 
-  run_and_kill("experiments.train", cut, SIM, 100)
+  run_and_kill("experiments.train", cut, SIM, 100, between=True)
   run("experiments.train", cut, SIM)
   assert open(os.path.join(cut, "metrics.jsonl"), "rb").read() == expected
+  assert_tensorboard_once(cut, simulated=True)  # the steps redone after the kill: once each
 
   # The newest checkpoint is damaged: the run falls back to the previous one, warns, and the metrics
   # still come out the same (cut back to that checkpoint, then redone).
@@ -104,11 +120,14 @@ SPMD = [
 def test_spmd_resumes_within_float_tolerance(tmp_path):
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
   run("experiments.train", whole, SPMD)
-  before = run_and_kill("experiments.train", cut, SPMD, 100)
-  assert 10 <= len(before)
+  before = run_and_kill("experiments.train", cut, SPMD, 100, between=True)
+  assert 10 < len(before) < 30  # killed after a record that followed checkpoint 100, before the end
   run("experiments.train", cut, SPMD)
   a, b = records(whole), records(cut)
   assert [r["step"] for r in a] == [r["step"] for r in b]  # nothing lost, nothing repeated
+  assert [r["step"] for r in b] == list(range(10, 301, 10))
+  assert_tensorboard_once(cut)  # TensorBoard too, read raw and as TensorBoard reads it
+  assert len(runlog.event_files(cut)) == 2 and tensorboard_events(cut)[1]["config/text_summary"] == [0]
   for ra, rb in zip(a, b):
     for k in ("train_loss", "test_accuracy", "consensus_distance"):
       if k in ra:
@@ -128,8 +147,9 @@ DSP = [
 def test_dsp_pipeline_resumes_exactly(tmp_path):
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
   run("experiments.train_dsp", whole, DSP)
-  run_and_kill("experiments.train_dsp", cut, DSP, 125)
+  run_and_kill("experiments.train_dsp", cut, DSP, 125, between=True)
   run("experiments.train_dsp", cut, DSP)
+  assert_tensorboard_once(cut)
   # Wall time and the modeled time (from measured stage times) differ between runs; the rest must not.
   strip = lambda rs: [{k: v for k, v in r.items() if k not in ("time", "modeled_time")} for r in rs]
   assert strip(records(cut)) == strip(records(whole))

@@ -354,6 +354,9 @@ def test_four_processes_killed_worker_then_resume(tmp_path):
   # The resumed run continued exactly where the checkpoint left off: replaying the recorded order from
   # x_0, across the kill, lands on the parameters the workers hold.
   assert_replay_matches(make_config("ripples_division", n, steps, MODEL), workdir, tmp_path)
+  from tests.test_runlog import assert_tensorboard_once
+
+  assert_tensorboard_once(workdir)  # the coordinator's records past the marker, written twice, show once
 
 
 @pytest.mark.slow

@@ -10,9 +10,10 @@
 
 Invariants: metrics.jsonl is only ever appended to, except by a resume, which cuts it back to the
 lines that existed when the restored checkpoint was taken (so a resumed run neither loses nor repeats a
-record; a torn or short file keeps its whole records, with one warning naming what was dropped; its
-TensorBoard events file starts with a purge at the step after the last kept record, so TensorBoard
-drops what the lost run wrote after it) or, on a fresh start in a used workdir, moves the earlier
+record; a torn or short file keeps its whole records, with one warning naming what was dropped; the
+TensorBoard events files are cut back to the same last record, events.trim_events, so no reader sees a
+step twice, and the new events file starts with a purge at the step after it, for a TensorBoard that
+read the lost stretch live) or, on a fresh start in a used workdir, moves the earlier
 run's files aside under numbered names (metrics.1.jsonl, config.1.json, summary.1.json, tensorboard.1/
 with its events; never overwritten). Which run a workdir holds and who holds it now: workdir.py (the
 config identity of both checkpoint layouts; the flock-held WORKDIR/.lock).
@@ -48,7 +49,7 @@ from absl import logging
 from ripples_jax import checkpoint
 from ripples_jax.errors import ResumeRefused, StorageError
 from ripples_jax.progress import Progress
-from ripples_jax.runlog.events import TB_METRICS, EventWriter, hparams, tb_tag
+from ripples_jax.runlog.events import TB_METRICS, EventWriter, hparams, tb_tag, trim_events
 from ripples_jax.runlog.records import (
   archive,
   check_finite,
@@ -119,7 +120,7 @@ class RunLog:
     self.last = {}  # the newest value of every recorded key
     self._tensorboard = tensorboard
     self._file = self._tb = None
-    self._tb_purge = None  # restore(): the step the resumed run's events file purges from
+    self._tb_from = None  # restore(): the first step the resumed run's events file may hold
     self._tb_header = True  # whether the events file starts with the config (text, hparams)
     self._rate_from = None  # (step, time) of the previous record: steps_per_s
     self._saving = None  # a checkpoint step not yet announced as saved
@@ -236,15 +237,18 @@ class RunLog:
   def resume_records(self, meta: dict) -> None:
     """The lead's part of a resume at a checkpoint whose `meta` it has (read here, or sent by the
     process that holds it: an async run's coordinator holds no checkpoint): metrics.jsonl cut back to
-    it, TensorBoard's purge point, config.json (an earlier one kept numbered when the config changed)."""
+    it, the TensorBoard events files trimmed to the same point and the new one's purge step,
+    config.json (an earlier one kept numbered when the config changed)."""
     warning = cut_records(self.metrics_path, meta["metrics_lines"])
     if warning:
       logging.warning("%s", warning)
     # TensorBoard keeps what metrics.jsonl keeps: events up to its last record, none after.
     kept = last_step(self.metrics_path)
-    self._tb_purge = 0 if kept is None else kept + 1
+    if self._tensorboard:
+      trim_events(self.workdir, kept)
+    self._tb_from = 0 if kept is None else kept + 1
     changed = bool(differences(meta["identity"], self.identity))
-    self._tb_header = self._tb_purge == 0 or changed
+    self._tb_header = self._tb_from == 0 or changed
     if changed:  # on_config_change=force
       config_path = os.path.join(self.workdir, "config.json")
       if os.path.exists(config_path):
@@ -387,9 +391,9 @@ class RunLog:
     if self._file is None and self.is_lead:
       self._file = open(self.metrics_path, "a")
       if self._tensorboard:
-        self._tb = EventWriter(self.workdir, purge_step=self._tb_purge)
+        self._tb = EventWriter(self.workdir, purge_step=self._tb_from)
         if self._tb_header:
-          step = self._tb_purge or 0
+          step = self._tb_from or 0
           self._tb.text("config", "```\n" + self.config.to_json_best_effort(indent=2) + "\n```", step)
           if not step:  # a session of the hparams dashboard: once, at the run's start
             self._tb.hparams(hparams(self.config), TB_METRICS)
