@@ -86,7 +86,9 @@ def predict(n, algorithm, slowdown, slow, step_time, jitter, rtt, alpha, rotate=
   config.timeline.alpha = alpha
   speed, net = sim.build_clock(config, model_bytes=0.0, base_time=step_time)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
-  trace = timeline.simulate(algorithm, speed, net, 4000 * n, time_budget=60.0, gg=gg, rtt=rtt)
+  trace = timeline.simulate(
+    timeline.ClockSpec(algorithm, speed, net, 4000 * n, time_budget=60.0, gg=gg, rtt=rtt)
+  )
   return trace.worker_steps.sum() / trace.end_time
 
 

@@ -99,16 +99,18 @@ def fed_simulation(
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
   cost = timeline.AuthorityCost(service=service)
   trace = timeline.simulate(
-    algorithm,
-    speed,
-    net,
-    total or 4000 * n,
-    time_budget=120.0,
-    gg=gg,
-    rtt=rtt / 1e3,
-    server=cost,
-    leave=tuple(leave),
-    detect=detect,
+    timeline.ClockSpec(
+      algorithm,
+      speed,
+      net,
+      total or 4000 * n,
+      time_budget=120.0,
+      gg=gg,
+      rtt=rtt / 1e3,
+      server=cost,
+      leave=tuple(leave),
+      detect=detect,
+    )
   )
   fed = {
     "base_s": base,

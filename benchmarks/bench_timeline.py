@@ -40,7 +40,7 @@ def run(workers=(16, 256), steps: int = 2000, config_fn=make_config) -> Table:
       speed, net = sim.build_clock(config, model_bytes=4.8e4, base_time=0.01)
       gg = sim.make_group_generator(config, np.random.default_rng(0))
       t = time.perf_counter()
-      trace = timeline.simulate(algorithm, speed, net, steps * n, gg=gg)
+      trace = timeline.simulate(timeline.ClockSpec(algorithm, speed, net, steps * n, gg=gg))
       dt = time.perf_counter() - t
       t = time.perf_counter()
       rounds = sum(1 for _ in timeline.pack_rounds(trace.events, n, n + 1))

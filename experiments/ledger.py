@@ -198,7 +198,9 @@ def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=N
   nbytes, step = set_clock(config, SETTINGS[setting] if isinstance(setting, str) else setting)
   speed, net = sim.build_clock(config, model_bytes=nbytes, base_time=step)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, seed]))
-  trace = timeline.simulate(algorithm, speed, net, steps * n, gg=gg, seed=seed, adpsgd_cost=cost)
+  trace = timeline.simulate(
+    timeline.ClockSpec(algorithm, speed, net, steps * n, gg=gg, seed=seed, adpsgd_cost=cost)
+  )
   return trace.worker_steps.sum() / trace.end_time, trace
 
 

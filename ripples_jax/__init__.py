@@ -10,7 +10,7 @@ The public API (imported lazily, so `import ripples_jax` stays cheap):
   random_gg / division_gg / smart_gg   the Group Generators (host-side, deterministic under a seed)
   Service                              the online Group Generator protocol (simulator and runtime)
   make_group_generator(config, rng)    the generator a config names
-  simulate(algorithm, speed, net, ...) the discrete-event clock alone (ripples_jax.timeline)
+  simulate(ClockSpec(algorithm, ...))  the discrete-event clock alone (ripples_jax.timeline)
   simulate_and_train(config, workdir)  the simulator executor: the clock, then exact numerics
 
 Everything else is importable from its module (README.md's Layout section).
@@ -32,6 +32,7 @@ _EXPORTS = {
   "smart_gg": "ripples_jax.schedule.group_gen",
   "make_group_generator": "ripples_jax.schedule",
   "simulate": "ripples_jax.timeline",
+  "ClockSpec": "ripples_jax.timeline",
   "simulate_and_train": "ripples_jax.sim",
 }
 __all__ = sorted(_EXPORTS)

@@ -153,23 +153,23 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
   speed, net = build_clock(config, model_bytes, base_time)
   gg = make_group_generator(config, np.random.default_rng([4, config.seed]))
   t_clock = time.time()
-  trace = timeline.simulate(
+  tl = config.timeline
+  spec = timeline.ClockSpec(
     config.algorithm,
     speed,
     net,
     config.num_steps * config.num_workers,
-    config.time_budget,
-    gg,
-    config.seed,
-    config.timeline.request_rtt,
-    config.schedule.request_ahead,
-    adpsgd_cost(config),
-    timeline.AuthorityCost(
-      config.timeline.authority_service, config.timeline.group_setup, config.timeline.setup_unit
-    ),
-    leave_plan(config),
-    config.timeline.get("detect_s", 0.0),
+    time_budget=config.time_budget,
+    gg=gg,
+    seed=config.seed,
+    rtt=tl.request_rtt,
+    ahead=config.schedule.request_ahead,
+    adpsgd_cost=adpsgd_cost(config),
+    server=timeline.AuthorityCost(tl.authority_service, tl.group_setup, tl.setup_unit),
+    leave=leave_plan(config),
+    detect=tl.get("detect_s", 0.0),
   )
+  trace = timeline.simulate(spec)
   logging.info(
     "%s clock: %d events, %.1f virtual s, %.2f wall s; %d workers x %.4f s base step, %.0f model bytes",
     config.algorithm,

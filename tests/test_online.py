@@ -181,7 +181,7 @@ def test_smart_gg_follows_a_moving_straggler_in_every_window():
     config.hetero.rotate_every = 0.3  # 6 slow steps of 0.05 s between moves
     speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
     gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
-    trace = timeline.simulate(algorithm, speed, net, 3000, time_budget=3.0, gg=gg)
+    trace = timeline.simulate(timeline.ClockSpec(algorithm, speed, net, 3000, time_budget=3.0, gg=gg))
     rates[algorithm] = window_rates(trace, 8, 0.3, 3.0)
   # Every window of one straggler position: Smart GG within 15% of the limit (5 x 7 + 1) / 8 = 4.5,
   # so it recovered after each move (with estimates that ignore the reported step times: 3.1-3.8x).
@@ -255,7 +255,9 @@ def simulated(algorithm, n=8, steps=2000, cost=None, budget=0.0):
   config.schedule.workers_per_node = n  # Static GG: one group of every worker
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
-  return timeline.simulate(algorithm, speed, net, steps, time_budget=budget, gg=gg, server=cost)
+  return timeline.simulate(
+    timeline.ClockSpec(algorithm, speed, net, steps, time_budget=budget, gg=gg, server=cost)
+  )
 
 
 def test_the_simulated_authority_is_one_fifo_server():

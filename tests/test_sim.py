@@ -25,7 +25,7 @@ def clock(algorithm, n=16, steps=40, slow=(3,), s=4.0, jitter=0.05, group_size=3
   config.seed = seed
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(seed))
-  return timeline.simulate(algorithm, speed, net, steps * n, gg=gg, seed=seed), speed, net
+  return timeline.simulate(timeline.ClockSpec(algorithm, speed, net, steps * n, gg=gg, seed=seed)), speed, net
 
 
 @pytest.mark.parametrize("algorithm", GGS + ("adpsgd", "dpsgd", "allreduce"))
@@ -297,7 +297,7 @@ def test_time_budget_ends_the_run(algorithm):
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers=16")
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
   budget = full.end_time / 2
-  cut = timeline.simulate(algorithm, speed, net, 40 * 16, time_budget=budget, gg=gg)
+  cut = timeline.simulate(timeline.ClockSpec(algorithm, speed, net, 40 * 16, time_budget=budget, gg=gg))
   assert cut.end_time <= budget
   assert 0 < cut.worker_steps.sum() < full.worker_steps.sum()
   assert max(e[0] for e in cut.events) <= budget
@@ -508,7 +508,7 @@ def test_overlap_hides_at_most_its_share_of_a_step_from_every_algorithm():
     config = default_config.get_config("algorithm=allreduce,executor=sim,num_workers=8")
     config.timeline.overlap = f
     speed, net = sim.build_clock(config, model_bytes=1e8, base_time=0.1)
-    trace = timeline.simulate("allreduce", speed, net, 10 * 8)
+    trace = timeline.simulate(timeline.ClockSpec("allreduce", speed, net, 10 * 8))
     comm = max(0.0, C.ring_allreduce_time(8, 1e8, config.timeline.alpha, config.timeline.bandwidth) - f * 0.1)
     assert trace.end_time == pytest.approx(10 * 0.1 + 9 * comm)
 
@@ -559,6 +559,6 @@ def test_async_ps_pushes_start_early_but_hold_the_shared_link_for_their_whole_le
   speed = timeline.SpeedModel(1.0, 2)
   for hidden, applied in ((0.05, [1.15, 1.35]), (0.0, [1.2, 1.3])):
     net = timeline.Network(1e8, 0.0, 1e9, 1e9, hidden=hidden)
-    trace = timeline.simulate("ps_async", speed, net, 2)
+    trace = timeline.simulate(timeline.ClockSpec("ps_async", speed, net, 2))
     got = [t for t, kind, target, _ in trace.events if kind == timeline.APPLY and target == 2]
     assert got == pytest.approx(applied)

@@ -34,7 +34,9 @@ def clock(config, steps=40, rtt=0.0):
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))
   total = steps * config.num_workers
-  return timeline.simulate(config.algorithm, speed, net, total, gg=gg, rtt=rtt, leave=sim.leave_plan(config))
+  return timeline.simulate(
+    timeline.ClockSpec(config.algorithm, speed, net, total, gg=gg, rtt=rtt, leave=sim.leave_plan(config))
+  )
 
 
 def workers_of(kind, a, b):
@@ -269,7 +271,7 @@ def test_leave_needs_the_simulator(executor, algorithm):
 
 @pytest.mark.parametrize("algorithm", ["ripples_random", "ripples_division", "ripples_smart"])
 def test_a_death_noticed_late_fails_its_groups_until_it_is_removed(algorithm):
-  """timeline.simulate(detect=d), the runtime's heartbeat timeout: worker 5 dies at 0.1 s and is removed
+  """timeline.ClockSpec(detect=d), the runtime's heartbeat timeout: worker 5 dies at 0.1 s and is removed
   at 0.1 + d. In between it takes no step and no average holds it, while the generators still draw
   it; its groups fail for the live members; the membership says when it was removed; and the rejoin
   (of worker 2, dying at 0.05, planned at 0.07) waits for the removal."""
@@ -277,7 +279,7 @@ def test_a_death_noticed_late_fails_its_groups_until_it_is_removed(algorithm):
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
   make_gg = lambda: schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))  # noqa: E731
   trace = timeline.simulate(
-    algorithm, speed, net, 40 * 8, gg=make_gg(), leave=sim.leave_plan(config), detect=d
+    timeline.ClockSpec(algorithm, speed, net, 40 * 8, gg=make_gg(), leave=sim.leave_plan(config), detect=d)
   )
   assert [(round(t, 6), w, e) for t, w, e in trace.membership if e != "first_group"] == [
     (round(0.05 + d, 6), 2, "leave"),
@@ -302,12 +304,14 @@ def test_a_death_noticed_late_fails_its_groups_until_it_is_removed(algorithm):
   # detect=0 is the earlier clock, event for event.
   same = clock(config_of(algorithm, leave=((2, 0.05, 0.07), (5, 0.1, -1))))
   again = timeline.simulate(
-    algorithm,
-    speed,
-    net,
-    40 * 8,
-    gg=schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed])),
-    leave=sim.leave_plan(config),
-    detect=0.0,
+    timeline.ClockSpec(
+      algorithm,
+      speed,
+      net,
+      40 * 8,
+      gg=schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed])),
+      leave=sim.leave_plan(config),
+      detect=0.0,
+    )
   )
   assert again.events == same.events
