@@ -157,11 +157,11 @@ def process_main(argv) -> None:
     p.add_argument(f"--{name}", type=kind)
   p.add_argument("--jax_distributed", action="store_true")
   a, _ = p.parse_known_args(argv)
-  from ripples_jax.distributed import coord
   from ripples_jax.distributed.host import init_distributed
+  from ripples_jax.distributed.kvstore import client
 
   init_distributed(a.coordinator_address, a.num_processes, a.process_id)
-  kv = coord.client()
+  kv = client()
   if a.process_id == 0:
     serve(kv, a.n, a.steps, a.algorithm, a.out)
   else:

@@ -62,8 +62,8 @@ def worker_main(argv) -> None:
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from ripples_jax.distributed import coord
   from ripples_jax.distributed.arrays import LOCAL
+  from ripples_jax.distributed.kvstore import client
   from ripples_jax.runtime.preduce import GroupAverager, PairAverager
 
   n, me = a.num_processes, jax.process_index()
@@ -71,7 +71,7 @@ def worker_main(argv) -> None:
   local_mesh = Mesh(np.array(devices_of[me]), (LOCAL,))
   rep = NamedSharding(local_mesh, P())
   schedule = partitions(n, a.group_size, a.rounds, a.seed)
-  kv = coord.client()
+  kv = client()
   out = {}
   for mode in MODES:
     if mode == "group":

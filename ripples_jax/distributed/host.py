@@ -78,7 +78,7 @@ def init_distributed(
   TCP listeners (unauthenticated tensor traffic) go on loopback when the coordinator address is loopback
   (place_collectives: the local launcher's case); elsewhere on JAX's default, named once by process 0.
   Process 0's coordination service (an unauthenticated key-value store) binds where the coordinator
-  address points (coord.bind_address): loopback for 127.0.0.1/localhost/::1, that interface for another
+  address points (addresses.bind_address): loopback for 127.0.0.1/localhost/::1, that interface for another
   IP address, every interface (JAX's default) for a host name; JAX_COORDINATOR_BIND_ADDRESS overrides.
   Process 0 checks the port first: a taken one ends it with one line and exit code 2 (JAX would crash).
   JAX's preemption service is off: its SIGTERM handler only logs "SIGTERM caught" and carries on, and
@@ -88,16 +88,18 @@ def init_distributed(
   import errno
   import sys
 
-  from ripples_jax.distributed import coord
+  from ripples_jax.distributed import addresses
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_enable_preemption_service", False)
   ids = [int(i) for i in local_device_ids] if local_device_ids else None
   address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-  bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or (coord.bind_address(address) if address else None)
+  bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or (
+    addresses.bind_address(address) if address else None
+  )
   if process_id == 0 and address:
-    port = coord.split_address(address)[1]
-    problem = coord.port_problem(bind or f"[::]:{port}")
+    port = addresses.split_address(address)[1]
+    problem = addresses.port_problem(bind or f"[::]:{port}")
     if problem == errno.EADDRNOTAVAIL and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
       logging.warning("coordinator %s is not an address of this host: listening on every interface", address)
       bind = None
@@ -115,14 +117,14 @@ def init_distributed(
 
 
 def place_collectives() -> None:
-  """gloo's listeners on loopback for a loopback coordinator (coord.collectives_host), else where JAX puts
+  """gloo's listeners on loopback for a loopback coordinator (addresses.collectives_host), else where JAX puts
   them: process 0 says where once (only when the CPU backend, which hosts them, is in use)."""
   from jax._src import distributed
 
-  from ripples_jax.distributed import coord
+  from ripples_jax.distributed import addresses
 
   state = distributed.global_state
-  host = coord.collectives_host(state.coordinator_address)
+  host = addresses.collectives_host(state.coordinator_address)
   if host:
     bind_collectives(host)
   elif state.process_id == 0 and (not jax.config.jax_platforms or "cpu" in jax.config.jax_platforms):

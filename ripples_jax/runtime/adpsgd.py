@@ -53,7 +53,7 @@ from absl import logging
 from ripples_jax import setup as setup_lib
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
-from ripples_jax.distributed.coord import Either, values_in_order
+from ripples_jax.distributed.kvstore import Either, values_in_order
 from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import membership

@@ -38,7 +38,7 @@ import time
 import numpy as np
 from absl import logging
 
-from ripples_jax.distributed.coord import PAGE, PREFIX, Either, paged, values_in_order
+from ripples_jax.distributed.kvstore import PAGE, PREFIX, Either, paged, values_in_order
 from ripples_jax.runtime import membership
 from ripples_jax.schedule.online import MARK, STOP, decode, encode
 

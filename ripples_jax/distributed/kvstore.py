@@ -1,0 +1,69 @@
+"""The coordination service's key-value store: its client, the agreed step-time estimates, and values
+read in order (the runtime's transport), paged so that one delete call removes a page."""
+
+import threading
+
+PREFIX = "ripples"
+WARMUP = "warmup"  # publish_estimate's block of the workers' warm-up step times (the authority's first plan)
+
+
+def client():
+  from jax._src import distributed  # the coordination-service client jax.distributed set up
+
+  if distributed.global_state.client is None:
+    raise RuntimeError("executor=async needs jax.distributed.initialize() first (--jax_distributed)")
+  return distributed.global_state.client
+
+
+def publish_estimate(kv, block: int, worker: int, seconds: float) -> None:
+  # repr round-trips a float exactly, so every process plans with bit-identical numbers.
+  kv.key_value_set(f"{PREFIX}/est/{block}/{worker}", repr(float(seconds)), allow_overwrite=True)
+
+
+def fetch_estimates(kv, block: int, num_workers: int, timeout_s: float) -> list[float]:
+  return [
+    float(kv.blocking_key_value_get(f"{PREFIX}/est/{block}/{w}", int(timeout_s * 1000)))
+    for w in range(num_workers)
+  ]
+
+
+# -- values in order through the key-value store (the runtime's transport) ------------------------
+
+_GET_MS = 1000  # blocking gets wake this often to see whether the run is over
+PAGE = 8  # queue batches (requests) per store directory: one delete call removes a page
+
+
+def paged(prefix: str, j: int) -> str:
+  """The key of the j-th value under `prefix`, in its page's directory."""
+  return f"{prefix}/{j // PAGE}/{j}"
+
+
+def _is_timeout(e: Exception) -> bool:
+  text = str(e)
+  return "DEADLINE_EXCEEDED" in text or "NOT_FOUND" in text or "timed out" in text.lower()
+
+
+class Either:
+  """Set when either event is (the run's stop, or one listener's own)."""
+
+  def __init__(self, a: threading.Event, b: threading.Event):
+    self.a, self.b = a, b
+
+  def is_set(self) -> bool:
+    return self.a.is_set() or self.b.is_set()
+
+
+def values_in_order(kv, prefix: str, stop: threading.Event | None = None, page: bool = False):
+  """The values of <prefix>/0, <prefix>/1, ... (with `page`: paged(prefix, j)) as each is set, until
+  `stop` is set: blocking gets that wake every _GET_MS to look at it. Any other error of the service
+  (it is gone) is raised."""
+  j = 0
+  while stop is None or not stop.is_set():
+    try:
+      value = kv.blocking_key_value_get(paged(prefix, j) if page else f"{prefix}/{j}", _GET_MS)
+    except Exception as e:  # noqa: BLE001
+      if _is_timeout(e):
+        continue
+      raise
+    yield value
+    j += 1
