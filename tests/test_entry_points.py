@@ -455,12 +455,12 @@ def test_bench_online(tmp_path):
 @pytest.mark.slow
 @pytest.mark.nightly
 def test_ledger(tmp_path):
-  from experiments import ledger
+  from experiments import ledger_claims, ledger_throughput, ledger_tta, ledger_verdicts
 
-  out = ledger.run(str(tmp_path), seeds=1, steps=20)
-  assert len(out["claims"]) == len(ledger.CLAIMS) and len(out["adpsgd_cost"]) == 6
+  out = ledger_throughput.run(str(tmp_path), seeds=1, steps=20)
+  assert len(out["claims"]) == len(ledger_claims.CLAIMS) and len(out["adpsgd_cost"]) == 6
   assert all(c["throughput_light"][0] > 0 for c in out["claims"])
-  got = ledger.tta(
+  got = ledger_tta.tta(
     str(tmp_path),
     seeds=1,
     steps=4,
@@ -473,12 +473,12 @@ def test_ledger(tmp_path):
   assert (tmp_path / "tta.md").stat().st_size > 0 and (tmp_path / "tta_homogeneous.png").exists()
   # Tuned on validation: every grid point's runs are kept, the reported run reuses seed 0's at its lr.
   runs = json.loads((tmp_path / "runs.json").read_text())
-  assert len(runs) == 2 * 2 * ledger.TUNE_SEEDS
+  assert len(runs) == 2 * 2 * ledger_tta.TUNE_SEEDS
   lr = got["homogeneous"]["ripples_smart"]["lr"]
-  curve = runs[ledger.run_key("homogeneous", "ripples_smart", lr, 0, 4)]["curve"]
+  curve = runs[ledger_tta.run_key("homogeneous", "ripples_smart", lr, 0, 4)]["curve"]
   assert len(curve["time"]) == 4 and all(0 <= v <= 1 for v in curve["val"] + curve["worker"])
-  table = ledger.verdict_table(out, {"scenarios": got}, 0.0)
-  assert len(table.rows) == len(ledger.CLAIMS) and all(r[-1] for r in table.rows)
+  table = ledger_verdicts.verdict_table(out, {"scenarios": got}, 0.0)
+  assert len(table.rows) == len(ledger_claims.CLAIMS) and all(r[-1] for r in table.rows)
 
 
 @pytest.mark.slow
@@ -486,15 +486,17 @@ def test_ledger(tmp_path):
 def test_ledger_sensitivity(tmp_path):
   """Every claim at every point of every sweep; the base point of each sweep is the VGG-16 clock
   itself, so its ratio equals the ledger's heavy-setting throughput ratio exactly."""
-  from experiments import ledger
+  from experiments import ledger_claims, ledger_throughput
 
-  out = ledger.sensitivity(str(tmp_path), seeds=1, steps=10)
-  assert set(out) == set(ledger.SWEEPS)
+  out = ledger_throughput.sensitivity(str(tmp_path), seeds=1, steps=10)
+  assert set(out) == set(ledger_throughput.SWEEPS)
   for sweep, per in out.items():
-    assert list(per) == [c[0] for c in ledger.CLAIMS]
-    assert all([p[0] for p in points] == [p[0] for p in ledger.SWEEPS[sweep]] for points in per.values())
-  claim, _, _, slowdown, (a, b) = ledger.CLAIMS[-1]
-  base = ledger.ratio(a, b, "heavy", slowdown, seeds=1, steps=10)[0]
+    assert list(per) == [c[0] for c in ledger_claims.CLAIMS]
+    assert all(
+      [p[0] for p in points] == [p[0] for p in ledger_throughput.SWEEPS[sweep]] for points in per.values()
+    )
+  claim, _, _, slowdown, (a, b) = ledger_claims.CLAIMS[-1]
+  base = ledger_throughput.ratio(a, b, "heavy", slowdown, seeds=1, steps=10)[0]
   assert out["bandwidth"][claim][2][1] == base and out["model"][claim][2][1] == base
   assert out["overlap"][claim][0][1] == base  # overlap 0 is the base clock
   # Hiding communication behind compute removes Smart GG's only cost beyond AD-PSGD's (whose average
@@ -522,14 +524,14 @@ def test_ledger_dsp_end_to_end(tmp_path):
 def test_ledger_sync_overhead(tmp_path):
   """Wait + comm over worker-steps, from the clock's own intervals; All-Reduce, which computes in
   lockstep and then averages everything, pays more per step than Smart GG's groups on the VGG-16 clock."""
-  from experiments import ledger
+  from experiments import ledger_claims, ledger_throughput
 
-  out = ledger.sync_overhead(str(tmp_path), seeds=1, steps=10)
-  assert list(out) == list(ledger.OVERHEAD_SETTINGS) and list(out["heavy"]) == list(
-    ledger.OVERHEAD_ALGORITHMS
+  out = ledger_throughput.sync_overhead(str(tmp_path), seeds=1, steps=10)
+  assert list(out) == list(ledger_claims.OVERHEAD_SETTINGS) and list(out["heavy"]) == list(
+    ledger_throughput.OVERHEAD_ALGORITHMS
   )
   for a in ("allreduce", "adpsgd"):
-    _, trace = ledger.throughput(a, "heavy", 1.0, seed=0, steps=10)
+    _, trace = ledger_throughput.throughput(a, "heavy", 1.0, seed=0, steps=10)
     split = trace.time_split()
     assert out["heavy"][a][0] == (split["wait"].sum() + split["comm"].sum()) / trace.worker_steps.sum()
   assert split["comm"].sum() == 0  # AD-PSGD's averages hide behind its compute on this clock: no overhead

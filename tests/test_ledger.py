@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import ledger
+from experiments import ledger_claims, ledger_tables, ledger_tta, ledger_verdicts
 from ripples_jax import verdict
 
 
@@ -23,11 +23,11 @@ def curve(times, test, worker=None, val=None):
 
 def test_crossing_and_accuracy_at_read_the_first_evaluation_at_or_above():
   c = curve([1.0, 2.0, 3.0, 4.0], [0.2, 0.5, 0.4, 0.6], worker=[0.1, 0.2, 0.5, 0.7])
-  assert ledger.crossing(c, 0.5) == (2.0, 2) and ledger.crossing(c, 0.55) == (4.0, 4)
-  assert ledger.crossing(c, 0.5, "worker") == (3.0, 3) and ledger.crossing(c, 0.8) is None
-  assert ledger.accuracy_at(c, 0.5) == 0.0  # before the first evaluation
-  assert ledger.accuracy_at(c, 2.0) == 0.5 and ledger.accuracy_at(c, 2.9) == 0.5
-  assert ledger.accuracy_at(c, 3.0) == 0.4 and ledger.accuracy_at(c, 99.0) == 0.6
+  assert ledger_tta.crossing(c, 0.5) == (2.0, 2) and ledger_tta.crossing(c, 0.55) == (4.0, 4)
+  assert ledger_tta.crossing(c, 0.5, "worker") == (3.0, 3) and ledger_tta.crossing(c, 0.8) is None
+  assert ledger_tta.accuracy_at(c, 0.5) == 0.0  # before the first evaluation
+  assert ledger_tta.accuracy_at(c, 2.0) == 0.5 and ledger_tta.accuracy_at(c, 2.9) == 0.5
+  assert ledger_tta.accuracy_at(c, 3.0) == 0.4 and ledger_tta.accuracy_at(c, 99.0) == 0.6
 
 
 def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_accuracy(
@@ -50,7 +50,7 @@ def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_
 
   def fake_jobs(out_dir, jobs, workers=1):
     return {
-      ledger.run_key(*j): {
+      ledger_tta.run_key(*j): {
         "curve": curve(
           [1.0, 2.0, 3.0, 4.0], [0.9 - v for v in val[j[1], j[2], j[3]]], val=val[j[1], j[2], j[3]]
         )
@@ -58,17 +58,17 @@ def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_
       for j in jobs
     }
 
-  monkeypatch.setattr(ledger, "run_jobs", fake_jobs)
-  monkeypatch.setitem(ledger.TTA_ALGORITHMS_OF, "homogeneous", ("allreduce", "adpsgd"))
-  got = ledger.tune(str(tmp_path), ["light"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
+  monkeypatch.setattr(ledger_tta, "run_jobs", fake_jobs)
+  monkeypatch.setitem(ledger_tta.TTA_ALGORITHMS_OF, "homogeneous", ("allreduce", "adpsgd"))
+  got = ledger_tta.tune(str(tmp_path), ["light"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
   assert got == {"light": {"allreduce": 0.1, "adpsgd": 0.2}}
   stored = json.loads((tmp_path / "tuning.json").read_text())
   assert stored["points"]["light"]["allreduce"]["0.1"] == [2.5, 0.6]
   assert stored["points"]["light"]["allreduce"]["0.2"][0] is None  # never (JSON has no infinity)
   assert "0.2 (grid edge)" in (tmp_path / "tuning.md").read_text()
   # Another clock tuned later in the same folder keeps this one's choice (tuning.json merges).
-  monkeypatch.setitem(ledger.TTA_ALGORITHMS_OF, "homogeneous, VGG-16 clock", ("allreduce",))
-  again = ledger.tune(str(tmp_path), ["heavy"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
+  monkeypatch.setitem(ledger_tta.TTA_ALGORITHMS_OF, "homogeneous, VGG-16 clock", ("allreduce",))
+  again = ledger_tta.tune(str(tmp_path), ["heavy"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
   assert again == {"heavy": {"allreduce": 0.1}}
   stored = json.loads((tmp_path / "tuning.json").read_text())
   assert stored["choice"] == {"light": {"allreduce": 0.1, "adpsgd": 0.2}, "heavy": {"allreduce": 0.1}}
@@ -87,7 +87,7 @@ def test_summarize_stores_every_target_both_evaluations_and_the_ends():
       "throughput": 8.0,
     },
   ]
-  r = ledger.summarize(runs, 0.2, target=0.55)
+  r = ledger_tta.summarize(runs, 0.2, target=0.55)
   assert r["lr"] == 0.2 and r["time"] == [2.0, 3.0] and r["steps"] == [2, 3] and r["end"] == [3.5, 3.2]
   assert (
     r["times"]["0.5"] == [1.0, 2.0] and r["times"]["0.58"] == [3.0, None] and r["times"]["0.6"] == [3.0, None]
@@ -111,12 +111,13 @@ def test_a_claim_at_each_target_is_the_paired_estimate_of_those_times():
     }
   }
   claim = "homogeneous vs All-Reduce"
-  e = ledger.claim_estimate(tta_out, claim, target="0.55")
+  e = ledger_verdicts.claim_estimate(tta_out, claim, target="0.55")
   assert e == verdict.paired(smart_t["0.55"], ar_t["0.55"], ([4.0] * 5, [5.0] * 5))
-  miss = ledger.claim_estimate(tta_out, claim, target="0.58")
+  miss = ledger_verdicts.claim_estimate(tta_out, claim, target="0.58")
   assert miss.reached == 4 and miss.censored == 1  # the miss at its run's end (4.0): 3.3 / 4.0
-  assert ledger.claim_estimate(tta_out, "homogeneous vs AD-PSGD", target="0.55") is None  # no AD-PSGD runs
-  table = ledger.targets_table(tta_out)
+  # no AD-PSGD runs:
+  assert ledger_verdicts.claim_estimate(tta_out, "homogeneous vs AD-PSGD", target="0.55") is None
+  table = ledger_verdicts.targets_table(tta_out)
   assert [r[:3] for r in table.rows] == [
     [claim, "1.1x (arXiv)", "averaged model"],
     [claim, "1.1x (arXiv)", "workers' mean"],
@@ -133,13 +134,13 @@ def test_fixed_time_is_each_algorithms_accuracy_at_fractions_of_the_shortest_run
     for s in range(seeds):
       times = np.cumsum(rng.uniform(0.5, 1.0, steps)).tolist()
       acc = np.sort(rng.uniform(0.2, 0.7, steps)).tolist()
-      runs[ledger.run_key(ledger.FIXED_TIME_SCENARIO, a, lr, s, steps)] = {
+      runs[ledger_tta.run_key(ledger_tables.FIXED_TIME_SCENARIO, a, lr, s, steps)] = {
         "curve": curve(times, acc),
         "end": times[-1],
       }
       ends.append(times[-1])
     per[a] = {"lr": lr, "end": ends}
-  got = ledger.fixed_time(runs, {"scenarios": {ledger.FIXED_TIME_SCENARIO: per}}, steps)
+  got = ledger_tables.fixed_time(runs, {"scenarios": {ledger_tables.FIXED_TIME_SCENARIO: per}}, steps)
   shortest = min(min(p["end"]) for p in per.values())
   assert got["shortest_end"] == shortest
   half = got["budgets"][1]
@@ -147,8 +148,9 @@ def test_fixed_time_is_each_algorithms_accuracy_at_fractions_of_the_shortest_run
   for a, p in per.items():
     want = [
       100
-      * ledger.accuracy_at(
-        runs[ledger.run_key(ledger.FIXED_TIME_SCENARIO, a, p["lr"], s, steps)]["curve"], 0.5 * shortest
+      * ledger_tta.accuracy_at(
+        runs[ledger_tta.run_key(ledger_tables.FIXED_TIME_SCENARIO, a, p["lr"], s, steps)]["curve"],
+        0.5 * shortest,
       )
       for s in range(seeds)
     ]
@@ -159,7 +161,7 @@ def test_fixed_time_is_each_algorithms_accuracy_at_fractions_of_the_shortest_run
   assert (got_d["mean"], got_d["lo"], got_d["hi"]) == (m, lo, hi)
   assert got_d["paper"] == pytest.approx(64.21 - 58.28)
   assert got_d["verdict"] == verdict.judge_difference(m, lo, hi, got_d["paper"])
-  assert len(ledger.fixed_time_table(got).rows) == len(ledger.FIXED_TIME_FRACTIONS)
+  assert len(ledger_tables.fixed_time_table(got).rows) == len(ledger_tables.FIXED_TIME_FRACTIONS)
 
 
 def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_it(tmp_path, monkeypatch):
@@ -174,16 +176,16 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
       reach = 0.55 if lr == best[a] else 0.5  # only the best step size reaches the target
       speed = {"allreduce": 2.0, "ripples_smart": 1.0}[a] * (1 + 0.01 * seed)
       times = [speed * (i + 1) for i in range(4)]
-      out[ledger.run_key(name, a, lr, seed, steps)] = {
+      out[ledger_tta.run_key(name, a, lr, seed, steps)] = {
         "curve": curve(times, [0.3, 0.4, reach, reach]),
         "end": times[-1],
         "throughput": 1.0 / speed,
       }
     return out
 
-  monkeypatch.setattr(ledger, "run_jobs", fake_jobs)
-  monkeypatch.setattr(ledger.analysis, "accuracy_vs_time", lambda *a, **k: None)
-  got = ledger.tta(
+  monkeypatch.setattr(ledger_tta, "run_jobs", fake_jobs)
+  monkeypatch.setattr(ledger_tta.analysis, "accuracy_vs_time", lambda *a, **k: None)
+  got = ledger_tta.tta(
     str(tmp_path),
     5,
     4,
@@ -195,7 +197,7 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
   variant = got["homogeneous, VGG-16 clock, overlap 2/3"]
   assert {a: r["lr"] for a, r in variant.items()} == best
   assert json.loads((tmp_path / "tuning.json").read_text())["choice"] == {"heavy": best}
-  table = ledger.variants_table({"scenarios": got})
+  table = ledger_verdicts.variants_table({"scenarios": got})
   row = next(r for r in table.rows if r[0] == "homogeneous vs All-Reduce")
   e = verdict.paired(
     variant["ripples_smart"]["time"],
@@ -211,24 +213,24 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
 def test_a_diverged_run_is_kept_as_far_as_it_got_and_counts_zero():
   """A step size far too large: the run log stops the run at its first non-finite loss; the ledger
   keeps its records, marks it diverged and scores its final accuracy 0 (a real 10-step run)."""
-  r = ledger.train_run("homogeneous", "allreduce", 1e4, 0, 10)
-  assert r["diverged"] and ledger.final(r) == 0.0 and ledger.final(r, "val") == 0.0
+  r = ledger_tta.train_run("homogeneous", "allreduce", 1e4, 0, 10)
+  assert r["diverged"] and ledger_tta.final(r) == 0.0 and ledger_tta.final(r, "val") == 0.0
   assert 0 < len(r["curve"]["time"]) < 10 and r["end"] == r["curve"]["time"][-1]
-  assert ledger.summarize([r], 1e4, 0.55)["diverged"] == 1
+  assert ledger_tta.summarize([r], 1e4, 0.55)["diverged"] == 1
 
 
 def test_verdicts_text_names_what_each_verdict_rests_on_and_the_claims_no_run_compares(tmp_path):
   """verdicts.md's parts from stored records alone: the verdict table, what each verdict rests on, the
   sync-overhead and conflict rows (from sync_overhead.json and ledger.json)."""
   ledger_out = {
-    "claims": [{"throughput_heavy": [1.0, 0.0]} for _ in ledger.CLAIMS],
+    "claims": [{"throughput_heavy": [1.0, 0.0]} for _ in ledger_claims.CLAIMS],
     "scale": [],
     "conflicts": {"ripples_random": 650.0},
   }
   (tmp_path / "sync_overhead.json").write_text(
     json.dumps({"heavy": {"ripples_smart": [0.1, 0.12], "adpsgd": [0.0, 0.0]}})
   )
-  text = ledger.verdicts_text(str(tmp_path), ledger_out, None, 0.55, 300)
+  text = ledger_verdicts.verdicts_text(str(tmp_path), ledger_out, None, 0.55, 300)
   assert "What each verdict rests on:" in text and "vs AD-PSGD: AD-PSGD's sync overhead" in text
   assert (
     "Smart GG 110.00 ms, AD-PSGD 0.00 ms: AD-PSGD's over Smart GG's 0.00x against the paper's 5.10x" in text
@@ -240,7 +242,7 @@ def test_the_scale_rows_pair_seeds_and_censor_misses_when_the_records_hold_ends(
   smart = {"time": [1.0, 1.1, None, 1.0, 0.9], "end": [3.0] * 5}
   ar = {"time": [4.0, 4.2, 4.1, 3.9, 4.0], "end": [9.0] * 5}
   led = {"scale": [{"n": 64, "smart_vs_allreduce": [4.6, 0.0], "limit": 4.94}]}
-  rows = ledger.scale_table(
+  rows = ledger_tables.scale_table(
     led, {"scenarios": {"5x straggler, 64 workers": {"allreduce": ar, "ripples_smart": smart}}}, 0.55
   ).rows
   want = verdict.paired(smart["time"], ar["time"], (smart["end"], ar["end"]))

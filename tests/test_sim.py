@@ -314,17 +314,21 @@ def test_a_time_budget_run_ends_with_an_evaluation(tmp_path):
 
 
 def test_adpsgd_cost_parts_each_slow_it_down_and_pause_the_passive_side():
-  from experiments import ledger
+  from experiments import ledger_throughput
 
-  base, tr = ledger.throughput("adpsgd", "heavy", steps=40)
+  base, tr = ledger_throughput.throughput("adpsgd", "heavy", steps=40)
   assert tr.time_split()["comm"][::2].sum() == 0  # as published: the passive side never pauses
-  blocks, tb = ledger.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(passive_blocks=True))
+  blocks, tb = ledger_throughput.throughput(
+    "adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(passive_blocks=True)
+  )
   assert tb.time_split()["comm"][::2].sum() > 0 and blocks < base
-  fixed, tf = ledger.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(fixed=0.3))
+  fixed, tf = ledger_throughput.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(fixed=0.3))
   assert fixed < base
   # Averages that outlast the compute queue at a passive worker only when serialised: switched off,
   # nobody waits for one (what shows is the exchange itself).
-  _, free = ledger.throughput("adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(fixed=0.3, serial=False))
+  _, free = ledger_throughput.throughput(
+    "adpsgd", "heavy", steps=40, cost=timeline.AdpsgdCost(fixed=0.3, serial=False)
+  )
   assert free.time_split()["wait"].sum() == 0 < tf.time_split()["wait"].sum()
   assert free.time_split()["comm"][1::2].sum() > 0
 
@@ -332,46 +336,55 @@ def test_adpsgd_cost_parts_each_slow_it_down_and_pause_the_passive_side():
 @pytest.mark.parametrize("setting", ["light", "heavy"])
 def test_ledger_outcomes_who_is_faster(setting):
   """The ledger's qualitative outcomes, small and deterministic (no timing: virtual time)."""
-  from experiments import ledger
+  from experiments import ledger_throughput
 
-  t = {a: ledger.throughput(a, setting, 5.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "adpsgd")}
+  t = {
+    a: ledger_throughput.throughput(a, setting, 5.0, steps=60)[0]
+    for a in ("allreduce", "ripples_smart", "adpsgd")
+  }
   assert t["ripples_smart"] > 3 * t["allreduce"]  # a 5x straggler: Smart GG far ahead of All-Reduce
   assert t["adpsgd"] > t["ripples_smart"]  # and AD-PSGD as published ahead of Smart GG, unlike the paper
-  h = {a: ledger.throughput(a, setting, 1.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")}
+  h = {
+    a: ledger_throughput.throughput(a, setting, 1.0, steps=60)[0]
+    for a in ("allreduce", "ripples_smart", "ps_sync")
+  }
   assert h["ripples_smart"] > h["allreduce"] and h["ripples_smart"] > h["ps_sync"]
   # One worker 2x slower: Smart GG ahead of All-Reduce and of the synchronous PS.
   two = {
-    a: ledger.throughput(a, setting, 2.0, steps=60)[0] for a in ("allreduce", "ripples_smart", "ps_sync")
+    a: ledger_throughput.throughput(a, setting, 2.0, steps=60)[0]
+    for a in ("allreduce", "ripples_smart", "ps_sync")
   }
   assert two["ripples_smart"] > 1.3 * two["allreduce"] and two["ripples_smart"] > two["ps_sync"]
 
 
 def test_ledger_verdict_rule():
-  from experiments import ledger
+  from experiments import ledger_claims, ledger_tta, ledger_verdicts
 
   # den's time over num's, over the seeds where both reached the target
   tta = {
     "scenarios": {"s": {"allreduce": {"time": [4.0, 6.0, None]}, "ripples_smart": {"time": [1.0, 2.0, 1.0]}}}
   }
-  assert ledger.tta_ratio(tta, "s", "ripples_smart", "allreduce") == pytest.approx(3.5)
+  assert ledger_tta.tta_ratio(tta, "s", "ripples_smart", "allreduce") == pytest.approx(3.5)
   # A claim's estimate: paired by seed, a miss censored at its own run's end, every figure judged.
   scen = "5x straggler, VGG-16 clock"
   times = {"allreduce": [10.0, 10.0, 12.0, None, 10.0], "ripples_smart": [2.0, 2.0, 2.5, 2.0, 2.0]}
   ends = {"allreduce": [20.0] * 5, "ripples_smart": [5.0] * 5}
   got = {"scenarios": {scen: {a: {"time": times[a], "end": ends[a]} for a in times}}}
-  e = ledger.claim_estimate(got, "one worker 5x slower vs All-Reduce")
+  e = ledger_verdicts.claim_estimate(got, "one worker 5x slower vs All-Reduce")
   assert e.mean == pytest.approx(np.exp(np.mean(np.log([5.0, 5.0, 4.8, 10.0, 5.0]))))
   assert (e.seeds, e.baseline_reached, e.censored) == (5, 4, 1)
-  led = {"claims": [{"throughput_heavy": [1.0, 0.0], "throughput_light": [1.0, 0.0]} for _ in ledger.CLAIMS]}
-  rows = {r[0]: r for r in ledger.verdict_table(led, got, 0.55).rows}
+  led = {
+    "claims": [{"throughput_heavy": [1.0, 0.0], "throughput_light": [1.0, 0.0]} for _ in ledger_claims.CLAIMS]
+  }
+  rows = {r[0]: r for r in ledger_verdicts.verdict_table(led, got, 0.55).rows}
   row = rows["one worker 5x slower vs All-Reduce"]
   assert row[1:4] == ["-", "-", "5.01x"] and row[4] == str(e)
-  assert row[7] == ledger.verdict.judge(e, 5.01) and row[5] == row[6] == "-"
+  assert row[7] == ledger_verdicts.verdict.judge(e, 5.01) and row[5] == row[6] == "-"
   assert rows["homogeneous vs AD-PSGD"][5] == "not judged: no time-to-accuracy runs"
 
 
 def test_ledger_tta_table_pairs_seeds_and_censors_misses():
-  from experiments import ledger
+  from experiments import ledger_tta, ledger_verdicts
 
   rec = lambda time, end: {
     "time": time,
@@ -383,32 +396,32 @@ def test_ledger_tta_table_pairs_seeds_and_censors_misses():
   scen = {
     "s": {"allreduce": rec([4.0, 6.0, None], [9.0] * 3), "ripples_smart": rec([1.0, 2.0, 1.0], [3.0] * 3)}
   }
-  rows = {r[1]: r for r in ledger.tta_table(scen, 0.55).rows}
-  e = ledger.verdict.paired([1.0, 2.0, 1.0], [4.0, 6.0, None], ([3.0] * 3, [9.0] * 3))
+  rows = {r[1]: r for r in ledger_tta.tta_table(scen, 0.55).rows}
+  e = ledger_verdicts.verdict.paired([1.0, 2.0, 1.0], [4.0, 6.0, None], ([3.0] * 3, [9.0] * 3))
   assert rows["ripples_smart"][5] == str(e) and "baseline reached 2/3" in str(e)
   assert e.mean == pytest.approx((4.0 * 3.0 * 9.0) ** (1 / 3))  # seed 2: All-Reduce censored at 9
   assert rows["allreduce"][2] == "2/3" and rows["allreduce"][7] == "62.0 ± 2.0"  # sample std
   del scen["s"]["allreduce"]["end"]  # a first-edition record: the seeds both reached, unpaired
-  assert ledger.tta_table(scen, 0.55).rows[1][5] == "3.50x ± 0.50 (no ends recorded)"
+  assert ledger_tta.tta_table(scen, 0.55).rows[1][5] == "3.50x ± 0.50 (no ends recorded)"
 
 
 def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
   """Every claim the training runs can compare is judged on them: its scenario runs its algorithms, the
   scenario's slow worker exists, and the verdict table takes the time-to-accuracy ratio, not throughput."""
-  from experiments import ledger
+  from experiments import ledger_claims, ledger_tables, ledger_tta, ledger_verdicts
 
-  for claim, (scenario, pair) in ledger.TTA_OF_CLAIM.items():
-    assert set(pair) <= set(ledger.TTA_ALGORITHMS_OF.get(scenario, ledger.TTA_ALGORITHMS)), claim
+  for claim, (scenario, pair) in ledger_verdicts.TTA_OF_CLAIM.items():
+    assert set(pair) <= set(ledger_tta.TTA_ALGORITHMS_OF.get(scenario, ledger_tta.TTA_ALGORITHMS)), claim
   for claim in (
     "homogeneous vs Parameter Server (sync)",
     "homogeneous vs Parameter Server (async)",
     "one worker 2x slower vs All-Reduce",
     "one worker 2x slower vs Parameter Server",
   ):
-    assert ledger.TTA_OF_CLAIM[claim][0].endswith("VGG-16 clock"), claim
-  for name, (_, ov) in ledger.TTA_SCENARIOS.items():
-    assert all(0 <= w < ledger.scenario_workers(name) for w in ov.get("hetero.slow_workers", ())), name
-  assert ledger.scenario_workers("5x straggler, 256 workers") == 256
+    assert ledger_verdicts.TTA_OF_CLAIM[claim][0].endswith("VGG-16 clock"), claim
+  for name, (_, ov) in ledger_tta.TTA_SCENARIOS.items():
+    assert all(0 <= w < ledger_tta.scenario_workers(name) for w in ov.get("hetero.slow_workers", ())), name
+  assert ledger_tta.scenario_workers("5x straggler, 256 workers") == 256
   # A fake run of every scenario: algorithm a reaches the target at time t[a] in both seeds.
   t = {
     "allreduce": 10.0,
@@ -419,46 +432,47 @@ def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
     "ps_async": 16.0,
   }
   scen = {
-    name: {a: {"time": [t[a]] * 2} for a in ledger.TTA_ALGORITHMS_OF.get(name, ledger.TTA_ALGORITHMS)}
-    for name in ledger.TTA_SCENARIOS
+    name: {a: {"time": [t[a]] * 2} for a in ledger_tta.TTA_ALGORITHMS_OF.get(name, ledger_tta.TTA_ALGORITHMS)}
+    for name in ledger_tta.TTA_SCENARIOS
   }
   zero = [1.0, 0.0]
   led = {
-    "claims": [{"throughput_heavy": zero, "throughput_light": zero} for _ in ledger.CLAIMS],
+    "claims": [{"throughput_heavy": zero, "throughput_light": zero} for _ in ledger_claims.CLAIMS],
     "scale": [{"n": n, "smart_vs_allreduce": zero, "limit": 5.0} for n in (16, 64, 256)],
   }
-  rows = {r[0]: r for r in ledger.verdict_table(led, {"scenarios": scen}, 0.55).rows}
+  rows = {r[0]: r for r in ledger_verdicts.verdict_table(led, {"scenarios": scen}, 0.55).rows}
   assert rows["homogeneous vs Parameter Server (sync)"][4] == "6.00x [6.00, 6.00]"
   assert rows["homogeneous vs Parameter Server (async)"][4] == "8.00x [8.00, 8.00]"
   assert rows["one worker 2x slower vs All-Reduce"][4] == "5.00x [5.00, 5.00]"
   assert rows["one worker 2x slower vs Parameter Server"][4] == "6.00x [6.00, 6.00]"
   verdicts = [v for r in rows.values() for v in r[5:] if v != "-"]  # "-": no figure from that source
   assert len(verdicts) == 16 and set(verdicts) == {"too few seeds (2 < 5)"}  # two seeds judge nothing
-  assert [r[2] for r in ledger.scale_table(led, {"scenarios": scen}, 0.55).rows] == [
+  assert [r[2] for r in ledger_tables.scale_table(led, {"scenarios": scen}, 0.55).rows] == [
     "5.00x ± 0.00 (2 seeds)"
   ] * 3
   # An algorithm a scenario has not run yet: no ratio, so the claim falls back to throughput.
   scen["5x straggler, 256 workers"]["ripples_smart"]["time"] = [None, None]
   assert (
-    ledger.scale_table(led, {"scenarios": scen}, 0.55).rows[-1][2]
+    ledger_tables.scale_table(led, {"scenarios": scen}, 0.55).rows[-1][2]
     == "not reached: Smart GG 0/2, All-Reduce 2/2"
   )
   del scen["2x straggler, VGG-16 clock"]["ps_sync"]
   assert (
-    ledger.tta_ratio({"scenarios": scen}, "2x straggler, VGG-16 clock", "ripples_smart", "ps_sync") is None
+    ledger_tta.tta_ratio({"scenarios": scen}, "2x straggler, VGG-16 clock", "ripples_smart", "ps_sync")
+    is None
   )
 
 
 def test_ledger_tta_merges_into_the_stored_results(tmp_path):
   """Running some scenarios alone keeps what tta.json held for the others and for the algorithms not run."""
-  from experiments import ledger
+  from experiments import ledger_tta
 
   held = {
     "x": {"allreduce": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}},
     "homogeneous": {"adpsgd": {"time": [1.0], "steps": [1], "final": [0.5], "throughput": [1.0]}},
   }
   (tmp_path / "tta.json").write_text(json.dumps({"target": 0.0, "scenarios": held}))
-  got = ledger.tta(
+  got = ledger_tta.tta(
     str(tmp_path),
     seeds=1,
     steps=2,
@@ -477,7 +491,7 @@ def test_ledger_tta_merges_into_the_stored_results(tmp_path):
   assert list(curves) == ["homogeneous"] and len(curves["homogeneous"]["allreduce"]) == 2
   assert "| x | allreduce | 1/1 |" in (tmp_path / "tta.md").read_text()
   with pytest.raises(ValueError, match="merge refused"):  # another target: not mixed in
-    ledger.tta(
+    ledger_tta.tta(
       str(tmp_path), seeds=1, steps=2, target=0.5, scenarios=("homogeneous",), algorithms=(), merge=True
     )
 

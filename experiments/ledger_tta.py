@@ -1,0 +1,432 @@
+"""The ledger's time-to-accuracy runs: the scenarios (TTA_SCENARIOS) and their algorithms, one
+simulated training run evaluated after every step (train_run) and many at once, resumable from
+runs.json (run_jobs); the step size tuned per clock on a validation split (tune: tuning.md); each
+scenario's records (summarize, tta: tta.json, tta.md, a figure per scenario; tta_table) and their
+readings (crossing, final, accuracy_at, tta_ratios)."""
+
+import concurrent.futures
+import json
+import os
+
+import numpy as np
+
+from configs import default as default_config
+from experiments.ledger_claims import NUMERICS, SETTINGS, TUNED_ON, fmt, publish, set_clock
+from experiments.pool import pinned_pool
+from ripples_jax import analysis, sim, verdict
+from ripples_jax.runlog import write_json
+from ripples_jax.tables import Table
+
+TTA_SCENARIOS = {  # name: (setting, config overrides); 16 workers unless num_workers is overridden
+  "homogeneous": ("light", {}),
+  "5x straggler": ("light", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+  "random p=0.2, s=5": ("light", {"hetero.random_p": 0.2, "hetero.slowdown": 5.0}),
+  "moving 5x straggler": (
+    "light",
+    {"hetero.slow_workers": (0,), "hetero.slowdown": 5.0, "hetero.rotate_every": 0.5},
+  ),
+  "label-skewed shards": ("light", {"data_sharding": "noniid"}),
+  "homogeneous, VGG-16 clock": ("heavy", {}),
+  "5x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+  "2x straggler, VGG-16 clock": ("heavy", {"hetero.slow_workers": (15,), "hetero.slowdown": 2.0}),
+  # The ResNet-50 claim's row (accuracy after a fixed time): the numerics stay the MLP's.
+  "homogeneous, ResNet-50 clock": ("resnet50", {}),
+  # The VGG-16 claims again on the clock's variants (CLOCK_VARIANTS), for the verdicts' sensitivity.
+  **{
+    f"{name}{suffix}": (setting, overrides)
+    for suffix, setting in ((", overlap 2/3", "heavy_overlap"), (", 58.9 MB message", "heavy_cifar"))
+    for name, overrides in (
+      ("homogeneous, VGG-16 clock", {}),
+      ("5x straggler, VGG-16 clock", {"hetero.slow_workers": (15,), "hetero.slowdown": 5.0}),
+      ("2x straggler, VGG-16 clock", {"hetero.slow_workers": (15,), "hetero.slowdown": 2.0}),
+    )
+  },
+  # Smart GG at scale on the paper's metric. MNIST-1D has 4000 training examples: 62-63 per worker at
+  # 64 workers, 15-16 at 256, where a batch of 32 walks its shard twice (sharding.batch_indices wraps
+  # into the next epoch): each step's gradient is the whole shard's, and the 256 batches together are
+  # about two passes over the training set.
+  "5x straggler, 64 workers": (
+    "light",
+    {"num_workers": 64, "hetero.slow_workers": (63,), "hetero.slowdown": 5.0},
+  ),
+  "5x straggler, 256 workers": (
+    "light",
+    {"num_workers": 256, "hetero.slow_workers": (255,), "hetero.slowdown": 5.0},
+  ),
+}
+
+TTA_ALGORITHMS = ("allreduce", "ripples_smart", "ripples_division", "adpsgd")
+
+TTA_ALGORITHMS_OF = {  # scenarios whose algorithms are not TTA_ALGORITHMS (All-Reduce first: the baseline)
+  "homogeneous, VGG-16 clock": TTA_ALGORITHMS + ("ps_sync", "ps_async"),
+  "2x straggler, VGG-16 clock": ("allreduce", "ripples_smart", "ps_sync"),
+  "5x straggler, 64 workers": ("allreduce", "ripples_smart"),
+  "5x straggler, 256 workers": ("allreduce", "ripples_smart"),
+  "homogeneous, ResNet-50 clock": ("allreduce", "ripples_smart", "adpsgd"),
+}
+
+CLOCK_VARIANTS = {"VGG-16 clock": "", "overlap 2/3": ", overlap 2/3", "58.9 MB message": ", 58.9 MB message"}
+
+TTA_ALGORITHMS_OF.update(
+  {
+    base + suffix: TTA_ALGORITHMS_OF.get(base, TTA_ALGORITHMS)
+    for suffix in CLOCK_VARIANTS.values()
+    if suffix
+    for base in ("homogeneous, VGG-16 clock", "5x straggler, VGG-16 clock", "2x straggler, VGG-16 clock")
+  }
+)
+
+
+def scenario_workers(name: str) -> int:
+  return int(TTA_SCENARIOS[name][1].get("num_workers", 16))
+
+
+# The step size is tuned per algorithm and clock on a validation split (VALIDATION_EXAMPLES of
+# MNIST-1D's 4,000 training examples, held out for every run, the same ones for every seed) from one
+# shared grid: the lr whose median validation time to the target over TUNE_SEEDS seeds is least (a miss
+# counts as never; ties and all-miss broken by final validation accuracy), in the clock's homogeneous
+# scenario (TUNE_SCENARIO). Reported runs use it and report test accuracy.
+VALIDATION_EXAMPLES = 500
+
+LR_GRID = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+
+TUNE_SEEDS = 2
+
+TUNE_SCENARIO = {
+  "light": "homogeneous",
+  "heavy": "homogeneous, VGG-16 clock",
+  "resnet50": "homogeneous, ResNet-50 clock",
+}
+
+TARGETS = (0.50, 0.55, 0.58, 0.60)  # every time to accuracy is stored at each (the verdicts use --target)
+
+CURVE_KEYS = {  # runs.json's curve: record key per column
+  "time": "time",
+  "step": "step",
+  "test": "test_accuracy",  # the averaged model's (which no worker holds)
+  "worker": "worker_test_accuracy",  # the mean of the workers' own models' (first 1,000 test examples)
+  "val": "val_accuracy",  # the averaged model's, on the held-out split
+}
+
+
+def run_key(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> str:
+  return f"{scenario}|{algorithm}|lr={lr:g}|seed={seed}|steps={steps}"
+
+
+def train_run(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> dict:
+  """One simulated training run of `scenario` (in a temporary folder), evaluated after every step: its
+  curve (CURVE_KEYS, one list per column), throughput (worker-steps per virtual s) and end (virtual s).
+  A run that diverges (its loss not finite: the run log stops it) is kept as far as it got, marked
+  "diverged": it reaches no later target, and a step size that diverges is never chosen over one that
+  reaches the target."""
+  import tempfile
+
+  setting, overrides = TTA_SCENARIOS[scenario]
+  n = int(overrides.get("num_workers", 16))
+  config = default_config.get_config(
+    f"algorithm={algorithm},executor=sim,num_workers={n},model=mlp,steps={steps}"
+  )
+  config.seed, config.hetero.jitter, config.optimizer.lr = seed, 0.05, lr
+  config.validation_examples = VALIDATION_EXAMPLES
+  set_clock(config, SETTINGS[setting])
+  if setting == "light":  # the MLP's own fp32 bytes (the simulator measures them)
+    config.timeline.model_bytes = 0.0
+  config.log_every = config.eval_every = 1
+  config.checkpoint_every = 0
+  config.update_from_flattened_dict(overrides)
+  with tempfile.TemporaryDirectory() as d:
+    try:
+      summary, _ = sim.simulate_and_train(config, d)
+    except FloatingPointError:  # diverged (a step size too large): its records up to there are its run
+      summary = None
+    with open(os.path.join(d, "metrics.jsonl")) as f:
+      evals = [r for r in map(json.loads, f) if "test_accuracy" in r]
+  digits = {"time": 7, "step": 0}
+  curve = {c: [round(r[k], digits.get(c, 5)) for r in evals] for c, k in CURVE_KEYS.items()}
+  curve["step"] = [int(x) for x in curve["step"]]
+  if summary is None:
+    end = curve["time"][-1] if evals else 0.0
+    steps_done = curve["step"][-1] * n if evals else 0
+    return {"curve": curve, "throughput": steps_done / end if end else 0.0, "end": end, "diverged": True}
+  return {
+    "curve": curve,
+    "throughput": sum(summary["worker_steps"]) / summary["time"],
+    "end": summary["time"],
+  }
+
+
+def _quiet_run(args) -> dict:
+  from ripples_jax.distributed.host import quiet_library_logs
+
+  quiet_library_logs()
+  return train_run(*args)
+
+
+def run_jobs(out_dir: str, jobs: list, workers: int = 1) -> dict:
+  """Every (scenario, algorithm, lr, seed, steps) job whose run out_dir/runs.json does not hold yet,
+  `workers` at once (one core each); returns runs.json's {run_key: run}. Only this process writes
+  runs.json, after each run, so an interrupted study resumes where it stopped. Every curve of every
+  run stays there."""
+  path = os.path.join(out_dir, "runs.json")
+  runs = json.load(open(path)) if os.path.exists(path) else {}
+  todo = {run_key(*j): j for j in jobs if run_key(*j) not in runs}
+  print(f"runs: {len(jobs) - len(todo)} held in {path}, {len(todo)} to run", flush=True)
+
+  def done(key, r):
+    runs[key] = r
+    write_json(path, runs, indent=None)  # every curve of every run: compact
+    curve = r["curve"]
+    last = f"test {curve['test'][-1]:.4f} val {curve['val'][-1]:.4f}" if curve["test"] else "no evaluation"
+    print(f"{key}: {last} end {r['end']:.4g} s{' DIVERGED' if r.get('diverged') else ''}", flush=True)
+
+  if workers <= 1:
+    for key, j in todo.items():
+      done(key, train_run(*j))
+  else:
+    with pinned_pool(workers) as ex:
+      futures = {ex.submit(_quiet_run, j): key for key, j in todo.items()}
+      for fut in concurrent.futures.as_completed(futures):
+        done(futures[fut], fut.result())
+  return runs
+
+
+def crossing(curve: dict, target: float, key: str = "test"):
+  """(time, step) of the first evaluation of curve[key] at or above target, or None."""
+  i = next((i for i, a in enumerate(curve[key]) if a >= target), None)
+  return None if i is None else (curve["time"][i], curve["step"][i])
+
+
+def final(run: dict, key: str = "test") -> float:
+  """A run's last accuracy; 0.0 for a run that diverged (it ends with no model worth the name)."""
+  return 0.0 if run.get("diverged") or not run["curve"][key] else run["curve"][key][-1]
+
+
+def accuracy_at(curve: dict, t: float, key: str = "test") -> float:
+  """curve[key] at the last evaluation at or before virtual time t (0.0 before the first)."""
+  i = int(np.searchsorted(curve["time"], t, side="right"))
+  return curve[key][i - 1] if i else 0.0
+
+
+def tune(
+  out_dir: str, settings, steps: int, target: float, workers: int = 1, grid=LR_GRID, algorithms=None
+) -> dict:
+  """The step size per clock and algorithm (see LR_GRID; `algorithms`: only those): {setting:
+  {algorithm: lr}}. tuning.md / tuning.json hold every grid point's median validation time to the
+  target (null: never) and final validation accuracy, for these settings and those tuned before in
+  --out with the same grid and target (chosen again from their held runs)."""
+  path = os.path.join(out_dir, "tuning.json")
+  held = json.load(open(path)) if os.path.exists(path) else {}
+  same = (held.get("grid"), held.get("target"), held.get("seeds")) == (list(grid), target, TUNE_SEEDS)
+  # The settings tuned before with this grid are chosen again from their (held) runs, not kept as
+  # written: one rule and one format for every row.
+  before = {s: list(per) for s, per in held.get("choice", {}).items() if same and s not in settings}
+  ordered = sorted({*settings, *before}, key=list(SETTINGS).index)  # tuning.md's rows in one order
+  scenarios = {TUNE_SCENARIO[s]: s for s in ordered}
+  algs = {
+    name: before[s]
+    if s in before
+    else [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if algorithms is None or a in algorithms]
+    for name, s in scenarios.items()
+  }
+  jobs = [
+    (name, a, lr, seed, steps)
+    for name in scenarios
+    for a in algs[name]
+    for lr in grid
+    for seed in range(TUNE_SEEDS)
+  ]
+  runs = run_jobs(out_dir, jobs, workers)
+  out = {"grid": list(grid), "seeds": TUNE_SEEDS, "target": target, "choice": {}, "points": {}}
+  for name, setting in scenarios.items():
+    for a in algs[name]:
+      score = {}
+      for lr in grid:
+        got = [runs[run_key(name, a, lr, seed, steps)] for seed in range(TUNE_SEEDS)]
+        hit = [crossing(r["curve"], target, "val") for r in got]
+        vt = float(np.median([h[0] if h else np.inf for h in hit]))
+        score[lr] = (vt, -float(np.mean([final(r, "val") for r in got])))
+      best = min(grid, key=lambda lr: score[lr])
+      out["choice"].setdefault(setting, {})[a] = best
+      out["points"].setdefault(setting, {})[a] = {
+        f"{lr:g}": [None if np.isinf(v) else v, -f] for lr, (v, f) in score.items()
+      }
+  rows = []
+  for setting, per in out["points"].items():
+    for a, points in per.items():
+      best = out["choice"][setting][a]
+      edge = " (grid edge)" if len(grid) > 1 and best in (grid[0], grid[-1]) else ""
+      cells = [
+        f"{'never' if v is None else f'{v:.3g}'} / {f:.3f}" + (" *" if lr == best else "")
+        for lr in grid
+        for v, f in [points[f"{lr:g}"]]
+      ]
+      rows.append([setting, a] + cells + [f"{best:g}{edge}"])
+  table = Table(
+    ["clock", "algorithm"]
+    + [f"lr {lr:g}: median val time to {100 * target:.0f}% / final val acc" for lr in grid]
+    + ["chosen"],
+    rows,
+  )
+  text = (
+    f"{NUMERICS}; step size per algorithm and clock, tuned in each clock's homogeneous scenario on "
+    f"{VALIDATION_EXAMPLES} held-out training examples, {TUNE_SEEDS} seeds, {steps} steps "
+    f"(* chosen: least median validation time to {100 * target:.0f}%, ties by final validation accuracy)"
+    f"\n\n{table}"
+  )
+  publish(out_dir, "tuning", text, out)
+  return {s: out["choice"][s] for s in settings}
+
+
+def summarize(runs: list, lr: float, target: float) -> dict:
+  """One algorithm's tta.json record from its seeds' runs (in seed order)."""
+  hits = [crossing(r["curve"], target) for r in runs]
+  worker = [crossing(r["curve"], target, "worker") for r in runs]
+  return {
+    "lr": lr,
+    "time": [h[0] if h else None for h in hits],
+    "steps": [h[1] if h else None for h in hits],
+    "end": [r["end"] for r in runs],  # where a miss is censored (ripples_jax.verdict)
+    "final": [final(r) for r in runs],
+    "throughput": [r["throughput"] for r in runs],
+    "times": {f"{t:g}": [(crossing(r["curve"], t) or (None,))[0] for r in runs] for t in TARGETS},
+    "worker_times": {
+      f"{t:g}": [(crossing(r["curve"], t, "worker") or (None,))[0] for r in runs] for t in TARGETS
+    },
+    "worker_time": [h[0] if h else None for h in worker],
+    "final_worker": [final(r, "worker") for r in runs],
+    "diverged": sum(bool(r.get("diverged")) for r in runs),
+  }
+
+
+def tta(
+  out_dir,
+  seeds,
+  steps,
+  target,
+  scenarios=tuple(TTA_SCENARIOS),
+  algorithms=None,
+  merge=False,
+  workers=1,
+  grid=LR_GRID,
+) -> dict:
+  """The training runs of `scenarios`, each with its algorithms (TTA_ALGORITHMS_OF, else TTA_ALGORITHMS;
+  `algorithms`: only those of them) at the step size `tune` chose for the scenario's clock. merge: into
+  the scenarios and algorithms --out's tta.json already holds (those run here replaced, the rest
+  kept), else a fresh file. Writes tta.json, tta.md (every scenario held), seed 0's accuracy curves
+  (tta_curves.json, for the figures; runs.json holds every run's) and a figure per scenario."""
+  path, curves_path = os.path.join(out_dir, "tta.json"), os.path.join(out_dir, "tta_curves.json")
+  out, curves = {}, {}
+  if merge and os.path.exists(path):
+    with open(path) as f:
+      held = json.load(f)
+    if held["target"] != target:
+      raise ValueError(f"{path} holds target {held['target']}, not {target}: merge refused")
+    out = held["scenarios"]
+    if os.path.exists(curves_path):
+      with open(curves_path) as f:
+        curves = json.load(f)
+  tuned_on = lambda name: TUNED_ON.get(TTA_SCENARIOS[name][0], TTA_SCENARIOS[name][0])  # noqa: E731
+  lr = tune(out_dir, sorted({tuned_on(name) for name in scenarios}), steps, target, workers, grid, algorithms)
+  plan = {
+    name: [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if algorithms is None or a in algorithms]
+    for name in scenarios
+  }
+  lr_of = lambda name, a: lr[tuned_on(name)][a]  # noqa: E731
+  jobs = [
+    (name, a, lr_of(name, a), seed, steps)
+    for name, algs in plan.items()
+    for a in algs
+    for seed in range(seeds)
+  ]
+  runs = run_jobs(out_dir, jobs, workers)
+  for name, algs in plan.items():
+    per = out.setdefault(name, {})
+    for a in algs:
+      got = [runs[run_key(name, a, lr_of(name, a), seed, steps)] for seed in range(seeds)]
+      per[a] = summarize(got, lr_of(name, a), target)
+      c = got[0]["curve"]
+      curves.setdefault(name, {})[a] = [[t, acc] for t, acc in zip(c["time"], c["test"])]
+    # Keep TTA_ALGORITHMS_OF's order in the table, whatever order the merges came in.
+    order = [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if a in per]
+    out[name] = {a: per[a] for a in order + [a for a in per if a not in order]}
+  table = tta_table(out, target)
+  for name in scenarios:
+    slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "").replace("/", "")
+    analysis.accuracy_vs_time(
+      {name: {a: curves[name][a] for a in out[name] if a in curves.get(name, {})}},
+      os.path.join(out_dir, f"tta_{slug}.png"),
+      f"{scenario_workers(name)} workers, MNIST-1D MLP, seed 0",
+      target=target,
+    )
+  with open(os.path.join(out_dir, "tta.md"), "w") as f:
+    f.write(str(table) + "\n")
+  with open(path, "w") as f:
+    json.dump({"target": target, "targets": list(TARGETS), "scenarios": out}, f, indent=1)
+  with open(curves_path, "w") as f:
+    json.dump(curves, f)
+  print(table)
+  return out
+
+
+def tta_table(scenarios: dict, target: float) -> Table:
+  """One row per scenario and algorithm: reached, mean time and iterations to the target (over the seeds
+  that reached it), the speedup over All-Reduce (paired by seed, a 95% interval, misses censored at
+  their run's end: ripples_jax.verdict; records without ends, from before, as mean ± std over the
+  seeds both reached), throughput, final accuracy (mean ± sample std) of the averaged model and of the
+  workers' own models (their mean), the step size the runs used."""
+  rows = []
+  for name, per in scenarios.items():
+    ar = per.get("allreduce")
+    for a, p in per.items():
+      seeds = len(p["time"])
+      ok = [i for i in range(min(seeds, len(ar["time"]) if ar else 0)) if p["time"][i] and ar["time"][i]]
+      speed = [ar["time"][i] / p["time"][i] for i in ok]
+      if ar and "end" in p and "end" in ar:
+        n = min(seeds, len(ar["time"]))
+        cell = str(verdict.paired(p["time"][:n], ar["time"][:n], (p["end"][:n], ar["end"][:n])))
+      else:
+        cell = fmt(np.mean(speed), np.std(speed)) + " (no ends recorded)" if speed else "-"
+      reached = [t for t in p["time"] if t]
+      rows.append(
+        [
+          name,
+          a,
+          f"{len(reached)}/{seeds}",
+          f"{np.mean(reached):.3g}" if reached else "-",
+          f"{np.mean([s for s in p['steps'] if s]):.0f}" if reached else "-",
+          cell,
+          f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x" if ar else "-",
+          f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final'], ddof=1 if seeds > 1 else 0):.1f}",
+          f"{100 * np.mean(p['final_worker']):.1f}" if "final_worker" in p else "-",
+          f"{p['lr']:g}" if "lr" in p else "-",
+        ]
+      )
+  return Table(
+    [
+      "scenario",
+      "algorithm",
+      "reached",
+      f"time to {100 * target:.0f}% (virtual s)",
+      "iterations to it",
+      "time-to-accuracy speedup vs All-Reduce (95% interval)",
+      "throughput vs All-Reduce",
+      "final accuracy %",
+      "workers' own, final %",
+      "step size",
+    ],
+    rows,
+  )
+
+
+def tta_ratios(tta_out: dict, scenario: str, num: str, den: str) -> list[float]:
+  """den's time to accuracy over num's, per seed where both reached the target."""
+  t = tta_out["scenarios"].get(scenario)
+  if t is None or num not in t or den not in t:
+    return []
+  return [x / y for x, y in zip(t[den]["time"], t[num]["time"]) if x and y]
+
+
+def tta_ratio(tta_out: dict, scenario: str, num: str, den: str) -> float | None:
+  """den's time to accuracy over num's, the mean over the seeds where both reached the target."""
+  r = tta_ratios(tta_out, scenario, num, den)
+  return float(np.mean(r)) if r else None
