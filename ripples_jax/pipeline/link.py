@@ -17,7 +17,7 @@ transfers. Slack (LinkThread): each link's transfers run on a thread of their ow
 stage posts them, so a stage's compute goes on while a transfer waits for the neighbour; the stage
 blocks only on the result it needs (a tick t + d input, for link delay d, is the transfer of tick t).
 Two threads never run transfers over one link at once (the eval and micro-batch links share its device
-pair: they run only once the thread is drained). The watchdog (distributed/coord.py) names a stage that
+pair: they run only once the thread is drained). The watchdog (distributed/watchdog.py) names a stage that
 died.
 """
 

@@ -8,13 +8,15 @@ preduce    P-Reduce between processes: one cached program per member set, or pai
            (at most n-1 programs per worker)
 membership elastic membership (runtime.elastic): deaths and stalls become membership entries in the
            global order, restarted workers rejoin with weight 0 under fresh connection keys
-coord      heartbeats and the watchdog, through the coordination service
-worker     one process's worker loop, marker checkpoints (per worker, no barrier), eval snapshots
+process    the life-cycle every process of the runtime shares: start barrier and clock, heartbeats and
+           the watchdog (distributed/watchdog.py), ask_back, end of run and result, snapshot paths
+worker     one process's Ripples worker loop, marker checkpoints (per worker, no barrier), eval snapshots
 adpsgd     AD-PSGD: active workers average with a random passive one while computing (Lian et al.'s
            order), served concurrently
 summary    throughput, time split and accuracy over wall-clock time, from the run's files
 trace      per-worker event traces and their Gantt chart
 replay     the recorded event order through the single-process engine (what the runtime computed)
-launcher   N local workers (and the coordinator) on 127.0.0.1, prefixed logs, fail-fast: names the
-           first failing process, SIGTERM to the others (process 0 last), SIGKILL after a grace period
+The launcher (distributed/launcher.py) starts N local workers and the coordinator on 127.0.0.1 with
+prefixed logs, fail-fast: it names the first failing process, SIGTERMs the others (process 0 last) and
+SIGKILLs them after a grace period.
 """
