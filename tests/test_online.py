@@ -13,7 +13,7 @@ from ripples_jax import schedule as schedule_lib
 from ripples_jax import sim, timeline
 from ripples_jax.runtime.authority import Authority, Feed, LocalFeed
 from ripples_jax.schedule import group_gen
-from ripples_jax.schedule.online import GROUP, MARK, NONE, STOP, Cadence, Service, fixed_entry
+from ripples_jax.schedule.online import GROUP, MARK, MEMBER, NONE, STOP, Cadence, Service, fixed_entry
 from tests.fakes import FakeKV
 
 DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart")
@@ -125,6 +125,74 @@ def test_a_request_is_answered_and_a_pending_group_is_taken_first():
   smart.report(2, 0.0, 1.0, 1, -1)
   smart.request(0, 0, 0.0)  # nobody is near: skip once, answered with NONE
   assert smart.entries[0] == [(NONE,)]
+
+
+def random_service(n, seed):
+  service = Service(n, group_gen.random_gg(n, 3, np.random.default_rng(seed)))
+  service.view.alive = np.ones(n, bool)
+  return service
+
+
+def ask(service, workers, rounds, t0):
+  """Each worker asks for the entry after its queue's end, `rounds` times (nobody takes any)."""
+  for r in range(rounds):
+    for v in workers:
+      service.request(v, service.appended(v), t0 + r)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_service_leave_and_rejoin_apply_the_membership_rules(seed):
+  """Service.leave / rejoin as the runtime calls them (docs/design.md 3.10): after a leave the worker
+  is in no group made afterwards, its pending groups left the Group Buffer, its queue is closed and
+  every live queue ends with ("E", "leave", w, inc); after a rejoin every live queue ends with the
+  join, the worker's fresh queue starts where its old one ended, and the first group made with it
+  carries it as the joiner (weight 0), a later one does not."""
+  n, w = 6, 2
+  service, live = random_service(n, seed), [v for v in range(n) if v != w]
+  ask(service, range(n), 3, 0.0)
+  assert service.buffer.queues[w] and service.entries[w]
+  appended = service.appended(w)
+  service.leave(w, 0)
+  assert service.buffer.queues[w] == [] and service.buffer.npending[w] == 0
+  assert service.entries[w] == [] and service.appended(w) == appended
+  assert all(service.entries[v][-1] == (MEMBER, "leave", w, 0) for v in live)
+  before = service.buffer.count
+  ask(service, live, 10, 3.0)
+  made = service.buffer.groups[before:]
+  assert made and all(w not in g.members for g in made)
+  assert service.rejoin(w, 20.0, 1) == appended == service.appended(w) and service.entries[w] == []
+  assert all(service.entries[v][-1] == (MEMBER, "join", w, 1) for v in live)
+  assert service.joining == {w} and service.started_at[w] == 20.0 - service.estimates[w]
+  ask(service, [w], 2, 20.0)
+  first, later = [e for e in service.entries[w] if e[0] == GROUP][:2]
+  assert first[3] == (w,) and len(later) == 3 and service.joining == set()
+  assert all(first in service.entries[m] for m in first[2])  # every member's copy carries the joiner
+
+
+def test_service_fail_group_and_a_simulated_leave():
+  """The simulator's side (timeline/group_buffer.py): fail_group turns the group's entries that a member
+  has not taken into NONE and keeps the one a member took; the group leaves every member's Group
+  Buffer queue. leave without inc and drop_pending posts no membership entry and leaves the Group
+  Buffer to fail_group."""
+  n = 6
+  service = random_service(n, 0)
+  ask(service, range(n), 3, 0.0)
+  _, gid, members = service.entries[0][0]
+  took = members[0]  # has taken the group already: its entry stays
+  taken = [0] * n
+  taken[took] = service.entries[took].index((GROUP, gid, members)) + 1
+  before = [list(q) for q in service.entries]
+  service.fail_group(gid, members, taken)
+  for m in range(n):
+    want = [(NONE,) if e == (GROUP, gid, members) and m in members and m != took else e for e in before[m]]
+    assert service.entries[m] == want
+    assert gid not in [g.gid for g in service.buffer.queues[m]]
+    assert service.buffer.npending[m] == len(service.buffer.queues[m])
+  w = members[1]
+  pending, lengths = list(service.buffer.queues[w]), [len(q) for q in service.entries]
+  service.leave(w, drop_pending=False)
+  assert not service.view.alive[w] and service.buffer.queues[w] == pending
+  assert [len(q) for q in service.entries] == [0 if v == w else k for v, k in enumerate(lengths)]
 
 
 def test_service_state_resumes_the_same_generation():

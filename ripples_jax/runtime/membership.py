@@ -46,7 +46,6 @@ import numpy as np
 from absl import logging
 
 from ripples_jax.distributed.coord import PREFIX, read_beat, values_in_order
-from ripples_jax.schedule.online import MEMBER
 
 KEYS = 2  # connection keys per pair with one device per worker: the two orders of its devices
 RUNNING = f"{PREFIX}/running/0"  # set by the coordinator once the run has started
@@ -97,42 +96,18 @@ def completed_steps(kv, worker: int, inc: int) -> int | None:
 
 
 def leave(service, worker: int, inc: int, completed: int | None = None) -> int:
-  """Worker left at this point of the global order (docs/design.md 3.10). The step budget counts steps
-  started (reports): a worker that died inside a step started one it never completed, so its last
-  started step is taken off unless its last heartbeat (`completed`, this life's) shows it completed:
-  the live make that step up. A beat may predate the worker's last completion, so the run may take one
-  step more than its budget per death. Returns the steps taken off that the run will not make up (1
-  when STOP was out before the leave: the budget was handed out, the live end without it; else 0)."""
-  started, unmade = int(service.steps[worker]), 0
-  if started and (completed is None or completed < started):
-    service.steps[worker] = started - 1
-    unmade = int(service.stopped)
-  alive = service.view.alive
-  alive[worker] = False
-  buf = service.buffer
-  buf.npending[worker] = 0
-  buf.queues[worker] = []
-  service.joining.discard(worker)
-  service.base[worker] += len(service.entries[worker])  # nothing more is posted to its queue
-  service.entries[worker] = []
-  for w, live in enumerate(alive):
-    if live:
-      service.entries[w].append((MEMBER, "leave", worker, inc))
+  """Worker's incarnation inc left: its started step uncounted unless `completed` (its last beat, this
+  life's) shows it done, then Service.leave with the membership entry (both rules are the Service's).
+  Returns the steps taken off that the run will not make up (Service.uncount_unfinished)."""
+  unmade = service.uncount_unfinished(worker, completed)
+  service.leave(worker, inc)
   return unmade
 
 
 def rejoin(service, worker: int, inc: int, now: float) -> int:
-  """Worker rejoins as incarnation inc: live again, joining (its first group weights it 0), ready now
-  (Smart GG); returns its new queue's first index (its Feed counts from there)."""
-  for w, live in enumerate(service.view.alive):
-    if live:
-      service.entries[w].append((MEMBER, "join", worker, inc))
-  service.view.alive[worker] = True
-  service.joining.add(worker)
-  service.started_at[worker] = now - service.estimates[worker]
-  service.base[worker] += len(service.entries[worker])
-  service.entries[worker] = []
-  return service.appended(worker)
+  """Worker rejoins as incarnation inc (Service.rejoin has the rules); returns its new queue's first
+  index (its Feed counts from there)."""
+  return service.rejoin(worker, now, inc)
 
 
 # -- the rejoining worker's side --------------------------------------------------------------------

@@ -7,7 +7,7 @@ queue of entries that only the authority appends to:
   ("N",)                the answer to your request when no group was made for you: step again
   ("M", kind, id)       a point of the global order (a checkpoint or an evaluation): act, then go on
   ("S",)                the run is over
-  ("E", kind, w, inc)   a membership entry (runtime.elastic, runtime/membership.py): worker w left
+  ("E", kind, w, inc)   a membership entry (runtime.elastic; Service.leave, Service.rejoin): worker w left
                         (kind "leave") or rejoined as its incarnation inc ("join") at this point of
                         the global order; a group made for a rejoined worker's first average carries
                         it as a fourth field, ("G", gid, members, joiners): its weight there is 0
@@ -108,7 +108,7 @@ class Service:
     self.marks = {"eval": 0, "ckpt": 0}  # markers inserted so far, per kind
     self.stopped = False
     self.gid0 = 0  # global sequence numbers continue across a resume
-    self.joining = set()  # rejoined workers (runtime.elastic) whose first group is not yet made
+    self.joining = set()  # rejoined workers (Service.rejoin) whose first group is not yet made
     self.view = GGView(0.0, self.buffer, self.started_at, self.estimates, lambda j: int(self.steps[j]))
 
   # -- what workers tell the authority -----------------------------------------------------------
@@ -151,6 +151,10 @@ class Service:
     """Entries ever appended to the worker's queue."""
     return self.base[worker] + len(self.entries[worker])
 
+  def entry(self, worker: int, k: int) -> tuple:
+    """Entry k of the worker's queue, k counting every entry ever appended (k >= base[worker])."""
+    return self.entries[worker][k - self.base[worker]]
+
   def trim(self, upto) -> None:
     """Forgets each queue's entries before index upto[w] (the authority has posted them) and the Group
     Buffer's global list: a long run's state stays bounded. The simulator never trims."""
@@ -182,6 +186,86 @@ class Service:
       self.stopped = True
       for q in self.entries:
         q.append((STOP,))
+
+  # -- membership (docs/design.md 3.10): the rules both executors apply ---------------------------
+
+  def leave(self, worker: int, inc: int | None = None, drop_pending: bool = True) -> None:
+    """Worker left at this point of the global order (docs/design.md 3.10). From here on the generators
+    see it dead (GGView.alive) and make no group with it; it is no longer joining; its queue is
+    closed: nothing more is posted to it (appended() stays, and a rejoin starts a fresh queue there).
+    Groups already made with it are not failed here: the simulator fails them first (fail_group), the
+    runtime's fail in their collectives (runtime/membership.py).
+
+    With `inc` (the runtime) every live queue gets ("E", "leave", worker, inc), so each live worker
+    learns of the leave at this point of its order. The simulator passes none: its workers read no
+    membership entries (an "E" would be taken as NONE, a step without a group) and its clock records
+    the leave (trace.membership).
+
+    `drop_pending` (the runtime): its pending groups leave its Group Buffer queue at once (its reports
+    have stopped). The simulator passes False: fail_group has taken out each group it failed, and a
+    group whose failure was already under way (a death noticed late, timeline's detect) stays pending
+    for the worker until its first report after a rejoin, as the simulator has always counted it
+    (Smart GG's view of the worker, its conflicts)."""
+    self.view.alive[worker] = False
+    if drop_pending:
+      self.buffer.npending[worker] = 0
+      self.buffer.queues[worker] = []
+    self.joining.discard(worker)
+    self._restart_queue(worker)
+    if inc is not None:
+      self._announce("leave", worker, inc)
+
+  def rejoin(self, worker: int, now: float, inc: int | None = None) -> int:
+    """Worker rejoins: live again, joining (the first group made with it carries it as a joiner,
+    weight 0: it takes the others' mean, 3.10), ready now (Smart GG: started_at is a step ago), with a
+    fresh queue; returns that queue's first index (the runtime's Feed counts from there; the
+    simulator's next position). With `inc` (the runtime: its incarnation) every live queue gets
+    ("E", "join", worker, inc) before it is live, so its own queue holds no entry of its return."""
+    if inc is not None:
+      self._announce("join", worker, inc)
+    self.view.alive[worker] = True
+    self.joining.add(worker)
+    self.started_at[worker] = now - self.estimates[worker]
+    self._restart_queue(worker)
+    return self.appended(worker)
+
+  def fail_group(self, gid: int, members: tuple, taken) -> None:
+    """Group gid will not run (a member left; the simulator's rule, 3.10): for each member m, its
+    entries from index taken[m] on (what m has not taken yet) that are the group become NONE, so a
+    member that has not reached it steps again; and the group leaves the members' Group Buffer queues
+    (Smart GG picks no worker with a pending group). A closed queue (a member that left) holds none."""
+    buf = self.buffer
+    for m in members:
+      q = self.entries[m]
+      for i in range(max(taken[m] - self.base[m], 0), len(q)):
+        if q[i][0] == GROUP and q[i][1] == gid:
+          q[i] = (NONE,)
+      kept = [g for g in buf.queues[m] if g.gid != gid - self.gid0]
+      buf.npending[m] -= len(buf.queues[m]) - len(kept)
+      buf.queues[m] = kept
+
+  def uncount_unfinished(self, worker: int, completed: int | None) -> int:
+    """The step budget counts steps started (reports): a worker that died inside a step started one it
+    never completed, so its last started step is taken off unless its last heartbeat (`completed`,
+    this life's; None: no beat) shows it completed: the live make that step up. A beat may predate the
+    worker's last completion, so the run may take one step more than its budget per death. Returns the
+    steps taken off that the run will not make up (1 when STOP was out before the leave: the budget
+    was handed out, the live end without it; else 0). The runtime's rule: the simulator's clock counts
+    applied gradients instead."""
+    started = int(self.steps[worker])
+    if not started or (completed is not None and completed >= started):
+      return 0
+    self.steps[worker] = started - 1
+    return int(self.stopped)
+
+  def _announce(self, kind: str, worker: int, inc: int) -> None:
+    for w, live in enumerate(self.view.alive):
+      if live:
+        self.entries[w].append((MEMBER, kind, worker, inc))
+
+  def _restart_queue(self, worker: int) -> None:
+    self.base[worker] += len(self.entries[worker])
+    self.entries[worker] = []
 
   # -- resume ------------------------------------------------------------------------------------
 

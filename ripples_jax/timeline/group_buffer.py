@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 
 from ripples_jax.schedule.group_gen import Fixed
-from ripples_jax.schedule.online import GROUP, NONE, Service, fixed_entry
+from ripples_jax.schedule.online import GROUP, Service, fixed_entry
 from ripples_jax.timeline.clock import _Clock
 from ripples_jax.timeline.costs import AuthorityCost, Network
 from ripples_jax.timeline.trace import AVG, COMM, WAIT
@@ -71,7 +71,7 @@ class _GroupBuffer:
       service.report(w, clock.now, clock.last_time[w], clock.iterations[w] + 1, st.last_gid[w])
     clock.start_compute(w, self.on_finish)
     # With `ahead`, an empty queue asks now for the entry after this step: the round trip overlaps it.
-    if service is not None and self.ahead and st.pos[w] >= len(service.entries[w]) and st.asked[w] is None:
+    if service is not None and self.ahead and st.pos[w] >= service.appended(w) and st.asked[w] is None:
       estimate = clock.last_time[w] or clock.speed.base_time
       self.ask(w, clock.now + estimate)
 
@@ -118,8 +118,8 @@ class _GroupBuffer:
     clock, service, st = self.clock, self.service, self.st
     if self.fixed:
       entry = fixed_entry(self.gg.layouts, clock.n, w, clock.iterations[w] - 1)
-    elif st.pos[w] < len(service.entries[w]):
-      entry = service.entries[w][st.pos[w]]
+    elif st.pos[w] < service.appended(w):
+      entry = service.entry(w, st.pos[w])
       if st.asked[w] == st.pos[w]:
         st.asked[w] = None
       st.pos[w] += 1
@@ -211,8 +211,9 @@ class _BufferMembership:
   average in flight go on when it would have ended, without it. The alternative, averaging the
   survivors alone, is not what a runtime can do: a collective with a dead member fails in that group
   only (3.8), and averaging the rest would need another member set, i.e. another group agreed by the
-  authority. From its leave on, the generators see the worker as dead (GGView.alive) and make no group
-  with it. A rejoined worker starts with an empty queue and asks; it takes no step before its first
+  authority. What the authority does at a leave and a rejoin is the runtime's too (Service.leave,
+  Service.rejoin: no group made afterwards holds the worker; a rejoin gets a fresh queue); failing
+  the groups is Service.fail_group. A rejoined worker asks at once; it takes no step before its first
   group lands, where it has weight 0 (clock.joined)."""
 
   def __init__(self, clock: _Clock, service: Service, st: _BufferState, go_on, ask, start):
@@ -221,21 +222,11 @@ class _BufferMembership:
     service.view.alive = clock.alive
 
   def _fail(self, gid: int, members: tuple) -> None:
-    """The group will not run: the entries not yet taken become NONE, and it leaves the queues that
-    the generators read (Smart GG picks no worker with a pending group)."""
-    buf = self.service.buffer
-    for m in members:
-      q = self.service.entries[m]
-      for i in range(self.st.pos[m], len(q)):
-        if q[i][0] == GROUP and q[i][1] == gid:
-          q[i] = (NONE,)
-      kept = [g for g in buf.queues[m] if g.gid != gid]
-      buf.npending[m] -= len(buf.queues[m]) - len(kept)
-      buf.queues[m] = kept
+    self.service.fail_group(gid, members, self.st.pos)
 
   def leave(self, w: int) -> None:
-    clock, st = self.clock, self.st
-    for entry in self.service.entries[w][st.pos[w] :]:
+    clock, st, service = self.clock, self.st, self.service
+    for entry in service.entries[w][st.pos[w] - service.base[w] :]:
       if entry[0] == GROUP:
         self._fail(entry[1], entry[2])
     for gid, (members, arrived, times) in list(st.groups.items()):
@@ -256,14 +247,14 @@ class _BufferMembership:
       clock.interval(w, WAIT, st.blocked[w], clock.now)
     st.blocked[w] = st.asked[w] = None
     st.joining.discard(w)
+    service.leave(w, drop_pending=False)  # the failed groups left the buffer one by one (_fail)
 
   def rejoin(self, w: int) -> None:
-    """It asks at once and waits: what was queued for its earlier life is gone (every group of it
-    failed at the leave). Smart GG sees it ready now."""
-    st, service = self.st, self.service
-    st.pos[w] = len(service.entries[w])
+    """It asks at once and waits, from its fresh queue's first index (every group of its earlier life
+    failed at the leave). Smart GG sees it ready now (Service.rejoin)."""
+    st = self.st
+    st.pos[w] = self.service.rejoin(w, self.clock.now)
     st.joining.add(w)
-    service.started_at[w] = self.clock.now - service.estimates[w]
     st.blocked[w] = self.clock.now
     self.ask(w, self.clock.now)
 
