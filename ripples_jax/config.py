@@ -271,6 +271,24 @@ def _check_optimizer(config):
 
 
 def _check_schedule(config, n):
+  """Raises ConfigError at the first bad key that depends on the algorithm or the executor: the
+  algorithm's schedule, the clock's keys (or, without a clock, hetero.* off), hetero.leave, and how a
+  run ends. The order of the checks is the order of the errors and of the notes."""
+  _check_schedule_keys(config, n)
+  if config.executor in ("sim", "async"):
+    _check_hetero(config, n)
+    _check_timeline(config)
+    _number(config, "time_budget", lambda v: v >= 0, "seconds >= 0 (0: no budget)")
+    _number(config, "target_accuracy", lambda v: 0 <= v <= 1, "a fraction in [0, 1] (0: none)")
+  else:  # the lockstep executor has no clock: heterogeneity would be silently ignored
+    _check_hetero_off(config)
+  _check_leave(config, n)
+  _check_run_end(config)
+
+
+def _check_schedule_keys(config, n):
+  """Raises ConfigError for a bad schedule.* key of the configured algorithm (the group layout or
+  size, the smart schedule's bounds), or too few workers for adpsgd / ps_async."""
   s = config.schedule
   if config.algorithm == "ripples_static":
     _one_of(config, "schedule.layout", STATIC_LAYOUTS)
@@ -294,50 +312,62 @@ def _check_schedule(config, n):
   if config.algorithm in ("adpsgd", "ps_async") and n < 2:
     _fail("num_workers", n, f"at least 2 for {config.algorithm}")
 
-  if config.executor in ("sim", "async"):
-    h = config.hetero
-    ids = tuple(h.slow_workers)
-    for w in ids:
-      if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n:
-        _fail("hetero.slow_workers", ids, f"worker ids in [0, num_workers={n})")
-    _number(config, "hetero.slowdown", lambda v: v >= 1, "a factor >= 1")
-    _number(config, "hetero.random_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
-    _number(config, "hetero.jitter", lambda v: v >= 0, "a lognormal sigma >= 0")
-    _number(config, "hetero.rotate_every", lambda v: v >= 0, "seconds >= 0 (0: the slow workers stay)")
-    _number(config, "timeline.request_rtt", lambda v: v >= 0, "seconds >= 0")
-    _number(config, "timeline.authority_service", lambda v: v >= 0, "seconds >= 0")
-    _number(config, "timeline.group_setup", lambda v: v >= 0, "seconds >= 0")
-    _one_of(config, "timeline.setup_unit", ("group", "pair"))
-    if "detect_s" in config.timeline:
-      _number(config, "timeline.detect_s", lambda v: v >= 0, "seconds >= 0")
-      if config.timeline.detect_s and config.algorithm in ("adpsgd", "ps_async"):
-        _fail(
-          "timeline.detect_s",
-          config.timeline.detect_s,
-          f"0 with algorithm={config.algorithm} (it models the Group Buffer's removal)",
-        )
-    _number(config, "timeline.adpsgd_fixed_cost", lambda v: v >= 0, "seconds >= 0")
-    for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
-      _bool(config, f"timeline.{key}")
-    _number(
-      config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)"
-    )
-    for key in ("alpha", "model_bytes"):
-      _number(config, f"timeline.{key}", lambda v: v >= 0, "a number >= 0")
-    for key in ("bandwidth", "ps_bandwidth"):
-      _number(config, f"timeline.{key}", lambda v: v > 0, "a number > 0")
-    if "overlap" in config.timeline:
-      _number(config, "timeline.overlap", lambda v: 0 <= v <= 1, "a fraction of a step in [0, 1]")
-    _number(config, "time_budget", lambda v: v >= 0, "seconds >= 0 (0: no budget)")
-    _number(config, "target_accuracy", lambda v: 0 <= v <= 1, "a fraction in [0, 1] (0: none)")
-  else:  # the lockstep executor has no clock: heterogeneity would be silently ignored
-    for key, off in _HETERO_OFF.items():
-      value = config.hetero[key]
-      _note(f"hetero.{key}", f"{off!r} (off: hetero.* needs executor=sim or async)")
-      if (tuple(value) if isinstance(value, (list, tuple)) else value) != off:
-        needs = "hetero.* needs executor=sim or executor=async"
-        _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: {needs}")
-  _check_leave(config, n)
+
+def _check_hetero(config, n):
+  """Raises ConfigError for a bad hetero.* key of a clocked executor (sim or async): slow worker ids
+  below num_workers, a slowdown >= 1, a probability, a jitter and a rotation period >= 0."""
+  h = config.hetero
+  ids = tuple(h.slow_workers)
+  for w in ids:
+    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n:
+      _fail("hetero.slow_workers", ids, f"worker ids in [0, num_workers={n})")
+  _number(config, "hetero.slowdown", lambda v: v >= 1, "a factor >= 1")
+  _number(config, "hetero.random_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+  _number(config, "hetero.jitter", lambda v: v >= 0, "a lognormal sigma >= 0")
+  _number(config, "hetero.rotate_every", lambda v: v >= 0, "seconds >= 0 (0: the slow workers stay)")
+
+
+def _check_timeline(config):
+  """Raises ConfigError for a bad timeline.* key of a clocked executor: the simulated costs (seconds,
+  bytes, bandwidths) and switches, and a detection delay only where a Group Buffer is modelled."""
+  _number(config, "timeline.request_rtt", lambda v: v >= 0, "seconds >= 0")
+  _number(config, "timeline.authority_service", lambda v: v >= 0, "seconds >= 0")
+  _number(config, "timeline.group_setup", lambda v: v >= 0, "seconds >= 0")
+  _one_of(config, "timeline.setup_unit", ("group", "pair"))
+  if "detect_s" in config.timeline:
+    _number(config, "timeline.detect_s", lambda v: v >= 0, "seconds >= 0")
+    if config.timeline.detect_s and config.algorithm in ("adpsgd", "ps_async"):
+      _fail(
+        "timeline.detect_s",
+        config.timeline.detect_s,
+        f"0 with algorithm={config.algorithm} (it models the Group Buffer's removal)",
+      )
+  _number(config, "timeline.adpsgd_fixed_cost", lambda v: v >= 0, "seconds >= 0")
+  for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
+    _bool(config, f"timeline.{key}")
+  _number(config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)")
+  for key in ("alpha", "model_bytes"):
+    _number(config, f"timeline.{key}", lambda v: v >= 0, "a number >= 0")
+  for key in ("bandwidth", "ps_bandwidth"):
+    _number(config, f"timeline.{key}", lambda v: v > 0, "a number > 0")
+  if "overlap" in config.timeline:
+    _number(config, "timeline.overlap", lambda v: 0 <= v <= 1, "a fraction of a step in [0, 1]")
+
+
+def _check_hetero_off(config):
+  """Raises ConfigError unless every hetero.* key is at its off value (_HETERO_OFF): the lockstep
+  executor has no clock to slow a worker on."""
+  for key, off in _HETERO_OFF.items():
+    value = config.hetero[key]
+    _note(f"hetero.{key}", f"{off!r} (off: hetero.* needs executor=sim or async)")
+    if (tuple(value) if isinstance(value, (list, tuple)) else value) != off:
+      needs = "hetero.* needs executor=sim or executor=async"
+      _fail(f"hetero.{key}", value, f"{off!r} (off) with executor={config.executor}: {needs}")
+
+
+def _check_run_end(config):
+  """Raises ConfigError for validation_examples or stop_at_target where they cannot work: both are
+  the simulator's, and stopping at a target needs target_accuracy."""
   if "validation_examples" in config:
     _int_in(config, "validation_examples", 0, 10**9, "an integer number of training examples >= 0 (0: none)")
     if config.validation_examples and config.executor != "sim":

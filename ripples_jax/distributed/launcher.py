@@ -490,12 +490,7 @@ def _launch_once(
 ) -> tuple[int, bool]:
   """One start of the job (launch()'s docstring); returns (its exit code, whether a signal ended it)."""
   out = out or sys.stdout
-  if num_processes > (cores := usable_cores()):
-    out.write(
-      f"[launch] warning: --num_processes={num_processes} exceeds the {cores} CPU core"
-      f"{'s' if cores > 1 else ''} this launcher may use: the workers share them (each runs slower); "
-      f"running anyway\n"
-    )
+  _warn_oversubscribed(num_processes, out)
   address = f"127.0.0.1:{port or free_port()}"
   platform, module = resolve_platform(platform), resolve_module(module)
   procs, threads, clues = [], [], _Clues()
@@ -522,32 +517,66 @@ def _launch_once(
 
   with _Signals() as signals:
     try:
-      for i in range(roles.total):
-        if signals.got:
-          break
-        p, t = start(i, attempt)
-        procs.append(p)
-        threads.append(t)
-      who = f"{num_processes} workers and a coordinator" if coordinator else f"{num_processes} workers"
-      out.write(f"[launch] {who} on {address} ({platform}), pids {[p.pid for p in procs]}\n")
+      _start_all(start, attempt, procs, threads, signals, roles)
+      out.write(f"[launch] {_who(roles)} on {address} ({platform}), pids {[p.pid for p in procs]}\n")
       out.flush()
       if on_start and not signals.got:
         on_start([p.pid for p in procs])
-      if elastic and coordinator:
-        first = _Elastic(max_restarts, start, out, roles, grace_s).watch(
-          procs, threads, signals, clues, address
-        )
-      else:
-        first = _watch(procs, threads, signals, clues, address, grace_s, out, roles)
-      if signals.got and not first:
-        out.write(
-          f"[launch] received {signal.Signals(signals.got[0]).name}; stopping the workers "
-          f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n"
-        )
-      out.flush()
+      restarter = _Elastic(max_restarts, start, out, roles, grace_s) if elastic and coordinator else None
+      first = _supervise(procs, threads, signals, clues, address, roles, out, grace_s, restarter)
     finally:  # whatever happened above, no worker outlives launch()
       seen = len(signals.got)
       _stop(procs, grace_s, lambda: len(signals.got) > seen)
+  codes = _report_exits(procs, threads, shown, roles, out)
+  return _exit_code(first, signals.got, codes, elastic and coordinator)
+
+
+def _warn_oversubscribed(num_processes: int, out) -> None:
+  """Warns, and goes on, when the processes outnumber the CPU cores this launcher may use."""
+  if num_processes > (cores := usable_cores()):
+    out.write(
+      f"[launch] warning: --num_processes={num_processes} exceeds the {cores} CPU core"
+      f"{'s' if cores > 1 else ''} this launcher may use: the workers share them (each runs slower); "
+      f"running anyway\n"
+    )
+
+
+def _start_all(start, attempt: int, procs: list, threads: list, signals, roles: Roles) -> None:
+  """Starts process 0, 1, ... in turn until all run or a signal arrives; each is appended to procs
+  and threads as soon as it starts, so that the caller's _stop reaches it whatever happens next."""
+  for i in range(roles.total):
+    if signals.got:
+      break
+    p, t = start(i, attempt)
+    procs.append(p)
+    threads.append(t)
+
+
+def _who(roles: Roles) -> str:
+  """The processes started, in words: "N workers", and "and a coordinator" where there is one."""
+  return f"{roles.n} workers and a coordinator" if roles.coordinator else f"{roles.n} workers"
+
+
+def _supervise(procs, threads, signals, clues, address: str, roles: Roles, out, grace_s: float, restarter):
+  """Watches the processes until the run ends, one fails or a signal arrives; returns the first
+  failure, (process, exit code), or None. With a `restarter` (_Elastic: an elastic run with a
+  coordinator) a failed worker is restarted or left out instead of failing the run."""
+  if restarter is not None:
+    first = restarter.watch(procs, threads, signals, clues, address)
+  else:
+    first = _watch(procs, threads, signals, clues, address, grace_s, out, roles)
+  if signals.got and not first:
+    out.write(
+      f"[launch] received {signal.Signals(signals.got[0]).name}; stopping the workers "
+      f"(SIGTERM, SIGKILL after {grace_s:.0f} s)\n"
+    )
+  out.flush()
+  return first
+
+
+def _report_exits(procs, threads, shown: _LibraryLines, roles: Roles, out) -> list:
+  """The stopped processes' exit codes, after their output (each stream's thread is given 5 s to
+  finish) and a count of the library lines hidden; the codes are printed too."""
   for t in threads:
     t.join(timeout=5)
   codes = [p.returncode for p in procs]
@@ -555,13 +584,20 @@ def _launch_once(
     out.write(f"[launch] {shown.hidden} more gloo connection lines hidden (--verbose_libraries shows them)\n")
   out.write(f"[launch] exit codes: {roles.codes(codes)}\n")
   out.flush()
+  return codes
+
+
+def _exit_code(first, got: list, codes: list, by_coordinator: bool) -> tuple[int, bool]:
+  """(the job's exit code, whether a signal ended it): the first failure's code, else 128 + the first
+  signal to the launcher, else the coordinator's (`by_coordinator`: an elastic run, where the others
+  may have died) or the first non-zero code, else 0."""
   if first:
     code = first[1]
-  elif signals.got:
-    return 128 + signals.got[0], True
-  elif elastic and coordinator:  # the run's outcome is its coordinator's (the others may have died)
+  elif got:
+    return 128 + got[0], True
+  elif by_coordinator:
     code = codes[0]
   else:
     code = next((c for c in codes if c), 0)
   # A signal's negative return code becomes the shell's 128 + signal.
-  return (128 - code if code < 0 else code), bool(signals.got)
+  return (128 - code if code < 0 else code), bool(got)

@@ -107,28 +107,54 @@ def merged_events(traces: dict, num_workers: int) -> list:
   its trace's end). Members that recorded the group as failed keep their model: their state is set
   aside in a scratch slot (num_workers + w) around the average (PULL, AVG, PULL back). A joiner has
   weight 0: AVG of the others, then JOIN (their mean and fresh optimizer state, docs/design.md 3.10)."""
-  n = num_workers
-  seqs, info = _groups(traces, n)
-  pos = {w: 0 for w in seqs}
-  out, emitted = [], set()
-  starts = {w: {t[1]: i for i, t in enumerate(seq) if t[0] == "rejoin"} for w, seq in seqs.items()}
+  seqs, info = _groups(traces, num_workers)
+  return _Merge(seqs, info, num_workers).run()
 
-  def life_end(m, g):
+
+class _Merge:
+  """The state of merged_events' merge: each worker's token sequence and its position in it, the
+  events out so far and the groups emitted."""
+
+  def __init__(self, seqs: dict, info: dict, num_workers: int):
+    self.seqs, self.info, self.n = seqs, info, num_workers
+    self.pos = {w: 0 for w in seqs}
+    self.out, self.emitted = [], set()
+    self.starts = {w: {t[1]: i for i, t in enumerate(seq) if t[0] == "rejoin"} for w, seq in seqs.items()}
+
+  def run(self) -> list:
+    """The merged events; raises ValueError when some worker cannot reach the end of its sequence."""
+    # A list, not a generator: every worker advances once per round (any() alone would stop at the
+    # first that moved, and the events would come out in another order).
+    while any([self.advance(w) for w in self.seqs]):
+      pass
+    stuck = [self.seqs[w][self.pos[w]] for w in self.seqs if self.pos[w] < len(self.seqs[w])]
+    if stuck:
+      raise ValueError(
+        f"the traces contradict one global order: groups {sorted({k for _, k in stuck}, key=str)[:5]} "
+        "never had all their members"
+      )
+    return self.out
+
+  def life_end(self, m, g) -> int:
     """Where member m's life that holds group g ends in its sequence (its next life's rejoin)."""
-    return starts[m].get(info[g]["life"][m] + 1, len(seqs[m]))
+    return self.starts[m].get(self.info[g]["life"][m] + 1, len(self.seqs[m]))
 
-  def ready(g):
-    i = info[g]
+  def ready(self, g) -> bool:
+    """Whether group g is next in the sequence of every member that recorded it, and every other
+    member that is not joining by it (it died in the group) is at the end of that life."""
+    i, pos, seqs = self.info[g], self.pos, self.seqs
     for m in i["m"]:
       if m in i["applied"] or m in i["failed"]:
         if pos[m] >= len(seqs[m]) or seqs[m][pos[m]] != ("group", g):
           return False
-      elif m not in i["join"] and pos[m] != life_end(m, g):  # it died in the group
+      elif m not in i["join"] and pos[m] != self.life_end(m, g):  # it died in the group
         return False
     return True
 
-  def emit(g):
-    i = info[g]
+  def emit(self, g) -> None:
+    """Appends group g's events: the failed members' models set aside and back around the average of
+    the weighted members, then each applied joiner's JOIN."""
+    i, n, out = self.info[g], self.n, self.out
     for f in sorted(i["failed"]):
       out.append((0.0, timeline.PULL, n + f, f))
     weighted = tuple(m for m in i["m"] if m not in i["join"]) or i["m"]
@@ -138,48 +164,41 @@ def merged_events(traces: dict, num_workers: int) -> list:
       out.append((0.0, timeline.JOIN, j, weighted[0]))
     for f in sorted(i["failed"]):
       out.append((0.0, timeline.PULL, f, n + f))
-    emitted.add(g)
+    self.emitted.add(g)
 
-  def owed(w, life):
-    """Groups someone applied that w died in, in its lives before `life`, not yet emitted."""
+  def owed(self, w, life) -> bool:
+    """Whether some group someone applied that w died in, in its lives before `life`, is not yet
+    emitted."""
     return any(
       w in i["m"]
       and w not in i["applied"] | i["failed"]
       and i["life"][w] < life
-      and g not in emitted
+      and g not in self.emitted
       and i["applied"]
-      for g, i in info.items()
+      for g, i in self.info.items()
     )
 
-  def advance(w) -> bool:
-    seq, moved = seqs[w], False
+  def advance(self, w) -> bool:
+    """Emits worker w's tokens until one must wait (a rejoin owed a group, a group not ready) or its
+    sequence ends, moving the other recorders of each group emitted past it; whether w moved."""
+    seq, pos, info, moved = self.seqs[w], self.pos, self.info, False
     while pos[w] < len(seq):
       kind, key = seq[pos[w]]
       if kind in ("start", "apply"):
-        out.append((0.0, timeline.START, w, None) if kind == "start" else (0.0, timeline.APPLY, w, w))
+        self.out.append((0.0, timeline.START, w, None) if kind == "start" else (0.0, timeline.APPLY, w, w))
       elif kind == "rejoin":
-        if owed(w, key):
+        if self.owed(w, key):
           return moved
       elif info[key]["applied"]:
-        if not ready(key):
+        if not self.ready(key):
           return moved
-        emit(key)
+        self.emit(key)
         for m in info[key]["applied"] | info[key]["failed"]:
           if m != w:
             pos[m] += 1
       pos[w] += 1
       moved = True
     return moved
-
-  while any([advance(w) for w in seqs]):
-    pass
-  stuck = [seqs[w][pos[w]] for w in seqs if pos[w] < len(seqs[w])]
-  if stuck:
-    raise ValueError(
-      f"the traces contradict one global order: groups {sorted({k for _, k in stuck}, key=str)[:5]} "
-      "never had all their members"
-    )
-  return out
 
 
 def scratch_slots(traces: dict) -> bool:

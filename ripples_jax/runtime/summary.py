@@ -56,16 +56,51 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
   """Evaluates the marker snapshots, records them through the RunLog, writes summary.json and the Gantt
   (the coordinator, after the run; `authority`: its Group Generator service, if it ran one; `roster`:
   AD-PSGD's membership, if elastic)."""
-  model, data = setup.model, setup.data
   n = config.num_workers
   traces = trace_lib.load_traces(workdir)
   steps = np.array([sum(e["k"] == "step" for e in traces.get(w, [])) for w in range(n)])
   end = max(e["t"] for events in traces.values() for e in events if e["k"] == "end")
-  eval_fn = engine.make_eval_fn(model)
-  x_test, y_test = jax.device_put((data["x_test"], data["y_test"]))
+  elastic = bool(config.runtime.get("elastic", False))
+  records, time_to_target = _evaluate_markers(config, workdir, setup, unravel, traces, steps, end, elastic)
+  for r in records:  # the run's only records: metrics.jsonl was cut back to none on resume
+    log.record(**{k: v for k, v in r.items() if v is not None})
+
+  split = trace_lib.time_split(traces)
+  ends = {w: next((e for e in traces.get(w, []) if e["k"] == "end"), {}) for w in range(n)}
+  handled = list(authority.handled) if authority is not None else []
+  throughput, window = window_throughput(traces)
+  summary = log.finish(
+    time=end,
+    worker_steps=steps,
+    compute_time=split["compute"],
+    wait_time=split["wait"],
+    comm_time=split["comm"],
+    **_group_setup_fields(ends, n, end),
+    preduce=preduce_lib.choose(config),
+    authority=_authority_load(authority, handled),
+    time_to_target=time_to_target,
+    target_accuracy=config.target_accuracy,
+    step_time=config.runtime.step_time,
+    slow_workers=list(config.hetero.slow_workers),
+    slowdown=config.hetero.slowdown,
+    window_throughput=throughput,
+    window_end=window,
+    **_request_fields(ends, n, handled),
+    **(_membership_fields(traces, authority or roster) if elastic else {}),
+  )
+  trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
+  return summary
+
+
+def _evaluate_markers(config, workdir: str, setup, unravel, traces: dict, steps, end: float, elastic: bool):
+  """(one record per evaluation marker the run's model reached, then the final state's, in order;
+  the time of the first record at target_accuracy or None): each evaluates the average of the
+  workers' snapshots there."""
+  n = config.num_workers
+  eval_fn = engine.make_eval_fn(setup.model)
+  x_test, y_test = jax.device_put((setup.data["x_test"], setup.data["y_test"]))
   records, time_to_target = [], None
   snap = os.path.join(workdir, "snapshots")
-  elastic = bool(config.runtime.get("elastic", False))
   # Elastic: the run's model at a marker is the live workers' average there (a dead worker's stale
   # model, or a rejoined one's before its first group, saved nothing: docs/design.md 3.10).
   held = lambda name: [w for w in range(n) if os.path.exists(os.path.join(snap, f"{name}-{w}.npy"))]
@@ -82,22 +117,12 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
     records.append(record)
     if time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy:
       time_to_target = t
+  return records, time_to_target
 
-  for r in records:  # the run's only records: metrics.jsonl was cut back to none on resume
-    log.record(**{k: v for k, v in r.items() if v is not None})
 
-  split = trace_lib.time_split(traces)
-  ends = {w: next((e for e in traces.get(w, []) if e["k"] == "end"), {}) for w in range(n)}
-  rtts = [x for e in ends.values() for x in (e.get("rtt") or [])]
-  handled = list(authority.handled) if authority is not None else []
-  blocked = [x for e in ends.values() for x in (e.get("blocked") or [])]
-  throughput, window = window_throughput(traces)
-  summary = log.finish(
-    time=end,
-    worker_steps=steps,
-    compute_time=split["compute"],
-    wait_time=split["wait"],
-    comm_time=split["comm"],
+def _group_setup_fields(ends: dict, n: int, end: float) -> dict:
+  """The summary's P-Reduce set-up keys, per worker from its end line, in summary.json's order."""
+  return dict(
     preduce_programs=[ends[w].get("compiles") for w in range(n)],
     # P-Reduce programs compiled per worker, and the seconds of their first runs (compile, unless
     # compiled ahead, and connection set-up) over the run's time.
@@ -105,40 +130,40 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
     group_setup_s=[ends[w].get("setup_s") for w in range(n)],
     group_ahead_s=[ends[w].get("ahead_s") for w in range(n)],  # compiled and connected before the run
     group_setup_share=max((ends[w].get("setup_s") or 0.0) for w in range(n)) / end if end else None,
-    preduce=preduce_lib.choose(config),
-    authority={
-      "requests": len(handled),
-      "busy_s": authority.busy_s,
-      **authority_lib.percentiles(handled),
-    }
-    if handled
-    else None,
-    time_to_target=time_to_target,
-    target_accuracy=config.target_accuracy,
-    step_time=config.runtime.step_time,
-    slow_workers=list(config.hetero.slow_workers),
-    slowdown=config.hetero.slowdown,
-    window_throughput=throughput,
-    window_end=window,
+  )
+
+
+def _authority_load(authority, handled: list) -> dict | None:
+  """The Group Generator's requests, busy seconds and handling-time percentiles; None if it handled
+  none (or did not run)."""
+  if not handled:
+    return None
+  return {"requests": len(handled), "busy_s": authority.busy_s, **authority_lib.percentiles(handled)}
+
+
+def _request_fields(ends: dict, n: int, handled: list) -> dict:
+  """The summary's group-request keys (counts, round trips, the authority's handling, the time the
+  workers were blocked on it), in summary.json's order."""
+  rtts = [x for e in ends.values() for x in (e.get("rtt") or [])]
+  blocked = [x for e in ends.values() for x in (e.get("blocked") or [])]
+  return dict(
     requests=[ends[w].get("requests") for w in range(n)],
     request_rtt=authority_lib.percentiles(rtts),
     authority_handling=authority_lib.percentiles(handled),
     request_blocked=authority_lib.percentiles(blocked),
     request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)],
-    **(
-      {
-        "membership": membership_events(traces, authority or roster),
-        # Steps dead workers started and never completed that the live did not make up: their leave
-        # came after the run's budget was handed out (runtime/membership.py). worker_steps + this
-        # reaches the budget.
-        "unmade_steps": (authority or roster).unmade,
-      }
-      if elastic
-      else {}
-    ),
   )
-  trace_lib.write_gantt(workdir, title=f"{config.algorithm}, {n} processes (wall clock)")
-  return summary
+
+
+def _membership_fields(traces: dict, decider) -> dict:
+  """An elastic run's membership keys: its decisions and first groups, and the steps left unmade."""
+  return {
+    "membership": membership_events(traces, decider),
+    # Steps dead workers started and never completed that the live did not make up: their leave
+    # came after the run's budget was handed out (runtime/membership.py). worker_steps + this
+    # reaches the budget.
+    "unmade_steps": decider.unmade,
+  }
 
 
 def membership_events(traces: dict, decider) -> list:
