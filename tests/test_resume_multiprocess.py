@@ -1,18 +1,21 @@
 """Multi-process resume never destroys a run: the asynchronous runtime and the per-process pipeline
-refuse another config (every checkpoint file kept byte for byte), fall back to an older marker every
-worker restores when one worker's newest is corrupt (deleting nothing else), and end every process
-with exit 74 on a read-only ckpt/ instead of hanging. Real processes: all slow."""
+refuse another config (every checkpoint file kept byte for byte), a killed worker stops the run and
+the rerun resumes at a marker every worker restores, falling back when one worker's newest is corrupt
+(deleting nothing else), and every process ends with exit 74 on a read-only ckpt/ instead of
+hanging. Real processes: all slow."""
 
 import json
 import os
 import re
 import subprocess
+import threading
 import time
 
 import pytest
 
-from tests.fakes import start_directly
+from tests.fakes import exited, start_directly
 from tests.test_pipeline_runtime import pipeline_config
+from tests.test_runlog import assert_tensorboard_once
 from tests.test_runtime import MODEL, assert_replay_matches, launch_bounded, make_config, run_args
 from tests.test_workdir import corrupt, tree_digest
 
@@ -107,25 +110,54 @@ def newest_marker(workdir, worker):
   return max(int(d) for d in os.listdir(os.path.join(workdir, "ckpt", str(worker))) if d.isdigit())
 
 
-def test_a_corrupt_newest_marker_in_one_worker_falls_back_and_deletes_nothing_else(tmp_path):
+def test_a_killed_worker_stops_the_run_and_a_corrupt_newest_marker_falls_back_deleting_nothing_else(
+  tmp_path,
+):
+  """Three launches of one run. 1: worker 2 SIGKILLs itself before its local step 50; the launcher
+  names it at once and stops the others (SIGTERM, the coordinator last), each saying why. 2: worker
+  2's newest marker is corrupted; every worker falls back to the newest marker all of them restore,
+  deleting only the marker tried and found unusable; then worker 1 kills itself. 3: the run resumes
+  from what launch 2 saved and completes; the replay of the recorded order from x_0, across both
+  kills, lands on the parameters the workers hold, and TensorBoard holds every record once."""
   workdir = str(tmp_path / "run")
-  n, steps = 3, 120
+  n, steps = 4, 120
   args = run_args(workdir, "ripples_division", n, steps, ["--config.runtime.step_time=0.02"])
-  code, out = launch_bounded(n, args + ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=50"])
-  assert code != 0 and "worker 2 kills itself at local step 50" in out, out[-3000:]
+  died = {}
+
+  def watch_worker_2(pids):
+    def watch():
+      deadline = time.monotonic() + 180
+      while time.monotonic() < deadline and not exited(pids[1 + 2]):  # process 0: the coordinator
+        time.sleep(0.05)
+      died["at"] = time.monotonic()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=50"]
+  code, out = launch_bounded(n, args + fail, on_pids=watch_worker_2, grace_s=60)
+  assert code != 0 and "at" in died, out[-3000:]
+  elapsed = time.monotonic() - died["at"]
+  assert elapsed < 60, f"the other workers took {elapsed:.0f} s to exit"
+  assert "worker 2 kills itself at local step 50" in out, out[-3000:]
+  # The launcher names worker 2 at once and stops the others; each says why, with every worker's last
+  # completed step. (Without the launcher their watchdogs name worker 2 and exit 75: test_launcher.py.)
+  assert "[launch] worker 2 exited with -9 (SIGKILL); stopping the others" in out, out[-3000:]
+  stopped = [l for l in out.splitlines() if "received SIGTERM (stopped by the launcher" in l]
+  assert len(stopped) == n and sum("[c] coordinator: " in l for l in stopped) == 1, out[-3000:]
+  assert "last completed step per worker" in stopped[0]
+  assert "exit codes: coordinator 143, workers [143, 143, -9, 143]" in out
+
   bad = newest_marker(workdir, 2)
   corrupt(workdir, bad, process=2)
-  others = {w: tree_digest(os.path.join(workdir, "ckpt", str(w))) for w in (0, 1)}
-  # First rerun: every worker falls back to the newest marker all of them restore, then worker 1
-  # kills itself, so the second rerun resumes from what the first one saved.
+  others = {w: tree_digest(os.path.join(workdir, "ckpt", str(w))) for w in (0, 1, 3)}
   code, out = launch_bounded(n, args + ["--config.runtime.fail_worker=1", "--config.runtime.fail_step=90"])
   assert code != 0 and "worker 1 kills itself at local step 90" in out, out[-3000:]
-  resumed = {
+  resumed = [
     int(l.split("resuming at checkpoint marker")[1].split()[0])
     for l in out.splitlines()
     if "resuming at checkpoint marker" in l
-  }
-  assert len(resumed) == 1 and resumed.pop() < bad, out[-3000:]
+  ]
+  assert len(resumed) == n and len(set(resumed)) == 1 and 1 <= resumed[0] < bad, out[-3000:]
   assert f"checkpoint {bad}: worker [2] cannot restore it" in out, out[-3000:]
   assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
   # Only what was tried and found unusable is reported so: worker 2's corrupt marker, nothing else.
@@ -135,17 +167,17 @@ def test_a_corrupt_newest_marker_in_one_worker_falls_back_and_deletes_nothing_el
   assert len(deleted) == 1 and f"ckpt/2/{bad}: it does not read back" in deleted[0], deleted
   # Worker 2 deleted only the marker it tried and found corrupt; the others' newer markers were set
   # aside byte for byte, never deleted.
-  aside = {w: tree_digest(os.path.join(workdir, "ckpt.superseded", str(w))) for w in (0, 1)}
-  for w in (0, 1):
+  aside = {w: tree_digest(os.path.join(workdir, "ckpt.superseded", str(w))) for w in others}
+  for w in others:
     moved = {k: v for k, v in others[w].items() if int(k.split(os.sep)[0]) >= bad}
     assert moved and {k: aside[w].get(k) for k in moved} == moved, (w, sorted(moved), sorted(aside[w]))
+
   code, out = launch_bounded(n, args)
   assert code == 0, out[-3000:]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= n * steps
-  # Both resumes continued exactly where their checkpoints left off: the replay of the recorded order
-  # from x_0, across the two kills, lands on the parameters the workers hold.
   assert_replay_matches(make_config("ripples_division", n, steps, MODEL), workdir, tmp_path)
+  assert_tensorboard_once(workdir)  # the coordinator's records past each marker, written twice, show once
 
 
 def test_pipeline_rerun_with_other_stages_or_lr_is_refused_and_a_finished_rerun_rewrites_nothing(tmp_path):

@@ -19,7 +19,7 @@ from ripples_jax.distributed import coord
 from ripples_jax.distributed.launcher import launch
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.replay import merged_events, replay
-from tests.fakes import FakeKV, exited
+from tests.fakes import FakeKV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -305,58 +305,6 @@ def test_adpsgd_passive_side_replays_through_the_engine(tmp_path, mode):
     (other / f"trace-{w}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
   first = replay_error(config, workdir, str(other))
   assert min(first) > 10 * max(err) and min(first) > 1e-5, (err, first)
-
-
-@pytest.mark.slow
-def test_four_processes_killed_worker_then_resume(tmp_path):
-  workdir = str(tmp_path / "run")
-  n, steps = 4, 120
-  args = run_args(workdir, "ripples_division", n, steps, ["--config.runtime.step_time=0.04"])
-  # Worker 2 kills itself (SIGKILL) before its local step 50, once its newest checkpoint has committed.
-  # Markers every 8 steps per worker (32 started steps of the 4): every worker has saved marker 1 by
-  # then, and, with the fixed schedule's lockstep, none has saved marker 7 (56 steps): resume at <= 6.
-  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=50"]
-  died = {}
-
-  def watch_worker_2(pids):
-    def watch():
-      deadline = time.monotonic() + 180
-      while time.monotonic() < deadline and not exited(pids[1 + 2]):  # process 0: the coordinator
-        time.sleep(0.05)
-      died["at"] = time.monotonic()
-
-    threading.Thread(target=watch, daemon=True).start()
-
-  code, out = launch_bounded(n, args + fail, on_pids=watch_worker_2, grace_s=60)
-  assert code != 0 and "at" in died, out[-3000:]
-  elapsed = time.monotonic() - died["at"]
-  assert elapsed < 60, f"the other workers took {elapsed:.0f} s to exit"
-  assert "worker 2 kills itself at local step 50" in out, out[-3000:]
-  # The launcher names worker 2 at once and stops the others (SIGTERM, the coordinator last); each
-  # says why, with every worker's last completed step. (Without the launcher their watchdogs name
-  # worker 2 and exit 75: tests/test_launcher.py.)
-  assert "[launch] worker 2 exited with -9 (SIGKILL); stopping the others" in out, out[-3000:]
-  stopped = [l for l in out.splitlines() if "received SIGTERM (stopped by the launcher" in l]
-  assert len(stopped) == 4 and sum("[c] coordinator: " in l for l in stopped) == 1, out[-3000:]
-  assert "last completed step per worker" in stopped[0]
-  assert "exit codes: coordinator 143, workers [143, 143, -9, 143]" in out
-
-  code, out = launch_bounded(n, args)
-  assert code == 0, out[-3000:]
-  resumed = [
-    int(l.split("resuming at checkpoint marker")[1].split()[0])
-    for l in out.splitlines()
-    if "resuming at checkpoint marker" in l
-  ]
-  assert len(resumed) == n and len(set(resumed)) == 1 and 1 <= resumed[0] <= 6, out[-3000:]
-  summary = json.load(open(os.path.join(workdir, "summary.json")))
-  assert sum(summary["worker_steps"]) >= n * steps
-  # The resumed run continued exactly where the checkpoint left off: replaying the recorded order from
-  # x_0, across the kill, lands on the parameters the workers hold.
-  assert_replay_matches(make_config("ripples_division", n, steps, MODEL), workdir, tmp_path)
-  from tests.test_runlog import assert_tensorboard_once
-
-  assert_tensorboard_once(workdir)  # the coordinator's records past the marker, written twice, show once
 
 
 @pytest.mark.slow
