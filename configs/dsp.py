@@ -53,8 +53,9 @@ def get_config(arg=None):
   # order, faster per example on a CPU (cache)
   c.split = "measured"  # measured: stages balance each layer's measured forward + backward time
   # (profiled once per machine, cached; a run's split is pinned in WORKDIR/split.json) | macs
-  c.placement = "one_device"  # one_device (one process, one jitted tick) | per_process
-  # (stage k in process k: experiments.launch --module=experiments.train_dsp)
+  c.placement = "one_device"  # one_device (one process, one jitted tick) | devices (stage k on
+  # device k of this process: the tick methods) | per_process (stage k in process k:
+  # experiments.launch --module=experiments.train_dsp)
   c.seed = 0  # parameters and data order
 
   c.dataset = arg.dataset  # mnist1d | digits | cifar10 | synthetic

@@ -55,10 +55,16 @@ def _fingerprint(leaves):
 def fingerprint(state) -> tuple[list[list[int]], bool]:
   """([[sum, weighted sum] per leaf], every float finite) of a pytree of jax.Arrays; collective."""
   leaves = [a for a in jax.tree.leaves(state) if isinstance(a, jax.Array) and a.size]
-  if not leaves:
-    return [], True
-  sums, finite = _fingerprint(leaves)
-  return [[int(x) for x in np.asarray(s)] for s in sums], bool(finite)
+  groups = {}  # one program per set of devices: a pipeline's stages live on a device each (devices.py)
+  for i, a in enumerate(leaves):
+    groups.setdefault(frozenset(d.id for d in a.sharding.device_set), []).append(i)
+  out, finite = [None] * len(leaves), True
+  for idx in groups.values():
+    sums, ok = _fingerprint([leaves[i] for i in idx])
+    finite &= bool(ok)
+    for i, s in zip(idx, sums):
+      out[i] = [int(x) for x in np.asarray(s)]
+  return out, finite
 
 
 class _OneWriter(array_metadata_store.Validator):

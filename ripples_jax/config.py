@@ -450,7 +450,7 @@ def _int_in(config, key, lo, hi, allowed):
     _fail(key, value, allowed)
 
 
-def _check_dsp_placement(config, num_processes: int) -> None:
+def _check_dsp_placement(config, num_processes: int, local_devices: int | None = None) -> None:
   """validate_dsp_config's placement keys: per_process's own (process count, method, mode, chunks,
   runtime.*), or what the one-process placements refuse."""
   from ripples_jax.pipeline.tick import PROCESS_MODES
@@ -472,6 +472,31 @@ def _check_dsp_placement(config, num_processes: int) -> None:
       config.mode,
       "recompute or stash unless placement=per_process (the fused call and the "
       "residual ring exist in the multi-process runtime)",
+    )
+  elif config.placement == "devices":
+    _check_devices(config, local_devices)
+
+
+def _check_devices(config, local_devices: int | None) -> None:
+  """placement=devices: a tick method, and a device of this process per stage."""
+  import jax
+
+  from ripples_jax.pipeline.baselines import TICK_METHODS
+
+  if config.method not in TICK_METHODS:
+    _fail(
+      "method",
+      config.method,
+      f"one of {', '.join(TICK_METHODS)} with placement=devices (its stages are a tick's programs, "
+      "one device each); bp, gpipe and dni run with placement=one_device",
+    )
+  n = jax.local_device_count() if local_devices is None else local_devices
+  if config.num_stages > n:
+    _fail(
+      "num_stages",
+      config.num_stages,
+      f"at most the {n} devices of this process with placement=devices (one device per stage; on "
+      "the CPU, --cpu_devices sets their number)",
     )
 
 
@@ -525,11 +550,12 @@ def _check_per_process(config, num_processes: int, process_modes) -> None:
   )
 
 
-def validate_dsp_config(config, num_processes: int = 1) -> None:
-  """Raises ConfigError naming the first bad key of an experiments.train_dsp config."""
+def validate_dsp_config(config, num_processes: int = 1, local_devices: int | None = None) -> None:
+  """Raises ConfigError naming the first bad key of an experiments.train_dsp config (`local_devices`:
+  this process's devices, for placement=devices; default: jax.local_device_count())."""
   from ripples_jax.models.split import max_stages
 
-  _check_dsp_placement(config, num_processes)
+  _check_dsp_placement(config, num_processes, local_devices)
   _one_of(config, "method", DSP_METHODS)
   _one_of(config, "mode", MODES)
   if "split" in config:

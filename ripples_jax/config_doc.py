@@ -19,6 +19,7 @@ import tokenize
 import ml_collections
 
 from ripples_jax import config as config_lib
+from ripples_jax.pipeline.baselines import TICK_METHODS
 from ripples_jax.pipeline.tick import PLACEMENTS
 from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
 
@@ -39,8 +40,12 @@ def _dsp_variants():
     for method in DSP_METHODS:
       if placement == "per_process" and method == "dni":
         continue
+      if placement == "devices" and method not in TICK_METHODS:
+        continue
       arg = f"method={method}"
       kwargs = {"num_processes": 2 if placement == "per_process" else 1}
+      if placement == "devices":
+        kwargs["local_devices"] = 8  # the document must not depend on this machine's devices
       yield {"placement": placement, "method": method}, arg, {"placement": placement, **kwargs}
 
 

@@ -49,9 +49,9 @@ MODES = ("recompute", "stash", "fused", "residuals")
 PROCESS_MODES = ("fused", "residuals")
 # Not a config value: the mode pipemare's schedule carries (method_schedule).
 CORRECTED = "corrected"
-# one_device: every stage in this process, one jitted tick; per_process: stage k in process k
-# (pipeline/per_process.py, under the launcher).
-PLACEMENTS = ("one_device", "per_process")
+# one_device: every stage in this process, one jitted tick; devices: stage k on device k of this process
+# (pipeline/devices.py); per_process: stage k in process k (pipeline/per_process.py, under the launcher).
+PLACEMENTS = ("one_device", "devices", "per_process")
 
 
 @dataclasses.dataclass(frozen=True)

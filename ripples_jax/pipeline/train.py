@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import setup as setup_lib
-from ripples_jax.pipeline import baselines, tick, timing
+from ripples_jax.pipeline import baselines, devices, tick, timing
 from ripples_jax.runlog import RunLog, make_workdir
 
 
@@ -131,6 +131,8 @@ def _setup(config, workdir: str | None = None):
   the split the run first used: setup.split_stages)."""
   p = setup_lib.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
+  if config.placement == "devices":  # validated: a tick method
+    step_fn = devices.device_tick_step
   state = init_fn(
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
   )
@@ -148,11 +150,13 @@ def _setup(config, workdir: str | None = None):
 
 
 def run(config, workdir: str | None = None) -> dict:
-  """The pipeline in this one process (placement=one_device); the config was validated by
-  run.train_and_evaluate."""
+  """The pipeline in this one process (placement=one_device, or devices: stage k on device k); the
+  config was validated by run.train_and_evaluate."""
   workdir = make_workdir(workdir, config)
   stages, state, run = _setup(config, workdir)
   run["times"] = times = _model_times(config, stages, state, run["feed"].sample)
+  if config.placement == "devices":  # after the stage timings, which run the stages on one device
+    state = devices.place(state, devices.stage_devices(config.num_stages))
   n = run["num_batches"]
   with RunLog(workdir, config, total_steps=n) as log:
     got = log.restore(state)

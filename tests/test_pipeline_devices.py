@@ -1,0 +1,115 @@
+"""placement=devices: stage k on device k of this process computes one_device's tick (the forced CPU
+devices of the conftest stand for a host's GPUs or TPU chips)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from ripples_jax import run as run_lib
+from ripples_jax.config import ConfigError, validate_dsp_config
+from ripples_jax.pipeline import devices as devices_lib
+from ripples_jax.pipeline import tick as tick_lib
+from tests.test_pipeline_dsp import batches, mlp_stages
+
+CASES = [  # (method, mode, delay, K): every tick method, both ring modes, a longer link, a third stage
+  ("dsp", "recompute", 1, 2),
+  ("dsp", "stash", 1, 2),
+  ("dsp", "recompute", 2, 3),
+  ("ddg", None, 1, 2),
+  ("pipedream", None, 1, 3),
+  ("pipemare", None, 1, 2),
+  ("fr", None, 1, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def data():
+  from ripples_jax.data import load_dataset
+
+  return load_dataset("synthetic", seed=0, num_train=256, num_test=64)
+
+
+def ticks(step, state, schedule, bs):
+  off = schedule.offsets[-1]
+  for t in range(len(bs) + schedule.drain_ticks()):
+    x = bs[t][0] if t < len(bs) else np.zeros_like(bs[0][0])
+    y = bs[min(max(t - off, 0), len(bs) - 1)][1]
+    state, _ = step(state, x, y, t)
+  return state
+
+
+@pytest.mark.parametrize("method,mode,delay,K", CASES)
+def test_stages_on_their_devices_compute_the_one_device_tick(data, method, mode, delay, K):
+  stages, opt = mlp_stages(K), optax.sgd(0.1, momentum=0.9)
+  schedule = tick_lib.method_schedule(method, K, delay, mode, lr_anneal=5)
+  bs = batches(data, 10)
+  init = lambda: tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  want = ticks(tick_lib.make_tick(stages, opt, schedule, len(bs)), init(), schedule, bs)
+
+  devs = devices_lib.stage_devices(K)
+  assert len({d.id for d in devs}) == K
+  step = devices_lib.make_device_tick(stages, opt, schedule, len(bs), devs)
+  got = ticks(step, devices_lib.place(init(), devs), schedule, bs)
+  for k, (g, w) in enumerate(zip(got, want)):
+    # Every array of stage k stayed on device k: its programs ran there, its links landed there.
+    assert {d for a in jax.tree.leaves(g) for d in a.devices()} == {devs[k]}, k
+    assert set(g) == set(w)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"stage {k}")
+
+
+def dsp_config(**kw):
+  from configs import dsp as dsp_config_lib
+
+  c = dsp_config_lib.get_config("method=dsp,num_stages=2,model=mlp")
+  for k, v in kw.items():
+    setattr(c, k, v)
+  return c
+
+
+def test_devices_refuses_a_whole_model_method_and_more_stages_than_devices():
+  with pytest.raises(
+    ConfigError, match=r"config.method: 'gpipe' is not allowed: one of ddg, .* placement=devices"
+  ):
+    validate_dsp_config(dsp_config(placement="devices", method="gpipe"))
+  with pytest.raises(
+    ConfigError, match=r"config.num_stages: 9 is not allowed: at most the 8 devices of this process"
+  ):
+    validate_dsp_config(dsp_config(placement="devices", num_stages=9, model="resnet56"))
+  validate_dsp_config(dsp_config(placement="devices"))
+
+
+@pytest.mark.slow
+def test_a_devices_run_records_one_device_s_curve_and_resumes_from_a_checkpoint(tmp_path):
+  """The entry point's library call with placement=devices: one_device's records (train loss, test
+  accuracy and loss, epochs); then the run cut back to its first checkpoint (later checkpoints
+  and the summary removed, as a kill leaves it) resumes onto the devices and writes the same records."""
+  import shutil
+
+  def train(placement, wd):
+    c = dsp_config(placement=placement, num_epochs=2, log_every=25, eval_every=50, checkpoint_every=50)
+    return run_lib.train_and_evaluate(c, str(wd))
+
+  def records(wd):
+    drop = ("time", "modeled_time")
+    return [{k: v for k, v in json.loads(l).items() if k not in drop} for l in open(wd / "metrics.jsonl")]
+
+  train("one_device", tmp_path / "one")
+  train("devices", tmp_path / "dev")
+  one, dev = records(tmp_path / "one"), records(tmp_path / "dev")
+  assert len(dev) >= 4 and any("test_accuracy" in r for r in dev)
+  assert dev == one  # the same numbers, bit for bit (the programs compute the tick's float order here)
+
+  cut = tmp_path / "cut"
+  shutil.copytree(tmp_path / "dev", cut)
+  steps = sorted(int(d) for d in os.listdir(cut / "ckpt") if d.isdigit())
+  assert len(steps) >= 2
+  for step in steps[1:]:
+    shutil.rmtree(cut / "ckpt" / str(step))
+  os.remove(cut / "summary.json")
+  train("devices", cut)
+  assert records(cut) == dev  # resumed at steps[0] on the stages' devices, the rest redone the same
