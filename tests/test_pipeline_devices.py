@@ -42,7 +42,9 @@ def ticks(step, state, schedule, bs):
   return state
 
 
-@pytest.mark.parametrize("method,mode,delay,K", CASES)
+@pytest.mark.parametrize(
+  "method,mode,delay,K", CASES[:1] + [pytest.param(*c, marks=pytest.mark.slow) for c in CASES[1:]]
+)
 def test_stages_on_their_devices_compute_the_one_device_tick(data, method, mode, delay, K):
   stages, opt = mlp_stages(K), optax.sgd(0.1, momentum=0.9)
   schedule = tick_lib.method_schedule(method, K, delay, mode, lr_anneal=5)

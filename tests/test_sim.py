@@ -463,6 +463,7 @@ def test_ledger_judges_the_ps_and_2x_claims_on_time_to_accuracy():
   )
 
 
+@pytest.mark.slow
 def test_ledger_tta_merges_into_the_stored_results(tmp_path):
   """Running some scenarios alone keeps what tta.json held for the others and for the algorithms not run."""
   from experiments import ledger_tta
