@@ -160,6 +160,61 @@ def test_the_coordinators_watchdog_reports_a_silent_worker_once_and_goes_on():
   assert boss.gone == set() and boss.incarnations[2] == 1
 
 
+def test_a_run_every_worker_left_ends_resumable_once_none_rejoins_for_the_stall_timeout():
+  kv, lost, exits, logs = FakeKV(), [], [], []
+  dogs = [
+    coord.Watchdog(
+      kv, w, 2, lambda: (1, 1, False), 1.0, 5.0, 30.0, lambda m: None, exits.append, incarnation=0
+    )
+    for w in range(2)
+  ]
+  boss = coord.Watchdog(
+    kv,
+    None,
+    2,
+    lambda: (0, 0, False),
+    1.0,
+    5.0,
+    30.0,
+    logs.append,
+    exits.append,
+    on_lost=lambda w, inc: lost.append(w),
+  )
+  for t in range(3):
+    for d in [*dogs, boss]:
+      d.check(100.0 + t)
+  for t in range(3, 10):  # both stop beating: both leave
+    boss.check(100.0 + t)
+  assert sorted(lost) == [0, 1] and exits == []
+  dogs[1].incarnation = 1  # a restart of worker 1 beats: a member again, the clock starts over
+  dogs[1].check(120.0)
+  boss.check(120.0)
+  assert boss.gone == {0} and exits == []
+  for t in range(121, 170):  # it goes silent too, and nobody comes back
+    boss.check(float(t))
+    if exits:
+      break
+  # Removed at 126 (5 s of silence), so every worker has been gone since then: the end 30 s later.
+  assert exits == [coord.EXIT_LOST] and t == 157, t
+  assert "every worker left the run (workers [0, 1]) and none rejoined for 30 s" in logs[0], logs
+
+
+def test_the_coordinator_does_not_call_a_run_every_worker_left_complete(tmp_path):
+  from types import SimpleNamespace
+
+  from ripples_jax.runtime.coordinator import await_workers
+
+  dog = SimpleNamespace(done={0: False, 1: False}, gone={0, 1})
+  t = threading.Thread(target=await_workers, args=(dog, None, str(tmp_path), 60.0), daemon=True)
+  t.start()
+  time.sleep(0.5)
+  assert t.is_alive()  # no summary: the watchdog ends this run (or a rejoined worker finishes it)
+  dog.gone.discard(1)
+  dog.done[1] = True
+  t.join(2.0)
+  assert not t.is_alive()
+
+
 def test_silence_counts_from_the_watchdogs_start_not_its_construction():
   """The coordinator builds its watchdog before the start barrier, which can outlast the timeout; a
   worker's first beat comes an interval after its own start. Neither is a silence."""
@@ -580,6 +635,29 @@ def test_the_coordinators_death_stops_the_run_and_it_resumes(tmp_path):
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= 4 * steps and summary["membership"] == []
   assert_replayed(workdir, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@pytest.mark.parametrize("algorithm", ["ripples_random", "adpsgd"])
+def test_every_worker_killed_ends_the_run_resumable_and_the_rerun_finishes_it(tmp_path, algorithm):
+  """Every worker SIGKILLed, no restarts: the coordinator removes them, waits stall_timeout (20 s) for a
+  rejoin, then ends with one line and exit 75, no summary; the same command finishes the run (Ripples
+  resumes from its newest marker; AD-PSGD, which checkpoints only its final state, starts over)."""
+  steps = 200
+  workdir = str(tmp_path / "run")
+  kill_all = when_steps(workdir, 0, 20, lambda pids: [os.kill(p, signal.SIGKILL) for p in pids[1:]])
+  args = run_args(workdir, algorithm, 4, steps, ELASTIC)
+  code, out = launch_bounded(4, args, timeout_s=300, on_pids=kill_all)
+  assert code != 0 and "every worker left the run (workers [0, 1, 2, 3]) and none rejoined" in out, out[
+    -3000:
+  ]
+  assert "[launch] coordinator exited with 75" in out, out[-3000:]
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  code, out = launch_bounded(4, args, timeout_s=300)
+  assert code == 0, out[-3000:]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert sum(summary["worker_steps"]) >= 4 * steps
 
 
 @pytest.mark.slow

@@ -79,6 +79,7 @@ class Watchdog:
     # timeout_s, which the run then goes on without (`gone` until it beats again: a rejoin). A worker's
     # (incarnation not None): peers are not its concern; it exits when the coordinator removed it.
     self.on_lost, self.incarnation, self.gone = on_lost, incarnation, set()
+    self._all_gone_since = None  # elastic: when the last live worker left (none done)
     self.incarnations = {w: 0 for w in range(num_workers)}  # each worker's, as its heartbeat says
     self.fired = False
     self._fire_lock = threading.RLock()  # the watchdog thread and a SIGTERM may want to exit at once
@@ -152,6 +153,19 @@ class Watchdog:
     if silent:
       return self._lost(f"{self.role}(s) {silent} lost: no heartbeat for {self.timeout:.0f} s", silent)
     running = [w for w in range(self.n) if not self.done[w] and w not in self.gone]
+    if self.on_lost is not None and not running and not any(self.done.values()):
+      # Every worker left an elastic run before its end: nobody can post STOP or finish it. A restart
+      # may still rejoin (a beat of it makes it a member again); after stall_timeout without one the
+      # run ends resumable, instead of waiting for workers that will never come.
+      self._all_gone_since = self._all_gone_since or now
+      if now - self._all_gone_since > self.stall_timeout:
+        return self._lost(
+          f"every {self.role} left the run ({self.role}s {sorted(self.gone)}) and none rejoined for "
+          f"{self.stall_timeout:.0f} s; run the same command again to resume from the newest checkpoint",
+          [],
+        )
+      return
+    self._all_gone_since = None
     if running and all(now - self.moved[w][1] > self.stall_timeout for w in running):
       stalled = min(running, key=lambda w: self.moved[w][1])
       self._lost(

@@ -131,7 +131,10 @@ def await_workers(watchdog, authority, workdir: str, timeout_s: float) -> None:
     save_snapshot(workdir, authority.last_ckpt + 1, authority.service.state())
   deadline = time.monotonic() + timeout_s if authority is not None else None
   gone = getattr(watchdog, "gone", set())  # elastic: the dead are not waited for
-  while not all(d or w in gone for w, d in watchdog.done.items()):
+  # ... unless every worker is gone and none finished: that run has not ended (a restart may rejoin;
+  # the watchdog ends it after stall_timeout), and a summary now would call it complete.
+  everyone_gone = lambda: len(gone) == len(watchdog.done) and not any(watchdog.done.values())
+  while everyone_gone() or not all(d or w in gone for w, d in watchdog.done.items()):
     if deadline is None and any(watchdog.done.values()):
       deadline = time.monotonic() + timeout_s
     if deadline is not None and time.monotonic() > deadline:
