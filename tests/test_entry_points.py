@@ -229,24 +229,8 @@ def test_bench_slack(tmp_path):
 def test_bench_devices(tmp_path):
   """One row of the devices benchmark, once: one_device, devices and one per_process launch."""
   out = tmp_path / "ticks.json"
-  r = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "benchmarks.bench_devices",
-      "--models=cnn1d",
-      "--methods=dsp",
-      "--reps=1",
-      "--ticks=4",
-      "--launches=1",
-      f"--json_out={out}",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert r.returncode == 0, r.stderr[-3000:]
+  args = ["--models=cnn1d", "--methods=dsp", "--reps=1", "--ticks=4", "--launches=1", f"--json_out={out}"]
+  run("benchmarks.bench_devices", *args, tmp_path=tmp_path)
   row = json.loads(out.read_text())["rows"]["cnn1d/dsp"]
   assert row["devices"]["median"] > 0 and row["per_process"]["median"] > 0
   assert row["devices_over_per_process"] == row["devices"]["median"] / row["per_process"]["median"]

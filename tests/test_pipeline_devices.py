@@ -13,7 +13,7 @@ from ripples_jax import run as run_lib
 from ripples_jax.config import ConfigError, validate_dsp_config
 from ripples_jax.pipeline import devices as devices_lib
 from ripples_jax.pipeline import tick as tick_lib
-from tests.test_pipeline_dsp import batches, mlp_stages
+from tests.test_pipeline_dsp import batches, drive, mlp_stages
 
 CASES = [  # (method, mode, delay, K): every tick method, both ring modes, a longer link, a third stage
   ("dsp", "recompute", 1, 2),
@@ -33,15 +33,6 @@ def data():
   return load_dataset("synthetic", seed=0, num_train=256, num_test=64)
 
 
-def ticks(step, state, schedule, bs):
-  off = schedule.offsets[-1]
-  for t in range(len(bs) + schedule.drain_ticks()):
-    x = bs[t][0] if t < len(bs) else np.zeros_like(bs[0][0])
-    y = bs[min(max(t - off, 0), len(bs) - 1)][1]
-    state, _ = step(state, x, y, t)
-  return state
-
-
 @pytest.mark.parametrize(
   "method,mode,delay,K", CASES[:1] + [pytest.param(*c, marks=pytest.mark.slow) for c in CASES[1:]]
 )
@@ -50,12 +41,12 @@ def test_stages_on_their_devices_compute_the_one_device_tick(data, method, mode,
   schedule = tick_lib.method_schedule(method, K, delay, mode, lr_anneal=5)
   bs = batches(data, 10)
   init = lambda: tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
-  want = ticks(tick_lib.make_tick(stages, opt, schedule, len(bs)), init(), schedule, bs)
+  want = drive(tick_lib.make_tick(stages, opt, schedule, len(bs)), init(), schedule, bs)
 
   devs = devices_lib.stage_devices(K)
   assert len({d.id for d in devs}) == K
   step = devices_lib.make_device_tick(stages, opt, schedule, len(bs), devs)
-  got = ticks(step, devices_lib.place(init(), devs), schedule, bs)
+  got = drive(step, devices_lib.place(init(), devs), schedule, bs)
   for k, (g, w) in enumerate(zip(got, want)):
     # Every array of stage k stayed on device k: its programs ran there, its links landed there.
     assert {d for a in jax.tree.leaves(g) for d in a.devices()} == {devs[k]}, k

@@ -43,15 +43,19 @@ def batches(data, n, size=B):
   return [(data["x_train"][i], data["y_train"][i]) for i in idx]
 
 
-def run_ticks(stages, opt, schedule, bs):
-  state = tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
-  tick = tick_lib.make_tick(stages, opt, schedule, len(bs))
+def drive(tick, state, schedule, bs):
+  """`state` after every batch of `bs` and the drain, through `tick` (any placement's)."""
   off = schedule.offsets[-1]
   for t in range(len(bs) + schedule.drain_ticks()):
     x = bs[t][0] if t < len(bs) else np.zeros_like(bs[0][0])
     y = bs[min(max(t - off, 0), len(bs) - 1)][1]
     state, _ = tick(state, x, y, t)
   return state
+
+
+def run_ticks(stages, opt, schedule, bs):
+  state = tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  return drive(tick_lib.make_tick(stages, opt, schedule, len(bs)), state, schedule, bs)
 
 
 def params_of(state):
