@@ -21,6 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from ripples_jax import config_doc, runlog
+from ripples_jax.config import collective_timeout_s
 from ripples_jax.data import DatasetError
 from ripples_jax.distributed.host import init_distributed, quiet_library_logs, recoverable, use_cpu_devices
 from ripples_jax.errors import ConfigError
@@ -281,7 +282,7 @@ def set_up_host(config=None) -> None:
   use_cpu_devices(CPU_DEVICES.value)
   rt = config.get("runtime") if config is not None else None
   if _JAX_DISTRIBUTED.value and rt is not None and rt.get("elastic") is True:
-    recoverable(2 * rt.heartbeat_timeout)  # longer than a removal takes: a stalled peer is gone by then
+    recoverable(collective_timeout_s(rt))
   if _JAX_DISTRIBUTED.value:
     init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICE_IDS.value)
 

@@ -228,6 +228,22 @@ def _check_runtime(config):
     _fail(
       "runtime.stall_timeout", rt.stall_timeout, f"seconds > runtime.heartbeat_timeout={rt.heartbeat_timeout}"
     )
+  # Elastic: an exchange with a stalled worker fails only after the collective timeout (2 x
+  # heartbeat_timeout: host.recoverable), and the survivors complete nothing while they wait in it; a
+  # shorter stall_timeout ends the whole run as stuck before the exchange can fail.
+  if rt.get("elastic") is True and not rt.stall_timeout > collective_timeout_s(rt):
+    _fail(
+      "runtime.stall_timeout",
+      rt.stall_timeout,
+      f"seconds > 2 x runtime.heartbeat_timeout={rt.heartbeat_timeout} with runtime.elastic (the collective "
+      "timeout: the survivors wait that long in an exchange with a stalled worker)",
+    )
+
+
+def collective_timeout_s(rt) -> float:
+  """An elastic run's collective timeout (--xla_cpu_collective_timeout_seconds, host.recoverable):
+  longer than a removal takes, so a stalled peer is gone by the time its exchanges fail."""
+  return 2 * rt.heartbeat_timeout
 
 
 FAIL_WHERE = ("step", "preduce")

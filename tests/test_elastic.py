@@ -432,6 +432,24 @@ def test_elastic_refuses_what_cannot_exclude_a_member(algorithm, extra, message)
   assert "\n" not in str(e.value)
 
 
+def test_elastic_refuses_a_stall_timeout_within_the_collective_timeout():
+  """heartbeat_timeout=25 makes the collective timeout 50 s: with stall_timeout=40 the survivors would
+  sit in their exchanges with a stalled worker until the coordinator ends the run as stuck."""
+  config = default_config.get_config("algorithm=ripples_random,executor=async,num_workers=4")
+  config.runtime.heartbeat_timeout = 25.0
+  config_lib.validate_train_config(config, num_devices=5, num_processes=5)  # not elastic: no such timeout
+  config.runtime.elastic = True
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate_train_config(config, num_devices=5, num_processes=5)
+  assert str(e.value) == (
+    "config.runtime.stall_timeout: 40.0 is not allowed: seconds > 2 x runtime.heartbeat_timeout=25.0 with "
+    "runtime.elastic (the collective timeout: the survivors wait that long in an exchange with a stalled "
+    "worker)"
+  )
+  config.runtime.stall_timeout = 50.5
+  config_lib.validate_train_config(config, num_devices=5, num_processes=5)
+
+
 def test_elastic_belongs_to_the_runtime_and_fail_where_preduce_to_elastic():
   config = default_config.get_config("algorithm=ripples_random,executor=sim,num_workers=4")
   config.runtime.elastic = True
