@@ -46,7 +46,7 @@ def get_config(arg=None):
   c.validation_examples = (
     0  # sim: training examples held out (the same for every seed); records carry val_accuracy too
   )
-  c.model = arg.model  # mlp | cnn1d | cnn2d | resnet20 | resnet56
+  c.model = arg.model  # mlp | cnn1d | cnn2d | resnet20 | resnet56 | rescnn
   c.batch_size = 32  # per worker
 
   c.optimizer = ml_collections.ConfigDict()

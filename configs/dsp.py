@@ -60,7 +60,7 @@ def get_config(arg=None):
 
   c.dataset = arg.dataset  # mnist1d | digits | cifar10 | synthetic
   c.data_dir = ""  # cifar10: the local batches; mnist1d: cache dir ("" = default)
-  c.model = arg.model  # mlp | cnn1d | cnn2d | resnet20 | resnet56, split into num_stages
+  c.model = arg.model  # mlp | cnn1d | cnn2d | resnet20 | resnet56 | rescnn, split into num_stages
   c.validation_examples = 0  # training examples held out for validation (0: none), a fixed
   # permutation (seed 0, the same for every run seed); placement=one_device records val_accuracy
   # beside test_accuracy, so a step size is chosen on validation, reported on test (dsp_accuracy)

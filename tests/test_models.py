@@ -18,6 +18,7 @@ CASES = {
   "cnn2d": ((2, 8, 8, 1), 20_000, 100_000),  # 8x8 digits.
   "resnet20": ((2, 32, 32, 3), 260_000, 280_000),  # He et al. 2016: 0.27M.
   "resnet56": ((2, 32, 32, 3), 840_000, 870_000),  # He et al. 2016: 0.85M.
+  "rescnn": ((2, 32, 32, 3), 88_714, 88_714),  # 8 blocks (16, 32 wide) with biases, no BatchNorm.
 }
 
 # Tests check values, not speed: skip XLA's costly CPU optimizations. Compiling

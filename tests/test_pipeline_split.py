@@ -18,8 +18,15 @@ from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model
 from ripples_jax.runlog import records
 
 B = 2
-INPUTS = {"mlp": (40, 1), "mlp_gelu": (40, 1), "cnn1d": (40, 1), "cnn2d": (8, 8, 1), "resnet20": (32, 32, 3)}
-MAX_STAGES = {"mlp": 3, "mlp_gelu": 3, "cnn1d": 4, "cnn2d": 4, "resnet20": 11, "resnet56": 29}
+INPUTS = {
+  "mlp": (40, 1),
+  "mlp_gelu": (40, 1),
+  "cnn1d": (40, 1),
+  "cnn2d": (8, 8, 1),
+  "resnet20": (32, 32, 3),
+  "rescnn": (32, 32, 3),
+}
+MAX_STAGES = {"mlp": 3, "mlp_gelu": 3, "cnn1d": 4, "cnn2d": 4, "resnet20": 11, "resnet56": 29, "rescnn": 10}
 
 # Tests check values, not speed: one jit per call with XLA's costly CPU passes off.
 # Inits are the slow compiles (~2.5 s for ResNet-20), so most tests init the unsplit
@@ -216,6 +223,21 @@ def test_resnets_split_at_stage_boundaries_when_k_is_3():
     assert [len(s.units) for s in stages] == [1 + n, n, n + 1]
   stages = split.split_model("resnet20", 10, 3)
   assert split.stage_shapes(stages, jnp.zeros((B, 32, 32, 3))) == [(B, 32, 32, 16), (B, 16, 16, 32), (B, 10)]
+
+
+def test_rescnn_blocks_cost_alike_and_split_evenly_at_k_2_and_4():
+  # The speed model of the pipeline benchmarks: 8 blocks of equal MACs (the stride-2 block 3/4 of one)
+  # between a small stem and head, cut at the width change for K=2.
+  units = split.model_units("rescnn", 10)
+  costs = split.unit_costs(units, (32, 32, 3))
+  block = 2 * 16 * 16 * 9 * 16 * 16
+  assert costs[1:9] == [block] * 4 + [3 * block // 4] + [block] * 3
+  assert costs[0] < block / 10 and costs[-1] < block / 1000
+  assert split.partition(costs, 2, [5]) == [(0, 5), (5, 10)]
+  ranges = split.partition(costs, 4, [5])
+  assert [sum(costs[a:b]) / sum(costs) for a, b in ranges] == pytest.approx([0.25] * 4, abs=0.06)
+  x = jnp.zeros((B, 32, 32, 3))
+  assert split.stage_shapes(split.split_model("rescnn", 10, 2), x) == [(B, 16, 16, 16), (B, 10)]
 
 
 def test_unit_costs_are_macs():

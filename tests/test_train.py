@@ -76,7 +76,7 @@ BAD = [
   (
     "model",
     "vit",
-    "config.model: 'vit' is not allowed: one of mlp, mlp_gelu, cnn1d, cnn2d, resnet20, resnet56",
+    "config.model: 'vit' is not allowed: one of mlp, mlp_gelu, cnn1d, cnn2d, resnet20, resnet56, rescnn",
   ),
   ("executor", "cluster", "config.executor: 'cluster' is not allowed: one of spmd, sim, async"),
   ("num_workers", 12, "config.num_workers: 12 is not allowed: at most the 8 devices or a multiple of 8"),

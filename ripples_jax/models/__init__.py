@@ -16,10 +16,10 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from ripples_jax.models.resnet import CifarResNet, ResNet20, ResNet56
+from ripples_jax.models.resnet import CifarResNet, ResCNN, ResNet20, ResNet56
 from ripples_jax.models.simple import CNN1D, CNN2D, MLP
 
-MODEL_NAMES = ("mlp", "mlp_gelu", "cnn1d", "cnn2d", "resnet20", "resnet56")
+MODEL_NAMES = ("mlp", "mlp_gelu", "cnn1d", "cnn2d", "resnet20", "resnet56", "rescnn")
 
 _BUILDERS = {
   "mlp": MLP,
@@ -30,6 +30,8 @@ _BUILDERS = {
   "cnn2d": CNN2D,
   "resnet20": ResNet20,
   "resnet56": ResNet56,
+  # ResNet-20's blocks without BatchNorm, equal MACs per block: the pipeline's balanced speed model.
+  "rescnn": ResCNN,
 }
 
 

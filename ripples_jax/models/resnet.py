@@ -30,13 +30,21 @@ def _shortcut_a(x, features: int, stride: int):
 
 
 class BasicBlock(nn.Module):
-  """conv-BN-ReLU-conv-BN, add shortcut, ReLU."""
+  """conv-BN-ReLU-conv-BN, add shortcut, ReLU. norm=False (ResCNN): conv-ReLU-conv with biases and
+  no BatchNorm, the second conv's He init scaled by `branch_scale`."""
 
   features: int
   stride: int = 1
+  norm: bool = True
+  branch_scale: float = 1.0
 
   @nn.compact
   def __call__(self, x, train: bool):
+    if not self.norm:
+      y = _conv(self.features, strides=(self.stride, self.stride), use_bias=True)(x)
+      init = nn.initializers.variance_scaling(2.0 * self.branch_scale**2, "fan_in", "truncated_normal")
+      y = _conv(self.features, use_bias=True, kernel_init=init)(nn.relu(y))
+      return nn.relu(y + _shortcut_a(x, self.features, self.stride))
     y = _conv(self.features, strides=(self.stride, self.stride))(x)
     y = nn.relu(_bn(use_running_average=not train)(y))
     y = _conv(self.features)(y)
@@ -76,3 +84,31 @@ def ResNet20(num_classes: int, **kw) -> CifarResNet:
 
 def ResNet56(num_classes: int, **kw) -> CifarResNet:
   return CifarResNet(num_classes=num_classes, depth=56, **kw)
+
+
+class ResCNN(nn.Module):
+  """A residual CNN for the pipeline's speed runs: ResNet-20's basic blocks and option-A shortcuts
+  without BatchNorm, so its stages hold no model state and may chunk their calls (batch statistics
+  would be per chunk).
+
+  A stride-2 stem conv, then `blocks` blocks at each of `widths`, the first block of every width
+  after the first at stride 2, global average pooling and the classifier. Halving the positions
+  while doubling the width keeps every block's MACs per example equal, so the 2 x `blocks` blocks
+  split evenly into K = 2 and K = 4 stages (models/split.py). Without normalisation the residual
+  branches are kept small at init as Fixup does (Zhang et al. 2019): each block's second conv has
+  He init scaled by (number of blocks)^-1/2.
+  """
+
+  num_classes: int
+  widths: tuple = (16, 32)
+  blocks: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = nn.relu(_conv(self.widths[0], strides=(2, 2), use_bias=True)(x))
+    scale = (len(self.widths) * self.blocks) ** -0.5
+    for stage, width in enumerate(self.widths):
+      for block in range(self.blocks):
+        stride = 2 if stage > 0 and block == 0 else 1
+        x = BasicBlock(width, stride, norm=False, branch_scale=scale)(x, train)
+    return nn.Dense(self.num_classes)(jnp.mean(x, axis=(1, 2)))

@@ -52,6 +52,7 @@ DEFAULT_SAMPLE_SHAPES = {
   "cnn2d": (8, 8, 1),
   "resnet20": (32, 32, 3),
   "resnet56": (32, 32, 3),
+  "rescnn": (32, 32, 3),
 }
 # What a unit's cost is (config.split): its measured seconds (models/profile.py) or its MACs.
 SPLIT_COSTS = ("measured", "macs")
@@ -121,15 +122,29 @@ class ResNetStem(nn.Module):
 
 
 class ResNetBlock(nn.Module):
-  """One BasicBlock of the ResNet, under its name in the unsplit model."""
+  """One BasicBlock of the ResNet (or the ResCNN: norm=False), under its name in the unsplit model."""
 
   features: int
   stride: int
   layer: str
+  norm: bool = True
+  branch_scale: float = 1.0
 
   @nn.compact
   def __call__(self, x, train: bool = False):
-    return BasicBlock(self.features, self.stride, name=self.layer)(x, train)
+    block = BasicBlock(self.features, self.stride, self.norm, self.branch_scale, name=self.layer)
+    return block(x, train)
+
+
+class ResCNNStem(nn.Module):
+  """The ResCNN's stride-2 stem conv (with bias), ReLU."""
+
+  features: int
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    return nn.relu(_conv(self.features, strides=(2, 2), use_bias=True, name="Conv_0")(x))
 
 
 class ResNetHead(nn.Module):
@@ -188,6 +203,14 @@ def model_units(name: str, num_classes: int, **kw) -> list[nn.Module]:
         stride = 2 if stage > 0 and block == 0 else 1  # As CifarResNet.
         blocks.append(ResNetBlock(width, stride, f"BasicBlock_{len(blocks)}"))
     return [ResNetStem(model.widths[0])] + blocks + [ResNetHead(num_classes)]
+  if name == "rescnn":
+    scale = (len(model.widths) * model.blocks) ** -0.5
+    blocks = []
+    for stage, width in enumerate(model.widths):
+      for block in range(model.blocks):
+        stride = 2 if stage > 0 and block == 0 else 1
+        blocks.append(ResNetBlock(width, stride, f"BasicBlock_{len(blocks)}", False, scale))
+    return [ResCNNStem(model.widths[0])] + blocks + [ResNetHead(num_classes)]
   raise ValueError(f"model_units: no units for model {name!r}")
 
 
