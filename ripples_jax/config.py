@@ -117,9 +117,10 @@ def _positive_int(config, key):
 
 
 def validate_train_config(
-  config, num_devices: int, num_processes: int = 1, local_devices: int | None = None
+  config, num_devices: int, num_processes: int = 1, local_devices: int | None = None, platform: str = "cpu"
 ) -> None:
-  """Raises ConfigError naming the first bad key of an experiments.train config."""
+  """Raises ConfigError naming the first bad key of an experiments.train config (`platform`: the
+  devices' platform, jax.default_backend())."""
   _one_of(config, "executor", EXECUTORS)
   _note("profile_steps", "'' or 'a:b' with 0 <= a < b (steps [a, b) traced; executor=spmd)")
   _note("data_dir", "a path; dataset=cifar10 needs the directory holding data_batch_1..5 and test_batch")
@@ -167,6 +168,8 @@ def validate_train_config(
     if config.batch_size % local:
       _fail("batch_size", config.batch_size, f"a multiple of the {local} devices of each worker")
     _check_runtime(config)
+    if config.runtime.get("elastic") is True and platform != "cpu":
+      _fail("runtime.elastic", True, f"False on platform {platform}: {ELASTIC_CPU_ONLY}")
   elif config.get("runtime") is not None and config.runtime.get("elastic"):
     _fail(
       "runtime.elastic",
@@ -246,6 +249,12 @@ def collective_timeout_s(rt) -> float:
   return 2 * rt.heartbeat_timeout
 
 
+# Why elastic runs on the CPU only (docs/design.md 3.12).
+ELASTIC_CPU_ONLY = (
+  "elastic membership needs a collective with a dead member to fail and be cancelled, which the CPU's "
+  "gloo does (jax_enable_recoverability) and NCCL does not here: the survivors would hang in it; run it "
+  "with JAX_PLATFORMS=cpu, or use the launcher's --max_restarts without elastic"
+)
 FAIL_WHERE = ("step", "preduce")
 # Why an algorithm cannot run elastic (runtime.elastic; docs/design.md 3.12).
 NO_ELASTIC = {

@@ -58,7 +58,9 @@ def validate(config) -> None:
   if "method" in config:
     validate_dsp_config(config, num_processes=jax.process_count())
   else:
-    validate_train_config(config, jax.device_count(), jax.process_count(), jax.local_device_count())
+    validate_train_config(
+      config, jax.device_count(), jax.process_count(), jax.local_device_count(), jax.default_backend()
+    )
 
 
 def train_and_evaluate(config, workdir: str | None = None, return_state: bool = False):

@@ -450,6 +450,19 @@ def test_elastic_refuses_a_stall_timeout_within_the_collective_timeout():
   config_lib.validate_train_config(config, num_devices=5, num_processes=5)
 
 
+def test_elastic_is_refused_on_a_gpu_platform():
+  """NCCL does not cancel a collective with a dead member here: elastic has run on the CPU only."""
+  config = default_config.get_config("algorithm=ripples_random,executor=async,num_workers=4")
+  config.runtime.elastic = True
+  config_lib.validate_train_config(config, num_devices=5, num_processes=5, platform="cpu")
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate_train_config(config, num_devices=5, num_processes=5, platform="gpu")
+  assert str(e.value).startswith("config.runtime.elastic: True is not allowed: False on platform gpu: ")
+  assert "NCCL does not" in str(e.value) and "\n" not in str(e.value)
+  config.runtime.elastic = False  # the runtime without elastic is the GPU's
+  config_lib.validate_train_config(config, num_devices=5, num_processes=5, platform="gpu")
+
+
 def test_elastic_belongs_to_the_runtime_and_fail_where_preduce_to_elastic():
   config = default_config.get_config("algorithm=ripples_random,executor=sim,num_workers=4")
   config.runtime.elastic = True

@@ -1035,6 +1035,22 @@ def test_the_platform_is_detected_and_each_gpu_worker_gets_its_own_gpu(monkeypat
   assert env["JAX_PLATFORMS"] == "cpu" and "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]
 
 
+def test_several_workers_on_one_gpu_and_elastic_on_gpus_are_refused_before_anything_starts(monkeypatch):
+  from ripples_jax.distributed.launcher import check_platform, launch
+
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+  check_platform(2, "cuda")
+  check_platform(3, "cpu", elastic=True)
+  with pytest.raises(ValueError) as e:
+    launch(3, ["--x"], platform="cuda")  # refused before any process starts
+  assert str(e.value).startswith("--num_processes=3 is not allowed on platform cuda: at most the 2 GPUs")
+  assert "Duplicate GPU detected" in str(e.value)
+  with pytest.raises(
+    ValueError, match=r"^--config.runtime.elastic=True is not allowed on platform cuda: .*NCCL"
+  ):
+    launch(2, ["--x"], platform="cuda", elastic=True)
+
+
 def test_an_entry_point_outside_a_checkout_is_the_shipped_one(monkeypatch):
   import importlib.util
 

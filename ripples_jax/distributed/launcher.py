@@ -80,7 +80,7 @@ def resolve_platform(platform: str) -> str:
 
 def child_env(cpu_devices: int, platform: str, index: int = 0, coordinator: bool = False) -> dict:
   """The environment of worker `index`: forced CPU devices, JAX_PLATFORMS, and on cuda one GPU each
-  (worker i sees GPU i mod the host's GPU count: several workers may share one when there are fewer).
+  (worker i sees GPU i mod the host's GPU count; launch() refuses more workers than GPUs: check_platform).
   The coordinator (which trains nothing, but takes part in the devices' start-up exchange) shares
   GPU 0 without preallocating its memory."""
   env = dict(os.environ)
@@ -297,6 +297,28 @@ def check_args(
     )
 
 
+def check_platform(num_processes: int, platform: str, elastic: bool = False) -> None:
+  """ValueError, one line, for a GPU job that cannot run as asked: several workers on one GPU (NCCL
+  refuses a communicator with two ranks on one device: "Duplicate GPU detected"), or an elastic run
+  (it relies on a collective with a dead member failing as an exception, which the CPU's gloo does
+  under jax_enable_recoverability; NCCL has no cancellation here, and elastic has never run on GPUs)."""
+  if platform != "cuda":
+    return
+  if elastic:
+    raise ValueError(
+      "--config.runtime.elastic=True is not allowed on platform cuda: elastic membership needs a "
+      "collective with a dead member to fail and be cancelled, which NCCL does not do here (it has run "
+      "on the CPU's gloo only); --platform=cpu, or --max_restarts without elastic"
+    )
+  gpus = local_gpus()
+  if gpus and num_processes > len(gpus):
+    raise ValueError(
+      f"--num_processes={num_processes} is not allowed on platform cuda: at most the {len(gpus)} GPUs "
+      "this host shows, one per worker (several workers on one GPU: NCCL refuses two ranks of a "
+      "communicator on one device, 'Duplicate GPU detected'); fewer workers, or --platform=cpu"
+    )
+
+
 def port_refusal(port: int, problem: int) -> str:
   """Why 127.0.0.1:port cannot be bound, from coord.port_problem's errno."""
   if problem == errno.EADDRINUSE:
@@ -455,9 +477,11 @@ def launch(
 
   Raises ValueError, before starting anything, for arguments that cannot run (check_args): fewer than
   1 process or CPU device, a negative or non-finite grace period, a port outside 0..65535 or one that
-  cannot be bound, a negative max_restarts.
+  cannot be bound, a negative max_restarts; on cuda, more workers than GPUs or an elastic run
+  (check_platform).
   """
   check_args(num_processes, cpu_devices, grace_s, port, max_restarts)
+  check_platform(num_processes, resolve_platform(platform), elastic)
   kw = dict(module=module, cpu_devices=cpu_devices, platform=platform, grace_s=grace_s, out=out, cwd=cwd)
   kw.update(port=port, coordinator=coordinator, elastic=elastic)
   attempt = 0
