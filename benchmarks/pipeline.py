@@ -2,6 +2,10 @@ r"""Pipeline methods timed for real, every one against the best single-process B
 
   python -m benchmarks.pipeline --num_stages=2 --json_out=results/pipeline/k2.json
   python -m benchmarks.pipeline --num_stages=4 --reps=3 --json_out=results/pipeline/k4.json
+  python -m benchmarks.pipeline --placement=devices --num_stages=2 --model=rescnn --json_out=FILE
+
+--placement=devices: the stages on the devices of this one process instead (benchmarks/
+pipeline_devices.py has what it measures: each tick method against best BP beside its ceiling).
 
 One run of this script, on one model (CNN2D on CIFAR-shaped synthetic data, batch 64), --reps
 repetitions (at least 5 by default), each a full alternation of everything below, the order of the
@@ -30,6 +34,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -87,8 +92,12 @@ BP_VARIANTS = ("bp_pinned", "bp_unpinned", "bp_micro_pinned", "bp_micro_unpinned
 
 
 def define_flags() -> None:
-  flags.DEFINE_integer("num_stages", 2, "K: stages, one process each.")
-  flags.DEFINE_list("variants", list(VARIANTS), "Methods (and DSP modes) to run in the runtime.")
+  flags.DEFINE_enum("placement", "per_process", ["per_process", "devices"], "Where the stages run.")
+  flags.DEFINE_integer("num_stages", 2, "K: stages, one process (or device) each.")
+  flags.DEFINE_list(
+    "variants", None, "Rows to run (default: every per_process row, or pipeline_devices.DEFAULT)."
+  )
+  flags.DEFINE_integer("ticks", 10, "placement=devices: ticks per timed block.")
   flags.DEFINE_list("slowdowns", [], "Straggler factors s for the last stage (e.g. 2,4); none by default.")
   flags.DEFINE_integer("iterations", 60, "Batches per runtime run.")
   flags.DEFINE_integer("reps", 5, "Repetitions: full alternations of the BP variants and every method.")
@@ -270,10 +279,31 @@ def row(name: str, runs: list, best_bp: list, ceiling_s: list, bp_runs: list) ->
   return out
 
 
+def main_devices(base) -> dict:
+  from benchmarks import pipeline_devices
+
+  names = list(FLAGS.variants or pipeline_devices.DEFAULT)
+  bad = [n for n in names if n not in pipeline_devices.VARIANTS]
+  if bad:
+    raise app.UsageError(
+      f"--variants: {bad} not allowed with --placement=devices: {list(pipeline_devices.VARIANTS)}"
+    )
+  out = pipeline_devices.run(base, names, FLAGS.reps, FLAGS.ticks, FLAGS.bp_reps)
+  pipeline_devices.print_table(out)
+  return out
+
+
 def main(argv):
   del argv
-  K, names = FLAGS.num_stages, FLAGS.variants
+  K, names = FLAGS.num_stages, FLAGS.variants or list(VARIANTS)
   base = bench_config(K, FLAGS.model, FLAGS.iterations, tuple(int(d) for d in FLAGS.input_shape))
+  if FLAGS.placement == "devices":
+    out = main_devices(base)
+    if FLAGS.json_out:
+      os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
+      with open(FLAGS.json_out, "w") as f:
+        json.dump(out, f, indent=1)
+    return
   base.runtime.pin_cores = FLAGS.pin_cores
   tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
   bp_reps, runs = [], {name: [] for name in names}
@@ -391,5 +421,10 @@ def print_table(out: dict) -> None:
 
 if __name__ == "__main__":
   define_flags()
-  jax.config.update("jax_platforms", "cpu")
+  if "--placement=devices" in sys.argv:  # the stages' devices, before the backend starts
+    from ripples_jax.distributed.host import use_cpu_devices
+
+    use_cpu_devices(8)
+  else:
+    jax.config.update("jax_platforms", "cpu")
   app.run(main)

@@ -483,8 +483,8 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
   _one_of(config, "placement", PLACEMENTS)
   if config.placement == "per_process":
     _check_per_process(config, num_processes, PROCESS_MODES)
-  elif config.chunks != 1:
-    _fail("chunks", config.chunks, "1 unless placement=per_process")
+  elif config.chunks != 1 and config.placement != "devices":
+    _fail("chunks", config.chunks, "1 unless placement=devices or per_process")
   elif num_processes > 1:
     raise ConfigError(
       f"--jax_distributed: {num_processes} processes are not allowed with "
@@ -500,6 +500,7 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
     )
   elif config.placement == "devices":
     _check_devices(config, local_devices)
+    _check_chunks(config)
 
 
 def _check_devices(config, local_devices: int | None) -> None:
@@ -522,6 +523,19 @@ def _check_devices(config, local_devices: int | None) -> None:
       config.num_stages,
       f"at most the {n} devices of this process with placement=devices (one device per stage; on "
       "the CPU, --cpu_devices sets their number)",
+    )
+
+
+def _check_chunks(config) -> None:
+  """chunks (placement=devices or per_process): a divisor of the batch, for calls that may chunk."""
+  _positive_int(config, "chunks")
+  if config.batch_size % config.chunks:
+    _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
+  if config.chunks > 1 and not (config.method in ("bp", "ddg", "pipedream") or config.mode == "residuals"):
+    _fail(
+      "chunks",
+      config.chunks,
+      "1 unless the stage calls keep residuals (method bp, ddg or pipedream, or dsp with mode=residuals)",
     )
 
 
@@ -552,15 +566,7 @@ def _check_per_process(config, num_processes: int, process_modes) -> None:
     )
   if config.mode == "fused" and config.delay < 1:
     _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
-  _positive_int(config, "chunks")
-  if config.batch_size % config.chunks:
-    _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
-  if config.chunks > 1 and not (config.method in ("bp", "ddg", "pipedream") or config.mode == "residuals"):
-    _fail(
-      "chunks",
-      config.chunks,
-      "1 unless the stage calls keep residuals (method bp, ddg or pipedream, or dsp with mode=residuals)",
-    )
+  _check_chunks(config)
   for key in ("heartbeat_s", "heartbeat_timeout", "stall_timeout"):
     _number(config, f"runtime.{key}", lambda v: v > 0, "a number of seconds > 0")
   _bool(config, "runtime.pin_cores")

@@ -226,6 +226,25 @@ def test_bench_slack(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.nightly
+def test_bench_pipeline_on_devices(tmp_path):
+  """benchmarks.pipeline --placement=devices, one repetition of two rows: the issue's keys per row."""
+  out_json = tmp_path / "dev.json"
+  rows = ("dsp", "pipedream_chunks4")
+  args = ["--placement=devices", "--model=cnn1d", "--input_shape=40,1", "--iterations=8", "--reps=1"]
+  args += ["--ticks=3", "--bp_reps=2", "--variants=" + ",".join(rows), f"--json_out={out_json}"]
+  run("benchmarks.pipeline", *args, tmp_path=tmp_path)
+  got = json.loads(out_json.read_text())
+  assert got["setting"]["placement"] == "devices" and got["best_bp"]["variant"] in got["bp_variants_ms"]
+  for name in rows:
+    r = got[name]
+    assert r["measured_speedup_vs_best_bp"]["median"] > 0 and r["ceiling_vs_best_bp"]["median"] > 0
+    assert r["ceiling_s"] == max(max(r["stage_work_s"]), sum(r["stage_work_s"]) / got["setting"]["cores"])
+    gap = r["gap_s"]
+    assert gap["total"] == pytest.approx(gap["dispatch"] + gap["transfers"] + gap["rest"])
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
 def test_bench_devices(tmp_path):
   """One row of the devices benchmark, once: one_device, devices and one per_process launch."""
   out = tmp_path / "ticks.json"

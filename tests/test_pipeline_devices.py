@@ -106,3 +106,18 @@ def test_a_devices_run_records_one_device_s_curve_and_resumes_from_a_checkpoint(
   os.remove(cut / "summary.json")
   train("devices", cut)
   assert records(cut) == dev  # resumed at steps[0] on the stages' devices, the rest redone the same
+
+
+def test_the_dispatch_count_and_the_ceiling_the_benchmark_charges():
+  from benchmarks.pipeline_devices import ceiling_s
+
+  # DSP, K=2: 4 stage programs, the batch and labels, a copy and a push per delayed link direction.
+  assert devices_lib.dispatches_per_tick(tick_lib.method_schedule("dsp", 2)) == 10
+  # PipeDream, K=3: 6 programs, batch and labels, 2 locked forward copies, 2 x (copy + push) down.
+  assert devices_lib.dispatches_per_tick(tick_lib.method_schedule("pipedream", 3)) == 14
+  costs = {"forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0]}
+  assert ceiling_s(costs, cores=2) == 3.0  # the slower stage
+  assert ceiling_s(costs, cores=1) == 4.5  # one core runs both
+  with pytest.raises(ConfigError, match="chunks: 3 is not allowed: a divisor of batch_size"):
+    validate_dsp_config(dsp_config(placement="devices", method="pipedream", chunks=3))
+  validate_dsp_config(dsp_config(placement="devices", method="pipedream", chunks=4))

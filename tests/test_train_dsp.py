@@ -70,7 +70,7 @@ BAD = [
     "(the fused call and the residual ring exist in the multi-process runtime)",
   ),
   ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
-  ("chunks", 2, "config.chunks: 2 is not allowed: 1 unless placement=per_process"),
+  ("chunks", 2, "config.chunks: 2 is not allowed: 1 unless placement=devices or per_process"),
   ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
   (
     "checkpoint_every",

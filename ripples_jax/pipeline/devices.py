@@ -39,9 +39,13 @@ def place(state: list[dict], devices: list) -> list[dict]:
   return [jax.device_put(st, d) for st, d in zip(state, devices)]
 
 
-def _stage_programs(stage, optimizer, schedule: Schedule, k: int, num_batches: int):
+def _stage_programs(
+  stage, optimizer, schedule: Schedule, k: int, num_batches: int, chunks: int = 1, donate: bool = True
+):
   """Stage k's forward and backward as programs of their own. A FIFO's head is read inside the
-  program (no separate dispatch): `x_in` / `cot` None means "the head of my incoming link's FIFO"."""
+  program (no separate dispatch): `x_in` / `cot` None means "the head of my incoming link's FIFO".
+  `chunks`: the backward over that many equal chunks of the batch (tick.stage_backward). `donate`
+  False only to measure what donation saves (benchmarks/pipeline_devices.py)."""
   last = k == schedule.num_stages - 1
 
   def forward(st, x_in, t):
@@ -52,18 +56,30 @@ def _stage_programs(stage, optimizer, schedule: Schedule, k: int, num_batches: i
   def backward(st, cot, labels, t):
     if cot is None and not last:
       cot = st["bwd_fifo"][0]
-    return stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches)
+    return stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches, chunks)
 
   # The stage's state is donated: its ring buffers are updated in place, not copied every tick.
-  return jax.jit(forward, donate_argnums=0), jax.jit(backward, donate_argnums=0)
+  donated = (0,) if donate else ()
+  return jax.jit(forward, donate_argnums=donated), jax.jit(backward, donate_argnums=donated)
 
 
-def make_device_tick(stages, optimizer, schedule: Schedule, num_batches: int, devices: list):
+def dispatches_per_tick(schedule: Schedule) -> int:
+  """What make_device_tick's tick dispatches: two programs per stage, the batch's and the labels'
+  copies, a copy per locked link direction, a copy and a push program per delayed one."""
+  links = list(schedule.fwd_delays) + list(schedule.bwd_delays)
+  return 2 * schedule.num_stages + 2 + sum(2 if d else 1 for d in links)
+
+
+def make_device_tick(
+  stages, optimizer, schedule: Schedule, num_batches: int, devices: list, chunks: int = 1, donate: bool = True
+):
   """Returns tick(state, x_t, y_t, t) -> (state, (loss, acc)) with make_tick's meaning, stage k's
   programs on devices[k] (`state` placed by `place`). (loss, acc) live on the last stage's device."""
   K = len(stages)
   f, b = schedule.fwd_delays, schedule.bwd_delays
-  programs = [_stage_programs(stages[k], optimizer, schedule, k, num_batches) for k in range(K)]
+  programs = [
+    _stage_programs(stages[k], optimizer, schedule, k, num_batches, chunks, donate) for k in range(K)
+  ]
   link = jax.jit(push, donate_argnums=0)  # one program; it runs where the receiving FIFO lives
   to = lambda x, k: jax.device_put(x, devices[k])
 
@@ -105,6 +121,5 @@ def make_device_tick(stages, optimizer, schedule: Schedule, num_batches: int, de
 
 def device_tick_step(stages, optimizer, config, num_batches):
   """baselines.METHODS' step_fn signature for the tick methods on devices (train.py's setup)."""
-  return make_device_tick(
-    stages, optimizer, schedule_of(config), num_batches, stage_devices(config.num_stages)
-  )
+  devices = stage_devices(config.num_stages)
+  return make_device_tick(stages, optimizer, schedule_of(config), num_batches, devices, config.chunks)

@@ -1,0 +1,268 @@
+r"""placement=devices: every tick method on the devices of this process against the best single-process
+BP of the same run, each beside its ceiling (benchmarks.pipeline --placement=devices runs this).
+
+  python -m benchmarks.pipeline --placement=devices --num_stages=2 --model=rescnn \
+    --json_out=results/pipeline_devices/rescnn_k2.json
+
+One process with K CPU devices (stage k on device k; on a GPU host, its GPUs), --reps repetitions,
+each: the four BP variants of benchmarks.pipeline (time_bp_variants: pinned or not, whole batch or M
+micro-batches), then every method a block of --ticks ticks after its warm-up, the methods' order
+rotated each repetition. Per method:
+- measured_speedup_vs_best_bp: best BP's step over the method's time per tick (one batch a tick in
+  steady state), paired with that repetition's BP.
+- ceiling_vs_best_bp: best BP over the method's ceiling, the iteration its stages' own programs allow:
+  each stage's forward and backward program timed alone with this process on one core, the ceiling
+  the most expensive stage's sum, and no less than all stages' sum over the cores. It holds the split's
+  imbalance, the method's extra work (a recompute, a stash) and the cores; it leaves out transfers,
+  dispatch and two programs sharing caches, memory bandwidth and XLA's intra-op pool.
+- gap: measured - ceiling in named parts, each measured on its own: `dispatch` (what a tick dispatches,
+  devices.dispatches_per_tick, times one dispatch's measured cost), `transfers` (the links' copies
+  between devices, each timed alone), `rest` (what neither explains: contention between the stages).
+Variants name what differs from the method as published: `_chunks4` (the backward over 4 chunks),
+`_delay2` (DSP's links of delay 2), `_no_donation` (the stage programs copy their state every tick).
+"""
+
+import os
+import time
+
+import jax
+import numpy as np
+
+# name: (method, mode, chunks, delay, donate)
+VARIANTS = {
+  "dsp": ("dsp", "recompute", 1, 1, True),
+  "dsp_chunks4": ("dsp", "recompute", 4, 1, True),
+  "dsp_delay2": ("dsp", "recompute", 1, 2, True),
+  "dsp_no_donation": ("dsp", "recompute", 1, 1, False),
+  "fr": ("fr", "recompute", 1, 1, True),
+  "fr_chunks4": ("fr", "recompute", 4, 1, True),
+  "pipemare": ("pipemare", "recompute", 1, 1, True),
+  "pipedream": ("pipedream", "stash", 1, 1, True),
+  "pipedream_chunks4": ("pipedream", "stash", 4, 1, True),
+}
+LABELS = {
+  "dsp": "DSP as published (recompute)",
+  "dsp_chunks4": "DSP, its recompute and backward over 4 chunks",
+  "dsp_delay2": "DSP, links of delay 2",
+  "dsp_no_donation": "DSP, stage state not donated (copied every tick)",
+  "fr": "Features Replay (recompute)",
+  "fr_chunks4": "Features Replay, backward over 4 chunks",
+  "pipemare": "PipeMare (1F1B, no stashing, corrected backward)",
+  "pipedream": "PipeDream-1F1B / DDG (weight stashing, recompute at the stashed weights)",
+  "pipedream_chunks4": "PipeDream-1F1B, backward over 4 chunks",
+}
+DEFAULT = ("dsp", "dsp_chunks4", "fr", "pipemare", "pipedream", "pipedream_chunks4")
+
+
+def _spread(values) -> dict:
+  v = np.asarray(values, np.float64)
+  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
+
+
+def variant_config(base, name: str):
+  method, mode, chunks, delay, _ = VARIANTS[name]
+  c = base.copy_and_resolve_references()
+  c.method, c.mode, c.chunks, c.delay, c.placement = method, mode, chunks, delay, "devices"
+  return c
+
+
+class Method:
+  """One variant on the devices: its stages, placed state and tick, advanced a block at a time."""
+
+  def __init__(self, base, name: str):
+    from ripples_jax import setup as setup_lib
+    from ripples_jax.config import validate_dsp_config
+    from ripples_jax.pipeline import baselines, devices
+
+    self.config = c = variant_config(base, name)
+    validate_dsp_config(c)
+    p = setup_lib.build_pipeline(c)
+    self.stages, self.optimizer, self.feed, self.n = p.stages, p.optimizer, p.feed, p.num_batches
+    init_fn = baselines.METHODS[c.method][0]
+    state = init_fn(p.stages, p.optimizer, c, jax.random.key(c.seed), p.feed.sample, p.data["num_classes"])
+    self.schedule = baselines.schedule_of(c)
+    self.devices = devices.stage_devices(c.num_stages)
+    self.state = devices.place(state, self.devices)
+    self.tick = devices.make_device_tick(
+      self.stages, self.optimizer, self.schedule, self.n, self.devices, c.chunks, VARIANTS[name][4]
+    )
+    self.t = 0
+
+  def advance(self, ticks: int) -> float:
+    """Runs `ticks` ticks; returns the seconds per tick, the state ready at both ends."""
+    jax.block_until_ready(self.state)
+    t0 = time.perf_counter()
+    for _ in range(ticks):
+      b = self.t % self.n  # the data wraps; the warm-up is behind the first timed block
+      self.state, _ = self.tick(self.state, self.feed.x(b), self.feed.labels(b), self.t)
+      self.t += 1
+    jax.block_until_ready(self.state)
+    return (time.perf_counter() - t0) / ticks
+
+
+def _timed(fn, reps: int) -> float:
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def stage_costs(m: Method, reps: int, core: int) -> dict:
+  """Each stage's forward and backward program timed alone (this process on one core), the links'
+  copies timed alone, and one dispatch's cost; from fresh copies of the method's placed state."""
+  from ripples_jax.distributed.host import pin_threads
+  from ripples_jax.pipeline import devices
+
+  K, c, sch = len(m.stages), m.config, m.schedule
+  devs = m.devices
+  progs = [devices._stage_programs(m.stages[k], m.optimizer, sch, k, m.n, c.chunks) for k in range(K)]
+  state = [jax.tree.map(lambda a: a.copy(), st) for st in m.state]
+  t = sch.drain_ticks()  # every stage's backward batch in range: its update is applied
+  x, y = m.feed.x(0), m.feed.labels(0)
+  every = set(os.sched_getaffinity(0))
+  pin_threads({core})
+  try:
+    ins, outs = [jax.device_put(x, devs[0])], []
+    for k in range(K):  # inputs of the right shapes and values: one pass up the stages
+      state[k], out = progs[k][0](state[k], ins[k], t)
+      outs.append(out)
+      if k < K - 1:
+        ins.append(jax.device_put(out, devs[k + 1]))
+    labels = jax.device_put(y, devs[-1])
+    cots = [None if k == K - 1 else jax.device_put(outs[k] * 1e-3, devs[k]) for k in range(K)]
+    fwd, bwd = [], []
+    for k in range(K):
+      box = {"st": state[k]}
+
+      def f(k=k, box=box):
+        box["st"], out = progs[k][0](box["st"], ins[k], t)
+        return box["st"]
+
+      def b(k=k, box=box):
+        box["st"], g, _ = progs[k][1](box["st"], cots[k], labels if k == K - 1 else None, t)
+        return box["st"]
+
+      for fn in (f, b, f, b):  # compile, warm
+        jax.block_until_ready(fn())
+      fwd.append(_timed(f, reps))
+      bwd.append(_timed(b, reps))
+    copies = [_timed(lambda k=k: jax.device_put(outs[k], devs[k + 1]), reps) for k in range(K - 1)]
+    copies += [_timed(lambda k=k: jax.device_put(ins[k + 1], devs[k]), reps) for k in range(K - 1)]
+    small = jax.device_put(np.zeros(4, np.float32), devs[0])
+    one = jax.jit(lambda a: a + 1)
+    jax.block_until_ready(one(small))
+    t0, calls = time.perf_counter(), 200
+    for _ in range(calls):
+      small = one(small)
+    dispatch_s = (time.perf_counter() - t0) / calls  # the caller's time per dispatch (asynchronous)
+    jax.block_until_ready(small)
+  finally:
+    pin_threads(every)
+  return {"forward_s": fwd, "backward_s": bwd, "copies_s": copies, "dispatch_s": dispatch_s}
+
+
+def ceiling_s(costs: dict, cores: int) -> float:
+  """The method's iteration with every stage on a core of its own and nothing else: the most
+  expensive stage's programs, no less than all stages' work over the cores."""
+  work = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
+  return max(max(work), sum(work) / cores)
+
+
+def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: int) -> dict:
+  """One method's figures: the paired ratios over the repetitions and its ceiling's parts."""
+  from ripples_jax.pipeline import devices
+
+  its = np.asarray(per_tick)
+  ceiling = ceiling_s(costs, cores)
+  measured = float(np.median(its))
+  dispatch = devices.dispatches_per_tick(schedule) * costs["dispatch_s"]
+  transfers = float(sum(costs["copies_s"]))
+  work = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
+  return {
+    "label": LABELS[name],
+    "method": VARIANTS[name][0],
+    "measured_tick_s": {**_spread(its), "all": its.tolist()},
+    "measured_speedup_vs_best_bp": _spread(np.asarray(best_bp) / its),
+    "ceiling_vs_best_bp": _spread(np.asarray(best_bp) / ceiling),
+    "fraction_of_ceiling": _spread(ceiling / its),
+    "ceiling_s": ceiling,
+    "stage_work_s": work,
+    "imbalance": max(work) / (sum(work) / len(work)),
+    "stage_forward_s": costs["forward_s"],
+    "stage_backward_s": costs["backward_s"],
+    "gap_s": {
+      "total": measured - ceiling,
+      "dispatch": dispatch,
+      "transfers": transfers,
+      "rest": measured - ceiling - dispatch - transfers,
+    },
+    "dispatches_per_tick": devices.dispatches_per_tick(schedule),
+  }
+
+
+def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) -> dict:
+  """The whole benchmark (module doc): BP variants and every method interleaved, then the costs."""
+  from benchmarks.pipeline import BP_VARIANTS, time_bp_variants
+
+  methods = {name: Method(base, name) for name in names}
+  for m in methods.values():
+    m.advance(max(3, m.schedule.drain_ticks() + 2))  # compile, fill the pipeline, warm
+  bp_reps_out, per_tick = [], {name: [] for name in names}
+  for rep in range(reps):
+    bp_reps_out.append(time_bp_variants(base, bp_reps))
+    for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotated
+      per_tick[name].append(methods[name].advance(ticks))
+    print(
+      f"rep {rep}: "
+      + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in bp_reps_out[-1].items())
+      + " | "
+      + ", ".join(f"{n} {1e3 * per_tick[n][-1]:.1f}" for n in names)
+      + " ms",
+      flush=True,
+    )
+  best = min(BP_VARIANTS, key=lambda v: np.median([r[v] for r in bp_reps_out]))
+  best_bp = [r[best] for r in bp_reps_out]
+  cores = len(os.sched_getaffinity(0))
+  core = min(os.sched_getaffinity(0))
+  out = {
+    "best_bp": {"variant": best, "ms": _spread(1e3 * np.asarray(best_bp))},
+    "bp_variants_ms": {v: [1e3 * r[v] for r in bp_reps_out] for v in BP_VARIANTS},
+    "setting": {
+      "placement": "devices",
+      "num_stages": base.num_stages,
+      "model": base.model,
+      "cores": cores,
+      "reps": reps,
+      "ticks": ticks,
+      "batch_size": base.batch_size,
+      "microbatches": base.microbatches,
+      "platform": jax.default_backend(),
+      "loadavg_start": os.getloadavg(),
+    },
+  }
+  for name, m in methods.items():
+    out[name] = row(name, per_tick[name], best_bp, stage_costs(m, cost_reps, core), m.schedule, cores)
+  out["setting"]["loadavg_end"] = os.getloadavg()
+  return out
+
+
+def print_table(out: dict) -> None:
+  f = lambda d, s=1.0, spec=".2f": f"{s * d['median']:{spec}} [{s * d['min']:{spec}}, {s * d['max']:{spec}}]"
+  bp = out["best_bp"]
+  print(f"best BP: {bp['variant']} {f(bp['ms'], spec='.1f')} ms")
+  print(
+    "| row | ms/tick | speedup vs best BP | ceiling vs best BP | of its ceiling | imbalance "
+    "| gap ms: dispatch / transfers / rest |"
+  )
+  print("|" + " --- |" * 7)
+  for name, r in out.items():
+    if not isinstance(r, dict) or "label" not in r:
+      continue
+    g = r["gap_s"]
+    print(
+      f"| {name} | {f(r['measured_tick_s'], 1e3, '.1f')} | {f(r['measured_speedup_vs_best_bp'])} "
+      f"| {r['ceiling_vs_best_bp']['median']:.2f} | {f(r['fraction_of_ceiling'])} | {r['imbalance']:.2f} "
+      f"| {1e3 * g['dispatch']:.1f} / {1e3 * g['transfers']:.1f} / {1e3 * g['rest']:.1f} |"
+    )
