@@ -11,7 +11,7 @@ import pytest
 from configs import default as default_config
 from ripples_jax import schedule as schedule_lib
 from ripples_jax import sim, timeline
-from ripples_jax.runtime.authority import Authority, Feed, LocalFeed
+from ripples_jax.runtime.authority import Authority, Durations, Feed, LocalFeed, percentiles
 from ripples_jax.schedule import group_gen
 from ripples_jax.schedule.online import GROUP, MARK, MEMBER, NONE, STOP, Cadence, Service, fixed_entry
 from tests.fakes import FakeKV
@@ -286,13 +286,68 @@ def test_a_request_carries_the_step_time_the_generator_plans_with():
   assert not [k for k in kv.store if "/req/" in k]  # read, then deleted (its page, at the latest at stop)
 
 
+def test_durations_keep_bounded_state_and_the_figures_they_feed():
+  """Per-request seconds (Authority.handled, Feed.rtts and .blocked) in bounded memory: every value
+  while few (the figures exactly the list's), then a histogram whose size depends on the values' range,
+  not their number (percentiles within Durations.BIN)."""
+  rng = np.random.default_rng(0)
+  few = list(rng.lognormal(-5, 1, Durations.EXACT))
+  d = Durations(few)
+  assert percentiles(d) == percentiles(few) and d.as_record() == few
+  merged = Durations.merged([few, few[:10], None])  # the summary joins the workers' end lines
+  assert percentiles(merged) == percentiles(few + few[:10])
+  values = np.clip(rng.lognormal(-5, 1.5, 200_000), 1e-5, 1.0)
+  d = Durations(values[:100_000])
+  bins = len(d.bins)
+  d.extend(values[100_000:])
+  bound = np.log(1e5) / np.log1p(Durations.BIN) + 2  # bins between 10 us and 1 s
+  assert d.values == [] and bins <= len(d.bins) <= bound and len(d.recent) == Durations.RECENT
+  assert len(d) == 200_000 and np.isclose(d.total, values.sum(), rtol=1e-12)
+  for q in (50, 90, 99):
+    assert abs(d.percentile(q) / np.percentile(values, q) - 1) < Durations.BIN, q
+  record = d.as_record()  # what the trace's end line holds
+  again = Durations.merged([record, list(values[:5])])
+  assert len(again) == 200_005 and np.isclose(again.total, values.sum() + values[:5].sum())
+  assert abs(percentiles(again)["p99_ms"] / (np.percentile(values, 99) * 1e3) - 1) < Durations.BIN
+
+
+def test_the_authority_and_feeds_keep_no_list_per_request(monkeypatch):
+  monkeypatch.setattr(Durations, "EXACT", 16)
+  kv, n, steps = FakeKV(), 3, 60
+  gg = schedule_lib.make_group_generator(config_for("ripples_random", n, 2), np.random.default_rng(0))
+  service = Service(n, gg, Cadence(steps * n), estimate=1e-3)
+  authority = Authority(kv, service, poll_s=0.005).start()
+  feeds = [Feed(kv, w, lambda: 0.0, ahead=False) for w in range(n)]
+
+  def worker(w):
+    for s in range(1, 10 * steps):
+      feeds[w].report(s, 0.0, 1e-3, -1)
+      if feeds[w].next(10.0)[0] == STOP:
+        return
+
+  threads = [threading.Thread(target=worker, args=(w,)) for w in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert authority.join(10)  # its last round counts its requests after posting STOP
+  authority.stop()
+  requests = sum(f.requests for f in feeds)
+  # Every request was served, but the last of each worker's that STOP answered before it arrived.
+  assert requests > 3 * Durations.EXACT and requests - n <= len(authority.handled) <= requests
+  for d in [authority.handled, *(f.rtts for f in feeds), *(f.blocked for f in feeds)]:
+    assert d.values == [] or len(d) <= Durations.EXACT  # past the cap: only the histogram
+  for f in feeds:
+    f.close()
+
+
 def test_a_smart_gg_feed_asks_one_round_trip_before_its_step_ends():
   """Smart GG plans with who is ready when, so it is asked at the end of a step; with `lead` the
   request leaves one measured round trip (p90 + 2 ms) before that, and says when the step will end."""
   for lead in (True, False):
     kv = FakeKV()
     feed = Feed(kv, 0, lambda: 0.0, ahead=False, lead=lead)
-    feed.rtts = [0.010] * 5  # measured round trips: the lead is 12 ms
+    feed.rtts.extend([0.010] * 5)  # measured round trips: the lead is 12 ms
     t0 = time.perf_counter()
     feed.report(1, 5.0, 0.2, -1)  # a step started at run time 5.0; the last one took 0.2 s
     deadline = t0 + 0.5
@@ -308,7 +363,7 @@ def test_a_smart_gg_feed_asks_one_round_trip_before_its_step_ends():
   # A step that ends before its lead request went asks at once, once.
   kv = FakeKV()
   feed = Feed(kv, 0, lambda: 1.0, ahead=False, lead=True)
-  feed.rtts = [0.010] * 5
+  feed.rtts.extend([0.010] * 5)
   feed.report(1, 0.0, 0.3, -1)
   kv.key_value_set("ripples/q/0/0/0", "N")  # an answer is there already (someone else's request)
   time.sleep(0.05)  # fetched into the local queue

@@ -30,7 +30,9 @@ while the worker computes is already local when the step ends; with request-ahea
 request when a step starts, so that only a round trip longer than the step is waited for.
 """
 
+import collections
 import concurrent.futures
+import math
 import queue
 import threading
 import time
@@ -68,7 +70,7 @@ class Authority:
     self.batches = [0] * self.n  # keys written per queue
     self.inbox = queue.Queue()
     self.snapshots = {}
-    self.handled = []  # seconds from taking each request to the end of its round (its service time)
+    self.handled = Durations()  # seconds from taking each request to the end of its round (service time)
     self.rounds = 0
     self.busy_s = 0.0  # seconds the serving thread spent in rounds (its own capacity: requests / busy_s)
     self._seen = {}
@@ -293,8 +295,8 @@ class Feed:
     self.taken = taken  # entries of this worker's queue consumed (a rejoined one's starts where it joined)
     self.requests = 0
     self.asked = None  # (queue index, when sent) of the request in flight
-    self.rtts = []  # seconds from a request to its answer's arrival here
-    self.blocked = []  # seconds the worker waited for an answer after its step
+    self.rtts = Durations()  # seconds from a request to its answer's arrival here
+    self.blocked = Durations()  # seconds the worker waited for an answer after its step
     self.step_time = 0.0  # its newest reported step time, which each request carries
     self._stop = threading.Event()
     self._reports = queue.Queue()
@@ -360,7 +362,7 @@ class Feed:
   def lead_s(self) -> float:
     if len(self.rtts) < 3:
       return 0.0
-    return float(np.percentile(self.rtts[-20:], 90)) + 0.002
+    return float(np.percentile(self.rtts.recent, 90)) + 0.002
 
   def _ask_if_empty(self, ready_at: float) -> None:
     with self._lock:
@@ -380,12 +382,12 @@ class Feed:
         if self.asked is None:
           self._request(self.now())
       entry, arrived = self.local.get(timeout=timeout_s)
-      self.blocked.append(time.perf_counter() - t0)
+      self.blocked.add(time.perf_counter() - t0)
     if isinstance(entry, Exception):
       raise entry
     with self._lock:
       if self.asked is not None and self.asked[0] == self.taken:  # the answer (or what came first)
-        self.rtts.append(max(0.0, arrived - self.asked[1]))
+        self.rtts.add(max(0.0, arrived - self.asked[1]))
         self.asked = None
       self.taken += 1
     return entry
@@ -419,7 +421,7 @@ class LocalFeed:
     self._fixed = lambda k: fixed_entry(layouts, num_workers, worker, k)
     self.num_steps, self.every = num_steps, (("eval", eval_every), ("ckpt", checkpoint_every))
     self._gen = self._entries(resume_point)
-    self.rtts, self.blocked, self.requests, self.taken = [], [], 0, 0
+    self.rtts, self.blocked, self.requests, self.taken = Durations(), Durations(), 0, 0
 
   def _entries(self, start: int):
     for k in range(start, self.num_steps):
@@ -440,9 +442,94 @@ class LocalFeed:
     pass
 
 
+class Durations:
+  """Seconds recorded one per request (round trips, waits, service times) in bounded memory, however
+  long the run: the count and the sum exact; every value while there are at most EXACT of them (the
+  percentiles are then np.percentile's, as from a list), beyond that a histogram of log-spaced bins of
+  relative width BIN (the percentiles within BIN of np.percentile's; at most ~2.3e4 bins from 1 us to a
+  day). `recent`: the newest RECENT values (Feed.lead_s). The trace's end line holds `as_record()`: the
+  list of values while exact (the format before), else {"n", "sum", "bins"}."""
+
+  EXACT, BIN, RECENT = 4096, 1e-3, 20
+  _ZERO = -(10**9)  # the bin of values too small to time (<= 1 ns)
+
+  def __init__(self, values=(), bounded: bool = True):
+    self.count, self.total, self.cap = 0, 0.0, self.EXACT if bounded else None
+    self.values, self.bins = [], None  # bins: {bin index: count} once past the cap
+    self.recent = collections.deque(maxlen=self.RECENT)
+    self.extend(values)
+
+  def __len__(self) -> int:
+    return self.count
+
+  def add(self, seconds: float) -> None:
+    x = float(seconds)
+    self.count, self.total = self.count + 1, self.total + x
+    self.recent.append(x)
+    if self.bins is not None:
+      self._bin(x, 1)
+      return
+    self.values.append(x)
+    if self.cap is not None and len(self.values) > self.cap:
+      self.bins, values, self.values = {}, self.values, []
+      for v in values:
+        self._bin(v, 1)
+
+  def extend(self, values) -> None:
+    for x in values:
+      self.add(x)
+
+  def _bin(self, x: float, k: int) -> None:
+    b = self._ZERO if x <= 1e-9 else math.floor(math.log(x) / math.log1p(self.BIN))
+    self.bins[b] = self.bins.get(b, 0) + k
+
+  def _at(self, b: int) -> float:
+    return 0.0 if b == self._ZERO else (1 + self.BIN) ** (b + 0.5)  # the bin's geometric middle
+
+  def percentile(self, q: float) -> float:
+    if self.bins is None:
+      return float(np.percentile(self.values, q))
+    keys = sorted(self.bins)
+    ends = np.cumsum([self.bins[b] for b in keys])  # the rank after each bin's last value
+    rank = lambda i: self._at(keys[int(np.searchsorted(ends, i, side="right"))])  # noqa: E731
+    pos = q / 100 * (self.count - 1)  # np.percentile's linear interpolation between two ranks
+    lo, hi = rank(math.floor(pos)), rank(math.ceil(pos))
+    return float(lo + (pos - math.floor(pos)) * (hi - lo))
+
+  def as_record(self):
+    if self.bins is None:
+      return list(self.values)
+    return {"n": self.count, "sum": self.total, "bins": {str(b): c for b, c in self.bins.items()}}
+
+  @classmethod
+  def merged(cls, records) -> "Durations":
+    """One Durations of several end lines' records (lists or as_record dicts, None: none): exact when
+    every one is (the values joined, uncapped: the summary's figures are the lists' own)."""
+    out = cls(bounded=False)
+    for record in records:
+      if isinstance(record, dict):
+        out._take_bins(record)
+      else:
+        out.extend(record or ())
+    return out
+
+  def _take_bins(self, record: dict) -> None:
+    if self.bins is None:
+      self.bins, values = {}, self.values
+      self.values = []
+      for v in values:
+        self._bin(v, 1)
+    for b, c in record["bins"].items():
+      self.bins[int(b)] = self.bins.get(int(b), 0) + c
+    self.count, self.total = self.count + record["n"], self.total + record["sum"]
+
+
 def percentiles(seconds) -> dict:
-  """Median and p99 in milliseconds (None when empty)."""
-  if not len(seconds):
+  """Median and p99 in milliseconds (None when empty) of a list of seconds or a Durations."""
+  d = seconds if isinstance(seconds, Durations) else Durations(seconds, bounded=False)
+  if not len(d):
     return {"median_ms": None, "p99_ms": None, "count": 0}
-  a = np.asarray(seconds) * 1e3
-  return {"median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "count": int(len(a))}
+  if d.bins is None:  # every value kept: the figures as from the list
+    a = np.asarray(d.values) * 1e3
+    return {"median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "count": int(len(a))}
+  return {"median_ms": d.percentile(50) * 1e3, "p99_ms": d.percentile(99) * 1e3, "count": len(d)}

@@ -67,7 +67,7 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
 
   split = trace_lib.time_split(traces)
   ends = {w: next((e for e in traces.get(w, []) if e["k"] == "end"), {}) for w in range(n)}
-  handled = list(authority.handled) if authority is not None else []
+  handled = authority.handled if authority is not None else []
   throughput, window = window_throughput(traces)
   summary = log.finish(
     time=end,
@@ -133,7 +133,7 @@ def _group_setup_fields(ends: dict, n: int, end: float) -> dict:
   )
 
 
-def _authority_load(authority, handled: list) -> dict | None:
+def _authority_load(authority, handled) -> dict | None:
   """The Group Generator's requests, busy seconds and handling-time percentiles; None if it handled
   none (or did not run)."""
   if not handled:
@@ -141,18 +141,24 @@ def _authority_load(authority, handled: list) -> dict | None:
   return {"requests": len(handled), "busy_s": authority.busy_s, **authority_lib.percentiles(handled)}
 
 
-def _request_fields(ends: dict, n: int, handled: list) -> dict:
+def _request_fields(ends: dict, n: int, handled) -> dict:
   """The summary's group-request keys (counts, round trips, the authority's handling, the time the
   workers were blocked on it), in summary.json's order."""
-  rtts = [x for e in ends.values() for x in (e.get("rtt") or [])]
-  blocked = [x for e in ends.values() for x in (e.get("blocked") or [])]
+  # Each end line holds a Durations record: its values (a list), or past Durations.EXACT its histogram.
+  rtts = authority_lib.Durations.merged(e.get("rtt") for e in ends.values())
+  blocked = authority_lib.Durations.merged(e.get("blocked") for e in ends.values())
   return dict(
     requests=[ends[w].get("requests") for w in range(n)],
     request_rtt=authority_lib.percentiles(rtts),
     authority_handling=authority_lib.percentiles(handled),
     request_blocked=authority_lib.percentiles(blocked),
-    request_blocked_s=[float(np.sum(ends[w].get("blocked") or [])) for w in range(n)],
+    request_blocked_s=[_total(ends[w].get("blocked")) for w in range(n)],
   )
+
+
+def _total(record) -> float:
+  """The seconds of one end line's Durations record."""
+  return float(record["sum"]) if isinstance(record, dict) else float(np.sum(record or []))
 
 
 def _membership_fields(traces: dict, decider) -> dict:

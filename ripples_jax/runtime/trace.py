@@ -6,7 +6,8 @@ the number of checkpoint markers the worker had passed (a resume keeps the event
   {"k": "group", "c", "g": global sequence number (AD-PSGD: "<active>.<request>"), "m": members,
                  "t0": call, "t1": return, "during": the local step it landed in (AD-PSGD's passive side)}
   {"k": "mark",  "c", "kind": "eval" | "ckpt", "id", "t", "s": local steps completed}
-  {"k": "end",   "c", "t", "s", "compiles", "rtt": request round trips (s), "handled": authority times}
+  {"k": "end",   "c", "t", "s", "compiles", "rtt": request round trips (s), "blocked": waits for an
+                 answer (s): each a list, or past authority.Durations.EXACT of them its histogram}
 Elastic runs (runtime/membership.py) add: on a group, "join" (rejoined members, weight 0) and "failed"
 (the members whose exchange with this one failed: it kept its model); {"k": "member", "kind": leave |
 join, "w", "inc", "t"} (its queue's membership entries); {"k": "rejoin", "inc", "g0": groups made

@@ -156,8 +156,8 @@ def train(worker: Worker, loop: Loop, log: RunLog, kv, feed, trace, progress, wa
         trace,
         progress,
         workdir,
-        rtt=feed.rtts,
-        blocked=feed.blocked,
+        rtt=feed.rtts.as_record(),
+        blocked=feed.blocked.as_record(),
         requests=feed.requests,
       )
   finally:
