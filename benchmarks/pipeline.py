@@ -98,6 +98,10 @@ def define_flags() -> None:
     "variants", None, "Rows to run (default: every per_process row, or pipeline_devices.DEFAULT)."
   )
   flags.DEFINE_integer("ticks", 10, "placement=devices: ticks per timed block.")
+  flags.DEFINE_list(
+    "ablate", [], "placement=devices: process settings each against the default (allocator, threads)."
+  )
+  flags.DEFINE_integer("ablate_rounds", 4, "--ablate: alternations of whole processes per setting.")
   flags.DEFINE_list("slowdowns", [], "Straggler factors s for the last stage (e.g. 2,4); none by default.")
   flags.DEFINE_integer("iterations", 60, "Batches per runtime run.")
   flags.DEFINE_integer("reps", 5, "Repetitions: full alternations of the BP variants and every method.")
@@ -288,6 +292,20 @@ def main_devices(base) -> dict:
     raise app.UsageError(
       f"--variants: {bad} not allowed with --placement=devices: {list(pipeline_devices.VARIANTS)}"
     )
+  bad = [a for a in FLAGS.ablate if a not in pipeline_devices.ABLATIONS]
+  if bad:
+    raise app.UsageError(f"--ablate: {bad} not allowed: a list of {list(pipeline_devices.ABLATIONS)}")
+  if FLAGS.ablate:
+    keep = [a for a in sys.argv[1:] if not a.startswith(("--ablate", "--json_out", "--reps"))]
+    tmp = tempfile.mkdtemp(prefix="bench_ablate_")
+    try:
+      return {
+        "ablations": pipeline_devices.ablate(
+          keep + ["--reps=1"], names, FLAGS.ablate, FLAGS.ablate_rounds, tmp
+        )
+      }
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
   out = pipeline_devices.run(base, names, FLAGS.reps, FLAGS.ticks, FLAGS.bp_reps)
   pipeline_devices.print_table(out)
   return out

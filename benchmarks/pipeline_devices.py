@@ -266,3 +266,59 @@ def print_table(out: dict) -> None:
       f"| {r['ceiling_vs_best_bp']['median']:.2f} | {f(r['fraction_of_ceiling'])} | {r['imbalance']:.2f} "
       f"| {1e3 * g['dispatch']:.1f} / {1e3 * g['transfers']:.1f} / {1e3 * g['rest']:.1f} |"
     )
+
+
+# Process-wide settings, each measured on its own (--ablate): the environment a child process starts
+# with. allocator: glibc keeps and reuses the programs' large temporaries (ripples_jax.allocator)
+# instead of faulting fresh zeroed pages every call; threads: XLA:CPU's pools sized to the cores
+# (NPROC) instead of host.cpu_pool_size's two per forced device plus one per core.
+ABLATIONS = ("allocator", "threads")
+
+
+def ablation_env(name: str) -> dict:
+  from ripples_jax import allocator
+
+  if name == "allocator":
+    return allocator.env()
+  if name == "threads":
+    return dict(os.environ, NPROC=str(len(os.sched_getaffinity(0))))
+  raise ValueError(f"--ablate: {name!r} is not one of {ABLATIONS}")
+
+
+def ablate(child_args: list, names: list, settings: list, rounds: int, tmp: str) -> dict:
+  """Each setting against the default, whole processes alternated `rounds` times (A B A B ...):
+  per row, the median of the paired ratios setting / default of best BP's step and of the rows'
+  time per tick. `child_args`: this benchmark's own flags, one repetition each."""
+  import json
+  import subprocess
+  import sys
+
+  def one(env, tag) -> dict:
+    path = os.path.join(tmp, f"{tag}.json")
+    cmd = [sys.executable, "-m", "benchmarks.pipeline", *child_args, f"--json_out={path}"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode:
+      raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return json.load(open(path))
+
+  out = {}
+  for setting in settings:
+    pairs = []
+    for i in range(rounds):
+      order = [("default", dict(os.environ)), (setting, ablation_env(setting))]
+      got = {tag: one(env, f"{setting}_{i}_{tag}") for tag, env in (order if i % 2 == 0 else order[::-1])}
+      pairs.append(got)
+    rows = {
+      "best_bp": [
+        p[setting]["best_bp"]["ms"]["median"] / p["default"]["best_bp"]["ms"]["median"] for p in pairs
+      ]
+    }
+    for name in names:
+      tick = lambda p: p[name]["measured_tick_s"]["median"]
+      rows[name] = [tick(p[setting]) / tick(p["default"]) for p in pairs]
+    out[setting] = {k: {**_spread(v), "all": v} for k, v in rows.items()}
+    print(
+      f"{setting} / default: " + ", ".join(f"{k} {v['median']:.3f}" for k, v in out[setting].items()),
+      flush=True,
+    )
+  return out

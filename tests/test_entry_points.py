@@ -241,6 +241,18 @@ def test_bench_pipeline_on_devices(tmp_path):
     assert r["ceiling_s"] == max(max(r["stage_work_s"]), sum(r["stage_work_s"]) / got["setting"]["cores"])
     gap = r["gap_s"]
     assert gap["total"] == pytest.approx(gap["dispatch"] + gap["transfers"] + gap["rest"])
+  # --ablate: whole processes with and without a setting, once each: the ratio per row.
+  run(
+    "benchmarks.pipeline",
+    *args[:-2],
+    "--variants=dsp",
+    "--ablate=threads",
+    "--ablate_rounds=1",
+    f"--json_out={out_json}",
+    tmp_path=tmp_path,
+  )
+  got = json.loads(out_json.read_text())["ablations"]["threads"]
+  assert set(got) == {"best_bp", "dsp"} and got["dsp"]["median"] > 0 and len(got["dsp"]["all"]) == 1
 
 
 @pytest.mark.slow
