@@ -18,7 +18,7 @@ from ripples_jax import timeline
 from ripples_jax.distributed import coord
 from ripples_jax.errors import ConfigError
 from ripples_jax.runtime import membership
-from ripples_jax.runtime.authority import Authority
+from ripples_jax.runtime.authority import Authority, Feed
 from ripples_jax.runtime.replay import merged_events
 from ripples_jax.schedule.online import GROUP, MEMBER, STOP, Cadence, Service, decode, encode
 from tests.fakes import FakeKV
@@ -153,11 +153,77 @@ def test_the_coordinators_watchdog_reports_a_silent_worker_once_and_goes_on():
     for d in [*dogs[:2], boss]:
       d.check(100.0 + t)
   assert lost == [(2, 0)] and exits == [] and boss.gone == {2}
-  # Its next beat (a restarted process, incarnation 1) makes it a member again for the watchdog.
+  # Its rejoin (a restarted process, incarnation 1, accepted) makes it a member again for the watchdog.
+  boss.watch_life(2, 1)
   dogs[2].incarnation = 1
   dogs[2].check(120.0)
   boss.check(120.0)
   assert boss.gone == set() and boss.incarnations[2] == 1
+
+
+def test_a_zombie_of_an_earlier_life_neither_keeps_a_worker_alive_nor_brings_it_back():
+  """Heartbeat keys are per life: worker 1's life 0, stopped and continued after life 1 was accepted,
+  beats on its own key, which the coordinator no longer reads; a life that never beats is lost."""
+  kv, lost, exits = FakeKV(), [], []
+  beat = lambda w, inc: coord.Watchdog(  # noqa: E731
+    kv, w, 2, lambda: (1, 1, False), 1.0, 5.0, 30.0, lambda m: None, exits.append, incarnation=inc
+  )
+  boss = coord.Watchdog(
+    kv, None, 2, lambda: (0, 0, False), 1.0, 5.0, 30.0, lambda m: None, exits.append,
+    on_lost=lambda w, inc: lost.append((w, inc)),
+  )  # fmt: skip
+  w0, zombie = beat(0, 0), beat(1, 0)
+  for t in range(3):
+    for d in (w0, zombie, boss):
+      d.check(100.0 + t)
+  for t in range(3, 10):  # life 0 of worker 1 stops (SIGSTOP): removed
+    for d in (w0, boss):
+      d.check(100.0 + t)
+  assert lost == [(1, 0)]
+  kv.key_value_set(membership.removed_key(1), "0", allow_overwrite=True)
+  boss.watch_life(1, 1)  # life 1 is accepted and beats; the zombie (life 0) is continued and beats too
+  life1 = beat(1, 1)
+
+  def zombie_beats(t):  # as its check does before it reads removed/1
+    kv.key_value_set(coord.beat_key(1, 0), f"{t} 1 {t} 0", allow_overwrite=True)
+
+  for t in range(10, 20):
+    zombie_beats(t)
+    for d in (w0, life1, boss):
+      d.check(100.0 + t)
+  assert lost == [(1, 0)] and boss.gone == set()  # life 1 is watched, on its own key
+  for t in range(20, 30):  # life 1 dies; the zombie beats on
+    zombie_beats(t)
+    for d in (w0, boss):
+      d.check(100.0 + t)
+  assert lost == [(1, 0), (1, 1)] and boss.gone == {1}  # life 1's silence was seen
+  # The zombie reads that a life of its worker at or after its own was removed: it exits.
+  kv.key_value_set(membership.removed_key(1), "1", allow_overwrite=True)
+  zombie.check(130.0)
+  assert exits == [coord.EXIT_REMOVED]
+  # Life 2 is accepted and dies before its first beat: lost after the timeout all the same.
+  boss.watch_life(1, 2)
+  for t in range(30, 40):
+    zombie_beats(t)
+    for d in (w0, boss):
+      d.check(100.0 + t)
+  assert lost == [(1, 0), (1, 1), (1, 2)]
+
+
+def test_the_authority_reads_progress_of_a_workers_current_life_only():
+  kv = FakeKV()
+  service = service_for(n=3)
+  authority = Authority(kv, service, poll_s=0.005, elastic=True)
+  authority.incs[1] = 1
+  kv.key_value_set(membership.report_key(1, 0), "9 1.0 0.5 -1 0")  # life 0's process, continued
+  authority._reports()
+  assert service.steps.tolist() == [0, 0, 0]
+  kv.key_value_set(membership.report_key(1, 1), "4 1.0 0.5 -1 0")
+  authority._reports()
+  assert service.steps.tolist() == [0, 4, 0]
+  feed = Feed(kv, 1, lambda: 0.0, inc=1)  # where life 1 reports
+  feed.close()
+  assert feed.reports_at == membership.report_key(1, 1) == f"{coord.PREFIX}/started/1.1"
 
 
 def test_a_run_every_worker_left_ends_resumable_once_none_rejoins_for_the_stall_timeout():
@@ -186,7 +252,8 @@ def test_a_run_every_worker_left_ends_resumable_once_none_rejoins_for_the_stall_
   for t in range(3, 10):  # both stop beating: both leave
     boss.check(100.0 + t)
   assert sorted(lost) == [0, 1] and exits == []
-  dogs[1].incarnation = 1  # a restart of worker 1 beats: a member again, the clock starts over
+  boss.watch_life(1, 1)  # a restart of worker 1 rejoins: a member again, the clock starts over
+  dogs[1].incarnation = 1
   dogs[1].check(120.0)
   boss.check(120.0)
   assert boss.gone == {0} and exits == []

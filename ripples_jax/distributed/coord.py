@@ -32,7 +32,7 @@ from ripples_jax.distributed.roles import (
   worker_process,
 )
 from ripples_jax.distributed.sigterm import LAUNCHER_PID_ENV, SigtermStop
-from ripples_jax.distributed.watchdog import Watchdog, read_beat
+from ripples_jax.distributed.watchdog import Watchdog, beat_key, read_beat
 
 __all__ = [
   "COORDINATOR",
@@ -47,6 +47,7 @@ __all__ = [
   "Either",
   "SigtermStop",
   "Watchdog",
+  "beat_key",
   "bind_address",
   "client",
   "collectives_host",

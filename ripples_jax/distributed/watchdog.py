@@ -26,6 +26,24 @@ def _say(log, line: str) -> None:
     pass
 
 
+def beat_key(worker: int, inc: int | None = 0) -> str:
+  """Worker w's heartbeat key in its incarnation inc (elastic, runtime/membership.py): one key per life,
+  so an earlier life's process (stopped, then continued) can neither beat for the life that replaced
+  it nor bring it back once removed. Incarnation 0 (and every non-elastic process): hb/<w>."""
+  return f"{PREFIX}/hb/{worker}" if not inc else f"{PREFIX}/hb/{worker}.{inc}"
+
+
+def newest_beats(values: dict, n: int) -> dict:
+  """{worker: its newest life's heartbeat value} of a hb/ listing (a worker's view of its peers)."""
+  out, lives = {}, {}
+  for key, value in values.items():
+    w, _, inc = key.rsplit("/", 1)[1].partition(".")
+    w, inc = int(w), int(inc or 0)
+    if w < n and inc >= lives.get(w, -1):
+      out[w], lives[w] = value, inc
+  return out
+
+
 def read_beat(value: str) -> tuple[int, str, bool, int]:
   """A heartbeat value (Watchdog's format) as (completed steps, events, done, incarnation)."""
   _, steps, events, done, *inc = value.split()
@@ -76,11 +94,15 @@ class Watchdog:
     self.done = {w: False for w in range(num_workers)}
     self._contact = now
     # Elastic membership (runtime/membership.py). The coordinator's: on_lost(w) for a worker silent for
-    # timeout_s, which the run then goes on without (`gone` until it beats again: a rejoin). A worker's
-    # (incarnation not None): peers are not its concern; it exits when the coordinator removed it.
+    # timeout_s, which the run then goes on without (`gone` until a new life of it is accepted:
+    # watch_life). A worker's (incarnation not None): peers are not its concern; it exits when the
+    # coordinator removed it.
     self.on_lost, self.incarnation, self.gone = on_lost, incarnation, set()
     self._all_gone_since = None  # elastic: when the last live worker left (none done)
-    self.incarnations = {w: 0 for w in range(num_workers)}  # each worker's, as its heartbeat says
+    # Each worker's life: the coordinator's are the ones it was told (watch_life at each accepted
+    # rejoin: only that life's key is read); another process's, its newest beat's.
+    self.incarnations = {w: 0 for w in range(num_workers)}
+    self._told = {}  # worker -> a life watch_life announced, applied by the next check
     self.fired = False
     self._fire_lock = threading.RLock()  # the watchdog thread and a SIGTERM may want to exit at once
     self._thread = threading.Thread(target=self._run, name="ripples-watchdog", daemon=True)
@@ -98,6 +120,24 @@ class Watchdog:
   def stop(self):
     self._stop.set()
     self._thread.join(timeout=5 * self.interval)
+
+  def watch_life(self, w: int, inc: int) -> None:
+    """The coordinator's (elastic): worker w's life inc was accepted (a rejoin). From the next check it
+    is watched from now, beat or not: one that dies before its first beat is lost after timeout_s."""
+    self._told[w] = inc
+
+  def _beats(self, values: dict) -> dict:
+    """{worker: heartbeat value} of the lives this watchdog watches (see incarnations)."""
+    if self.on_lost is None:
+      return newest_beats(values, self.n)
+    return {w: values[k] for w in range(self.n) if (k := beat_key(w, self.incarnations[w])) in values}
+
+  def _apply_told(self, now: float) -> None:
+    for w in list(self._told):
+      self.incarnations[w] = self._told.pop(w)
+      self.seen[w], self.moved[w] = (None, now), (None, now)
+      self.done[w] = False
+      self.gone.discard(w)
 
   def await_verdict(self, seconds: float) -> None:
     """Waits for the watchdog to name a lost peer (it exits the process); returns if none is found."""
@@ -125,18 +165,19 @@ class Watchdog:
     if self.worker is not None:
       inc = f" {self.incarnation}" if self.incarnation else ""  # an elastic worker's later lives
       self.kv.key_value_set(
-        f"{PREFIX}/hb/{self.worker}", f"{self._beat} {steps} {events} {int(done)}{inc}", allow_overwrite=True
+        beat_key(self.worker, self.incarnation),
+        f"{self._beat} {steps} {events} {int(done)}{inc}",
+        allow_overwrite=True,
       )
-    values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
+    self._apply_told(now)
+    beats = self._beats(dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/")))
     self._contact = now
-    for w in range(self.n):
-      value = values.get(f"{PREFIX}/hb/{w}")
-      if value is None:
-        continue
+    for w, value in beats.items():
       if value != self.seen[w][0]:
         self.seen[w] = (value, now)
-        self.gone.discard(w)
-      self.steps[w], e, self.done[w], self.incarnations[w] = read_beat(value)
+      self.steps[w], e, self.done[w], life = read_beat(value)
+      if self.on_lost is None:
+        self.incarnations[w] = life
       if e != self.moved[w][0]:
         self.moved[w] = (e, now)
     if self._stop.is_set():
@@ -178,7 +219,8 @@ class Watchdog:
     """An elastic worker: exits (EXIT_REMOVED) once the coordinator has removed this incarnation."""
     key = f"{PREFIX}/removed/{self.worker}"
     value = dict(self.kv.key_value_dir_get(f"{PREFIX}/removed/")).get(key)
-    if value is not None and int(value) == self.incarnation:
+    # This life, or a later one (this process is an earlier life's, stopped and continued since): out.
+    if value is not None and int(value) >= self.incarnation:
       self._finish(
         f"removed from the run (no heartbeat reached the coordinator for {self.timeout:.0f} s: it "
         "stalled); restart it to rejoin",
@@ -201,10 +243,8 @@ class Watchdog:
 
     def read():
       try:
-        values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
-        for w in range(self.n):
-          if (value := values.get(f"{PREFIX}/hb/{w}")) is not None:
-            self.steps[w] = read_beat(value)[0]
+        for w, value in self._beats(dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))).items():
+          self.steps[w] = read_beat(value)[0]
         if self.worker is not None:
           self.steps[self.worker] = int(self.progress()[0])
       except Exception:  # noqa: BLE001
@@ -235,13 +275,12 @@ class Watchdog:
     while time.monotonic() < deadline:
       time.sleep(self.interval)
       try:
-        values = dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/"))
+        beats = self._beats(dict(self.kv.key_value_dir_get(f"{PREFIX}/hb/")))
       except Exception:  # noqa: BLE001
         return
       now = time.monotonic()
-      for w in range(self.n):
-        value = values.get(f"{PREFIX}/hb/{w}")
-        if value is not None and value != self.seen[w][0]:
+      for w, value in beats.items():
+        if value != self.seen[w][0]:
           self.seen[w] = (value, now)
       alive = [
         w

@@ -11,7 +11,8 @@ Transport (the jax.distributed key-value store; no server of ours):
                          request sent as a step starts carries that step's report, which is then not
                          sent on its own); the authority deletes a page once it has read it
   ripples/started/<w>    "<steps started> <started at> <last step time> <last gid> <checkpoint markers
-                         passed>", overwritten by w
+                         passed>", overwritten by w (a rejoined worker's life inc > 0: started/<w>.<inc>,
+                         read for its current life only: membership.report_key)
 So the store holds O(workers) keys however long the run, and a request costs the store about five
 calls, not seven (measured: benchmarks.bench_authority).
 The authority (threads of the coordinator, process 0, which trains nothing: the paper's GG is one
@@ -59,6 +60,7 @@ class Authority:
     self.incs = [0] * self.n
     self.events = []  # (run time, worker, "leave" | "rejoin" | "refused")
     self.unmade = 0  # dead workers' started steps the run did not make up (membership.leave)
+    self.on_join = None  # (w, inc): a new life accepted (the coordinator's watchdog watches it from then)
     if elastic:
       service.view.alive = np.ones(self.n, bool)
     self.on_checkpoint = on_checkpoint or (lambda ident, state: self.snapshots.__setitem__(ident, state))
@@ -177,6 +179,8 @@ class Authority:
       membership.answer(self.kv, slot[0], self.incs[w], 0, self.now(), svc.marks, self.incs, 0, refused)
       return
     self.incs[w] += 1
+    if self.on_join is not None:
+      self.on_join(w, self.incs[w])
     taken = membership.rejoin(svc, w, self.incs[w], self.now())
     self.posted[w], self.batches[w], self._read[w] = taken, 0, 0
     self._reported[w] = 0
@@ -198,7 +202,9 @@ class Authority:
       if self._seen.get(key) == value:
         continue
       self._seen[key] = value
-      self._report(int(key.rsplit("/", 1)[1]), value.split())
+      w, inc = membership.life_of(key)
+      if inc == self.incs[w]:  # an earlier life's process (stopped, then continued) is not this one
+        self._report(w, value.split())
 
   def _report(self, w: int, fields) -> None:
     """A start report "<steps> <started at> <step time> <last gid> <epoch>", unless a newer one (one
@@ -287,6 +293,7 @@ class Feed:
     self, kv, worker: int, now, ahead: bool = True, lead: bool = False, inc: int = 0, taken: int = 0
   ):
     self.kv, self.me, self.now, self.ahead, self.lead = kv, worker, now, ahead, lead
+    self.reports_at = membership.report_key(worker, inc)
     self.queue, self.requests_at = (
       membership.queue_prefix(worker, inc),
       membership.request_prefix(worker, inc),
@@ -332,7 +339,7 @@ class Feed:
       if value is None:
         return
       try:
-        self.kv.key_value_set(f"{PREFIX}/started/{self.me}", value, allow_overwrite=True)
+        self.kv.key_value_set(self.reports_at, value, allow_overwrite=True)
       except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
         return
 

@@ -187,6 +187,8 @@ def run(config, workdir: str) -> dict:
       hosts_service=True,
       on_lost=(authority or roster).leave if rt.elastic else None,  # elastic: the run goes on without it
     )
+    if rt.elastic:  # a new life is watched from its acceptance, before its first beat
+      (authority or roster).on_join = watchdog.watch_life
     sigterm.watchdog = watchdog
     clock["t0"] = start_clock(kv, None, n, epoch, 0.0, timeout_ms)
     record_start(workdir, time.perf_counter() - clock["t0"])

@@ -30,7 +30,10 @@ device order it used before needs a new connection key. So:
            coordinator waits until every worker is done or gone, then sets ENDED, which the done
            workers wait for (a barrier's fixed membership would wait for a worker that died late)
 
-A worker's incarnation 0 is its first process; each accepted rejoin adds one.
+A worker's incarnation 0 is its first process; each accepted rejoin adds one. Its heartbeat and start
+report keys are per life (watchdog.beat_key, report_key), and the coordinator's watchdog watches the
+life accepted last from its acceptance (Watchdog.watch_life): an earlier life's process cannot keep
+the worker alive, and a life that dies before its first beat is noticed.
 
 AD-PSGD has no authority and no global order: the coordinator's `Roster` serves the same membership
 (the watchdog's leave, join/<slot>, removed/<w>) and publishes who is live and each worker's
@@ -45,7 +48,7 @@ import time
 import numpy as np
 from absl import logging
 
-from ripples_jax.distributed.coord import PREFIX, read_beat, values_in_order
+from ripples_jax.distributed.coord import PREFIX, beat_key, read_beat, values_in_order
 
 KEYS = 2  # connection keys per pair with one device per worker: the two orders of its devices
 RUNNING = f"{PREFIX}/running/0"  # set by the coordinator once the run has started
@@ -64,6 +67,18 @@ def queue_prefix(worker: int, inc: int) -> str:
 
 def request_prefix(worker: int, inc: int) -> str:
   return f"{PREFIX}/req/{worker}" if inc == 0 else f"{PREFIX}/req/{worker}.{inc}"
+
+
+def report_key(worker: int, inc: int) -> str:
+  """Worker w's start reports (progress) in its incarnation inc: one key per life, as its heartbeat's
+  (watchdog.beat_key), so an earlier life's process cannot report for the life that replaced it."""
+  return f"{PREFIX}/started/{worker}" if inc == 0 else f"{PREFIX}/started/{worker}.{inc}"
+
+
+def life_of(key: str) -> tuple[int, int]:
+  """(worker, incarnation) of a per-life key (report_key, beat_key)."""
+  w, _, inc = key.rsplit("/", 1)[1].partition(".")
+  return int(w), int(inc or 0)
 
 
 def pair_rows(pair: tuple, key: int) -> tuple:
@@ -88,7 +103,7 @@ def exhausted(worker: int, incs, alive) -> list:
 def completed_steps(kv, worker: int, inc: int) -> int | None:
   """The local steps `worker` had completed by its last heartbeat in life `inc` (None: no beat of that
   life), read from its heartbeat key, which outlives the process."""
-  value = dict(kv.key_value_dir_get(f"{PREFIX}/hb/")).get(f"{PREFIX}/hb/{worker}")
+  value = dict(kv.key_value_dir_get(f"{PREFIX}/hb/")).get(beat_key(worker, inc))
   if value is None:
     return None
   steps, _, _, life = read_beat(value)
@@ -194,6 +209,7 @@ class Roster:
     self.incs, self.alive, self.version = [0] * n, [True] * n, 0
     self.events = []  # (run time, worker, "leave" | "rejoin" | "refused"): summary.json's membership
     self.unmade = 0  # dead workers' steps the run did not make up (give_back_ticket)
+    self.on_join = None  # (w, inc): a new life accepted (the coordinator's watchdog watches it from then)
     self._lock = threading.RLock()  # the watchdog's thread (leave) and the joins thread (join)
     self._stop = threading.Event()
     self._publish()
@@ -248,6 +264,8 @@ class Roster:
         return
       self.incs[w] += 1
       self.alive[w] = True
+      if self.on_join is not None:
+        self.on_join(w, self.incs[w])
       self._publish()
       answer(self.kv, slot, self.incs[w], 0, self.now(), marks, self.incs, 0)
       self.events.append((self.now(), w, "rejoin"))
