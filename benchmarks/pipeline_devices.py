@@ -39,6 +39,7 @@ VARIANTS = {
   "pipemare": ("pipemare", "recompute", 1, 1, True),
   "pipedream": ("pipedream", "stash", 1, 1, True),
   "pipedream_chunks4": ("pipedream", "stash", 4, 1, True),
+  "gpipe": ("gpipe", "recompute", 1, 1, True),
 }
 LABELS = {
   "dsp": "DSP as published (recompute)",
@@ -50,8 +51,9 @@ LABELS = {
   "pipemare": "PipeMare (1F1B, no stashing, corrected backward)",
   "pipedream": "PipeDream-1F1B / DDG (weight stashing, recompute at the stashed weights)",
   "pipedream_chunks4": "PipeDream-1F1B, backward over 4 chunks",
+  "gpipe": "GPipe, M micro-batches, remat, flush",
 }
-DEFAULT = ("dsp", "dsp_chunks4", "fr", "pipemare", "pipedream", "pipedream_chunks4")
+DEFAULT = ("dsp", "dsp_chunks4", "fr", "pipemare", "pipedream", "pipedream_chunks4", "gpipe")
 
 
 def _spread(values) -> dict:
@@ -83,9 +85,12 @@ class Method:
     self.schedule = baselines.schedule_of(c)
     self.devices = devices.stage_devices(c.num_stages)
     self.state = devices.place(state, self.devices)
-    self.tick = devices.make_device_tick(
-      self.stages, self.optimizer, self.schedule, self.n, self.devices, c.chunks, VARIANTS[name][4]
-    )
+    if c.method == "gpipe":
+      self.tick = devices.make_device_gpipe(self.stages, self.optimizer, c.microbatches, self.devices)
+    else:
+      self.tick = devices.make_device_tick(
+        self.stages, self.optimizer, self.schedule, self.n, self.devices, c.chunks, VARIANTS[name][4]
+      )
     self.t = 0
 
   def advance(self, ticks: int) -> float:
@@ -148,25 +153,83 @@ def stage_costs(m: Method, reps: int, core: int) -> dict:
         jax.block_until_ready(fn())
       fwd.append(_timed(f, reps))
       bwd.append(_timed(b, reps))
-    copies = [_timed(lambda k=k: jax.device_put(outs[k], devs[k + 1]), reps) for k in range(K - 1)]
-    copies += [_timed(lambda k=k: jax.device_put(ins[k + 1], devs[k]), reps) for k in range(K - 1)]
+  finally:
+    pin_threads(every)
+  return {"forward_s": fwd, "backward_s": bwd, **overhead_costs(devs, outs[:-1], reps, core)}
+
+
+def overhead_costs(devs, boundary: list, reps: int, core: int, per_iteration: int = 1) -> dict:
+  """The links' copies between devices (each boundary array up, and its error gradient, of the same
+  shape, down; `per_iteration` of each a step) timed alone, and one dispatch's cost to the caller (a
+  trivial program dispatched 200 times without waiting), this process on one core."""
+  from ripples_jax.distributed.host import pin_threads
+
+  every = set(os.sched_getaffinity(0))
+  pin_threads({core})
+  try:
+    copies = []
+    for k, a in enumerate(boundary):
+      above = jax.block_until_ready(jax.device_put(a, devs[k + 1]))  # the gradient's shape, up there
+      up = _timed(lambda: jax.device_put(a, devs[k + 1]), reps)
+      down = _timed(lambda: jax.device_put(above, devs[k]), reps)
+      copies += [per_iteration * up, per_iteration * down]
     small = jax.device_put(np.zeros(4, np.float32), devs[0])
     one = jax.jit(lambda a: a + 1)
     jax.block_until_ready(one(small))
     t0, calls = time.perf_counter(), 200
     for _ in range(calls):
       small = one(small)
-    dispatch_s = (time.perf_counter() - t0) / calls  # the caller's time per dispatch (asynchronous)
+    dispatch_s = (time.perf_counter() - t0) / calls  # asynchronous: the caller's time per dispatch
     jax.block_until_ready(small)
   finally:
     pin_threads(every)
-  return {"forward_s": fwd, "backward_s": bwd, "copies_s": copies, "dispatch_s": dispatch_s}
+  return {"copies_s": copies, "dispatch_s": dispatch_s}
+
+
+def gpipe_costs(m: Method, reps: int, core: int) -> dict:
+  """GPipe's per-micro-batch programs of each stage (forward; rematerialised backward; the last
+  stage's loss and backward) timed alone on one core, as stage_costs does for the ticks."""
+  from ripples_jax.distributed.host import pin_threads
+  from ripples_jax.pipeline import devices
+
+  K, M, devs = len(m.stages), m.config.microbatches, m.devices
+  progs = [devices._gpipe_programs(m.stages[k], m.optimizer, k == K - 1, M) for k in range(K)]
+  x = np.split(np.asarray(m.feed.x(0)), M)[0]
+  y = jax.device_put(np.split(np.asarray(m.feed.labels(0)), M)[0], devs[-1])
+  every = set(os.sched_getaffinity(0))
+  pin_threads({core})
+  try:
+    fwd, bwd, outs, h = [], [], [], jax.device_put(x, devs[0])
+    for k in range(K):
+      p, ms = m.state[k]["params"], m.state[k]["model_state"]
+      if k == K - 1:
+        fn = lambda p=p, ms=ms, h=h: progs[k]["backward"](p, ms, h, y)
+        jax.block_until_ready(fn())
+        fwd.append(0.0)  # the loss's forward is inside its backward program
+        bwd.append(_timed(fn, reps))
+        break
+      out, _ = progs[k]["forward"](p, ms, h)
+      outs.append(out)
+      f = lambda p=p, ms=ms, h=h, k=k: progs[k]["forward"](p, ms, h)
+      b = lambda p=p, ms=ms, h=h, k=k, c=out * 1e-3: progs[k]["backward"](p, ms, h, c)
+      for fn in (f, b, f, b):
+        jax.block_until_ready(fn())
+      fwd.append(_timed(f, reps))
+      bwd.append(_timed(b, reps))
+      h = jax.device_put(out, devs[k + 1])
+  finally:
+    pin_threads(every)
+  overhead = overhead_costs(devs, outs, reps, core, per_iteration=M)
+  return {"forward_s": fwd, "backward_s": bwd, "microbatches": M, **overhead}
 
 
 def ceiling_s(costs: dict, cores: int) -> float:
   """The method's iteration with every stage on a core of its own and nothing else: the most
   expensive stage's programs, no less than all stages' work over the cores."""
   work = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
+  if "microbatches" in costs:  # GPipe: M + K - 1 micro-batch slots of the slowest stage a flush
+    M = costs["microbatches"]
+    return max((M + len(work) - 1) * max(work), M * sum(work) / cores)
   return max(max(work), sum(work) / cores)
 
 
@@ -177,9 +240,11 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
   its = np.asarray(per_tick)
   ceiling = ceiling_s(costs, cores)
   measured = float(np.median(its))
-  dispatch = devices.dispatches_per_tick(schedule) * costs["dispatch_s"]
+  M = costs.get("microbatches")
+  count = devices.gpipe_dispatches(len(costs["forward_s"]), M) if M else devices.dispatches_per_tick(schedule)
+  dispatch = count * costs["dispatch_s"]
   transfers = float(sum(costs["copies_s"]))
-  work = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
+  work = [(M or 1) * (f + b) for f, b in zip(costs["forward_s"], costs["backward_s"])]
   return {
     "label": LABELS[name],
     "method": VARIANTS[name][0],
@@ -198,7 +263,7 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
       "transfers": transfers,
       "rest": measured - ceiling - dispatch - transfers,
     },
-    "dispatches_per_tick": devices.dispatches_per_tick(schedule),
+    "dispatches_per_tick": count,
   }
 
 
@@ -208,7 +273,7 @@ def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) ->
 
   methods = {name: Method(base, name) for name in names}
   for m in methods.values():
-    m.advance(max(3, m.schedule.drain_ticks() + 2))  # compile, fill the pipeline, warm
+    m.advance(max(3, m.schedule.drain_ticks() + 2 if m.schedule else 3))  # compile, fill, warm
   bp_reps_out, per_tick = [], {name: [] for name in names}
   for rep in range(reps):
     bp_reps_out.append(time_bp_variants(base, bp_reps))
@@ -243,7 +308,9 @@ def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) ->
     },
   }
   for name, m in methods.items():
-    out[name] = row(name, per_tick[name], best_bp, stage_costs(m, cost_reps, core), m.schedule, cores)
+    gpipe = m.config.method == "gpipe"
+    costs = (gpipe_costs if gpipe else stage_costs)(m, cost_reps, core)
+    out[name] = row(name, per_tick[name], best_bp, costs, m.schedule, cores)
   out["setting"]["loadavg_end"] = os.getloadavg()
   return out
 

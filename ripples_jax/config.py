@@ -504,17 +504,17 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
 
 
 def _check_devices(config, local_devices: int | None) -> None:
-  """placement=devices: a tick method, and a device of this process per stage."""
+  """placement=devices: a tick method or gpipe, and a device of this process per stage."""
   import jax
 
   from ripples_jax.pipeline.baselines import TICK_METHODS
 
-  if config.method not in TICK_METHODS:
+  if config.method not in TICK_METHODS + ("gpipe",):
     _fail(
       "method",
       config.method,
-      f"one of {', '.join(TICK_METHODS)} with placement=devices (its stages are a tick's programs, "
-      "one device each); bp, gpipe and dni run with placement=one_device",
+      f"one of {', '.join(TICK_METHODS)}, gpipe with placement=devices (its stages are programs of "
+      "their own, one device each); bp and dni are whole-model steps: placement=one_device",
     )
   n = jax.local_device_count() if local_devices is None else local_devices
   if config.num_stages > n:

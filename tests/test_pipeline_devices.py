@@ -55,6 +55,60 @@ def test_stages_on_their_devices_compute_the_one_device_tick(data, method, mode,
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"stage {k}")
 
 
+@pytest.mark.parametrize("K", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_gpipe_on_devices_computes_the_one_device_gpipe_step(data, K):
+  """GPipe with stage k on device k: the single-device step's updates (BP on the whole batch) to float
+  tolerance (separate programs per stage and micro-batch, so XLA may order the sums differently)."""
+  from ripples_jax.pipeline import baselines
+
+  stages, opt, M = mlp_stages(K), optax.sgd(0.1, momentum=0.9), 4
+  bs = batches(data, 6)
+  init = lambda: tick_lib.init_pipeline(
+    stages, opt, tick_lib.method_schedule("bp", K), jax.random.key(0), bs[0][0]
+  )
+  one, dev = baselines.make_gpipe_step(stages, opt, M), None
+  devs = devices_lib.stage_devices(K)
+  dev = devices_lib.make_device_gpipe(stages, opt, M, devs)
+  want, got = init(), devices_lib.place(init(), devs)
+  for t, (x, y) in enumerate(bs):
+    want, (wl, wa) = one(want, x, y)
+    got, (gl, ga) = dev(got, x, y, t)
+    np.testing.assert_allclose(float(gl), float(wl), rtol=1e-6)
+    assert float(ga) == pytest.approx(float(wa))
+  for k, (g, w) in enumerate(zip(got, want)):
+    assert {d for a in jax.tree.leaves(g) for d in a.devices()} == {devs[k]}, k
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=f"stage {k}")
+
+
+@pytest.mark.slow
+def test_gpipe_on_devices_carries_batchnorm_statistics_as_the_one_device_step():
+  """A BatchNorm model (a narrow ResNet-20, K=2): each micro-batch's forward sees the statistics the
+  one before it left, and its recompute sees the same; the running statistics after every step equal
+  the single-device step's."""
+  from ripples_jax.models import split
+  from ripples_jax.pipeline import baselines
+
+  stages = split.split_model("resnet20", 10, 2, sample_shape=(8, 8, 3), widths=(4, 8, 16))
+  opt, M, K = optax.sgd(0.05, momentum=0.9), 2, 2
+  rng = np.random.default_rng(0)
+  bs = [(rng.normal(size=(8, 8, 8, 3)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(3)]
+  init = lambda: tick_lib.init_pipeline(
+    stages, opt, tick_lib.method_schedule("bp", K), jax.random.key(0), bs[0][0]
+  )
+  one, devs = baselines.make_gpipe_step(stages, opt, M), devices_lib.stage_devices(K)
+  dev = devices_lib.make_device_gpipe(stages, opt, M, devs)
+  want, got = init(), devices_lib.place(init(), devs)
+  assert all(st["model_state"] for st in want)
+  for t, (x, y) in enumerate(bs):
+    want, _ = one(want, x, y)
+    got, _ = dev(got, x, y, t)
+  for g, w in zip(got, want):
+    for key in ("model_state", "params"):
+      for a, b in zip(jax.tree.leaves(g[key]), jax.tree.leaves(w[key])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=key)
+
+
 def dsp_config(**kw):
   from configs import dsp as dsp_config_lib
 
@@ -66,9 +120,10 @@ def dsp_config(**kw):
 
 def test_devices_refuses_a_whole_model_method_and_more_stages_than_devices():
   with pytest.raises(
-    ConfigError, match=r"config.method: 'gpipe' is not allowed: one of ddg, .* placement=devices"
+    ConfigError, match=r"config.method: 'bp' is not allowed: one of ddg, .*, gpipe with placement=devices"
   ):
-    validate_dsp_config(dsp_config(placement="devices", method="gpipe"))
+    validate_dsp_config(dsp_config(placement="devices", method="bp"))
+  validate_dsp_config(dsp_config(placement="devices", method="gpipe"))
   with pytest.raises(
     ConfigError, match=r"config.num_stages: 9 is not allowed: at most the 8 devices of this process"
   ):

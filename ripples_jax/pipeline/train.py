@@ -132,8 +132,8 @@ def _setup(config, workdir: str | None = None):
   the split the run first used: setup.split_stages)."""
   p = setup_lib.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
-  if config.placement == "devices":  # validated: a tick method
-    step_fn = devices.device_tick_step
+  if config.placement == "devices":  # validated: a tick method or gpipe
+    step_fn = devices.device_gpipe_step if config.method == "gpipe" else devices.device_tick_step
   state = init_fn(
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
   )
