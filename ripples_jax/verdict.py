@@ -1,17 +1,25 @@
-"""Verdicts on a paper's speedup claims from paired seeds: the claims ledger's rule (docs/design.md 3.11).
+"""Verdicts on a paper's claims from paired seeds: the claims ledger's rule (docs/design.md 3.11).
 
 A claim is a published ratio: a baseline's time to a target over the method's. Ours is measured per
 seed, the two runs of a seed paired (same seed, same data order, same clock noise):
   - A run that misses the target within its budget is censored: its time enters as the budget, so a
     missing baseline makes that seed's ratio a lower bound and a missing method an upper bound. The
-    misses are counted (`reached` m of n for each side) and a verdict with any says so.
+    misses are counted (`reached` m of n for each side).
   - The interval is a 95% Student-t interval of the mean log ratio (ratios multiply, so the mean is
     geometric), over at least MIN_SEEDS seeds.
-  - `reproduced` when the interval overlaps the paper's figure widened by TOLERANCE either way;
-    `larger` / `smaller` when it excludes it. A speedup claim whose interval also holds 1.0 is
-    `inconclusive`. A parity claim (a figure within 2 x TOLERANCE of 1: "as fast as All-Reduce, a
-    little faster") is also judged against 1.0: an interval that holds 1.0 cannot tell it from parity,
-    one below 1.0 is slower than the baseline.
+The rule is one of equivalence, for speedups, parity claims and differences alike:
+  - the band: the published figure widened by TOLERANCE either way for a ratio (the paper's figures
+    are read off bar charts to one or two significant figures; its own run-to-run spread is not
+    reported), DIFFERENCE_BAND accuracy points either way for a difference;
+  - `reproduced` only when the interval lies inside the band; `larger` / `smaller` only when it lies
+    wholly outside it on that side; otherwise `inconclusive`. A noisier interval can therefore never
+    earn `reproduced` more easily, only `inconclusive`.
+  - Censored seeds support only the direction their censoring allows: a method's misses (ratios that
+    are upper bounds) can support `smaller`, a baseline's misses (lower bounds) `larger`; any other
+    verdict with censored seeds, or misses on both sides, is `inconclusive (censored)`.
+  - A parity claim (a figure within 2 x TOLERANCE of 1: "as fast as All-Reduce, a little faster") is
+    also placed against 1.0: an interval wholly below 1.0 is slower than the baseline, one that holds
+    1.0 cannot tell it from parity.
 Every published figure (arXiv and ASPLOS) is judged on its own.
 """
 
@@ -23,6 +31,7 @@ from scipy import stats
 
 MIN_SEEDS = 5
 TOLERANCE = 0.10  # the paper's figure widened by 10% either way (a figure read off a bar chart)
+DIFFERENCE_BAND = 1.0  # accuracy points either way: the paper's accuracies are single runs, to 0.1
 LEVEL = 0.95
 
 
@@ -94,34 +103,41 @@ def t_interval(values, level: float = LEVEL) -> tuple[float, float, float]:
   return mean, mean - half, mean + half
 
 
-def judge_difference(mean: float, lo: float, hi: float, figure: float) -> str:
-  """The verdict on a published difference (accuracy points): reproduced when the interval holds it;
-  else which way ours lies, and whether it has the published sign at all."""
+def _equivalence(lo: float, hi: float, low: float, high: float) -> str:
+  """The interval [lo, hi] against the band [low, high] (module docstring)."""
+  if low <= lo and hi <= high:
+    return "reproduced"
+  if hi < low:
+    return "smaller"
+  if lo > high:
+    return "larger"
+  return "inconclusive"
+
+
+def judge_difference(mean: float, lo: float, hi: float, figure: float, band: float = DIFFERENCE_BAND) -> str:
+  """The verdict on a published difference (accuracy points): the interval against the figure +-
+  `band` points; outside it, whether ours has the published sign at all."""
   if math.isnan(hi):
     return "not judged: no interval"
-  if lo <= figure <= hi:
-    return "reproduced"
-  side = "smaller" if hi < figure else "larger"
+  out = _equivalence(lo, hi, figure - band, figure + band)
+  if out == "reproduced":
+    return out
   if lo <= 0 <= hi:
-    return f"{side}; the interval holds 0"
-  return f"{side}; {'the same' if (mean > 0) == (figure > 0) else 'the opposite'} sign"
+    return f"{out}; the interval holds 0"
+  return f"{out}; {'the same' if (mean > 0) == (figure > 0) else 'the opposite'} sign"
 
 
 def judge(e: Estimate, figure: float, tolerance: float = TOLERANCE, min_seeds: int = MIN_SEEDS) -> str:
   """The verdict on one published figure (module docstring)."""
   if e.seeds < min_seeds:
     return f"too few seeds ({e.seeds} < {min_seeds})"
-  low, high = figure / (1 + tolerance), figure * (1 + tolerance)
-  parity = abs(figure - 1) <= 2 * tolerance
-  if e.hi < low:
-    out = "smaller"
-  elif e.lo > high:
-    out = "larger"
-  elif not parity and e.lo <= 1:
-    out = "inconclusive (the interval holds both the figure and 1.0)"
-  else:
-    out = "reproduced"
-  if parity:  # "as fast as the baseline, a little faster": is it faster at all?
+  out = _equivalence(e.lo, e.hi, figure / (1 + tolerance), figure * (1 + tolerance))
+  if e.censored:
+    method_missed, baseline_missed = e.reached < e.seeds, e.baseline_reached < e.seeds
+    allowed = None if method_missed and baseline_missed else ("smaller" if method_missed else "larger")
+    if out != allowed:
+      out = "inconclusive (censored)"
+  if abs(figure - 1) <= 2 * tolerance:  # parity: "as fast as the baseline, a little faster"
     if e.hi < 1:
       out += "; slower than the baseline"
     elif e.lo <= 1:
