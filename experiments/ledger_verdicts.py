@@ -96,8 +96,10 @@ def verdict_label(tta_out: dict | None, target: float) -> str:
   )
   return (
     f"{NUMERICS}; {CLOCKS['heavy']}; time to {100 * target:.0f}% test accuracy of the averaged model; "
-    f"{'/'.join(map(str, seeds)) or 'no'} seeds per algorithm; {tuned}; verdicts: a 95% interval against "
-    f"the figure +-{100 * verdict.TOLERANCE:.0f}%, at least {verdict.MIN_SEEDS} seeds (ripples_jax.verdict)."
+    f"{'/'.join(map(str, seeds)) or 'no'} seeds per algorithm; {tuned}; verdicts: reproduced only when "
+    f"the 95% interval lies inside the figure +-{100 * verdict.TOLERANCE:.0f}%, larger / smaller only when "
+    f"wholly outside it, else inconclusive; censored seeds support only their direction; at least "
+    f"{verdict.MIN_SEEDS} seeds (ripples_jax.verdict)."
   )
 
 
