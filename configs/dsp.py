@@ -80,11 +80,12 @@ def get_config(arg=None):
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
   c.optimizer.warmup_steps = 50  # linear warm-up from 0
   # PipeMare (method=pipemare): stage k's step size divided by its delay S_k at first, the division
-  # annealed away over lr_anneal updates; its backward at w - S_k delta, delta the updates' moving
-  # average with decay ema_decay (the paper's two techniques; these values are ours, not tuned)
+  # annealed away over lr_anneal updates; its backward's weights w - S_k delta (the forward's
+  # activations), delta the updates' moving average with decay ema_decay^(1/S_k) (the paper's two
+  # techniques; these values are ours, not tuned)
   c.pipemare = ml_collections.ConfigDict()
   c.pipemare.lr_anneal = 500  # updates (0: no rescheduling)
-  c.pipemare.ema_decay = 0.9  # gamma in [0, 1)
+  c.pipemare.ema_decay = 0.9  # D in [0, 1): stage k's decay gamma_k = D^(1/S_k)
   c.dni_lr = 0.01  # DNI: the synthetic-gradient predictors' step size (plain SGD)
 
   # The straggler experiment of the timing model: stage `straggler_stage` slowed by `slowdown`

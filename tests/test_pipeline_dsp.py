@@ -358,10 +358,28 @@ def test_method_table_covers_every_method():
 # soon as its input has arrived; nothing in it is the tick.
 
 
+def dense_forward(p, x, last: bool):
+  """A Dense stage by hand: (output, the activations its backward reads: the flat input and the
+  nonlinearity's output)."""
+  x2 = x.reshape(x.shape[0], -1)
+  z = x2 @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
+  h = z if last else jnp.tanh(z)
+  return h, (x2, h)
+
+
+def dense_backward(p_bwd, acts, cot, x_shape, last: bool):
+  """PipeMare's backward of a Dense stage by hand: the forward's activations, the weights p_bwd."""
+  x2, h = acts
+  g_z = cot if last else cot * (1 - h * h)
+  g_p = {"Dense_0": {"kernel": x2.T @ g_z, "bias": g_z.sum(0)}}
+  return g_p, (g_z @ p_bwd["Dense_0"]["kernel"].T).reshape(x_shape)
+
+
 def one_f_one_b_reference(stages, opt, bs, x0, stash: bool, lr_anneal=0, ema_decay=0.0):
   """Every stage's params after 1F1B over the batches bs. stash: PipeDream's weight stashing (the
-  backward at the version the forward used); else PipeMare (the backward recomputes at w - tau delta,
-  delta the moving average of the stage's updates, tau = K-1-k its delay; step size times
+  backward at the version the forward used); else PipeMare as published (Dense stages: the forward's
+  activations kept, the backward's weight operands w - tau delta, delta the moving average of the
+  stage's updates with decay ema_decay^(1/tau), tau = K-1-k its delay; step size times
   tau^-(1 - min(u / lr_anneal, 1)) at its u-th update)."""
   K, n = len(stages), len(bs)
   init = tick_lib.init_pipeline(stages, opt, tick_lib.method_schedule("bp", K), jax.random.key(0), x0)
@@ -379,6 +397,8 @@ def one_f_one_b_reference(stages, opt, bs, x0, stash: bool, lr_anneal=0, ema_dec
   inputs = [dict() for _ in range(K)]  # stage k's input of batch i
   cots = [dict() for _ in range(K)]  # dL/d(stage k's output) of batch i
   stashed = [dict() for _ in range(K)]
+  kept = [dict() for _ in range(K)]  # PipeMare: stage k's activations of batch i, from its forward
+  outs = [dict() for _ in range(K)]
   updates_done = [0] * K
   for i, (x, _) in enumerate(bs):
     inputs[0][i] = x
@@ -390,20 +410,28 @@ def one_f_one_b_reference(stages, opt, bs, x0, stash: bool, lr_anneal=0, ema_dec
         kind, i = ops[k][pos[k]]
         if kind == "F" and i in inputs[k]:
           stashed[k][i] = w[k]
+          if stash:
+            out = apply_model(stages[k], w[k], ms[k], inputs[k][i], True)[0]
+          else:
+            out, kept[k][i] = dense_forward(w[k], inputs[k][i], k == K - 1)
+          outs[k][i] = out
           if k < K - 1:
-            inputs[k + 1][i] = apply_model(stages[k], w[k], ms[k], inputs[k][i], True)[0]
+            inputs[k + 1][i] = out
         elif kind == "B" and (k == K - 1 or i in cots[k]):
           tau = K - 1 - k
-          p_b = stashed[k][i] if stash else jax.tree.map(lambda a, d: a - tau * d, w[k], delta[k])
-          out, pullback = jax.vjp(
-            lambda p, x: apply_model(stages[k], p, ms[k], x, True)[0], p_b, inputs[k][i]
-          )
           if k == K - 1:
             y = bs[i][1]
-            cot = jax.grad(lambda o: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())(out)
+            cot = jax.grad(lambda o: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())(outs[k][i])
           else:
             cot = cots[k][i]
-          g_p, g_x = pullback(cot)
+          if stash:
+            _, pullback = jax.vjp(
+              lambda p, x: apply_model(stages[k], p, ms[k], x, True)[0], stashed[k][i], inputs[k][i]
+            )
+            g_p, g_x = pullback(cot)
+          else:
+            p_b = jax.tree.map(lambda a, d: a - tau * d, w[k], delta[k])
+            g_p, g_x = dense_backward(p_b, kept[k][i], cot, inputs[k][i].shape, k == K - 1)
           if k > 0:
             cots[k - 1][i] = g_x
           u, opt_state[k] = opt.update(g_p, opt_state[k], w[k])
@@ -412,7 +440,8 @@ def one_f_one_b_reference(stages, opt, bs, x0, stash: bool, lr_anneal=0, ema_dec
             scale = float(tau) ** -(1.0 - min(updates_done[k] / lr_anneal, 1.0))
           u = jax.tree.map(lambda a: scale * a, u)
           w[k] = optax.apply_updates(w[k], u)
-          delta[k] = jax.tree.map(lambda d, a: ema_decay * d + (1 - ema_decay) * a, delta[k], u)
+          gamma = ema_decay ** (1 / tau) if tau else ema_decay
+          delta[k] = jax.tree.map(lambda d, a: gamma * d + (1 - gamma) * a, delta[k], u)
           updates_done[k] += 1
         else:
           break
@@ -440,6 +469,26 @@ def test_1f1b_methods_equal_the_reference(data, method):
   want = one_f_one_b_reference(stages, opt, bs, bs[0][0], stash=method != "pipemare", **kw)
   for a, b in zip(got, want):
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-5, atol=2e-6), a, b)
+
+
+def test_pipemare_backward_keeps_the_forward_activations(data):
+  """PipeMare as published, K=2 (gamma = D at S_0 = 1): stage 0's backward reads the activations its
+  forward computed at the then-current weights and only its weight operands at w - S_0 delta; a
+  backward that recomputes the forward at w - S_0 delta (the activations at the corrected weights)
+  drifts off this reference."""
+  bs = batches(data, 8)
+  stages, opt = mlp_stages(2), optax.sgd(0.1, momentum=0.9)
+  sched = tick_lib.method_schedule("pipemare", 2, ema_decay=0.5)
+  got = params_of(run_ticks(stages, opt, sched, bs))
+  want = one_f_one_b_reference(stages, opt, bs, bs[0][0], stash=False, ema_decay=0.5)
+  for a, b in zip(got, want):
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-5, atol=2e-6), a, b)
+
+
+def test_pipemare_decay_is_tied_to_the_delay():
+  sch = tick_lib.method_schedule("pipemare", 4, ema_decay=0.125)
+  assert sch.staleness == (3, 2, 1, 0)
+  np.testing.assert_allclose([sch.gamma(k) for k in range(3)], [0.5, 0.125**0.5, 0.125], rtol=1e-12)
 
 
 @pytest.mark.slow  # in process, too long for the fast tier

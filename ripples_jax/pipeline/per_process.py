@@ -5,7 +5,8 @@ r"""The pipeline runtime: stage k of a K-stage pipeline runs in process k (place
 
 Every method runs here on equal terms: dsp (any mode), fr, ddg and pipedream (one schedule: its stored
 graph, the forward's vjp residuals, which hold the weights the forward used: weight stashing), pipemare
-(PipeDream's schedule, the input kept and recomputed at the corrected weights), model-parallel bp (zero
+(PipeDream's schedule, the forward's activations kept, the backward's weight operands at the corrected
+weights: tick.py's corrected mode), model-parallel bp (zero
 link delays and residuals: one forward and one backward per stage, no pipelining) and gpipe (M
 micro-batches, rematerialised, one update after the flush). DNI is not here: its synthetic-gradient
 step is a whole-model step (config.validate_dsp_config says so).
@@ -73,7 +74,7 @@ def process_schedule(config) -> tick_lib.Schedule | None:
     return tick_lib.Schedule((0,) * (K - 1), (0,) * (K - 1), "residuals")
   if config.method in ("ddg", "pipedream"):  # the stored graph: weights and activations stashed
     return tick_lib.method_schedule(config.method, K, mode="residuals")
-  if config.method == "pipemare":  # inputs only, recomputed at w - S_k delta
+  if config.method == "pipemare":  # the forward's activations, the backward at w - S_k delta
     pm = config.pipemare
     return tick_lib.method_schedule("pipemare", K, lr_anneal=pm.lr_anneal, ema_decay=pm.ema_decay)
   if config.method == "fr":  # inputs only, recomputed

@@ -10,10 +10,20 @@ own optax update as soon as its backward is done.
 Every stage keeps a staleness ring buffer of its last S_k + 1 inputs (and, in `stash` mode, parameter
 versions). `recompute` (DSP, Features Replay): the backward re-runs the stage's forward on the stored
 input with the *current* parameters. `stash` (PipeDream's weight stashing, DDG's stored graph): the
-backward uses the parameter version the forward used. `corrected` (PipeMare): no versions kept; the
-backward re-runs the forward at the current parameters moved back by S_k steps of an exponential moving
-average of the stage's own updates (its discrepancy correction), and the stage's step size is divided by
-its delay S_k at first, the division annealed away over `lr_anneal` updates (its rescheduling).
+backward uses the parameter version the forward used. `corrected` (PipeMare as published, Yang et al.,
+MLSys 2021): no versions kept; a stage below the last keeps its forward's activations (not its input)
+for S_k ticks, and its backward takes the gradient at those activations with every weight operand of
+the backward pass at w_bkwd = w - S_k delta, the current parameters moved back by S_k steps of delta, an
+exponential moving average of the stage's own updates with decay gamma_k = D^(1/S_k) (its discrepancy
+correction; D is `ema_decay`), so nothing is recomputed (pipeline/pipemare.py). The stage's step size
+is divided by its delay S_k at first, the division annealed away over `lr_anneal` updates (its
+rescheduling). The last stage (S = 0) runs its forward and backward at once at w.
+
+`chunks` > 1 (every mode): a stage's backward runs over that many equal chunks of the batch in turn
+(recompute and stash: each chunk's recompute and vjp; corrected: each chunk's forward keeps its own
+activations, each chunk's backward reads them), the parameter gradients summed, the input gradients
+concatenated: the unchunked numerics up to float order. Models with a model state are refused (the
+BatchNorm statistics would be per chunk).
 
 The same tick describes every method:
   bp         f = b = 0                  plain backprop of the composed model
@@ -21,7 +31,8 @@ The same tick describes every method:
   ddg        f = 0, b = 1, stash        locked forward, delayed error gradients, the stored graph
   pipedream  f = 0, b = 1, stash        1F1B: stage k runs K-1-k warm-up forwards, then one forward
                                         and one backward a tick, no flush, weight stashing
-  pipemare   f = 0, b = 1, corrected    PipeDream's schedule without stashing (see `corrected`)
+  pipemare   f = 0, b = 1, corrected    PipeDream's schedule without stashing, the forward's
+                                        activations kept, the backward at w - S_k delta (`corrected`)
   fr         f = 0, b = 1, recompute    locked forward, delayed error gradients, inputs only
 PipeDream-1F1B and DDG are one schedule here: a locked forward and a backward link of one tick make
 stage k's backward of batch i follow its forward by K-1-k of its own updates, which is 1F1B's order, and
@@ -39,7 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model, init_model
+from ripples_jax.pipeline import pipemare
 
 # recompute / stash: the ring buffers above. fused: recompute, with the new batch's forward and the
 # replayed input's recompute as one forward call over both (per_process only). residuals: the forward's
@@ -62,7 +75,8 @@ class Schedule:
   bwd_delays: tuple  # b_k for k < K-1
   mode: str = "recompute"
   lr_anneal: int = 0  # corrected: updates over which the step size's division by S_k anneals away
-  ema_decay: float = 0.9  # corrected: gamma of the updates' moving average delta
+  ema_decay: float = 0.9  # corrected: D, the decay of the updates' moving average over a stage's delay
+  chunks: int = 1  # each backward over this many equal chunks of the batch (module docstring)
 
   @property
   def num_stages(self) -> int:
@@ -83,42 +97,73 @@ class Schedule:
     """(forward batch, backward batch) of every stage at tick t (negative: warm-up, nothing to do)."""
     return [(t - o, t - o - s) for o, s in zip(self.offsets, self.staleness)]
 
+  def gamma(self, k: int) -> float:
+    """corrected: stage k's moving-average decay gamma_k = D^(1/S_k), so that the average forgets a
+    factor D over the stage's delay: PipeMare's discrepancy correction ties each stage's decay to its
+    delay (Yang et al., MLSys 2021, section 3, technique 2). D itself for S_k = 0 (delta unused)."""
+    s = self.staleness[k]
+    return float(self.ema_decay) ** (1.0 / s) if s > 0 else float(self.ema_decay)
+
+  def keeps_activations(self, k: int) -> bool:
+    """Stage k keeps its forward's activations for its backward (corrected, below the last stage)."""
+    return self.mode == CORRECTED and k < self.num_stages - 1
+
   def drain_ticks(self) -> int:
     """Ticks after the last batch enters until every stage has applied its update."""
     return max(o + s for o, s in zip(self.offsets, self.staleness))
 
 
 def method_schedule(
-  method: str, num_stages: int, delay: int = 1, mode: str | None = None, lr_anneal: int = 0, ema_decay=0.9
+  method: str,
+  num_stages: int,
+  delay: int = 1,
+  mode: str | None = None,
+  lr_anneal: int = 0,
+  ema_decay=0.9,
+  chunks: int = 1,
 ) -> Schedule:
   """The link delays of bp, dsp, ddg, pipedream, pipemare and fr (gpipe and dni have their own steps)."""
-  k = num_stages - 1
+  k, c = num_stages - 1, int(chunks)
   if method == "bp":
-    return Schedule((0,) * k, (0,) * k, mode or "recompute")
+    return Schedule((0,) * k, (0,) * k, mode or "recompute", chunks=c)
   if method == "dsp":
-    return Schedule((delay,) * k, (delay,) * k, mode or "recompute")
+    return Schedule((delay,) * k, (delay,) * k, mode or "recompute", chunks=c)
   if method in ("ddg", "pipedream"):
-    return Schedule((0,) * k, (1,) * k, mode or "stash")
+    return Schedule((0,) * k, (1,) * k, mode or "stash", chunks=c)
   if method == "pipemare":
-    return Schedule((0,) * k, (1,) * k, CORRECTED, int(lr_anneal), float(ema_decay))
+    return Schedule((0,) * k, (1,) * k, CORRECTED, int(lr_anneal), float(ema_decay), c)
   if method == "fr":
-    return Schedule((0,) * k, (1,) * k, mode or "recompute")
+    return Schedule((0,) * k, (1,) * k, mode or "recompute", chunks=c)
   raise ValueError(f"method: {method!r} has no link schedule")
 
 
 def init_pipeline(stages, optimizer, schedule: Schedule, rng, sample_x) -> list[dict]:
-  """Per-stage state: params, model_state, opt_state, the ring buffers and the incoming FIFOs."""
+  """Per-stage state: params, model_state, opt_state, the ring buffers and the incoming FIFOs.
+
+  A stage that keeps its forward's activations (corrected, below the last) holds them in `act_ring`
+  and an empty `in_ring` (its input's shape, no slot). chunks > 1 with a model state: ConfigError."""
   state = []
   x = jnp.asarray(sample_x)
   for k, stage in enumerate(stages):
     params, model_state = init_model(stage, jax.random.fold_in(rng, k), x[:1])
+    if schedule.chunks > 1 and model_state:
+      raise ConfigError(
+        f"chunks: {schedule.chunks} is not allowed with stage {k}'s model state (BatchNorm): its batch "
+        "statistics would be per chunk"
+      )
     s = schedule.staleness[k]
+    keeps = schedule.keeps_activations(k)
     st = {
       "params": params,
       "model_state": model_state,
       "opt_state": optimizer.init(params),
-      "in_ring": jnp.zeros((s + 1,) + x.shape, x.dtype),
+      "in_ring": jnp.zeros((0 if keeps else s + 1,) + x.shape, x.dtype),
     }
+    if keeps:
+      kept = jax.eval_shape(
+        functools.partial(_forward_keeping, stage, schedule.chunks), params, model_state, x
+      )[1]
+      st["act_ring"] = jax.tree.map(lambda a: jnp.zeros((s + 1,) + a.shape, a.dtype), kept)
     if schedule.mode == "stash":
       st["param_ring"] = jax.tree.map(lambda a: jnp.broadcast_to(a, (s + 1,) + a.shape), params)
     if schedule.mode == CORRECTED:
@@ -138,15 +183,35 @@ def push(fifo, item):
   return jnp.concatenate([fifo[1:], item[None]], axis=0)
 
 
+def _spec(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _forward_keeping(stage, chunks: int, params, model_state, x):
+  """corrected: the stage's forward over `chunks` equal chunks of x, each keeping its activations
+  (pipemare.forward). Returns (y, {"acts": a tuple of each chunk's, "model_state": the new one})."""
+  xs = jnp.split(x, chunks) if chunks > 1 else [x]
+  plan = pipemare.make_plan(stage, *_spec((params, model_state, xs[0])))
+  parts = [pipemare.forward(plan, params, model_state, xc) for xc in xs]
+  y = jnp.concatenate([y for (y, _), _ in parts]) if chunks > 1 else parts[0][0][0]
+  return y, {"acts": tuple(kept for _, kept in parts), "model_state": parts[-1][0][1]}
+
+
 def stage_forward(stage, schedule: Schedule, k: int, st: dict, x_in, t):
-  """Stage k's forward at tick t: store the input (and params in stash mode), return the output.
+  """Stage k's forward at tick t: store the input (and params in stash mode; the activations instead
+  of the input where the stage keeps them), return the output.
 
   The running statistics of BatchNorm are updated only in the backward's recompute pass (our choice),
-  so this forward's model_state update is discarded. The last stage only stores: its backward (S=0)
-  runs the forward of the same batch in the same tick.
+  so this forward's model_state update is discarded; a stage that keeps its activations keeps its
+  forward's update with them, applied with its backward's. The last stage only stores: its backward
+  (S=0) runs the forward of the same batch in the same tick.
   """
   s = schedule.staleness[k]
   slot = t % (s + 1)
+  if schedule.keeps_activations(k):
+    y, kept = _forward_keeping(stage, schedule.chunks, st["params"], st["model_state"], x_in)
+    ring = jax.tree.map(lambda r, a: r.at[slot].set(a), st["act_ring"], kept)
+    return dict(st, act_ring=ring), y
   st = dict(st, in_ring=st["in_ring"].at[slot].set(x_in))
   if schedule.mode == "stash":
     st["param_ring"] = jax.tree.map(lambda r, p: r.at[slot].set(p), st["param_ring"], st["params"])
@@ -157,57 +222,96 @@ def stage_forward(stage, schedule: Schedule, k: int, st: dict, x_in, t):
 
 
 def stage_backward(
-  stage, optimizer, schedule: Schedule, k: int, st: dict, cotangent, labels, t, num_batches, chunks: int = 1
+  stage, optimizer, schedule: Schedule, k: int, st: dict, cotangent, labels, t, num_batches, chunks=None
 ):
   """Stage k's backward at tick t on the batch stored S_k ticks ago, then its update at once.
 
   `cotangent` is dL/d(output) from stage k+1 (None for the last stage, which uses `labels`). Returns
   (state, dL/d(input), loss). Nothing is applied during warm-up or drain (batch index out of range).
+  `chunks` (default: the schedule's): the backward over that many equal chunks of the batch; a stage
+  that keeps its activations follows the chunks its forward kept.
   """
+  chunks = schedule.chunks if chunks is None else chunks
   s = schedule.staleness[k]
   old = (t - s) % (s + 1)
-  x_old = st["in_ring"][old]
   params = backward_params(schedule, k, st, old)
+  metrics = (jnp.nan, jnp.nan)
+  if schedule.keeps_activations(k):
+    kept = jax.tree.map(lambda r: r[old], st["act_ring"])
+    g_p, g_x, new_ms = _kept_grads(stage, st, kept, params, cotangent)
+  else:
+    x_old = st["in_ring"][old]
+    fwd = lambda p, x: apply_model(stage, p, st["model_state"], x, train=True)
+    if cotangent is None:  # last stage: loss and backward at once
+      g_p, g_x, (metrics, new_ms) = _loss_grads(fwd, params, x_old, labels, chunks)
+    else:
+      g_p, g_x, mss = _over_chunks(functools.partial(_recompute_grads, fwd, params), chunks, x_old, cotangent)
+      new_ms = mss[-1]
+  st = apply_update(optimizer, schedule, k, st, g_p, new_ms, t, num_batches)
+  return st, g_x, metrics
 
-  def fwd(p, x):
-    return apply_model(stage, p, st["model_state"], x, train=True)
 
-  if cotangent is None:  # last stage: loss and backward at once
+def _over_chunks(fn, chunks: int, *arrays):
+  """fn(*chunk) -> (g_p, g_x, aux) over `chunks` equal chunks of the arrays' leading axis in turn.
+  Returns (g_p, g_x, [aux of each chunk]); chunks == 1: fn's one call."""
+  if chunks == 1:
+    g_p, g_x, aux = fn(*arrays)
+    return g_p, g_x, [aux]
+  return _joined([fn(*c) for c in zip(*(jnp.split(a, chunks) for a in arrays))])
 
+
+def _joined(parts):
+  """Chunks' (g_p, g_x, aux): the parameter gradients summed in chunk order, the input gradients
+  concatenated, the auxes listed."""
+  g_p = jax.tree.map(lambda *g: sum(g), *[g for g, _, _ in parts])
+  return g_p, jnp.concatenate([gx for _, gx, _ in parts]), [aux for _, _, aux in parts]
+
+
+def _recompute_grads(fwd, params, x, cotangent):
+  """The vjp of the stage's forward recomputed at `params` on x: (g_p, g_x, its new model state)."""
+  (_, new_ms), pullback = jax.vjp(fwd, params, x)
+  g_p, g_x = pullback((cotangent, jax.tree.map(jnp.zeros_like, new_ms)))
+  return g_p, g_x, new_ms
+
+
+def _loss_grads(fwd, params, x, labels, chunks: int):
+  """The last stage: the batch's mean loss (with chunks, the mean of equal chunks' means) and its
+  gradients. Returns (g_p, g_x, ((loss, acc), new model state))."""
+
+  def grads(x, y):
     def loss_fn(p, x):
       logits, ms = fwd(p, x)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-      return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == labels))
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() / chunks
+      return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == y) / chunks)
 
-    if chunks == 1:
-      (loss, (new_ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        params, x_old
-      )
-    else:  # the batch's mean loss as the mean of equal chunks' means (stage_forward_residuals)
-      parts = []
-      for xc, yc in zip(jnp.split(x_old, chunks), jnp.split(labels, chunks)):
+    (loss, (ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, x)
+    return g_p, g_x, ((loss, acc), ms)
 
-        def chunk_loss(p, x, yc=yc):
-          logits, ms = fwd(p, x)
-          loss = optax.softmax_cross_entropy_with_integer_labels(logits, yc).mean() / chunks
-          return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == yc) / chunks)
+  g_p, g_x, aux = _over_chunks(grads, chunks, x, labels)
+  if chunks == 1:
+    return g_p, g_x, aux[0]
+  metrics = tuple(sum(m[i] for m, _ in aux) for i in range(2))
+  return g_p, g_x, (metrics, aux[-1][1])
 
-        parts.append(jax.value_and_grad(chunk_loss, argnums=(0, 1), has_aux=True)(params, xc))
-      loss, acc = sum(l for (l, _), _ in parts), sum(a for (_, (_, a)), _ in parts)
-      new_ms = parts[-1][0][1][0]
-      g_p = jax.tree.map(lambda *g: sum(g), *[g for _, (g, _) in parts])
-      g_x = jnp.concatenate([gx for _, (_, gx) in parts])
-  else:
-    (_, new_ms), pullback = jax.vjp(fwd, params, x_old)
-    g_p, g_x = pullback((cotangent, jax.tree.map(jnp.zeros_like, new_ms)))
-    loss = acc = jnp.nan
-  st = apply_update(optimizer, schedule, k, st, g_p, new_ms, t, num_batches)
-  return st, g_x, (loss, acc)
+
+def _kept_grads(stage, st, kept, params_bwd, cotangent):
+  """A stage that keeps its activations: each chunk's backward from its forward's activations with
+  every weight operand at params_bwd (pipemare.backward). Returns (g_p, g_x, the forward's new model
+  state)."""
+  acts = kept["acts"]
+  x_shape = st["in_ring"].shape[1:]
+  x_chunk = jax.ShapeDtypeStruct((x_shape[0] // len(acts),) + x_shape[1:], st["in_ring"].dtype)
+  plan = pipemare.make_plan(stage, *_spec((st["params"], st["model_state"])), x_chunk)
+  cots = jnp.split(cotangent, len(acts)) if len(acts) > 1 else [cotangent]
+  parts = [(*pipemare.backward(plan, params_bwd, a, c), None) for a, c in zip(acts, cots)]
+  g_p, g_x, _ = _joined(parts) if len(parts) > 1 else parts[0]
+  return g_p, g_x, kept["model_state"]
 
 
 def backward_params(schedule: Schedule, k: int, st: dict, old):
   """The parameters stage k's backward differentiates at: the stashed version (stash), PipeMare's
-  estimate of the version the forward used, w - S_k delta (corrected), or the current ones."""
+  estimate of the version the forward used, w - S_k delta (corrected: the backward's weight operands
+  only, see stage_backward), or the current ones."""
   if schedule.mode == "stash":
     return jax.tree.map(lambda r: r[old], st["param_ring"])
   if schedule.mode == CORRECTED:
@@ -237,7 +341,7 @@ def apply_update(optimizer, schedule: Schedule, k: int, st: dict, g_p, new_ms, t
   if schedule.mode == CORRECTED:
     scale = lr_scale(schedule, k, batch)
     updates = jax.tree.map(lambda u: scale * u, updates)
-    gamma = schedule.ema_decay  # delta follows w_new - w_old, which is the (scaled) update
+    gamma = schedule.gamma(k)  # delta follows w_new - w_old, which is the (scaled) update
     extra["delta"] = jax.tree.map(lambda d, u: gamma * d + (1 - gamma) * u, st["delta"], updates)
   keep = lambda new, cur: jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, cur)
   return dict(
@@ -352,6 +456,7 @@ def stored_bytes(state: list[dict]) -> list[dict]:
       {
         "params": size(st["params"]),
         "inputs": size(st["in_ring"]),
+        "activations": size(st.get("act_ring", {})),  # corrected: the forward's, kept S_k + 1 ticks
         "param_versions": size(st.get("param_ring", {})),
         "correction": size(st.get("delta", {})),  # PipeMare's moving average of updates: one weight copy
         "fifos": size(st.get("fwd_fifo", [])) + size(st.get("bwd_fifo", [])),

@@ -14,7 +14,8 @@ one batch (the lead measures them with jax and passes them in). One iteration = 
                                                     one batch in flight (the published global step)
   pipedream  steady 1F1B: max_k (F_k + B_k)         stage k: F of batch t (after stage k-1's), then B of
                                                     batch t-(K-1-k) (after stage k+1's, a tick before)
-  pipemare   steady 1F1B: max_k (2 F_k + B_k)       as pipedream; the backward recomputes the forward
+  pipemare   steady 1F1B: max_k (F_k + B_k)         as pipedream; the forward's activations kept, no
+                                                    weight versions, no recompute
   fr     sum_k F_k + max_k (F_k + B_k)              as ddg, the backward recomputes the forward first
   dni    sum_k F_k + max_k (B_k + P_k)              as ddg, P_k = synthetic-gradient predictor cost
   dsp    max_k (F_k + B_k)        fused             every stage busy every tick: the forward of a new
@@ -69,9 +70,9 @@ def backward_work(method, f, b, p, fused=False):
   over both batches and charges it F_k (the optimistic end: the pass is bound by the stage's weights
   and launches, not by the batch); unfused, the recompute is a second forward: 2 F_k + B_k.
   """
-  if method in ("ddg", "pipedream"):
-    return b  # the stored graph (stashed weights and activations): no recompute
-  if method in ("fr", "pipemare"):
+  if method in ("ddg", "pipedream", "pipemare"):
+    return b  # the stored graph (activations kept; pipemare: no weight versions): no recompute
+  if method == "fr":
     return f + b  # inputs only: recompute the forward, then the backward
   if method == "dni":
     return b + p  # backward from the synthetic gradient, plus the predictor's own step
@@ -343,8 +344,8 @@ def tick_efficiency(summary: dict) -> float:
 
 
 # What each method's calls cost in model-parallel BP's (residual) calls: `calls_from_bp`.
-RESIDUAL_CALLS = ("bp", "ddg", "pipedream", "dsp_residuals")
-RECOMPUTE_CALLS = ("fr", "pipemare", "dsp")
+RESIDUAL_CALLS = ("bp", "ddg", "pipedream", "pipemare", "dsp_residuals")
+RECOMPUTE_CALLS = ("fr", "dsp")
 
 
 def calls_from_bp(method: str, bp_stages: list[dict], microbatches: int = 4) -> list[dict]:
