@@ -312,6 +312,12 @@ def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) ->
     costs = (gpipe_costs if gpipe else stage_costs)(m, cost_reps, core)
     out[name] = row(name, per_tick[name], best_bp, costs, m.schedule, cores)
   out["setting"]["loadavg_end"] = os.getloadavg()
+  # Each stage device's peak memory over the whole run, where the platform reports it (GPUs; the
+  # CPU reports none).
+  stats = {
+    str(d): (d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()[: base.num_stages]
+  }
+  out["device_peak_bytes"] = stats
   return out
 
 
