@@ -34,6 +34,7 @@ VARIANTS = {
   "dsp_chunks4": ("dsp", "recompute", 4, 1, True),
   "dsp_delay2": ("dsp", "recompute", 1, 2, True),
   "dsp_no_donation": ("dsp", "recompute", 1, 1, False),
+  "dsp_unfused": ("dsp", "recompute", 1, 1, True),
   "fr": ("fr", "recompute", 1, 1, True),
   "fr_chunks4": ("fr", "recompute", 4, 1, True),
   "pipemare": ("pipemare", "recompute", 1, 1, True),
@@ -46,6 +47,7 @@ LABELS = {
   "dsp_chunks4": "DSP, its recompute and backward over 4 chunks",
   "dsp_delay2": "DSP, links of delay 2",
   "dsp_no_donation": "DSP, stage state not donated (copied every tick)",
+  "dsp_unfused": "DSP, a forward and a backward program per stage and a push per link (not fused)",
   "fr": "Features Replay (recompute)",
   "fr_chunks4": "Features Replay, backward over 4 chunks",
   "pipemare": "PipeMare (1F1B, no stashing, corrected backward)",
@@ -85,12 +87,14 @@ class Method:
     self.schedule = baselines.schedule_of(c)
     self.devices = devices.stage_devices(c.num_stages)
     self.state = devices.place(state, self.devices)
+    # DSP's schedule runs fused (one program per stage a tick), as the training loop runs it.
+    self.fused = c.method != "gpipe" and devices.fusable(self.schedule) and name != "dsp_unfused"
     if c.method == "gpipe":
       self.tick = devices.make_device_gpipe(self.stages, self.optimizer, c.microbatches, self.devices)
     else:
-      self.tick = devices.make_device_tick(
-        self.stages, self.optimizer, self.schedule, self.n, self.devices, c.chunks, VARIANTS[name][4]
-      )
+      make = devices.make_fused_device_tick if self.fused else devices.make_device_tick
+      args = (self.stages, self.optimizer, self.schedule, self.n, self.devices, c.chunks, VARIANTS[name][4])
+      self.tick = make(*args)
     self.t = 0
 
   def advance(self, ticks: int) -> float:
@@ -233,7 +237,7 @@ def ceiling_s(costs: dict, cores: int) -> float:
   return max(max(work), sum(work) / cores)
 
 
-def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: int) -> dict:
+def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: int, fused=False) -> dict:
   """One method's figures: the paired ratios over the repetitions and its ceiling's parts."""
   from ripples_jax.pipeline import devices
 
@@ -241,7 +245,11 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
   ceiling = ceiling_s(costs, cores)
   measured = float(np.median(its))
   M = costs.get("microbatches")
-  count = devices.gpipe_dispatches(len(costs["forward_s"]), M) if M else devices.dispatches_per_tick(schedule)
+  count = (
+    devices.gpipe_dispatches(len(costs["forward_s"]), M)
+    if M
+    else devices.dispatches_per_tick(schedule, fused)
+  )
   dispatch = count * costs["dispatch_s"]
   transfers = float(sum(costs["copies_s"]))
   work = [(M or 1) * (f + b) for f, b in zip(costs["forward_s"], costs["backward_s"])]
@@ -310,7 +318,7 @@ def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) ->
   for name, m in methods.items():
     gpipe = m.config.method == "gpipe"
     costs = (gpipe_costs if gpipe else stage_costs)(m, cost_reps, core)
-    out[name] = row(name, per_tick[name], best_bp, costs, m.schedule, cores)
+    out[name] = row(name, per_tick[name], best_bp, costs, m.schedule, cores, m.fused)
   out["setting"]["loadavg_end"] = os.getloadavg()
   # Each stage device's peak memory over the whole run, where the platform reports it (GPUs; the
   # CPU reports none).

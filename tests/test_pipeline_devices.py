@@ -109,6 +109,32 @@ def test_gpipe_on_devices_carries_batchnorm_statistics_as_the_one_device_step():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=key)
 
 
+@pytest.mark.parametrize("delay,K", [(2, 2), pytest.param(1, 3, marks=pytest.mark.slow)])
+def test_the_fused_dsp_tick_computes_the_one_device_tick(data, delay, K):
+  """DSP's tick as one program per stage (the arrivals pushed by the receiver's next program): after
+  settle, one_device's state bit for bit, settled mid-run too (a record or checkpoint between ticks)."""
+  stages, opt = mlp_stages(K), optax.sgd(0.1, momentum=0.9)
+  schedule = tick_lib.method_schedule("dsp", K, delay)
+  assert devices_lib.fusable(schedule) and not devices_lib.fusable(tick_lib.method_schedule("pipedream", K))
+  bs = batches(data, 8)
+  init = lambda: tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  want = drive(tick_lib.make_tick(stages, opt, schedule, len(bs)), init(), schedule, bs)
+  devs = devices_lib.stage_devices(K)
+  step = devices_lib.make_fused_device_tick(stages, opt, schedule, len(bs), devs)
+  got, off = devices_lib.place(init(), devs), schedule.offsets[-1]
+  for t in range(len(bs) + schedule.drain_ticks()):
+    x = bs[t][0] if t < len(bs) else np.zeros_like(bs[0][0])
+    got, _ = step(got, x, bs[min(max(t - off, 0), len(bs) - 1)][1], t)
+    if t == 3:
+      got = step.settle(got)
+  got = step.settle(got)
+  for k, (g, w) in enumerate(zip(got, want)):
+    assert {d for a in jax.tree.leaves(g) for d in a.devices()} == {devs[k]}, k
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"stage {k}")
+  assert devices_lib.dispatches_per_tick(schedule, fused=True) == K + 2 * (K - 1)
+
+
 def dsp_config(**kw):
   from configs import dsp as dsp_config_lib
 

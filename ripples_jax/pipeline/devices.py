@@ -70,11 +70,83 @@ def _stage_programs(
   return jax.jit(forward, donate_argnums=donated), jax.jit(backward, donate_argnums=donated)
 
 
-def dispatches_per_tick(schedule: Schedule) -> int:
+def _fused_program(stage, optimizer, schedule: Schedule, k: int, num_batches: int, chunks: int, donate: bool):
+  """Stage k's whole tick as one program, for schedules whose every link is delayed (DSP): first the
+  arrivals of the previous tick pushed into the incoming FIFOs (what the unfused tick's link programs
+  did at the end of that tick: the same concatenation, so the same bits), then the forward and the
+  backward. `up` / `down` None: nothing pending (the first tick, or the links already settled)."""
+  last = k == schedule.num_stages - 1
+
+  def fused(st, up, down, x_in, labels, t):
+    if up is not None:
+      st = dict(st, fwd_fifo=push(st["fwd_fifo"], up))
+    if down is not None:
+      st = dict(st, bwd_fifo=push(st["bwd_fifo"], down))
+    st, y = stage_forward(stage, schedule, k, st, st["fwd_fifo"][0] if x_in is None else x_in, t)
+    cot = None if last else st["bwd_fifo"][0]
+    st, g_x, m = stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches, chunks)
+    return st, y, g_x, m
+
+  return jax.jit(fused, donate_argnums=(0,) if donate else ())
+
+
+def fusable(schedule: Schedule) -> bool:
+  """Whether a stage's tick can be one program: every link delayed, so no stage waits within a tick
+  for another's output (under a locked link the receiver's forward needs this tick's output)."""
+  return all(d >= 1 for d in schedule.fwd_delays + schedule.bwd_delays)
+
+
+def dispatches_per_tick(schedule: Schedule, fused: bool = False) -> int:
   """What make_device_tick's tick dispatches: two programs per stage, the batch's and the labels'
   copies, a copy per locked link direction, a copy and a push program per delayed one."""
   links = list(schedule.fwd_delays) + list(schedule.bwd_delays)
+  if fused:  # a program per stage (the batch and labels go in with their calls), a copy per link
+    return schedule.num_stages + len(links)
   return 2 * schedule.num_stages + 2 + sum(2 if d else 1 for d in links)
+
+
+def make_fused_device_tick(
+  stages, optimizer, schedule: Schedule, num_batches: int, devices: list, chunks: int = 1, donate: bool = True
+):
+  """make_device_tick for a fusable schedule (DSP) with one program per stage a tick: tick t's
+  outputs are copied to their receivers' devices at once and pushed into the FIFOs by the receivers'
+  programs of tick t + 1, so a tick dispatches K programs and 2(K - 1) copies. Between ticks the
+  returned state's FIFOs lack the pending arrivals: `tick.settle(state)` pushes them (the training
+  loop calls it before it reads the state: records, evaluations, checkpoints), after which the state
+  is make_device_tick's, bit for bit."""
+  K = len(stages)
+  programs = [
+    _fused_program(stages[k], optimizer, schedule, k, num_batches, chunks, donate) for k in range(K)
+  ]
+  link = jax.jit(push, donate_argnums=0)
+  to = lambda x, k: jax.device_put(x, devices[k])
+  pending = {"up": [None] * K, "down": [None] * K}  # arrivals for stage k's next program
+
+  def tick(state, x_t, y_t, t):
+    state, ups, downs = list(state), pending["up"], pending["down"]
+    outs, grads, metrics = [None] * K, [None] * K, None
+    for k in range(K):  # no stage waits for another within the tick: any order runs them at once
+      x_in = x_t if k == 0 else None
+      labels = y_t if k == K - 1 else None  # host arrays: each program's call copies them to its device
+      state[k], outs[k], grads[k], m = programs[k](state[k], ups[k], downs[k], x_in, labels, t)
+      if k == K - 1:
+        metrics = m
+    pending["up"] = [None] + [to(outs[k - 1], k) for k in range(1, K)]
+    pending["down"] = [to(grads[k + 1], k) for k in range(K - 1)] + [None]
+    return state, metrics
+
+  def settle(state):
+    state = list(state)
+    for k in range(K):
+      if pending["up"][k] is not None:
+        state[k] = dict(state[k], fwd_fifo=link(state[k]["fwd_fifo"], pending["up"][k]))
+      if pending["down"][k] is not None:
+        state[k] = dict(state[k], bwd_fifo=link(state[k]["bwd_fifo"], pending["down"][k]))
+    pending["up"], pending["down"] = [None] * K, [None] * K
+    return state
+
+  tick.settle = settle
+  return tick
 
 
 def make_device_tick(
@@ -220,5 +292,6 @@ def device_gpipe_step(stages, optimizer, config, num_batches):
 
 def device_tick_step(stages, optimizer, config, num_batches):
   """baselines.METHODS' step_fn signature for the tick methods on devices (train.py's setup)."""
-  devices = stage_devices(config.num_stages)
-  return make_device_tick(stages, optimizer, schedule_of(config), num_batches, devices, config.chunks)
+  devices, schedule = stage_devices(config.num_stages), schedule_of(config)
+  make = make_fused_device_tick if fusable(schedule) else make_device_tick
+  return make(stages, optimizer, schedule, num_batches, devices, config.chunks)

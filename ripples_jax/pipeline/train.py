@@ -104,6 +104,7 @@ def _loop(log, config, run, state, cursor: Loop):
   drain = schedule.drain_ticks() if schedule else 0
   offset = schedule.offsets[-1] if schedule else 0  # the last stage works on batch t - offset
   losses, eval_s = [], cursor.eval_s
+  settle = getattr(step, "settle", lambda state: state)
   # The clock is net of evaluation, as in the per-process runtime: a record's time is training time.
   t0 = time.perf_counter() - cursor.time
   clock = lambda: time.perf_counter() - t0 - (eval_s - cursor.eval_s)
@@ -113,6 +114,7 @@ def _loop(log, config, run, state, cursor: Loop):
     if 0 <= t - offset < n:
       losses.append(loss)
     if done > 0 and (done % config.log_every == 0 or done % config.eval_every == 0 or done == n):
+      state = settle(state)  # the fused device tick's pending arrivals into their FIFOs: the canonical state
       jax.block_until_ready(state)  # the training this record covers is done before the clock reads
       elapsed, e0 = clock(), time.perf_counter()
       scalars = _scalars(config, run, state, done, losses)
@@ -124,7 +126,7 @@ def _loop(log, config, run, state, cursor: Loop):
       log.checkpoint(done, state, dataclasses.asdict(cursor_now), force=done == n)
     elif done > 0:
       log.progress(done)
-  return state, clock()
+  return settle(state), clock()
 
 
 def _setup(config, workdir: str | None = None):
