@@ -164,7 +164,8 @@ def validate_train_config(
         "experiments.launch --num_processes=<workers> starts both; on a cluster, --jax_distributed "
         "with num_workers + 1 processes)",
       )
-    local = local_devices or 1
+    # elastic: a worker's life runs on one of its process's devices (runtime/membership.py)
+    local = 1 if config.runtime.get("elastic") is True else (local_devices or 1)
     if config.batch_size % local:
       _fail("batch_size", config.batch_size, f"a multiple of the {local} devices of each worker")
     _check_runtime(config)

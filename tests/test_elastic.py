@@ -103,20 +103,91 @@ def test_a_step_the_dead_worker_started_and_never_completed_is_made_up_by_the_li
   assert membership.leave(service, 0, 0, 10) == 1 and service.steps.tolist() == [10, 9, 10]
 
 
-def test_pair_keys_are_device_orders_and_run_out():
-  assert membership.pair_rows((1, 3), 0) == (1, 3) and membership.pair_rows((1, 3), 1) == (3, 1)
-  with pytest.raises(ValueError, match="connection key 2"):
-    membership.pair_rows((1, 3), 2)
-  assert membership.pair_key((1, 3), [0, 1, 0, 0]) == 1
-  # Worker 1 rejoined once: worker 3 can rejoin only where no live pair of its would need a third key.
-  assert membership.exhausted(3, [0, 1, 0, 0], [True, True, True, False]) == [1]
-  assert membership.exhausted(3, [0, 0, 0, 0], [True, True, True, False]) == []
+def _devices(counts):
+  """Fake jax.devices(): process p has counts[p] CPU devices, ids p * 1024 + k (jax's CPU layout)."""
+  from types import SimpleNamespace
+
+  return [SimpleNamespace(process_index=p, id=p * 1024 + k) for p, c in enumerate(counts) for k in range(c)]
+
+
+def test_each_life_of_a_worker_connects_on_devices_no_earlier_life_used():
+  """Life i of worker w runs on its process's local device i: a pair of lives (i, j) has a device list
+  of its own, so neither two workers restarted at once nor one restarted again ever meet a device list
+  an earlier life connected with (XLA:CPU keeps a failed communicator per ordered device list, and the
+  old life's gloo keys stay in the store: docs/design.md 3.12)."""
+  devices = _devices([3, 3, 3, 3])  # the coordinator (process 0) and workers 0..2, 3 devices each
+  devices_of = {w: [d for d in devices if d.process_index == w + 1] for w in range(3)}
+  assert membership.life_device(devices_of[1], 2) is devices_of[1][2]
+  with pytest.raises(ValueError, match="life 3 beyond the 3 CPU devices"):
+    membership.life_device(devices_of[1], 3)
+  assert membership.pair_key((0, 2), [1, 0, 2]) == (1, 2)
+  assert membership.pair_devices((0, 2), (1, 2), devices_of) == [[devices_of[0][1]], [devices_of[2][2]]]
+  # Workers 0 and 1 die together and both rejoin; then 1 dies and rejoins again.
+  history = [[0, 0, 0], [1, 1, 0], [1, 2, 0]]
+  used = {}
+  for incs in history:
+    for pair in [(0, 1), (0, 2), (1, 2)]:
+      key = membership.pair_key(pair, incs)
+      ids = tuple(d.id for row in membership.pair_devices(pair, key, devices_of) for d in row)
+      used.setdefault(ids, set()).add((pair, key))
+  assert all(len(lives) == 1 for lives in used.values()), used  # no device list serves two lives
+  assert len(used) == 3 + 3 + 2  # every pair with a new life connected anew: (1, 2) of (1, 0) too
+
+
+def test_the_pair_averager_connects_a_pair_of_lives_on_their_devices():
+  import jax
+  from jax.sharding import Mesh
+
+  from ripples_jax.distributed.arrays import LOCAL
+  from ripples_jax.runtime.preduce import PairAverager
+
+  devs = jax.devices()[:6]
+  devices_of = {0: devs[0:3], 1: devs[3:6]}  # two workers' processes, three lives each
+  averager = PairAverager(Mesh([devs[1]], (LOCAL,)), devices_of, 0, per_life=True)  # worker 0's life 1
+  (_, sharding), _ = averager._program((0, 1), key=(1, 2))
+  assert sharding.mesh.devices.tolist() == [[devs[1]], [devs[5]]]
+  (_, sharding), _ = averager._program((0, 1))  # before any rejoin: every worker's life 0
+  assert sharding.mesh.devices.tolist() == [[devs[0]], [devs[3]]]
+  whole = PairAverager(Mesh(devs[0:3], (LOCAL,)), devices_of, 0)  # not elastic: all its devices
+  assert whole._program((0, 1))[0][1].mesh.devices.tolist() == [devs[0:3], devs[3:6]]
+
+
+def test_a_worker_has_as_many_lives_as_its_process_has_devices():
+  assert membership.lives_of(_devices([3, 3, 3]), 2) == 3
+  assert membership.lives_of(_devices([1, 3, 2]), 2) == 2  # the coordinator's count does not matter
+  assert not membership.exhausted(1, [0, 1, 0], 3)  # its life 2 has device 2
+  assert membership.exhausted(1, [0, 2, 0], 3)  # life 3 would have none
+  assert not membership.exhausted(0, [0, 2, 0], 3)  # the others' lives do not count against it
+  assert membership.exhausted(0, [0, 0, 0], 1)  # one device: no rejoin
+  assert "--cpu_devices=3" in membership.refusal(1, 3)
+
+
+def test_the_launcher_gives_an_elastic_run_a_device_per_life():
+  from ripples_jax.distributed.launcher import devices_per_process
+
+  assert devices_per_process(1, 2, elastic=True) == 3  # lives 0, 1, 2
+  assert devices_per_process(4, 2, elastic=True) == 4  # more asked for: kept
+  assert devices_per_process(1, 0, elastic=True) == 1
+  assert devices_per_process(1, 2, elastic=False) == 1  # restart-all: every process starts afresh
+
+
+def test_a_restart_guesses_its_next_life_from_the_runs_answers():
+  kv = FakeKV()
+  assert membership.next_life(kv, 2) == 1  # no answer yet: its first rejoin
+  kv.key_value_set(f"{coord.PREFIX}/join/0", "2")
+  kv.key_value_set(f"{coord.PREFIX}/joined/0", "1 0 0.0 0 0 0,0,1 0")
+  kv.key_value_set(f"{coord.PREFIX}/join/1", "1")
+  kv.key_value_set(f"{coord.PREFIX}/joined/1", "1 0 0.0 0 0 0,1,1 0")
+  kv.key_value_set(f"{coord.PREFIX}/join/2", "2")
+  kv.key_value_set(f"{coord.PREFIX}/joined/2", "2 0 0.0 0 0 0,1,2 0")
+  kv.key_value_set(f"{coord.PREFIX}/join/3", "0")  # asked, not answered yet
+  assert [membership.next_life(kv, w) for w in range(3)] == [1, 2, 3]
 
 
 def test_the_authority_removes_and_takes_back_a_worker():
   kv, n = FakeKV(), 3
   service = service_for(n=n)
-  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0).start()
+  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
   try:
     authority.leave(1, 0)
     deadline = time.monotonic() + 5
@@ -127,10 +198,18 @@ def test_the_authority_removes_and_takes_back_a_worker():
     got = membership.ask_to_join(kv, 1, 5.0)
     assert got["inc"] == 1 and got["incs"] == [0, 1, 0] and got["refused"] is None
     assert authority.events[-1] == (5.0, 1, "rejoin") and service.joining == {1}
-    # Worker 2 cannot rejoin now: its pair with worker 1 would need a third connection key.
+    # Worker 2 rejoins while worker 1's new life is live (each life has a device of its own).
     authority.leave(2, 0)
     got = membership.ask_to_join(kv, 2, 5.0)
-    assert got["refused"] and "workers [1]" in got["refused"]
+    assert got["inc"] == 1 and got["incs"] == [0, 1, 1] and got["refused"] is None
+    # Worker 1 dies again and rejoins again: its third life, on its third device.
+    authority.leave(1, 1)
+    got = membership.ask_to_join(kv, 1, 5.0)
+    assert got["inc"] == 2 and got["incs"] == [0, 2, 1] and got["refused"] is None
+    # A fourth life has no device: refused with one line.
+    authority.leave(1, 2)
+    got = membership.ask_to_join(kv, 1, 5.0)
+    assert got["refused"] == membership.refusal(1, 3) and authority.events[-1] == (5.0, 1, "refused")
   finally:
     authority.stop()
 
@@ -372,9 +451,9 @@ def test_merge_joins_a_rejoined_worker_with_weight_0_after_its_earlier_life():
 def test_the_roster_serves_membership_without_an_authority():
   """AD-PSGD's membership: a leave is published (roster, removed/<w>) once per life; a rejoin takes
   the next incarnation, is published before it is answered, and is refused once the run's step budget
-  is spent or a pair would need a third connection key. A leave gives the dead life's ticket back."""
+  is spent or its worker's lives exceed its devices. A leave gives the dead life's ticket back."""
   kv, n = FakeKV(), 4
-  roster = membership.Roster(kv, n, budget=10, now=lambda: 3.0).start()
+  roster = membership.Roster(kv, n, budget=10, now=lambda: 3.0, lives=2).start()
   view = membership.RosterView(kv, 0.01)
   changes = []
   view.on_change = lambda incs, alive: changes.append((list(incs), alive.tolist()))
@@ -393,8 +472,8 @@ def test_the_roster_serves_membership_without_an_authority():
     roster.leave(2, 0)  # its earlier life's silence, reported late: not this life's
     assert roster.alive[2] and roster.events == [(3.0, 2, "leave"), (3.0, 2, "rejoin")]
     roster.leave(3, 0)
-    got = membership.ask_to_join(kv, 3, 5.0)  # its pair with 2 would need key 2
-    assert got["refused"] and "workers [2]" in got["refused"]
+    got = membership.ask_to_join(kv, 3, 5.0)  # while 2's new life is live: a device of its own
+    assert got["inc"] == 1 and got["incs"] == [0, 0, 1, 1] and got["refused"] is None
     # 10 steps in all: 4 taken, two of them given back by the two leaves.
     assert [membership.take_ticket(kv, 10) for _ in range(9)] == [*range(3, 11), None]
     assert roster.unmade == 0
@@ -403,6 +482,15 @@ def test_the_roster_serves_membership_without_an_authority():
     roster.leave(1, 0)
     got = membership.ask_to_join(kv, 1, 5.0)
     assert got["refused"] == "the run has ended" and roster.events[-1] == (3.0, 1, "refused")
+  finally:
+    roster.stop()
+  kv = FakeKV()  # a third life with two devices per worker: refused while steps remain
+  roster = membership.Roster(kv, n, budget=10, now=lambda: 3.0, lives=2).start()
+  try:
+    for life in (0, 1):
+      roster.leave(2, life)
+      got = membership.ask_to_join(kv, 2, 5.0)
+    assert got["refused"] == membership.refusal(2, 2) and roster.incs[2] == 1
   finally:
     roster.stop()
 
@@ -652,20 +740,93 @@ def test_a_killed_worker_leaves_and_the_others_finish(tmp_path, where, step):
   assert len([r for r in records if "test_accuracy" in r]) >= steps // 8
 
 
+def when_traced(workdir, worker, condition, timeout_s=200.0) -> bool:
+  """Waits until `worker`'s trace (written through) satisfies condition(events); False on timeout."""
+  from ripples_jax.runtime import trace as trace_lib
+
+  path, deadline = os.path.join(workdir, f"trace-{worker}.jsonl"), time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if os.path.exists(path):
+      try:
+        if condition(trace_lib.read_trace(path)):
+          return True
+      except ValueError:  # a line being written
+        pass
+    time.sleep(0.05)
+  return False
+
+
+def averaged_as(events, inc):
+  """Whether life `inc` of a worker (its trace) has landed a group after its rejoin."""
+  at = next((i for i, e in enumerate(events) if e["k"] == "rejoin" and e["inc"] == inc), None)
+  return at is not None and any(e["k"] == "group" and not e.get("failed") for e in events[at:])
+
+
+def process_of(workdir, worker, besides=()):
+  """The pid of the live process of `worker` in the run at `workdir` (a restart: not in `besides`)."""
+  for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+    try:
+      args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+      continue
+    if f"--workdir={workdir}".encode() in args and f"--process_id={worker + 1}".encode() in args:
+      if pid not in besides:
+        return pid
+  return None
+
+
 @pytest.mark.slow
-def test_a_restarted_worker_rejoins_with_weight_0_and_trains(tmp_path):
-  steps = 240  # long enough that the restart (5-10 s of start-up on 2 cores) leaves steps to train
-  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=20"]
-  code, out, workdir, summary = elastic_run(tmp_path, steps, fail, max_restarts=1)
+def test_restarted_workers_rejoin_at_once_and_again_with_weight_0_and_train(tmp_path):
+  """Workers 0 and 1 SIGKILLed at once, both restarted: both rejoin (a life runs on a CPU device of its
+  own, so no pair runs out of connections) with weight 0 and train; worker 1, killed again once its
+  second life has averaged, rejoins again as its third (--max_restarts=2: 3 CPU devices a process).
+  The run ends at its budget with summary.json and every worker's exit 0, replayed exactly."""
+  steps = (
+    500  # two restarts at once and a third (5-15 s of start-up each on 2 busy cores) leave steps to train
+  )
+  workdir, log = str(tmp_path / "run"), []
+
+  def churn(pids):
+    def go():
+      if not when_traced(workdir, 2, lambda ev: sum(e["k"] == "step" for e in ev) >= 20):
+        return log.append("worker 2 never reached step 20")
+      os.kill(pids[1], signal.SIGKILL)
+      os.kill(pids[2], signal.SIGKILL)
+      log.append("killed 0 and 1")
+      if not when_traced(workdir, 1, lambda ev: averaged_as(ev, 1)):
+        return log.append("worker 1's second life never averaged")
+      pid = process_of(workdir, 1, besides=pids)
+      if pid is None:
+        return log.append("no process of worker 1's second life")
+      os.kill(pid, signal.SIGKILL)
+      log.append("killed 1 again")
+
+    threading.Thread(target=go, daemon=True).start()
+
+  t0 = time.monotonic()
+  code, out, workdir, summary = elastic_run(tmp_path, steps, max_restarts=2, on_pids=churn)
+  print(f"elastic churn run: {time.monotonic() - t0:.1f} s; {log}")
   assert code == 0, out[-3000:]
-  assert "worker 2 exited with -9 (SIGKILL); restarting it (1 of 1): it rejoins the run" in out
-  assert [e[1:] for e in summary["membership"]] == [[2, "leave"], [2, "rejoin"], [2, "first_group"]]
+  assert log == ["killed 0 and 1", "killed 1 again"], (log, out[-3000:])
+  for w, k in [(0, 1), (1, 1), (1, 2)]:
+    assert f"worker {w} exited with -9 (SIGKILL); restarting it ({k} of 2): it rejoins the run" in out
+  assert "cannot rejoin" not in out and "connection keys" not in out
+  kinds = {w: [e[2] for e in summary["membership"] if e[1] == w] for w in range(4)}
+  assert kinds[0] == ["leave", "rejoin", "first_group"], summary["membership"]
+  assert kinds[1] == ["leave", "rejoin", "first_group"] * 2, summary["membership"]
+  assert kinds[2] == kinds[3] == []
   traces = traces_of(workdir)
-  rejoin = next(e for e in traces[2] if e["k"] == "rejoin")
-  assert rejoin["inc"] == 1 and rejoin["s"] == 20  # its data continue where its record ended
-  first = next(e for e in traces[2] if e["k"] == "group" and e["g"] >= rejoin["g0"] and not e.get("failed"))
-  assert first["join"] == [2]
-  assert summary["worker_steps"][2] > 20 + 10  # it trained again after its first group
+  for w, lives in [(0, [1]), (1, [1, 2])]:
+    rejoins = [i for i, e in enumerate(traces[w]) if e["k"] == "rejoin"]
+    assert [traces[w][i]["inc"] for i in rejoins] == lives
+    for i in rejoins:  # its data continue where its record ends; its first group carries it (weight 0)
+      assert traces[w][i]["s"] == sum(e["k"] == "step" for e in traces[w][:i])
+      first = next(e for e in traces[w][i:] if e["k"] == "group" and not e.get("failed"))
+      assert first["join"] == [w] and first["g"] >= traces[w][i]["g0"]
+    after = traces[w][rejoins[-1] :]
+    assert sum(e["k"] == "step" for e in after) > 10  # its last life trained after its first group
+  assert not groups_after_leave(traces, 0) and not groups_after_leave(traces, 1)
+  assert sum(summary["worker_steps"]) + summary["unmade_steps"] >= 4 * steps
   assert "exit codes: coordinator 0, workers [0, 0, 0, 0]" in out
   assert_replayed(workdir, steps)
 

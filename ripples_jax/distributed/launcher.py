@@ -297,6 +297,13 @@ def check_args(
     )
 
 
+def devices_per_process(cpu_devices: int, max_restarts: int, elastic: bool) -> int:
+  """The CPU devices each process gets: --cpu_devices, and in an elastic run at least one per life of
+  a worker (max_restarts + 1): life i runs on local device i, so a restart connects on device ids no
+  earlier life used (runtime/membership.py; docs/design.md 3.12)."""
+  return max(cpu_devices, max_restarts + 1) if elastic else cpu_devices
+
+
 def check_platform(num_processes: int, platform: str, elastic: bool = False) -> None:
   """ValueError, one line, for a GPU job that cannot run as asked: several workers on one GPU (NCCL
   refuses a communicator with two ranks on one device: "Duplicate GPU detected"), or an elastic run
@@ -471,7 +478,8 @@ def launch(
   signal's -k as 128 + k), 128 + k after signal k to the launcher, 0 when every process succeeds.
 
   max_restarts (torchrun's name): with `elastic` (runtime.elastic) a failed worker is restarted alone
-  and rejoins while the others go on (_Elastic; the exit code is the coordinator's); otherwise every
+  and rejoins while the others go on (_Elastic; the exit code is the coordinator's), and every process
+  gets at least max_restarts + 1 CPU devices (a worker's life i runs on its device i); otherwise every
   process is stopped and the whole job started again, resuming from the newest checkpoint (torchrun's
   elastic restart), up to max_restarts times.
 
@@ -482,6 +490,7 @@ def launch(
   """
   check_args(num_processes, cpu_devices, grace_s, port, max_restarts)
   check_platform(num_processes, resolve_platform(platform), elastic)
+  cpu_devices = devices_per_process(cpu_devices, max_restarts, elastic)
   kw = dict(module=module, cpu_devices=cpu_devices, platform=platform, grace_s=grace_s, out=out, cwd=cwd)
   kw.update(port=port, coordinator=coordinator, elastic=elastic)
   attempt = 0

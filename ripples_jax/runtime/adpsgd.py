@@ -37,7 +37,7 @@ runtime.elastic (docs/design.md 3.12; runtime/membership.py's Roster, served by 
            worker, not an active one: an active one would serve the copy between its steps, while it
            may itself be waiting, in its step, for the rejoiner to serve it (a cycle the bipartite
            order exists to rule out). Requests go on channels per pair of lives (membership.channel),
-           and the pair's connection key is the sum of its lives (membership.pair_key)
+           and the pair's connection is that of its lives, each on its own device (membership.pair_key)
 """
 
 import concurrent.futures
@@ -65,6 +65,7 @@ from ripples_jax.runtime.process import (
   end_of_run,
   end_step,
   fails_here,
+  first_life,
   result,
   snapshot_path,
   watch,
@@ -264,7 +265,7 @@ def run(config, workdir: str) -> dict:
   s = setup_lib.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
-  worker = Worker(config, s)
+  worker = Worker(config, s, first_life(config, kv))  # elastic: a restart warms up on its life's device
   me = worker.me
   worker.warm_up()
   if rt.elastic and membership.started(kv):  # the run is on: this process is a restart

@@ -52,12 +52,22 @@ class Authority:
   `snapshots[c]` until take_snapshot). `epochs[w]`: the checkpoint markers worker w has passed (its
   start reports)."""
 
-  def __init__(self, kv, service, poll_s: float = 0.05, on_checkpoint=None, elastic: bool = False, now=None):
+  def __init__(
+    self,
+    kv,
+    service,
+    poll_s: float = 0.05,
+    on_checkpoint=None,
+    elastic: bool = False,
+    now=None,
+    lives: int = 1,
+  ):
     self.kv, self.service, self.poll_s = kv, service, poll_s
     self.n = service.n
     # Elastic membership (runtime/membership.py): who is live, each worker's incarnation, what happened.
     self.elastic, self.now = elastic, now or time.perf_counter
     self.incs = [0] * self.n
+    self.lives = lives  # lives per worker (elastic): its process's CPU devices (membership.lives_of)
     self.events = []  # (run time, worker, "leave" | "rejoin" | "refused")
     self.unmade = 0  # dead workers' started steps the run did not make up (membership.leave)
     self.on_join = None  # (w, inc): a new life accepted (the coordinator's watchdog watches it from then)
@@ -165,15 +175,11 @@ class Authority:
     slot = [arg]
     if alive[w]:  # a restart before its death was noticed (or a stalled one's): it left first
       self._member(("leave", w, self.incs[w]))
-    full = membership.exhausted(w, self.incs, alive)
     refused = ""
     if svc.stopped:
       refused = "the run has ended"
-    elif full:
-      refused = (
-        f"its pairs with workers {full} have used both connection keys (device orders) gloo offers with "
-        f"one CPU device per worker (docs/design.md 3.8)"
-      )
+    elif membership.exhausted(w, self.incs, self.lives):
+      refused = membership.refusal(w, self.lives)
     if refused:
       self.events.append((self.now(), w, "refused"))
       membership.answer(self.kv, slot[0], self.incs[w], 0, self.now(), svc.marks, self.incs, 0, refused)

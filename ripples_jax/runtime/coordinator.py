@@ -92,8 +92,9 @@ def make_authority(config, kv, workdir: str, state: dict | None, estimate: float
     save_snapshot(workdir, ident, snapshot)
     trim_snapshots(workdir, authority.epochs, keep)
 
+  lives = membership.lives_of(jax.devices(), n)  # elastic: one CPU device per life of a worker
   authority = authority_lib.Authority(
-    kv, service, on_checkpoint=on_checkpoint, elastic=bool(c.runtime.elastic), now=now
+    kv, service, on_checkpoint=on_checkpoint, elastic=bool(c.runtime.elastic), now=now, lives=lives
   )
   return authority
 
@@ -175,7 +176,8 @@ def run(config, workdir: str) -> dict:
     roster = None
     if rt.elastic and not dynamic:  # AD-PSGD: membership without an authority (membership.Roster)
       now = lambda: time.perf_counter() - clock["t0"]  # noqa: E731
-      roster = membership.Roster(kv, n, config.num_steps * n, now).start()
+      lives = membership.lives_of(jax.devices(), n)  # one CPU device per life of a worker
+      roster = membership.Roster(kv, n, config.num_steps * n, now, lives).start()
     watchdog = coord.Watchdog(
       kv,
       None,

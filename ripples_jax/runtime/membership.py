@@ -1,10 +1,12 @@
 """Elastic membership (runtime.elastic): workers die, stall, restart and rejoin while the others go on.
 
-What jax.distributed gives on CPU (docs/design.md 3.8, measured): with `jax_enable_recoverability` the
-survivors of a death live on; a collective with a dead member fails in that group only, as a Python
+What jax.distributed gives on CPU (docs/design.md 3.8, 3.12, measured): with `jax_enable_recoverability`
+the survivors of a death live on; a collective with a dead member fails in that group only, as a Python
 exception (at once when its connection was set up before: every pair is connected before the run,
-runtime/preduce.py); a process restarted under its old id works in groups it never used, while a
-device order it used before needs a new connection key. So:
+runtime/preduce.py); a connection is keyed by its ordered list of global device ids, and a list that
+failed once (or that a process's earlier life used) never connects again. So a worker's life i runs on
+its process's local CPU device i (`life_device`): a pair of lives has a device pair nobody used before.
+So:
 
   death    the coordinator's watchdog sees a worker's heartbeat stop for runtime.heartbeat_timeout
            and the authority appends ("E", "leave", w, inc) to every live queue: no group made after
@@ -22,9 +24,12 @@ device order it used before needs a new connection key. So:
            join/<slot>; the authority appends ("E", "join", w, inc), gives it a queue of its own
            (keys q/<w>.<inc>) and marks it joining: the first group made with it carries it as a
            joiner, weight 0 (the others' mean is kept, and it takes that mean with fresh optimizer
-           state: 3.10). Pair (a, b) uses connection key inc[a] + inc[b]: the device order of the pair
-           (two keys with one device per worker, `KEYS`); a rejoin that would need a third for some
-           pair is refused with one line (coord.EXIT_REFUSED) and the run goes on without it
+           state: 3.10). Life i of a worker runs on its process's local device i, so pair (a, b) of
+           lives (i, j) connects on devices (a_i, b_j), which no earlier connection used (`pair_devices`):
+           any number of workers may rejoin at once, and again, while their lives fit their devices
+           (`lives_of`: --cpu_devices, which the launcher sets to max_restarts + 1 for an elastic run);
+           a rejoin beyond them is refused with one line (coord.EXIT_REFUSED, `exhausted`) and the run
+           goes on without it
   end      the step budget counts every worker's steps (the live make up the dead ones', the one a
            dead worker started and never completed too: `leave`); the
            coordinator waits until every worker is done or gone, then sets ENDED, which the done
@@ -48,9 +53,8 @@ import time
 import numpy as np
 from absl import logging
 
-from ripples_jax.distributed.coord import PREFIX, beat_key, read_beat, values_in_order
+from ripples_jax.distributed.coord import PREFIX, beat_key, read_beat, values_in_order, worker_process
 
-KEYS = 2  # connection keys per pair with one device per worker: the two orders of its devices
 RUNNING = f"{PREFIX}/running/0"  # set by the coordinator once the run has started
 ENDED = f"{PREFIX}/ended"  # set by the coordinator once every worker is done or gone: the workers may exit
 
@@ -81,20 +85,56 @@ def life_of(key: str) -> tuple[int, int]:
   return int(w), int(inc or 0)
 
 
-def pair_rows(pair: tuple, key: int) -> tuple:
-  """The order of a pair's two workers in the mesh of connection key `key` (0: sorted)."""
-  if not 0 <= key < KEYS:
-    raise ValueError(f"pair {pair}: connection key {key} beyond the {KEYS} device orders of a pair")
-  return tuple(pair) if key == 0 else tuple(reversed(pair))
+def life_device(devices, inc: int):
+  """The device life `inc` of a worker runs on, among its process's local devices (global order): life
+  i on device i, so a restarted process never reuses a device id its earlier lives connected with."""
+  if not 0 <= inc < len(devices):
+    raise ValueError(f"life {inc} beyond the {len(devices)} CPU devices of its process (one device per life)")
+  return devices[inc]
 
 
-def pair_key(pair: tuple, incs) -> int:
-  return int(incs[pair[0]] + incs[pair[1]])
+def pair_key(pair: tuple, incs) -> tuple:
+  """A pair's connection key: its members' lives (sorted pair order). Each pair of lives has a device
+  pair of its own (`pair_devices`), so no key is ever used twice with a failed connection."""
+  return (int(incs[pair[0]]), int(incs[pair[1]]))
 
 
-def exhausted(worker: int, incs, alive) -> list:
-  """The live workers whose pair with `worker` would need a key beyond KEYS after its rejoin."""
-  return [o for o, live in enumerate(alive) if live and o != worker and incs[o] + incs[worker] + 1 >= KEYS]
+def pair_devices(pair: tuple, key: tuple, devices_of) -> list:
+  """The mesh rows of a pair's connection `key` (pair_key): [worker's devices of its life], in pair order."""
+  return [[life_device(devices_of[m], life)] for m, life in zip(pair, key)]
+
+
+def lives_of(devices, n: int) -> int:
+  """How many lives every worker of an async run can have: the fewest local devices of a worker
+  process (`devices`: jax.devices(), every process's; worker w is process w + 1)."""
+  counts = [sum(d.process_index == worker_process(w) for d in devices) for w in range(n)]
+  return min(counts) if counts else 1
+
+
+def exhausted(worker: int, incs, lives: int) -> bool:
+  """Whether `worker`'s next life would have no device of its own (lives_of: one per life)."""
+  return incs[worker] + 1 >= lives
+
+
+def refusal(worker: int, lives: int) -> str:
+  """The one line a rejoin beyond the devices is refused with."""
+  return (
+    f"worker {worker} has used its {lives} lives: one CPU device per life (--cpu_devices={lives}; the "
+    "launcher gives an elastic run max_restarts + 1, docs/design.md 3.12)"
+  )
+
+
+def next_life(kv, worker: int) -> int:
+  """The life a restarted process of `worker` will most likely be given (1 + the newest life the run's
+  answers to join/<slot> named for it), read before it asks: it compiles on that life's device while
+  the run goes on. The answer decides (a wrong guess costs a second warm-up: process.ask_back)."""
+  asked = {k.rsplit("/", 1)[1]: v for k, v in kv.key_value_dir_get(f"{PREFIX}/join/")}
+  lives = [
+    int(v.split(" ", 1)[0])
+    for k, v in kv.key_value_dir_get(f"{PREFIX}/joined/")
+    if asked.get(k.rsplit("/", 1)[1]) == str(worker)
+  ]
+  return max(lives, default=0) + 1
 
 
 # -- the authority's side (it holds the Service) ----------------------------------------------------
@@ -204,8 +244,9 @@ class Roster:
   the rejoiner is answered, so every request the rejoiner makes finds its peers' view of it live (a
   peer polls ROSTER every heartbeat_s: until then it picks no rejoiner and fails fast at a dead one)."""
 
-  def __init__(self, kv, n: int, budget: int, now=None):
+  def __init__(self, kv, n: int, budget: int, now=None, lives: int = 1):
     self.kv, self.n, self.budget, self.now = kv, n, budget, now or time.perf_counter
+    self.lives = lives  # lives per worker: its process's CPU devices (lives_of)
     self.incs, self.alive, self.version = [0] * n, [True] * n, 0
     self.events = []  # (run time, worker, "leave" | "rejoin" | "refused"): summary.json's membership
     self.unmade = 0  # dead workers' steps the run did not make up (give_back_ticket)
@@ -248,15 +289,11 @@ class Roster:
     with self._lock:
       if self.alive[w]:  # a restart before its death was noticed: it left first
         self.leave(w, self.incs[w])
-      full = exhausted(w, self.incs, self.alive)
       refused = ""
       if int(self.kv.key_value_increment(TICKETS, 0)) >= self.budget:
         refused = "the run has ended"
-      elif full:
-        refused = (
-          f"its pairs with workers {full} have used both connection keys (device orders) gloo offers "
-          "with one CPU device per worker (docs/design.md 3.8)"
-        )
+      elif exhausted(w, self.incs, self.lives):
+        refused = refusal(w, self.lives)
       marks = {"ckpt": 0, "eval": 0}  # no markers: AD-PSGD checkpoints its final state only
       if refused:
         self.events.append((self.now(), w, "refused"))

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ripples_jax.distributed.arrays import LOCAL, WORKER
-from ripples_jax.runtime.membership import pair_key, pair_rows
+from ripples_jax.runtime.membership import pair_devices, pair_key
 from ripples_jax.schedule.online import DYNAMIC
 
 
@@ -117,23 +117,28 @@ class GroupAverager(_Averager):
 class PairAverager(_Averager):
   """average(members, flat_D) from pairwise exchanges: at most n-1 programs per worker (module doc)."""
 
-  def __init__(self, local_mesh: Mesh, devices_of: dict, me: int):
+  def __init__(self, local_mesh: Mesh, devices_of: dict, me: int, per_life: bool = False):
     super().__init__(local_mesh, devices_of)
     self.me = me
-    self.cache = {}  # the pair (i, j), i < j -> (program, input sharding)
+    # per_life (elastic): devices_of[w] lists all of w's process's devices and a life i of w runs on its
+    # i-th (membership.life_device); a pair's key is its members' lives. Otherwise a worker is all its
+    # devices and the key is always (0, 0).
+    self.per_life = per_life
+    self.cache = {}  # ((i, j), i < j; key) -> (program, input sharding)
     self._ran = set()  # programs run at least once (their connection is set up)
     self._means = {}  # k -> the jitted local mean of k buffers
     self.precompile_s = 0.0
     self.broken = set()  # (pair, key) connections that failed (elastic): never tried again
 
-  def _program(self, pair: tuple, like=None, key: int = 0):
+  def _program(self, pair: tuple, like=None, key: tuple = (0, 0)):
     """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given.
-    `key` (elastic): its connection key, the order of the pair's devices (membership.pair_rows): a
-    process restarted under its id needs a device order its peer has not used with its last life."""
+    `key` (elastic): its connection key, the pair's lives (membership.pair_key), each on its own device
+    (membership.pair_devices): a restarted process connects on a device its earlier lives never used."""
     if (pair, key) in self.cache:
       fn_sharding = self.cache[(pair, key)]
       return fn_sharding, fn_sharding[0] not in self._ran
-    mesh = Mesh(np.array([self.devices_of[m] for m in pair_rows(pair, key)]), (WORKER, LOCAL))
+    rows = pair_devices(pair, key, self.devices_of) if self.per_life else [self.devices_of[m] for m in pair]
+    mesh = Mesh(np.array(rows), (WORKER, LOCAL))
     gather = lambda x_1xD: jax.lax.all_gather(x_1xD, WORKER, axis=0, tiled=True)  # (2, D) on both
     fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(WORKER), out_specs=P(), check_vma=False))
     sharding = NamedSharding(mesh, P(WORKER))
@@ -179,7 +184,8 @@ class PairAverager(_Averager):
     so no live partner waits for an exchange that never comes; a failed exchange (its partner died:
     gloo raises at once on a connection set up before) leaves this worker's model as it was. A failed
     connection is never tried again (gloo keeps it failed on both sides, docs/design.md 3.8): until the
-    death is noticed, groups with the dead worker fail here at no cost. Joiners (a rejoined worker's
+    death is noticed, groups with the dead worker fail here at no cost; a rejoined life of that worker
+    is another key (its lives' devices). Joiners (a rejoined worker's
     first group) have weight 0: every member takes the others' mean.
     on_exchange(): called after each exchange (fault injection inside a P-Reduce)."""
     size, ordered = flat_D.shape[0], sorted(members)
@@ -187,7 +193,7 @@ class PairAverager(_Averager):
     buffers, failed = {self.me: flat_D}, []
     for other in (m for m in ordered if m != self.me):
       pair = tuple(sorted((self.me, other)))
-      key = 0 if incs is None else pair_key(pair, incs)
+      key = (0, 0) if incs is None else pair_key(pair, incs)
       if (pair, key) in self.broken:
         failed.append(other)
         continue
@@ -197,7 +203,7 @@ class PairAverager(_Averager):
         both = self._local(self._timed_first(fn, x_2xD, first), (2, size))
         both.block_until_ready()
         self._ran.add(fn)
-        buffers[other] = both[pair_rows(pair, key).index(other)]
+        buffers[other] = both[pair.index(other)]
       except Exception as e:  # noqa: BLE001  jax's runtime error: the collective failed in this pair only
         failed.append(other)
         self.broken.add((pair, key))
@@ -251,5 +257,5 @@ def round_robin(n: int) -> list:
 
 def make_averager(config, local_mesh: Mesh, devices_of: dict, me: int):
   if choose(config) == "pairs":
-    return PairAverager(local_mesh, devices_of, me)
+    return PairAverager(local_mesh, devices_of, me, per_life=bool(config.runtime.get("elastic", False)))
   return GroupAverager(local_mesh, devices_of, config.runtime.cache_size)

@@ -86,9 +86,13 @@ class Loop:
 
 
 class Worker:
-  """This process's worker: its devices, jitted step, P-Reduce programs and checkpoint layout."""
+  """This process's worker: its devices, jitted step, P-Reduce programs and checkpoint layout.
 
-  def __init__(self, config, s: setup_lib.Setup):
+  Elastic (runtime/membership.py): life `life` of the worker runs on its process's local device `life`
+  alone (membership.life_device), so a restarted process's collectives use device ids no earlier life
+  connected with; otherwise the worker is all its process's devices (data parallel inside it)."""
+
+  def __init__(self, config, s: setup_lib.Setup, life: int = 0):
     self.config, self.s, self.rt = config, s, config.runtime
     n, self.me = config.num_workers, coord.worker_of(jax.process_index())
     # Devices per worker, in the global order every process sees the same way (the coordinator's
@@ -96,19 +100,33 @@ class Worker:
     self.devices_of = {
       w: [d for d in jax.devices() if d.process_index == coord.worker_process(w)] for w in range(n)
     }
-    self.local_mesh = Mesh(np.array(self.devices_of[self.me]), (LOCAL,))
-    self.global_mesh = Mesh(np.array([self.devices_of[w] for w in range(n)]), (WORKER, LOCAL))
     params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
     flat0, self.unravel = ravel_pytree({"params": params, "model_state": model_state})
-    self.grad_fn, self.apply_fn, self.rep, self.batch_sharding = make_step_fns(
-      s.model, s.optimizer, self.unravel, self.local_mesh
-    )
-    self.averager = make_averager(config, self.local_mesh, self.devices_of, self.me)
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
+    self.place(life)
+    self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
+
+  def place(self, life: int) -> None:
+    """This worker's meshes, step and P-Reduce programs on the devices of its life `life` (elastic;
+    a life beyond its devices is placed on life 0's, for a rejoin the run will refuse)."""
+    n, elastic = self.config.num_workers, bool(self.rt.get("elastic", False))
+    self.life = life
+    if elastic:
+      own = self.devices_of[self.me]
+      mine = [membership.life_device(own, life if life < len(own) else 0)]
+      # Checkpoints write this worker's row alone: the other rows' devices are any of their processes'.
+      rows = [mine if w == self.me else self.devices_of[w][:1] for w in range(n)]
+    else:
+      mine, rows = self.devices_of[self.me], [self.devices_of[w] for w in range(n)]
+    self.local_mesh = Mesh(np.array(mine), (LOCAL,))
+    self.global_mesh = Mesh(np.array(rows), (WORKER, LOCAL))
+    self.grad_fn, self.apply_fn, self.rep, self.batch_sharding = make_step_fns(
+      self.s.model, self.s.optimizer, self.unravel, self.local_mesh
+    )
+    self.averager = make_averager(self.config, self.local_mesh, self.devices_of, self.me)
     # A rejoined worker's optimizer state: its schedule at its own step count (optim.at_schedule_step).
     self.schedule_at = jax.jit(optim.at_schedule_step, out_shardings=self.rep)
-    self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
 
   def now(self) -> float:
     return time.perf_counter() - self.t_start
@@ -202,14 +220,27 @@ class Worker:
     )
 
 
+def first_life(config, kv) -> int:
+  """The life this process will most likely be (0 unless it is a restart of an elastic run that is on:
+  membership.next_life), so that it warms up on that life's device before it asks to rejoin."""
+  if not config.runtime.get("elastic", False) or not membership.started(kv):
+    return 0
+  return membership.next_life(kv, coord.worker_of(jax.process_index()))
+
+
 def ask_back(worker: Worker, kv, workdir: str) -> tuple[dict, list]:
   """A restarted process asks to be taken back (membership.ask_to_join); refused, it exits with one
-  line (coord.EXIT_REFUSED). Returns the answer and its earlier lives' trace; the run's clock is set."""
+  line (coord.EXIT_REFUSED). Returns the answer and its earlier lives' trace; the run's clock is set.
+  Given another life than the one it warmed up for (first_life), it moves to that life's device and
+  warms up again first."""
   me = worker.me
   got = membership.ask_to_join(kv, me, worker.rt.stall_timeout)
   if got["refused"]:
     print(f"worker {me}: cannot rejoin the run: {got['refused']}; exiting", file=sys.stderr, flush=True)
     os._exit(coord.EXIT_REFUSED)
+  if got["inc"] != worker.life:
+    worker.place(got["inc"])
+    worker.warm_up()
   worker.t_start = got["received"] - got["now"]  # the coordinator's run clock, up to half a round trip
   path = trace_lib.trace_path(workdir, me)
   return got, trace_lib.read_trace(path) if os.path.exists(path) else []

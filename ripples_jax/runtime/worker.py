@@ -40,6 +40,7 @@ from ripples_jax.runtime.process import (
   end_of_run,
   end_step,
   fails_here,
+  first_life,
   result,
   snapshot_path,
   start_clock,
@@ -97,7 +98,7 @@ def run(config, workdir: str) -> dict:
   s = setup_lib.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
-  worker = Worker(config, s)
+  worker = Worker(config, s, first_life(config, kv))  # elastic: a restart warms up on its life's device
   me = worker.me
   estimate = worker.warm_up()
   if rt.elastic and membership.started(kv):  # the run is on: this process is a restart
