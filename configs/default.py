@@ -29,8 +29,8 @@ def get_config(arg=None):
   )
   c = ml_collections.ConfigDict()
   # spmd: allreduce | ripples_static; sim: those and ps_sync | ps_async | adpsgd | dpsgd | ripples_random |
-  # ripples_division | ripples_smart; async: allreduce | ripples_static | ripples_random | ripples_division |
-  # ripples_smart | adpsgd
+  # ripples_division | ripples_smart | diloco; async: allreduce | ripples_static | ripples_random |
+  # ripples_division | ripples_smart | adpsgd
   c.algorithm = arg.algorithm
   c.executor = arg.executor  # spmd: lockstep on the device mesh | sim: event-driven, virtual time
   # | async: one process per worker (experiments.launch, --jax_distributed)
@@ -66,6 +66,10 @@ def get_config(arg=None):
   c.schedule.smart_max_gap = 4  # Smart GG: at most this many skipped syncs in a row
   c.schedule.request_ahead = True  # online GG: request the next group when a step starts (Random,
   # Division), or one measured round trip before it ends (Smart GG, in the runtime)
+  c.diloco = ml_collections.ConfigDict()  # algorithm=diloco (Douillard et al., 2023; executor=sim)
+  c.diloco.inner_steps = 16  # H: local steps (the run's optimizer, per worker) between outer steps
+  c.diloco.outer_lr = 0.7  # the outer step size on the pseudo-gradient
+  c.diloco.outer_momentum = 0.9  # the outer Nesterov momentum (0: plain outer SGD)
   c.preduce_impl = "auto"  # auto | collective (one worker per device) | segment
 
   # executor=sim and async: heterogeneity and the clock (docs/design.md 3.5, 3.1; async plans with the clock).

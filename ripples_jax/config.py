@@ -337,6 +337,10 @@ def _check_schedule_keys(config, n):
     _int_in(config, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0")
   if config.algorithm in ("adpsgd", "ps_async") and n < 2:
     _fail("num_workers", n, f"at least 2 for {config.algorithm}")
+  if config.algorithm == "diloco":
+    _positive_int(config, "diloco.inner_steps")
+    _number(config, "diloco.outer_lr", lambda v: v > 0, "a finite number > 0")
+    _number(config, "diloco.outer_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def _check_hetero(config, n):

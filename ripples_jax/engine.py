@@ -263,14 +263,17 @@ def make_sim_round_fn(
   cross_apply: bool = False,
   ring: bool = False,
   pull: bool = False,
+  outer: tuple[float, float] | None = None,
 ) -> Callable:
   """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S,
-  reset_S=None).
+  reset_S=None, outer_now=False).
 
   One round executes a packed batch of clock events in four phases, each at most once per slot:
     A apply:   slot s applies the pending gradient of slot apply_src[s] (-1: none) with its own optimizer
     B average: segment mean of params and model state over group ids gid (own id: untouched), or the
-               D-PSGD ring average of the first num_workers slots when ring_now
+               D-PSGD ring average of the first num_workers slots when ring_now, or, with `outer` =
+               (lr, momentum) and outer_now, DiLoCo's outer step (diloco_outer_step; the state then
+               holds "outer", init_outer_state)
     C pull:    slot s copies the params of slot pull_src[s] (a worker pulling the server's model); slots
                in reset_S (a rejoined worker's first group, docs/design.md 3.10) then take fresh
                optimizer state, optimizer.init of their new params (None: no slot ever resets)
@@ -286,7 +289,9 @@ def make_sim_round_fn(
   grad_step = functools.partial(_grad_step, model)
   masked = _masked
 
-  def round_fn(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S, reset_S=None):
+  def round_fn(
+    state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S, reset_S=None, outer_now=False
+  ):
     params, model_state, opt_state, grads = (
       state[k] for k in ("params", "model_state", "opt_state", "grads")
     )
@@ -309,12 +314,24 @@ def make_sim_round_fn(
       return (flat[pull_src_S] if pull else flat).reshape(a.shape)
 
     params, model_state = jax.tree.map(mix, (params, model_state))
+    extra = {}
+    if outer is not None:  # cond: the outer step's work only in the rounds that have one
+      step = functools.partial(diloco_outer_step, *outer)
+      params, model_state, extra["outer"] = jax.lax.cond(
+        outer_now, step, lambda *a: a, params, model_state, state["outer"]
+      )
     opt_state = _reset(optimizer, reset_S, params, opt_state)
     # D: start new gradients on the current params; the loss reported is the one at the start.
     new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
     grads = masked(start_S, new_grads, grads)
     model_state = masked(start_S, new_model_state, model_state)
-    new_state = {"params": params, "model_state": model_state, "opt_state": opt_state, "grads": grads}
+    new_state = {
+      "params": params,
+      "model_state": model_state,
+      "opt_state": opt_state,
+      "grads": grads,
+      **extra,
+    }
     return new_state, jnp.where(start_S, loss_S, jnp.nan)
 
   s = worker_sharding(mesh)
@@ -362,6 +379,7 @@ def make_compact_round_fn(
     model_state = masked(start_C, new_model_state, model_state)
     put = lambda t, new: jax.tree.map(lambda a, b: a.at[idx_C].set(b, mode="drop"), t, new)
     new_state = {
+      **state,  # what no compact round touches (DiLoCo's outer state) passes through
       "params": put(state["params"], params),
       "model_state": put(state["model_state"], model_state),
       "opt_state": put(state["opt_state"], opt_state),
@@ -376,3 +394,28 @@ def make_compact_round_fn(
 
   s = worker_sharding(mesh)
   return jax.jit(round_fn, donate_argnums=0, out_shardings=(s, s))
+
+
+def init_outer_state(params_SxP) -> dict:
+  """DiLoCo's outer state for stacked params whose slots all hold the initial model: the global model
+  and the outer momentum (zero), each with a leading axis of 1 (the simulator's sharding splits axis 0)."""
+  return {
+    "params": jax.tree.map(lambda a: a[:1], params_SxP),
+    "momentum": jax.tree.map(lambda a: jnp.zeros_like(a[:1]), params_SxP),
+  }
+
+
+def diloco_outer_step(lr: float, momentum: float, params_SxP, model_state_SxM, outer: dict):
+  """DiLoCo's outer step (Douillard et al., 2023) with Nesterov momentum, as torch's SGD(nesterov):
+    g = mean over slots s of (global - params_s)     the pseudo-gradient
+    m = momentum * m + g;  global = global - lr * (g + momentum * m)
+  Every slot restarts from the new global model; model state (BatchNorm statistics) is averaged over
+  the slots. Returns (params, model_state, outer) of the same shapes. With lr 1 and momentum 0 the new
+  global model is the slots' mean (All-Reduce's average, to float rounding)."""
+  g = jax.tree.map(lambda G, p: jnp.mean(G - p, axis=0, keepdims=True), outer["params"], params_SxP)
+  m = jax.tree.map(lambda m, g: momentum * m + g, outer["momentum"], g)
+  G = jax.tree.map(lambda G, g, m: G - lr * (g + momentum * m), outer["params"], g, m)
+  every = lambda a_1, like: jnp.broadcast_to(a_1, like.shape)
+  params = jax.tree.map(every, G, params_SxP)
+  model_state = jax.tree.map(lambda a: every(a.mean(0, keepdims=True).astype(a.dtype), a), model_state_SxM)
+  return params, model_state, {"params": G, "momentum": m}

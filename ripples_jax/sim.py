@@ -99,6 +99,8 @@ def simulate_and_train(config, workdir: str | None = None):
   state = engine.init_sim_state(
     s.model, s.optimizer, jax.random.key(config.seed), s.data["x_train"][:1], slots, mesh
   )
+  if config.algorithm == "diloco":  # the global model and the outer momentum
+    state["outer"] = engine.init_outer_state(state["params"])
   model_bytes = config.timeline.model_bytes or 4 * num_params(jax.tree.map(lambda a: a[0], state["params"]))
   base_time = config.timeline.compute_time or measure_step_time(
     s.model, s.optimizer, s.data["x_train"][: config.batch_size], s.data["y_train"][: config.batch_size]
@@ -136,6 +138,13 @@ def simulate_and_train(config, workdir: str | None = None):
   return summary, trace
 
 
+def diloco_outer(config) -> tuple[float, float] | None:
+  """DiLoCo's outer optimizer, (lr, Nesterov momentum); None for every other algorithm."""
+  if config.algorithm != "diloco":
+    return None
+  return float(config.diloco.outer_lr), float(config.diloco.outer_momentum)
+
+
 def leave_plan(config) -> tuple:
   """hetero.leave as (worker, t_leave, t_rejoin) triples (docs/design.md 3.10); () without it."""
   return tuple(tuple(x) for x in config.hetero.get("leave", ()))
@@ -162,6 +171,7 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
     time_budget=config.time_budget,
     gg=gg,
     seed=config.seed,
+    inner_steps=config.diloco.inner_steps if config.algorithm == "diloco" else 1,
     rtt=tl.request_rtt,
     ahead=config.schedule.request_ahead,
     adpsgd_cost=adpsgd_cost(config),
@@ -225,6 +235,7 @@ class Rounds:
   full: object
   compact: object
   resets: bool = False  # hetero.leave: every round takes a reset mask (one program per shape)
+  outer: bool = False  # DiLoCo: the full round takes outer_now (its outer step)
   programs: set = dataclasses.field(default_factory=set)
 
 
@@ -243,9 +254,11 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
       cross_apply=has_server,
       ring=config.algorithm == "dpsgd",
       pull=has_server or leaving,  # a rejoined worker's first group is a pull (JOIN, 3.10)
+      outer=diloco_outer(config),
     ),
     engine.make_compact_round_fn(s.model, s.optimizer, mesh, slots),
     leaving,
+    config.algorithm == "diloco",
   )
   # PS: the server's model; with leave/join, the live workers' (3.10)
   evaluate = make_evaluate(
@@ -290,10 +303,11 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
 
 def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype, slots: int):
   """One packed round on the device: batches for the workers that start (each at its own step) and
-  only for them, then the compact round, or the full one for the ring and for rounds that touch more
-  than half the slots (a compact round would pad them to all of them and pay its gathers)."""
+  only for them, then the compact round, or the full one for the ring, DiLoCo's outer step and rounds
+  that touch more than half the slots (a compact round would pad them to all of them and pay its
+  gathers)."""
   n = config.num_workers
-  c = None if r["ring"] else compact_round(r, slots)
+  c = None if r["ring"] or r["outer"] else compact_round(r, slots)
   if c is None or (c["idx"] < slots).sum() > slots // 2:
     rounds.programs.add("full")
     x, y = (
@@ -306,7 +320,10 @@ def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype
     args = (r["apply_src"], r["gid"], r["ring"], r["pull_src"], r["start"])
     if rounds.resets:
       args += (r.get("reset", np.zeros(slots, bool)),)
-    return rounds.full(state, put(x), put(y), *(put(a) if isinstance(a, np.ndarray) else a for a in args))
+    kw = {"outer_now": r["outer"]} if rounds.outer else {}
+    return rounds.full(
+      state, put(x), put(y), *(put(a) if isinstance(a, np.ndarray) else a for a in args), **kw
+    )
   C = len(c["idx"])
   rounds.programs.add(C)
   x, y = np.zeros((C,) + x_shape, x_dtype), np.zeros((C, config.batch_size), s.data["y_train"].dtype)

@@ -24,6 +24,7 @@ ALGORITHMS = (
   "ripples_random",
   "ripples_division",
   "ripples_smart",
+  "diloco",
 )
 LOCKSTEP_ALGORITHMS = ("allreduce", "ripples_static")
 STATIC_LAYOUTS = ("node", "hypercube")

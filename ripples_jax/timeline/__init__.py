@@ -12,6 +12,8 @@ Events are tuples (time, kind, a, b):
                                or the parameter server's slot for asynchronous PS)
   AVG    a=members tuple       replace each member's params by the members' mean (atomic, at `time`)
   RING   -                     D-PSGD gossip on the ring: x_i <- (x_{i-1} + x_i + x_{i+1}) / 3
+  OUTER  a=members tuple       DiLoCo's outer step: the members' pseudo-gradient mean, the outer
+                               optimizer, every member restarts from the new global model
   PULL   a=worker, b=source    copy source's params (the server) into the worker
   JOIN   a=worker, b=source    a rejoined worker's first group: copy source's params (the others' mean;
                                its own weight is 0) and reset its optimizer state (docs/design.md 3.10)
@@ -29,6 +31,7 @@ from ripples_jax.schedule.group_gen import Fixed
 from ripples_jax.timeline.adpsgd import _adpsgd
 from ripples_jax.timeline.clock import _Clock
 from ripples_jax.timeline.costs import AdpsgdCost, AuthorityCost, Network, SpeedModel, slow_at
+from ripples_jax.timeline.diloco import _simulate_diloco
 from ripples_jax.timeline.group_buffer import _group_buffer
 from ripples_jax.timeline.ps_async import _ps_async
 from ripples_jax.timeline.rounds import pack_rounds
@@ -40,6 +43,7 @@ from ripples_jax.timeline.trace import (
   COMPUTE,
   EVENT_NAMES,
   JOIN,
+  OUTER,
   PULL,
   RING,
   START,
@@ -55,6 +59,7 @@ __all__ = [
   "EVENT_NAMES",
   "JOIN",
   "NO_LEAVE",
+  "OUTER",
   "PULL",
   "RING",
   "START",
@@ -84,7 +89,8 @@ class ClockSpec:
   t_rejoin) triples, t_rejoin < 0 or inf for never (docs/design.md 3.10); `detect`: seconds from a
   death to its removal (the runtime's heartbeat timeout; Group Buffer algorithms only): in between the
   generators still draw the dead worker and its groups fail after their live members' exchanges. The
-  live workers make up the steps of the dead: the run still ends at the total_steps-th gradient."""
+  live workers make up the steps of the dead: the run still ends at the total_steps-th gradient.
+  `inner_steps`: DiLoCo's H, the local steps between two outer steps."""
 
   algorithm: str
   speed: SpeedModel
@@ -99,6 +105,7 @@ class ClockSpec:
   server: AuthorityCost | None = None
   leave: tuple = ()
   detect: float = 0.0
+  inner_steps: int = 1
 
 
 def simulate(spec: ClockSpec) -> Trace:
@@ -112,6 +119,8 @@ def simulate(spec: ClockSpec) -> Trace:
     )
   if s.algorithm in SYNC_ALGORITHMS:
     return _simulate_sync(s.algorithm, s.speed, s.net, s.total_steps, budget)
+  if s.algorithm == "diloco":
+    return _simulate_diloco(s.speed, s.net, s.total_steps, budget, s.inner_steps)
   if s.detect and (s.algorithm == "adpsgd" or s.algorithm == "ps_async"):
     raise ValueError(f"detect is not allowed with {s.algorithm}: it models the Group Buffer's removal")
   clock = _Clock(s.speed, s.total_steps, budget, s.leave, s.detect)

@@ -2,10 +2,11 @@
 
 import numpy as np
 
-from ripples_jax.timeline.trace import APPLY, AVG, JOIN, PULL, RING, START
+from ripples_jax.timeline.trace import APPLY, AVG, JOIN, OUTER, PULL, RING, START
 
-# Phase of each event kind inside one engine round (engine.make_sim_round_fn): apply, average, pull, start.
-_PHASE = {APPLY: 0, AVG: 1, RING: 1, PULL: 2, JOIN: 2, START: 3}
+# Phase of each event kind inside one engine round (engine.make_sim_round_fn): apply, average (DiLoCo's
+# outer step is one: it replaces every worker's model), pull, start.
+_PHASE = {APPLY: 0, AVG: 1, RING: 1, OUTER: 1, PULL: 2, JOIN: 2, START: 3}
 
 
 def pack_rounds(events: list, num_workers: int, num_slots: int):
@@ -16,7 +17,8 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
   Then each slot's events keep their clock order, and an average reads every member exactly at its
   place in that order, so the rounds compute what the ordered events describe.
 
-  Yields dicts of numpy arrays: apply_src, gid, ring, pull_src, start, plus `time` (of the round's last
+  Yields dicts of numpy arrays: apply_src, gid, ring, outer (DiLoCo's outer step), pull_src, start,
+  plus `time` (of the round's last
   event), `applied` (workers whose gradient landed) and `started`; a round with a JOIN also has `reset`
   (the slots whose optimizer state restarts; a JOIN is a pull that resets, 3.10).
   """
@@ -27,6 +29,7 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
       "apply_src": np.full(num_slots, -1, np.int32),
       "gid": ar.copy(),
       "ring": False,
+      "outer": False,
       "pull_src": ar.copy(),
       "start": np.zeros(num_slots, bool),
       "time": 0.0,
@@ -41,7 +44,7 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
       touched = (a, b)
     elif kind == AVG:
       touched = a
-    elif kind == RING:
+    elif kind == RING or kind == OUTER:
       touched = range(num_workers)
     elif kind == PULL or kind == JOIN:
       touched = (a, b)
@@ -58,6 +61,8 @@ def pack_rounds(events: list, num_workers: int, num_slots: int):
       cur["gid"][list(a)] = min(a)
     elif kind == RING:
       cur["ring"] = True
+    elif kind == OUTER:
+      cur["outer"] = True
     elif kind == PULL:
       cur["pull_src"][a] = b
     elif kind == JOIN:

@@ -12,6 +12,7 @@ NO_LEAVE = {
   "ps_sync": "its synchronous step waits for every worker",
   "dpsgd": "its fixed ring cannot exclude a member",
   "ripples_static": "Static GG's fixed groups cannot exclude a member",
+  "diloco": "its outer step all-reduces over every worker and waits for the slowest",
 }
 
 

@@ -4,8 +4,8 @@ import dataclasses
 
 import numpy as np
 
-START, APPLY, AVG, RING, PULL, JOIN = range(6)
-EVENT_NAMES = ("start", "apply", "average", "ring", "pull", "join")
+START, APPLY, AVG, RING, PULL, JOIN, OUTER = range(7)
+EVENT_NAMES = ("start", "apply", "average", "ring", "pull", "join", "outer")
 COMPUTE, WAIT, COMM = "compute", "wait", "comm"
 
 

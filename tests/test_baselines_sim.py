@@ -1,0 +1,190 @@
+"""Today's baselines in the simulator (executor=sim): DiLoCo and Moshpit SGD, against references."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default as default_config
+from ripples_jax import collectives as C
+from ripples_jax import engine, sim, timeline
+from ripples_jax.config import ConfigError, validate_train_config
+from ripples_jax.data import batch_indices, load_dataset, shard_indices
+from ripples_jax.models import build_model
+from ripples_jax.optim import make_optimizer
+from tests.test_sim import _small_config
+
+BASE = 0.01  # virtual seconds of a base step
+
+
+def sim_config(algorithm, n=8, slow=(3,), s=3.0, jitter=0.0, **kw):
+  config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
+  config.hetero.slow_workers, config.hetero.slowdown, config.hetero.jitter = slow, s, jitter
+  config.update_from_flattened_dict(kw)
+  return config
+
+
+def clock(config, steps):
+  speed, net = sim.build_clock(config, model_bytes=4e5, base_time=BASE)
+  gg = sim.make_group_generator(config, np.random.default_rng([4, config.seed]))
+  h = config.diloco.inner_steps if config.algorithm == "diloco" else 1
+  spec = timeline.ClockSpec(
+    config.algorithm,
+    speed,
+    net,
+    steps * config.num_workers,
+    gg=gg,
+    inner_steps=h,
+    leave=sim.leave_plan(config),
+  )
+  return timeline.simulate(spec), net
+
+
+# -- DiLoCo -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H,steps", [(4, 20), (16, 20)])
+def test_diloco_round_is_h_slowest_steps_plus_one_allreduce(H, steps):
+  """Without jitter, one worker 3x slower: each outer round lasts h x its step + one All-Reduce of the
+  model (h = H, the last round the steps left: 16 then 4); OUTER lands at each round's end and the run
+  ends with the last one."""
+  config = sim_config("diloco", **{"diloco.inner_steps": H})
+  trace, net = clock(config, steps)
+  rounds = [H] * (steps // H) + ([steps % H] if steps % H else [])
+  ends = np.cumsum([h * 3.0 * BASE + net.allreduce(8) for h in rounds])
+  outer = [t for t, kind, a, _ in trace.events if kind == timeline.OUTER]
+  np.testing.assert_allclose(outer, ends, rtol=1e-12)
+  assert trace.end_time == pytest.approx(ends[-1], rel=1e-12)
+  assert list(trace.worker_steps) == [steps] * 8
+  wait = trace.time_split()["wait"]
+  assert wait[3] == 0 and wait[0] == pytest.approx(steps * 2.0 * BASE)  # the others wait for it
+
+
+def test_diloco_h1_clock_is_allreduces_with_one_last_collective():
+  """H=1: the events of All-Reduce (OUTER where it has AVG), plus the last round's outer step."""
+  dl, net = clock(sim_config("diloco", jitter=0.3, **{"diloco.inner_steps": 1}), 6)
+  ar, _ = clock(sim_config("allreduce", jitter=0.3), 6)
+  as_ar = [(t, timeline.AVG if k == timeline.OUTER else k, a, b) for t, k, a, b in dl.events]
+  key = lambda e: (e[0], e[1], str(e[2]), str(e[3]))  # noqa: E731  within one instant, any order
+  assert sorted(as_ar[:-1], key=key) == sorted(ar.events, key=key)
+  assert dl.end_time == pytest.approx(ar.end_time + net.allreduce(8), rel=1e-12)
+
+
+def _outer_reference(G, m, p_SxD, lr, mu):
+  """DiLoCo's outer step in float64 numpy (Douillard et al., 2023; torch SGD with Nesterov)."""
+  g = (G - p_SxD).mean(0)
+  m = mu * m + g
+  return G - lr * (g + mu * m), m
+
+
+def _engine(n=4, outer=None):
+  data = load_dataset("synthetic", seed=0)
+  model = build_model("mlp", data["num_classes"], hidden=(8,))
+  opt = make_optimizer(_small_config("diloco").optimizer, 10)
+  mesh = C.make_worker_mesh(n, jax.devices()[:1])
+  fn = engine.make_sim_round_fn(model, opt, mesh, n, n, outer=outer)
+  init = lambda: engine.init_sim_state(model, opt, jax.random.key(0), data["x_train"][:1], n, mesh)  # noqa: E731
+  return data, model, opt, mesh, fn, init
+
+
+def _flat(tree, rows):
+  return np.concatenate([np.asarray(a, np.float64).reshape(rows, -1) for a in jax.tree.leaves(tree)], 1)
+
+
+def test_diloco_outer_step_matches_numpy():
+  """Two outer steps (the momentum carries over) through the simulator's round against float64 numpy;
+  float32 against float64: rtol 1e-5, atol 1e-6. A round without the outer step changes nothing."""
+  n, lr, mu = 4, 0.7, 0.9
+  data, _, _, _, fn, init = _engine(n, outer=(lr, mu))
+  state = init()
+  state["outer"] = engine.init_outer_state(state["params"])
+  rng = np.random.default_rng(0)
+  G, m = _flat(state["outer"]["params"], 1)[0], np.zeros(_flat(state["params"], n).shape[1])
+  x = np.zeros((n, 4) + data["x_train"].shape[1:], np.float32)
+  y, ar, no = np.zeros((n, 4), np.int32), np.arange(n, dtype=np.int32), np.zeros(n, bool)
+  none = np.full(n, -1, np.int32)
+  for _ in range(2):
+    noisy = jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(a.dtype), state["params"])
+    p = _flat(noisy, n)
+    state = {**state, "params": noisy}
+    idle, _ = fn(state, x, y, none, ar, False, ar, no, outer_now=False)
+    np.testing.assert_array_equal(_flat(idle["params"], n), p)
+    state = idle
+    state, _ = fn(state, x, y, none, ar, False, ar, no, outer_now=True)
+    G, m = _outer_reference(G, m, p, lr, mu)
+    np.testing.assert_allclose(_flat(state["outer"]["params"], 1)[0], G, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_flat(state["outer"]["momentum"], 1)[0], m, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_flat(state["params"], n), np.broadcast_to(G, p.shape), rtol=1e-5, atol=1e-6)
+
+
+def test_diloco_h1_lr1_no_momentum_equals_allreduce_step_for_step():
+  """H=1, outer lr 1, no momentum: the global model after each outer step is All-Reduce's average
+  after the same step, and so is every worker's model and optimizer state (float tolerance: G - mean(G
+  - p) against mean(p), rtol 1e-5, atol 1e-6), on a heterogeneous trace (jitter: compact rounds too)."""
+  n = 8
+  dl_trace, _ = clock(sim_config("diloco", jitter=0.3, **{"diloco.inner_steps": 1}), 6)
+  ar_trace, _ = clock(sim_config("allreduce", jitter=0.3), 6)
+  data, _, _, _, dl_fn, init = _engine(n, outer=(1.0, 0.0))
+  ar_fn = _engine(n)[4]
+  shards = shard_indices(data["y_train"], n, "iid", seed=0)
+
+  def replay(trace, fn, kw):
+    state, starts, after = init(), np.zeros(n, np.int64), []
+    if kw:
+      state["outer"] = engine.init_outer_state(state["params"])
+    for r in timeline.pack_rounds(trace.events, n, n):
+      idx = batch_indices(shards, 4, 0, starts)
+      args = (r["apply_src"], r["gid"], r["ring"], r["pull_src"], r["start"])
+      state, _ = fn(state, data["x_train"][idx], data["y_train"][idx], *args, **(kw(r) if kw else {}))
+      starts += r["start"]
+      if r["outer"] or (r["gid"] != np.arange(n)).any():
+        after.append((_flat(state["params"], n), _flat(state["opt_state"], n)))
+    return state, after
+
+  dl, dl_after = replay(dl_trace, dl_fn, lambda r: {"outer_now": r["outer"]})
+  ar, ar_after = replay(ar_trace, ar_fn, None)
+  assert len(dl_after) == len(ar_after) + 1 == 6  # All-Reduce's last step has no collective
+  for (p, o), (q, s) in zip(dl_after, ar_after):
+    np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(o, s, rtol=1e-5, atol=1e-6)
+  # The last step: DiLoCo's outer step is the mean of what All-Reduce's workers hold.
+  mean = _flat(ar["params"], n).mean(0)
+  np.testing.assert_allclose(
+    _flat(dl["params"], n), np.broadcast_to(mean, (n, mean.size)), rtol=1e-5, atol=1e-6
+  )
+
+
+@pytest.mark.slow  # two runs in process, too long for the fast tier
+def test_diloco_run_h1_records_allreduces_metrics(tmp_path):
+  """Through the executor (outer state, outer_now, compact rounds passing it through): H=1, lr 1, no
+  momentum records All-Reduce's metrics at every step to float tolerance (rtol 1e-4 on losses), the
+  same accuracies; the last record is one All-Reduce later and its workers agree (consensus 0)."""
+  kw = {"hetero.jitter": 0.3, "hetero.slow_workers": (2,), "hetero.slowdown": 2.0}
+  kw.update({"log_every": 1, "eval_every": 1})
+  dl_kw = {"diloco.inner_steps": 1, "diloco.outer_lr": 1.0, "diloco.outer_momentum": 0.0}
+  ar, _ = sim.simulate_and_train(_small_config("allreduce", **kw), str(tmp_path / "ar"))
+  dl, trace = sim.simulate_and_train(_small_config("diloco", **kw, **dl_kw), str(tmp_path / "dl"))
+  read = lambda d: [json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")]  # noqa: E731
+  a, d = read("ar"), read("dl")
+  assert [r["step"] for r in a] == [r["step"] for r in d] == list(range(1, 7))
+  for ra, rd in zip(a, d):
+    for key in ("train_loss", "test_loss"):
+      assert rd[key] == pytest.approx(ra[key], rel=1e-4), (key, ra, rd)
+    assert rd["test_accuracy"] == ra["test_accuracy"]
+  assert [r["time"] for r in d[:-1]] == [r["time"] for r in a[:-1]] and d[-1]["time"] > a[-1]["time"]
+  assert d[-1]["consensus_distance"] < 1e-5 < a[-1]["consensus_distance"]  # rounding only
+  assert dl["worker_steps"] == ar["worker_steps"]
+
+
+@pytest.mark.parametrize("executor", ["spmd", "async"])
+def test_diloco_needs_the_simulator_and_no_leave(executor):
+  config = default_config.get_config(f"algorithm=diloco,executor={executor},num_workers=4")
+  with pytest.raises(ConfigError, match=r"^config\.algorithm: 'diloco' .* diloco needs executor=sim$"):
+    validate_train_config(config, num_devices=8, num_processes=5)
+  config = sim_config("diloco", n=4, **{"hetero.leave": ((1, 0.1, -1),)})
+  with pytest.raises(ConfigError, match=r"^config\.hetero\.leave: .* algorithm=diloco: its outer step"):
+    validate_train_config(config, num_devices=8)
+  config = sim_config("diloco", n=4, **{"diloco.inner_steps": 0})
+  with pytest.raises(ConfigError, match=r"^config\.diloco\.inner_steps: 0 is not allowed"):
+    validate_train_config(config, num_devices=8)
