@@ -48,9 +48,9 @@ def get_config(arg=None):
   # residuals (the forward's vjp residuals kept: no recompute; stash's numerics)
   c.delay = arg.delay  # d_k of every link (DSP); 0 makes DSP equal BP
   c.microbatches = arg.microbatches  # GPipe's M
-  c.chunks = 1  # per_process, residual calls (bp, ddg, dsp mode=residuals): the batch
-  # computed as this many chunks, one vjp each; same numerics up to float
-  # order, faster per example on a CPU (cache)
+  c.chunks = 1  # every tick method's backward (recompute, stash, PipeMare's, residual calls;
+  # model-parallel bp per_process) over this many chunks of the batch in turn; same numerics up to
+  # float order, faster per example on a CPU (cache); not with a model state (BatchNorm)
   c.split = "measured"  # measured: stages balance each layer's measured forward + backward time
   # (profiled once per machine, cached; a run's split is pinned in WORKDIR/split.json) | macs
   c.placement = "one_device"  # one_device (one process, one jitted tick) | devices (stage k on

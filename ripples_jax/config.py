@@ -488,8 +488,6 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
   _one_of(config, "placement", PLACEMENTS)
   if config.placement == "per_process":
     _check_per_process(config, num_processes, PROCESS_MODES)
-  elif config.chunks != 1 and config.placement != "devices":
-    _fail("chunks", config.chunks, "1 unless placement=devices or per_process")
   elif num_processes > 1:
     raise ConfigError(
       f"--jax_distributed: {num_processes} processes are not allowed with "
@@ -505,6 +503,8 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
     )
   elif config.placement == "devices":
     _check_devices(config, local_devices)
+    _check_chunks(config)
+  else:
     _check_chunks(config)
 
 
@@ -532,16 +532,43 @@ def _check_devices(config, local_devices: int | None) -> None:
 
 
 def _check_chunks(config) -> None:
-  """chunks (placement=devices or per_process): a divisor of the batch, for calls that may chunk."""
+  """chunks: a divisor of the batch; > 1 only where a stage's calls run chunk by chunk: every tick
+  method's backward in every placement (recompute, stash, corrected, residuals: pipeline/tick.py) and
+  model-parallel bp's residual calls (per_process); never with a model state (BatchNorm statistics
+  would be per chunk)."""
   _positive_int(config, "chunks")
   if config.batch_size % config.chunks:
     _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
-  if config.chunks > 1 and not (config.method in ("bp", "ddg", "pipedream") or config.mode == "residuals"):
+  if config.chunks == 1:
+    return
+  if config.method in ("gpipe", "dni") or (config.method == "bp" and config.placement != "per_process"):
     _fail(
       "chunks",
       config.chunks,
-      "1 unless the stage calls keep residuals (method bp, ddg or pipedream, or dsp with mode=residuals)",
+      f"1 with method={config.method} and placement={config.placement} (a whole-model step; GPipe's "
+      "micro-batches are config.microbatches)",
     )
+  if config.mode == "fused" and config.method == "dsp":
+    _fail("chunks", config.chunks, "1 with mode=fused (its one call runs two batches)")
+  if _has_model_state(config.model):
+    _fail(
+      "chunks",
+      config.chunks,
+      f"1 with model={config.model}: it has a model state (BatchNorm), whose batch statistics would "
+      "be per chunk",
+    )
+
+
+def _has_model_state(model: str) -> bool:
+  """Whether `model` keeps a model state (BatchNorm's running statistics): its init traced, not run."""
+  import jax
+  import jax.numpy as jnp
+
+  from ripples_jax.models import build_model, init_model
+  from ripples_jax.models.split import DEFAULT_SAMPLE_SHAPES
+
+  x = jnp.zeros((1,) + tuple(DEFAULT_SAMPLE_SHAPES[model]))
+  return bool(jax.eval_shape(lambda: init_model(build_model(model, 10), jax.random.key(0), x))[1])
 
 
 def _check_per_process(config, num_processes: int, process_modes) -> None:

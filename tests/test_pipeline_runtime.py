@@ -253,17 +253,28 @@ def test_killed_stage_is_named_and_the_rerun_resumes_the_same_numerics(tmp_path)
     np.testing.assert_array_equal(got, ref, err_msg=f"stage {k}")
 
 
+CHUNKED = [  # (method, runtime mode, the single-process run it must equal: method, mode)
+  ("dsp", "residuals", ("dsp", "stash")),
+  ("dsp", "recompute", ("dsp", "recompute")),
+  ("fr", "recompute", ("fr", "recompute")),
+  ("pipemare", "recompute", ("pipemare", "recompute")),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.nightly
-def test_chunked_residual_calls_keep_the_numerics(tmp_path):
-  """chunks=4: every residual call over four chunks of the batch; the parameters still equal the
-  single-process stash tick's (the same gradients, summed in another order)."""
+@pytest.mark.parametrize("method,mode,reference", CHUNKED, ids=[f"{m}-{mode}" for m, mode, _ in CHUNKED])
+def test_chunked_calls_keep_the_numerics(tmp_path, method, mode, reference):
+  """chunks=4: every stage's calls over four chunks of the batch (residuals: each chunk's vjp;
+  recompute: each chunk's recompute and vjp; pipemare: each chunk's kept activations and backward);
+  the parameters still equal the unchunked single-process tick's (the same gradients, summed in
+  another order; rtol 2e-4, atol 2e-5 as the unchunked runs)."""
   workdir = str(tmp_path / "run")
   code, out = launch_pipeline(
-    pipeline_config("dsp", "residuals", 1, extra=["--config.chunks=4"]) + [f"--workdir={workdir}"]
+    pipeline_config(method, mode, 1, extra=["--config.chunks=4"]) + [f"--workdir={workdir}"]
   )
   assert code == 0, out[-3000:]
-  for k, (got, ref) in enumerate(zip(final_params(workdir), single_process_params("dsp", "stash", 1))):
+  for k, (got, ref) in enumerate(zip(final_params(workdir), single_process_params(*reference, 1))):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"stage {k}")
 
 

@@ -70,7 +70,7 @@ BAD = [
     "(the fused call and the residual ring exist in the multi-process runtime)",
   ),
   ("delay", -1, "config.delay: -1 is not allowed: an integer number of ticks in [0, 64]"),
-  ("chunks", 2, "config.chunks: 2 is not allowed: 1 unless placement=devices or per_process"),
+  ("chunks", 3, "config.chunks: 3 is not allowed: a divisor of batch_size=64"),
   ("slowdown", 0.5, "config.slowdown: 0.5 is not allowed: a factor >= 1"),
   (
     "checkpoint_every",
@@ -131,9 +131,13 @@ PER_PROCESS_BAD = [
     "pipemare corrects)",
   ),
   (
-    {"chunks": 4},
-    "config.chunks: 4 is not allowed: 1 unless the stage calls keep residuals (method bp, "
-    "ddg or pipedream, or dsp with mode=residuals)",
+    {"mode": "fused", "chunks": 4},
+    "config.chunks: 4 is not allowed: 1 with mode=fused (its one call runs two batches)",
+  ),
+  (
+    {"method": "gpipe", "chunks": 4},
+    "config.chunks: 4 is not allowed: 1 with method=gpipe and placement=per_process (a whole-model "
+    "step; GPipe's micro-batches are config.microbatches)",
   ),
   ({"mode": "residuals", "chunks": 3}, "config.chunks: 3 is not allowed: a divisor of batch_size=64"),
   (

@@ -242,7 +242,9 @@ def schedule_of(config) -> Schedule | None:
     return None
   mode = config.mode if config.method == "dsp" else None
   pm = config.pipemare
-  return method_schedule(config.method, config.num_stages, config.delay, mode, pm.lr_anneal, pm.ema_decay)
+  return method_schedule(
+    config.method, config.num_stages, config.delay, mode, pm.lr_anneal, pm.ema_decay, config.chunks
+  )
 
 
 def _per_batch(step):

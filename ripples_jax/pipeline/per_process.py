@@ -66,10 +66,15 @@ from ripples_jax.runlog import RunLog, make_workdir
 
 
 def process_schedule(config) -> tick_lib.Schedule | None:
-  """The link schedule a method runs with in this runtime (None: gpipe, its own loop)."""
-  K = config.num_stages
+  """The link schedule a method runs with in this runtime (None: gpipe, its own loop), its calls over
+  config.chunks chunks of the batch."""
   if config.method == "gpipe":
     return None
+  return dataclasses.replace(_method_schedule(config), chunks=int(config.chunks))
+
+
+def _method_schedule(config) -> tick_lib.Schedule:
+  K = config.num_stages
   if config.method == "bp":  # model parallel, no pipelining: zero delays, no recompute
     return tick_lib.Schedule((0,) * (K - 1), (0,) * (K - 1), "residuals")
   if config.method in ("ddg", "pipedream"):  # the stored graph: weights and activations stashed
@@ -168,11 +173,6 @@ class Stage:
         f"mode: fused is not allowed with {config.model}: it has a model state "
         "(BatchNorm), whose batch statistics would mix the two batches of the fused call"
       )
-    if st["model_state"] and config.chunks > 1:
-      raise ConfigError(
-        f"chunks: {config.chunks} is not allowed with {config.model}: it has a model state "
-        "(BatchNorm), whose batch statistics would be per chunk"
-      )
     self.state = jax.device_put(st, self.device)
     # The shape of every boundary: stage j's input, for the training batch and for the test set.
     ins = [np.zeros(s["in_ring"].shape[1:], s["in_ring"].dtype) for s in full]
@@ -210,7 +210,7 @@ class Stage:
     k, sch, n = self.k, self.schedule, self.n
     first = k == 0
     if sch is not None:
-      chunks = self.config.chunks if sch.mode == "residuals" else 1
+      chunks = sch.chunks  # config: 1 with fused
       bwd = lambda st, cot, labels, t: tick_lib.stage_backward(
         stage, optimizer, sch, k, st, cot, labels, t, n, chunks
       )
