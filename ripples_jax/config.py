@@ -341,6 +341,19 @@ def _check_schedule_keys(config, n):
     _positive_int(config, "diloco.inner_steps")
     _number(config, "diloco.outer_lr", lambda v: v > 0, "a finite number > 0")
     _number(config, "diloco.outer_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
+  if config.algorithm == "moshpit":
+    _check_grid(config, n)
+
+
+def _check_grid(config, n):
+  """moshpit.grid: a tuple of integers >= 2 whose product is num_workers (every worker on the grid)."""
+  allowed = f"a tuple of integers >= 2 whose product is num_workers={n}, e.g. (2, 4) for 8"
+  _note("moshpit.grid", allowed)
+  grid = config.moshpit.grid
+  if not isinstance(grid, (tuple, list)) or not grid:
+    _fail("moshpit.grid", grid, allowed)
+  if any(isinstance(g, bool) or not isinstance(g, int) or g < 2 for g in grid) or math.prod(grid) != n:
+    _fail("moshpit.grid", grid, allowed)
 
 
 def _check_hetero(config, n):

@@ -9,6 +9,7 @@ import pytest
 from configs import default as default_config
 from ripples_jax import collectives as C
 from ripples_jax import engine, sim, timeline
+from ripples_jax import schedule as schedule_lib
 from ripples_jax.config import ConfigError, validate_train_config
 from ripples_jax.data import batch_indices, load_dataset, shard_indices
 from ripples_jax.models import build_model
@@ -187,4 +188,113 @@ def test_diloco_needs_the_simulator_and_no_leave(executor):
     validate_train_config(config, num_devices=8)
   config = sim_config("diloco", n=4, **{"diloco.inner_steps": 0})
   with pytest.raises(ConfigError, match=r"^config\.diloco\.inner_steps: 0 is not allowed"):
+    validate_train_config(config, num_devices=8)
+
+
+# -- Moshpit SGD ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grid", [(4, 4), (2, 4), (2, 3, 2)])
+def test_moshpit_grid_rounds_average_exactly_in_d_rounds(grid):
+  """numpy: the mixing matrices of any d consecutive layouts (cyclically) multiply to J / n."""
+  layouts = schedule_lib.grid_layouts(grid)
+  n, d = int(np.prod(grid)), len(grid)
+  assert len(layouts) == d and all(len(g) == grid[k] for k, l in enumerate(layouts) for g in l)
+  for k in range(d):
+    w = np.eye(n)
+    for j in range(d):
+      w = C.mixing_matrix(layouts[(k + j) % d], n) @ w
+    np.testing.assert_allclose(w, np.full((n, n), 1 / n), atol=1e-12)
+
+
+def _avg_rounds(trace, n):
+  """Each AVG event of the trace with the generator round (request) its group came from."""
+  pending = {}
+  for g in trace.buffer.groups:
+    pending.setdefault(g.members, []).append(g.request)
+  return [(tuple(a), pending[tuple(a)].pop(0)) for _, kind, a, _ in trace.events if kind == timeline.AVG]
+
+
+def _replay_averages(groups, n, x_NxD):
+  """The engine's P-Reduce (the simulator's full round: no step, no apply) over `groups` in order."""
+  data, _, _, _, fn, init = _engine(n)
+  state = init()
+  shapes = [a.shape for a in jax.tree.leaves(state["params"])]
+  leaves, s = [], 0
+  for shape in shapes:  # x as the params: one column block per leaf
+    size = int(np.prod(shape[1:]))
+    leaves.append(x_NxD[:, s : s + size].reshape(shape).astype(np.float32))
+    s += size
+  state["params"] = jax.tree.unflatten(jax.tree.structure(state["params"]), leaves)
+  x = np.zeros((n, 4) + data["x_train"].shape[1:], np.float32)
+  y, ar, none = np.zeros((n, 4), np.int32), np.arange(n, dtype=np.int32), np.full(n, -1, np.int32)
+  for members in groups:
+    gid = ar.copy()
+    gid[list(members)] = min(members)
+    state, _ = fn(state, x, y, none, gid, False, ar, np.zeros(n, bool))
+  return _flat(state["params"], n), sum(int(np.prod(s[1:])) for s in shapes)
+
+
+@pytest.mark.parametrize("grid", [(4, 4), (2, 2, 4)])
+def test_moshpit_clock_averages_along_one_dimension_per_round(grid):
+  """Heterogeneous speeds (a 3x straggler, jitter): every worker's k-th average is its group of
+  layout k mod d, and replaying the averages alone through the engine gives every worker the exact
+  mean once it has averaged d times (float32: rtol 1e-5)."""
+  n, d = int(np.prod(grid)), len(grid)
+  layouts = schedule_lib.grid_layouts(grid)
+  trace, _ = clock(sim_config("moshpit", n=n, jitter=0.3, **{"moshpit.grid": grid}), 4 * d)
+  seen = [0] * n
+  avgs = [a for _, kind, a, _ in trace.events if kind == timeline.AVG]
+  for members in avgs:
+    for m in members:
+      assert members == next(g for g in layouts[seen[m] % d] if m in g), (m, seen[m], members)
+      seen[m] += 1
+  assert min(seen) >= d
+  x = np.random.default_rng(1).normal(size=(n, 200))
+  got, D = _replay_averages(avgs, n, x)
+  np.testing.assert_allclose(got, np.broadcast_to(x[:, :D].mean(0), (n, D)), rtol=1e-5, atol=1e-6)
+
+
+def test_moshpit_with_a_dead_peer_averages_its_groups_without_it():
+  """Worker 5 of a (2, 4) grid dead from the start: round r's groups are layout r mod 2's groups less
+  worker 5 (its pair partner 1 has no group in the dimension-0 rounds); the engine's averages over the
+  complete rounds equal numpy's lockstep Moshpit over those groups for every worker (5 keeps its own
+  model; float32: rtol 1e-5)."""
+  n, grid = 8, (2, 4)
+  layouts = schedule_lib.grid_layouts(grid)
+  config = sim_config("moshpit", jitter=0.3, **{"moshpit.grid": grid, "hetero.leave": ((5, 0.0, -1),)})
+  trace, _ = clock(config, 8)
+  rounds = {}
+  for g in trace.buffer.groups:
+    rounds.setdefault(g.request, []).append(g.members)
+  for r, request in enumerate(sorted(rounds)):
+    live = [tuple(m for m in g if m != 5) for g in layouts[r % 2]]
+    assert sorted(rounds[request]) == sorted(g for g in live if len(g) > 1), r
+  avgs = _avg_rounds(trace, n)
+  done = {}
+  for _, request in avgs:
+    done[request] = done.get(request, 0) + 1
+  complete = [q for q in sorted(rounds) if done.get(q, 0) == len(rounds[q])]
+  last = next((q for q, c in zip(sorted(rounds), complete) if q != c), None)  # complete rounds: a prefix
+  complete = [q for q in complete if last is None or q < last]
+  assert len(complete) >= 4
+  x = np.random.default_rng(2).normal(size=(n, 200))
+  got, D = _replay_averages([m for m, q in avgs if q in complete], n, x)
+  ref = x[:, :D].copy()
+  for q in complete:
+    for g in rounds[q]:
+      ref[list(g)] = ref[list(g)].mean(0)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(ref[1], ref[0])  # the dead peer's pair partner lags: a real degradation
+
+
+def test_moshpit_grid_is_validated_and_needs_the_simulator():
+  with pytest.raises(ConfigError, match=r"^config\.moshpit\.grid: \(3, 3\) is not allowed: .*num_workers=8"):
+    validate_train_config(sim_config("moshpit", **{"moshpit.grid": (3, 3)}), num_devices=8)
+  with pytest.raises(ConfigError, match=r"^config\.moshpit\.grid: \(1, 8\) is not allowed"):
+    validate_train_config(sim_config("moshpit", **{"moshpit.grid": (1, 8)}), num_devices=8)
+  validate_train_config(sim_config("moshpit", **{"moshpit.grid": (2, 2, 2)}), num_devices=8)
+  assert default_config.get_config("num_workers=16").moshpit.grid == (4, 4)
+  config = default_config.get_config("algorithm=moshpit,executor=spmd,num_workers=8")
+  with pytest.raises(ConfigError, match=r"^config\.algorithm: 'moshpit' .* moshpit needs executor=sim$"):
     validate_train_config(config, num_devices=8)

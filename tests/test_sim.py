@@ -28,7 +28,7 @@ def clock(algorithm, n=16, steps=40, slow=(3,), s=4.0, jitter=0.05, group_size=3
   return timeline.simulate(timeline.ClockSpec(algorithm, speed, net, steps * n, gg=gg, seed=seed)), speed, net
 
 
-@pytest.mark.parametrize("algorithm", GGS + ("adpsgd", "dpsgd", "allreduce"))
+@pytest.mark.parametrize("algorithm", GGS + ("adpsgd", "dpsgd", "allreduce", "moshpit"))
 def test_every_emitted_mixing_matrix_is_doubly_stochastic_and_keeps_the_mean(algorithm):
   trace, _, _ = clock(algorithm)
   n = 16

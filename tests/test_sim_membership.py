@@ -19,7 +19,7 @@ from tests.test_sim import _small_config
 
 # Worker 2 (AD-PSGD: a passive one) away for 0.1 s, worker 5 (an active one) gone for good.
 LEAVE = ((2, 0.05, 0.15), (5, 0.1, -1))
-ELASTIC = ("ripples_smart", "ripples_random", "ripples_division", "adpsgd", "ps_async")
+ELASTIC = ("ripples_smart", "ripples_random", "ripples_division", "adpsgd", "ps_async", "moshpit")
 
 
 def config_of(algorithm, n=8, leave=(), group_size=3, jitter=0.2, slow=()):

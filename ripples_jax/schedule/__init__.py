@@ -11,7 +11,13 @@ import numpy as np
 
 from ripples_jax.collectives import Layout
 from ripples_jax.schedule import group_gen
-from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
+from ripples_jax.schedule.static import (
+  allreduce_layouts,
+  default_grid,  # noqa: F401  (configs/default.py's moshpit.grid)
+  grid_layouts,
+  hypercube_layouts,
+  static_gg_layouts,
+)
 
 # Every algorithm runs in the simulator (executor=sim); the lockstep executor runs the periodic ones.
 ALGORITHMS = (
@@ -25,6 +31,7 @@ ALGORITHMS = (
   "ripples_division",
   "ripples_smart",
   "diloco",
+  "moshpit",
 )
 LOCKSTEP_ALGORITHMS = ("allreduce", "ripples_static")
 STATIC_LAYOUTS = ("node", "hypercube")
@@ -61,7 +68,8 @@ def static_layouts(config) -> tuple[Layout, ...]:
 
 
 def make_group_generator(config, rng: np.random.Generator):
-  """The Group Generator of a ripples_* algorithm (None for the baselines); used by sim and runtime."""
+  """The Group Generator of a ripples_* algorithm or Moshpit (None for the other baselines); used by
+  sim and runtime."""
   n, s = config.num_workers, config.schedule
   if config.algorithm == "ripples_static":
     return group_gen.Fixed(static_layouts(config))
@@ -71,6 +79,8 @@ def make_group_generator(config, rng: np.random.Generator):
     return group_gen.division_gg(n, s.group_size, rng)
   if config.algorithm == "ripples_smart":
     return group_gen.smart_gg(n, s.group_size, s.smart_tolerance, s.smart_max_gap)
+  if config.algorithm == "moshpit":
+    return group_gen.moshpit_gg(grid_layouts(config.moshpit.grid))
   return None
 
 

@@ -129,6 +129,33 @@ class random_gg(_Generator):
     view.buffer.append([worker, *picked.tolist()], view.now)
 
 
+class moshpit_gg:
+  """Moshpit SGD's averaging (Ryabinin et al., 2021) as a generator: a request appends one whole round
+  of groups, round r being `layouts[r mod d]` (schedule.static.grid_layouts: the workers that share
+  every grid coordinate but the r mod d-th), with hetero.leave the live ones among each (a dead peer's
+  group averages without it; a group of one is none). Every worker's j-th group is from round j, as
+  every round covers every live worker; with nobody dead, d consecutive rounds average exactly. Its
+  hidden state is the round counter."""
+
+  ask_ahead = True  # its rounds do not depend on when they are made
+
+  def __init__(self, layouts: Sequence[Layout]):
+    self.layouts, self.round = tuple(layouts), 0
+
+  def state(self):
+    return self.round
+
+  def load(self, state) -> None:
+    self.round = int(state)
+
+  def __call__(self, worker: int, view: GGView) -> None:
+    layout = self.layouts[self.round % len(self.layouts)]
+    self.round += 1
+    for group in layout:
+      members = group if view.alive is None else [m for m in group if view.alive[m]]
+      view.buffer.append(members, view.now)  # a group of one is dropped there
+
+
 def division_sizes(num_workers: int, group_size: int) -> list[int]:
   """ceil(n / k) groups whose sizes differ by at most one (8 into 3s: 3,3,2; 16: 3,3,3,3,2,2): no
   singleton."""

@@ -1,4 +1,5 @@
-"""Periodic group layouts: All-Reduce, the authors' Static GG (node layout) and a hypercube.
+"""Periodic group layouts: All-Reduce, the authors' Static GG (node layout), a hypercube and Moshpit's
+grid.
 
 A periodic schedule is just a tuple of layouts; round t uses layouts[t % len(layouts)]. Every layout
 covers all workers (groups of one are explicit), so the engine's step has one fixed set of layouts and
@@ -65,5 +66,33 @@ def hypercube_layouts(n: int, group_size: int = 2) -> tuple[Layout, ...]:
     for i in range(n):
       key = i - ((i // stride) % g) * stride
       groups.setdefault(key, []).append(i)
+    layouts.append(canonical_layout(list(groups.values()), n))
+  return tuple(layouts)
+
+
+def default_grid(n: int) -> tuple[int, ...]:
+  """Moshpit's default grid for n workers: the two-dimensional one closest to a square (16: (4, 4);
+  8: (2, 4)), or (n,) when n is prime or below 4."""
+  a = max((k for k in range(2, int(n**0.5) + 1) if n % k == 0), default=1)
+  return (a, n // a) if a > 1 else (n,)
+
+
+def grid_layouts(grid) -> tuple[Layout, ...]:
+  """Moshpit SGD's groups (Ryabinin et al., 2021): worker i sits at the mixed-radix coordinates of i
+  on `grid` (the last dimension fastest); layout k groups the workers that share every coordinate but
+  the k-th. Invariant: averaging within the layouts 0..d-1 in turn (from any k, cyclically) gives
+  every worker the exact mean, since each layout averages one coordinate away."""
+  grid = tuple(int(g) for g in grid)
+  n = 1
+  for g in grid:
+    n *= g
+  stride = [1] * len(grid)
+  for k in range(len(grid) - 2, -1, -1):
+    stride[k] = stride[k + 1] * grid[k + 1]
+  layouts = []
+  for size, step in zip(grid, stride):
+    groups = {}
+    for i in range(n):
+      groups.setdefault(i - ((i // step) % size) * step, []).append(i)
     layouts.append(canonical_layout(list(groups.values()), n))
   return tuple(layouts)
