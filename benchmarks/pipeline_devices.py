@@ -93,7 +93,7 @@ class Method:
       self.tick = devices.make_device_gpipe(self.stages, self.optimizer, c.microbatches, self.devices)
     else:
       make = devices.make_fused_device_tick if self.fused else devices.make_device_tick
-      args = (self.stages, self.optimizer, self.schedule, self.n, self.devices, c.chunks, VARIANTS[name][4])
+      args = (self.stages, self.optimizer, self.schedule, self.n, self.devices, VARIANTS[name][4])
       self.tick = make(*args)
     self.t = 0
 
@@ -124,9 +124,9 @@ def stage_costs(m: Method, reps: int, core: int) -> dict:
   from ripples_jax.distributed.host import pin_threads
   from ripples_jax.pipeline import devices
 
-  K, c, sch = len(m.stages), m.config, m.schedule
+  K, sch = len(m.stages), m.schedule
   devs = m.devices
-  progs = [devices._stage_programs(m.stages[k], m.optimizer, sch, k, m.n, c.chunks) for k in range(K)]
+  progs = [devices._stage_programs(m.stages[k], m.optimizer, sch, k, m.n) for k in range(K)]
   state = [jax.tree.map(lambda a: a.copy(), st) for st in m.state]
   t = sch.drain_ticks()  # every stage's backward batch in range: its update is applied
   x, y = m.feed.x(0), m.feed.labels(0)

@@ -46,13 +46,11 @@ def place(state: list[dict], devices: list) -> list[dict]:
   return [jax.device_put(st, d) for st, d in zip(state, devices)]
 
 
-def _stage_programs(
-  stage, optimizer, schedule: Schedule, k: int, num_batches: int, chunks: int = 1, donate: bool = True
-):
+def _stage_programs(stage, optimizer, schedule: Schedule, k: int, num_batches: int, donate: bool = True):
   """Stage k's forward and backward as programs of their own. A FIFO's head is read inside the
   program (no separate dispatch): `x_in` / `cot` None means "the head of my incoming link's FIFO".
-  `chunks`: the backward over that many equal chunks of the batch (tick.stage_backward). `donate`
-  False only to measure what donation saves (benchmarks/pipeline_devices.py)."""
+  The backward runs over the schedule's chunks (tick.stage_backward). `donate` False only to measure
+  what donation saves (benchmarks/pipeline_devices.py)."""
   last = k == schedule.num_stages - 1
 
   def forward(st, x_in, t):
@@ -63,14 +61,14 @@ def _stage_programs(
   def backward(st, cot, labels, t):
     if cot is None and not last:
       cot = st["bwd_fifo"][0]
-    return stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches, chunks)
+    return stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches)
 
   # The stage's state is donated: its ring buffers are updated in place, not copied every tick.
   donated = (0,) if donate else ()
   return jax.jit(forward, donate_argnums=donated), jax.jit(backward, donate_argnums=donated)
 
 
-def _fused_program(stage, optimizer, schedule: Schedule, k: int, num_batches: int, chunks: int, donate: bool):
+def _fused_program(stage, optimizer, schedule: Schedule, k: int, num_batches: int, donate: bool):
   """Stage k's whole tick as one program, for schedules whose every link is delayed (DSP): first the
   arrivals of the previous tick pushed into the incoming FIFOs (what the unfused tick's link programs
   did at the end of that tick: the same concatenation, so the same bits), then the forward and the
@@ -84,7 +82,7 @@ def _fused_program(stage, optimizer, schedule: Schedule, k: int, num_batches: in
       st = dict(st, bwd_fifo=push(st["bwd_fifo"], down))
     st, y = stage_forward(stage, schedule, k, st, st["fwd_fifo"][0] if x_in is None else x_in, t)
     cot = None if last else st["bwd_fifo"][0]
-    st, g_x, m = stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches, chunks)
+    st, g_x, m = stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches)
     return st, y, g_x, m
 
   return jax.jit(fused, donate_argnums=(0,) if donate else ())
@@ -106,7 +104,7 @@ def dispatches_per_tick(schedule: Schedule, fused: bool = False) -> int:
 
 
 def make_fused_device_tick(
-  stages, optimizer, schedule: Schedule, num_batches: int, devices: list, chunks: int = 1, donate: bool = True
+  stages, optimizer, schedule: Schedule, num_batches: int, devices: list, donate: bool = True
 ):
   """make_device_tick for a fusable schedule (DSP) with one program per stage a tick: tick t's
   outputs are copied to their receivers' devices at once and pushed into the FIFOs by the receivers'
@@ -115,9 +113,7 @@ def make_fused_device_tick(
   loop calls it before it reads the state: records, evaluations, checkpoints), after which the state
   is make_device_tick's, bit for bit."""
   K = len(stages)
-  programs = [
-    _fused_program(stages[k], optimizer, schedule, k, num_batches, chunks, donate) for k in range(K)
-  ]
+  programs = [_fused_program(stages[k], optimizer, schedule, k, num_batches, donate) for k in range(K)]
   link = jax.jit(push, donate_argnums=0)
   to = lambda x, k: jax.device_put(x, devices[k])
   pending = {"up": [None] * K, "down": [None] * K}  # arrivals for stage k's next program
@@ -150,15 +146,13 @@ def make_fused_device_tick(
 
 
 def make_device_tick(
-  stages, optimizer, schedule: Schedule, num_batches: int, devices: list, chunks: int = 1, donate: bool = True
+  stages, optimizer, schedule: Schedule, num_batches: int, devices: list, donate: bool = True
 ):
   """Returns tick(state, x_t, y_t, t) -> (state, (loss, acc)) with make_tick's meaning, stage k's
   programs on devices[k] (`state` placed by `place`). (loss, acc) live on the last stage's device."""
   K = len(stages)
   f, b = schedule.fwd_delays, schedule.bwd_delays
-  programs = [
-    _stage_programs(stages[k], optimizer, schedule, k, num_batches, chunks, donate) for k in range(K)
-  ]
+  programs = [_stage_programs(stages[k], optimizer, schedule, k, num_batches, donate) for k in range(K)]
   link = jax.jit(push, donate_argnums=0)  # one program; it runs where the receiving FIFO lives
   to = lambda x, k: jax.device_put(x, devices[k])
 
@@ -294,4 +288,4 @@ def device_tick_step(stages, optimizer, config, num_batches):
   """baselines.METHODS' step_fn signature for the tick methods on devices (train.py's setup)."""
   devices, schedule = stage_devices(config.num_stages), schedule_of(config)
   make = make_fused_device_tick if fusable(schedule) else make_device_tick
-  return make(stages, optimizer, schedule, num_batches, devices, config.chunks)
+  return make(stages, optimizer, schedule, num_batches, devices)

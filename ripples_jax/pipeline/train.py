@@ -16,7 +16,6 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import setup as setup_lib
-from ripples_jax.errors import ConfigError
 from ripples_jax.pipeline import baselines, devices, tick, timing
 from ripples_jax.runlog import RunLog, make_workdir
 
@@ -139,11 +138,6 @@ def _setup(config, workdir: str | None = None):
   state = init_fn(
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
   )
-  if config.chunks > 1 and any(st.get("model_state") for st in state):  # before any compile
-    raise ConfigError(
-      f"chunks: {config.chunks} is not allowed with {config.model}: it has a model state "
-      "(BatchNorm), whose batch statistics would be per chunk"
-    )
   run = {
     "num_batches": p.num_batches,
     "batches_per_epoch": p.batches_per_epoch,
