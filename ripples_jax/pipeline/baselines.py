@@ -237,10 +237,17 @@ TICK_METHODS = ("ddg", "pipedream", "pipemare", "fr", "dsp")
 
 
 def schedule_of(config) -> Schedule | None:
-  """The link schedule of a method that runs as the tick; None for a whole-model step."""
-  if config.method not in TICK_METHODS:
+  """The link schedule a config's method runs with in its placement; None for a whole-model step
+  (gpipe, dni, and bp in one process). The one table of methods to schedules (tick.method_schedule)
+  for every placement: per_process runs bp too (model parallel, zero delays), and there bp, ddg and
+  pipedream keep the forward's vjp residuals (the stored graph: no recompute) where the one-process
+  placements recompute the stage at the stashed weights (the same gradients)."""
+  per_process = config.placement == "per_process"
+  if config.method not in TICK_METHODS and not (per_process and config.method == "bp"):
     return None
   mode = config.mode if config.method == "dsp" else None
+  if per_process and config.method in ("bp", "ddg", "pipedream"):
+    mode = "residuals"
   pm = config.pipemare
   return method_schedule(
     config.method, config.num_stages, config.delay, mode, pm.lr_anneal, pm.ema_decay, config.chunks

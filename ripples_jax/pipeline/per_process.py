@@ -61,30 +61,9 @@ from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model
 from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline import timing
+from ripples_jax.pipeline.baselines import schedule_of
 from ripples_jax.pipeline.link import Link, LinkThread, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
-
-
-def process_schedule(config) -> tick_lib.Schedule | None:
-  """The link schedule a method runs with in this runtime (None: gpipe, its own loop), its calls over
-  config.chunks chunks of the batch."""
-  if config.method == "gpipe":
-    return None
-  return dataclasses.replace(_method_schedule(config), chunks=int(config.chunks))
-
-
-def _method_schedule(config) -> tick_lib.Schedule:
-  K = config.num_stages
-  if config.method == "bp":  # model parallel, no pipelining: zero delays, no recompute
-    return tick_lib.Schedule((0,) * (K - 1), (0,) * (K - 1), "residuals")
-  if config.method in ("ddg", "pipedream"):  # the stored graph: weights and activations stashed
-    return tick_lib.method_schedule(config.method, K, mode="residuals")
-  if config.method == "pipemare":  # the forward's activations, the backward at w - S_k delta
-    pm = config.pipemare
-    return tick_lib.method_schedule("pipemare", K, lr_anneal=pm.lr_anneal, ema_decay=pm.ema_decay)
-  if config.method == "fr":  # inputs only, recomputed
-    return tick_lib.method_schedule("fr", K, mode="recompute")
-  return tick_lib.method_schedule("dsp", K, config.delay, config.mode)
 
 
 @dataclasses.dataclass
@@ -156,7 +135,7 @@ class Stage:
   def __init__(self, config, stages, optimizer, num_batches: int, sample_x, test_x):
     self.k, self.K = jax.process_index(), config.num_stages
     self.config, self.n, self.last = config, num_batches, jax.process_index() == config.num_stages - 1
-    self.schedule = process_schedule(config)
+    self.schedule = schedule_of(config)  # None: gpipe, its own loop
     self.device = stage_device(self.k)
     self.clock = Clock()
     self.boundary_bytes = 0  # gpipe: the micro-batch boundary inputs it keeps during an iteration
