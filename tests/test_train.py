@@ -167,7 +167,7 @@ BAD_SIM = [
     "algorithm",
     "gossip",
     "config.algorithm: 'gossip' is not allowed: one of allreduce, ps_sync, "
-    "ps_async, adpsgd, dpsgd, ripples_static, ripples_random, ripples_division, ripples_smart",
+    "ps_async, adpsgd, dpsgd, ripples_static, ripples_random, ripples_division, ripples_smart, diloco, moshpit",
   ),
   (
     "",
