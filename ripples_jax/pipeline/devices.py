@@ -27,7 +27,17 @@ import optax
 
 from ripples_jax.models import apply_model
 from ripples_jax.pipeline.baselines import schedule_of
-from ripples_jax.pipeline.tick import Schedule, push, stage_backward, stage_forward
+from ripples_jax.pipeline.tick import (
+  BATCH,
+  LABELS,
+  NOW,
+  Schedule,
+  cotangent_source,
+  input_source,
+  push,
+  stage_backward,
+  stage_forward,
+)
 
 
 def stage_devices(num_stages: int, devices=None) -> list:
@@ -159,20 +169,18 @@ def make_device_tick(
   def forward_wave(state, x_t, t):
     outs = [None] * K
     for k in range(K):
-      if k == 0:
-        x_in = to(x_t, 0)
-      elif f[k - 1] == 0:
-        x_in = to(outs[k - 1], k)  # locked forward: this tick's output of the stage below
-      else:
-        x_in = None  # the FIFO's head: the output of tick t - f
+      src = input_source(schedule, k)
+      # NOW: this tick's output of the stage below, copied over; FIFO: read inside the program.
+      x_in = to(x_t, 0) if src == BATCH else to(outs[k - 1], k) if src == NOW else None
       state[k], outs[k] = programs[k][0](state[k], x_in, t)
     return outs
 
   def backward_wave(state, y_t, t):
     grads_in, metrics = [None] * K, None
     for k in reversed(range(K)):
-      cot = to(grads_in[k + 1], k) if k < K - 1 and b[k] == 0 else None
-      labels = to(y_t, k) if k == K - 1 else None
+      src = cotangent_source(schedule, k)
+      cot = to(grads_in[k + 1], k) if src == NOW else None
+      labels = to(y_t, k) if src == LABELS else None
       state[k], grads_in[k], m = programs[k][1](state[k], cot, labels, t)
       if k == K - 1:
         metrics = m

@@ -280,10 +280,10 @@ class Stage:
     Transfers are posted to the link threads in the lockstep order; only their results are waited for.
     The state's FIFOs are stale during the run: the slots hold them (settle writes them back)."""
     sch, k, c, last = self.schedule, self.k, self.clock, self.last
-    f, b = sch.fwd_delays, sch.bwd_delays
-    if k == 0:
+    src = tick_lib.input_source(sch, k)
+    if src == tick_lib.BATCH:
       x_in = x_t
-    elif f[k - 1] == 0:
+    elif src == tick_lib.NOW:
       x_in = self.wait(self.post(self.lower_t, "up"))  # locked forward: this tick's output of the stage below
     else:
       x_in = self.slot(self.fwd_slots)
@@ -297,19 +297,21 @@ class Stage:
         self.ring.append((pb, ms))
       else:
         st, y = c.run("forward", self.fwd, st, x_in, t)
-      if not last and f[k] == 0:
+      if not last and tick_lib.input_source(sch, k + 1) == tick_lib.NOW:  # the stage above waits for it
         self.post(self.upper_t, "up", y)
-      cot = (
-        None
-        if last
-        else (self.wait(self.post(self.upper_t, "down")) if b[k] == 0 else self.slot(self.bwd_slots))
-      )
+      src = tick_lib.cotangent_source(sch, k)
+      if src == tick_lib.LABELS:
+        cot = None
+      elif src == tick_lib.NOW:
+        cot = self.wait(self.post(self.upper_t, "down"))  # locked backward: this tick's from above
+      else:
+        cot = self.slot(self.bwd_slots)
       if residuals:
         pb, ms = self.ring.popleft()  # the forward of tick t - S_k
         st, g_x = c.run("backward", self.res_bwd, st, pb, ms, cot, t)
       else:
         st, g_x, metrics = c.run("backward", self.bwd, st, cot, y_t, t)
-      if k > 0 and b[k - 1] == 0:
+      if k > 0 and tick_lib.cotangent_source(sch, k - 1) == tick_lib.NOW:  # the stage below waits for it
         self.post(self.lower_t, "down", g_x)
     self._advance_links(y, g_x)
     return st, metrics

@@ -403,6 +403,27 @@ def stage_backward_residuals(
   return apply_update(optimizer, schedule, k, st, g_p, new_ms, t, num_batches), g_x
 
 
+# Where a stage's forward input and backward cotangent come from at tick t: the one rule of the tick's
+# order, read by every placement (make_tick, devices.make_device_tick, per_process.Stage.tick).
+BATCH, LABELS, NOW, FIFO = "batch", "labels", "now", "fifo"
+
+
+def input_source(schedule: Schedule, k: int) -> str:
+  """BATCH (stage 0: batch t), NOW (a locked link: this tick's output of stage k-1, so the forward
+  waits for it) or FIFO (a link of delay f: the head of its FIFO, the output of tick t - f)."""
+  if k == 0:
+    return BATCH
+  return NOW if schedule.fwd_delays[k - 1] == 0 else FIFO
+
+
+def cotangent_source(schedule: Schedule, k: int) -> str:
+  """LABELS (the last stage: its loss), NOW (a locked link: this tick's input gradient of stage k+1,
+  so the backward waits for it) or FIFO (a link of delay b: the head of its FIFO)."""
+  if k == schedule.num_stages - 1:
+    return LABELS
+  return NOW if schedule.bwd_delays[k] == 0 else FIFO
+
+
 def make_tick(stages, optimizer, schedule: Schedule, num_batches: int):
   """Returns tick(state, x_t, y_t, t) -> (state, (loss, acc)) advancing every stage by one tick, as
   one jitted function (stages in their own processes: pipeline/per_process.py).
@@ -418,23 +439,15 @@ def make_tick(stages, optimizer, schedule: Schedule, num_batches: int):
     state = list(state)
     outs = [None] * K
     for k in range(K):  # forward wave
-      if k == 0:
-        x_in = x_t
-      elif f[k - 1] == 0:
-        x_in = outs[k - 1]  # locked forward: this tick's output of the stage below
-      else:
-        x_in = state[k]["fwd_fifo"][0]
+      src = input_source(schedule, k)
+      x_in = x_t if src == BATCH else outs[k - 1] if src == NOW else state[k]["fwd_fifo"][0]
       state[k], outs[k] = fwd[k](state[k], x_in, t)
     grads_in = [None] * K
     metrics = None
     for k in reversed(range(K)):  # backward wave
-      if k == K - 1:
-        cot = None
-      elif b[k] == 0:
-        cot = grads_in[k + 1]
-      else:
-        cot = state[k]["bwd_fifo"][0]
-      state[k], grads_in[k], m = bwd[k](state[k], cot, y_t if k == K - 1 else None, t, num_batches)
+      src = cotangent_source(schedule, k)
+      cot = None if src == LABELS else grads_in[k + 1] if src == NOW else state[k]["bwd_fifo"][0]
+      state[k], grads_in[k], m = bwd[k](state[k], cot, y_t if src == LABELS else None, t, num_batches)
       if k == K - 1:
         metrics = m
     for k in range(K - 1):  # the links advance
