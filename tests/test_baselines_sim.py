@@ -121,6 +121,7 @@ def test_diloco_outer_step_matches_numpy():
     np.testing.assert_allclose(_flat(state["params"], n), np.broadcast_to(G, p.shape), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 3 s on a quiet machine: the fast tier is at its 2-minute budget
 def test_diloco_h1_lr1_no_momentum_equals_allreduce_step_for_step():
   """H=1, outer lr 1, no momentum: the global model after each outer step is All-Reduce's average
   after the same step, and so is every worker's model and optimizer state (float tolerance: G - mean(G
