@@ -10,11 +10,14 @@ micro-batches), then every method a block of --ticks ticks after its warm-up, th
 rotated each repetition. Per method:
 - measured_speedup_vs_best_bp: best BP's step over the method's time per tick (one batch a tick in
   steady state), paired with that repetition's BP.
-- ceiling_vs_best_bp: best BP over the method's ceiling, the iteration its stages' own programs allow:
-  each stage's forward and backward program timed alone with this process on one core, the ceiling
-  the most expensive stage's sum, and no less than all stages' sum over the cores. It holds the split's
-  imbalance, the method's extra work (a recompute, a stash) and the cores; it leaves out transfers,
-  dispatch and two programs sharing caches, memory bandwidth and XLA's intra-op pool.
+- ceiling_vs_best_bp: best BP over the method's ceiling (ceiling_s): each stage's forward and backward
+  programs timed alone, with every core and with this process on one core; the ceiling is the larger
+  of the slowest stage alone with every core (GPipe: its bubble too) and the stages' single-core work
+  over the cores. It holds the split's imbalance and the method's extra work (a recompute, a stash)
+  and leaves out transfers, dispatch and the stages contending for caches, memory bandwidth and XLA's
+  pool. Beside it, one_core_per_stage: the same programs single-threaded on a core each (the
+  per-process placement's model), which a run beats where one stage's program borrows the core the
+  other leaves idle.
 - gap: measured - ceiling in named parts, each measured on its own: `dispatch` (what a tick dispatches,
   devices.dispatches_per_tick, times one dispatch's measured cost), `transfers` (the links' copies
   between devices, each timed alone), `rest` (what neither explains: contention between the stages).
@@ -118,10 +121,32 @@ def _timed(fn, reps: int) -> float:
   return float(np.median(times))
 
 
-def stage_costs(m: Method, reps: int, core: int) -> dict:
-  """Each stage's forward and backward program timed alone (this process on one core), the links'
-  copies timed alone, and one dispatch's cost; from fresh copies of the method's placed state."""
+def _timed_both(fn, reps: int, core: int) -> tuple:
+  """fn's median seconds with this process on one core, then with every core."""
   from ripples_jax.distributed.host import pin_threads
+
+  every = set(os.sched_getaffinity(0))
+  pin_threads({core})
+  try:
+    one = _timed(fn, reps)
+  finally:
+    pin_threads(every)
+  return one, _timed(fn, reps)
+
+
+def _costs(fwd: list, bwd: list) -> dict:
+  """Lists of (one core, every core) seconds per stage as the cost keys."""
+  return {
+    "forward_s": [f[0] for f in fwd],
+    "backward_s": [b[0] for b in bwd],
+    "forward_all_s": [f[1] for f in fwd],
+    "backward_all_s": [b[1] for b in bwd],
+  }
+
+
+def stage_costs(m: Method, reps: int, core: int) -> dict:
+  """Each stage's forward and backward program timed alone, on one core and on every core, the
+  links' copies timed alone, and one dispatch's cost; from fresh copies of the method's placed state."""
   from ripples_jax.pipeline import devices
 
   K, sch = len(m.stages), m.schedule
@@ -130,36 +155,31 @@ def stage_costs(m: Method, reps: int, core: int) -> dict:
   state = [jax.tree.map(lambda a: a.copy(), st) for st in m.state]
   t = sch.drain_ticks()  # every stage's backward batch in range: its update is applied
   x, y = m.feed.x(0), m.feed.labels(0)
-  every = set(os.sched_getaffinity(0))
-  pin_threads({core})
-  try:
-    ins, outs = [jax.device_put(x, devs[0])], []
-    for k in range(K):  # inputs of the right shapes and values: one pass up the stages
-      state[k], out = progs[k][0](state[k], ins[k], t)
-      outs.append(out)
-      if k < K - 1:
-        ins.append(jax.device_put(out, devs[k + 1]))
-    labels = jax.device_put(y, devs[-1])
-    cots = [None if k == K - 1 else jax.device_put(outs[k] * 1e-3, devs[k]) for k in range(K)]
-    fwd, bwd = [], []
-    for k in range(K):
-      box = {"st": state[k]}
+  ins, outs = [jax.device_put(x, devs[0])], []
+  for k in range(K):  # inputs of the right shapes and values: one pass up the stages
+    state[k], out = progs[k][0](state[k], ins[k], t)
+    outs.append(out)
+    if k < K - 1:
+      ins.append(jax.device_put(out, devs[k + 1]))
+  labels = jax.device_put(y, devs[-1])
+  cots = [None if k == K - 1 else jax.device_put(outs[k] * 1e-3, devs[k]) for k in range(K)]
+  fwd, bwd = [], []
+  for k in range(K):
+    box = {"st": state[k]}
 
-      def f(k=k, box=box):
-        box["st"], out = progs[k][0](box["st"], ins[k], t)
-        return box["st"]
+    def f(k=k, box=box):
+      box["st"], out = progs[k][0](box["st"], ins[k], t)
+      return box["st"]
 
-      def b(k=k, box=box):
-        box["st"], g, _ = progs[k][1](box["st"], cots[k], labels if k == K - 1 else None, t)
-        return box["st"]
+    def b(k=k, box=box):
+      box["st"], g, _ = progs[k][1](box["st"], cots[k], labels if k == K - 1 else None, t)
+      return box["st"]
 
-      for fn in (f, b, f, b):  # compile, warm
-        jax.block_until_ready(fn())
-      fwd.append(_timed(f, reps))
-      bwd.append(_timed(b, reps))
-  finally:
-    pin_threads(every)
-  return {"forward_s": fwd, "backward_s": bwd, **overhead_costs(devs, outs[:-1], reps, core)}
+    for fn in (f, b, f, b):  # compile, warm
+      jax.block_until_ready(fn())
+    fwd.append(_timed_both(f, reps, core))
+    bwd.append(_timed_both(b, reps, core))
+  return {**_costs(fwd, bwd), **overhead_costs(devs, outs[:-1], reps, core)}
 
 
 def overhead_costs(devs, boundary: list, reps: int, core: int, per_iteration: int = 1) -> dict:
@@ -192,46 +212,57 @@ def overhead_costs(devs, boundary: list, reps: int, core: int, per_iteration: in
 
 def gpipe_costs(m: Method, reps: int, core: int) -> dict:
   """GPipe's per-micro-batch programs of each stage (forward; rematerialised backward; the last
-  stage's loss and backward) timed alone on one core, as stage_costs does for the ticks."""
-  from ripples_jax.distributed.host import pin_threads
+  stage's loss and backward) timed alone on one core and on every core, as stage_costs does."""
   from ripples_jax.pipeline import devices
 
   K, M, devs = len(m.stages), m.config.microbatches, m.devices
   progs = [devices._gpipe_programs(m.stages[k], m.optimizer, k == K - 1, M) for k in range(K)]
   x = np.split(np.asarray(m.feed.x(0)), M)[0]
   y = jax.device_put(np.split(np.asarray(m.feed.labels(0)), M)[0], devs[-1])
-  every = set(os.sched_getaffinity(0))
-  pin_threads({core})
-  try:
-    fwd, bwd, outs, h = [], [], [], jax.device_put(x, devs[0])
-    for k in range(K):
-      p, ms = m.state[k]["params"], m.state[k]["model_state"]
-      if k == K - 1:
-        fn = lambda p=p, ms=ms, h=h: progs[k]["backward"](p, ms, h, y)
-        jax.block_until_ready(fn())
-        fwd.append(0.0)  # the loss's forward is inside its backward program
-        bwd.append(_timed(fn, reps))
-        break
-      out, _ = progs[k]["forward"](p, ms, h)
-      outs.append(out)
-      f = lambda p=p, ms=ms, h=h, k=k: progs[k]["forward"](p, ms, h)
-      b = lambda p=p, ms=ms, h=h, k=k, c=out * 1e-3: progs[k]["backward"](p, ms, h, c)
-      for fn in (f, b, f, b):
-        jax.block_until_ready(fn())
-      fwd.append(_timed(f, reps))
-      bwd.append(_timed(b, reps))
-      h = jax.device_put(out, devs[k + 1])
-  finally:
-    pin_threads(every)
+  fwd, bwd, outs, h = [], [], [], jax.device_put(x, devs[0])
+  for k in range(K):
+    p, ms = m.state[k]["params"], m.state[k]["model_state"]
+    if k == K - 1:
+      fn = lambda p=p, ms=ms, h=h: progs[k]["backward"](p, ms, h, y)
+      jax.block_until_ready(fn())
+      fwd.append((0.0, 0.0))  # the loss's forward is inside its backward program
+      bwd.append(_timed_both(fn, reps, core))
+      break
+    out, _ = progs[k]["forward"](p, ms, h)
+    outs.append(out)
+    f = lambda p=p, ms=ms, h=h, k=k: progs[k]["forward"](p, ms, h)
+    b = lambda p=p, ms=ms, h=h, k=k, c=out * 1e-3: progs[k]["backward"](p, ms, h, c)
+    for fn in (f, b, f, b):
+      jax.block_until_ready(fn())
+    fwd.append(_timed_both(f, reps, core))
+    bwd.append(_timed_both(b, reps, core))
+    h = jax.device_put(out, devs[k + 1])
   overhead = overhead_costs(devs, outs, reps, core, per_iteration=M)
-  return {"forward_s": fwd, "backward_s": bwd, "microbatches": M, **overhead}
+  return {**_costs(fwd, bwd), "microbatches": M, **overhead}
 
 
 def ceiling_s(costs: dict, cores: int) -> float:
-  """The method's iteration with every stage on a core of its own and nothing else: the most
-  expensive stage's programs, no less than all stages' work over the cores."""
+  """The method's fastest possible iteration from its stages' own programs, the larger of two bounds:
+  no stage's tick runs faster than its programs do alone with every core (GPipe: M + K - 1
+  micro-batch slots of its slowest stage a flush), and no tick does its stages' work faster than that
+  work single-threaded spread over the cores (parallel execution adds work, it does not remove it).
+  It holds the split's imbalance and the method's extra work (a recompute, a stash, the bubble); it
+  leaves out transfers, dispatch and the stages contending for caches, memory bandwidth and XLA's
+  pool. The single-core times are taken with XLA's pool pinned to one core, which may overstate a
+  single thread's work: a run above the ceiling (fraction_of_ceiling > 1) shows where."""
+  work_all = [f + b for f, b in zip(costs["forward_all_s"], costs["backward_all_s"])]
+  work_one = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
+  M = costs.get("microbatches", 1)
+  slots = M + len(work_all) - 1 if "microbatches" in costs else 1
+  return max(slots * max(work_all), M * sum(work_one) / cores)
+
+
+def one_core_per_stage_s(costs: dict, cores: int) -> float:
+  """The iteration if each stage ran single-threaded on a core of its own (the per-process model):
+  the most expensive stage, no less than all stages' work over the cores. A run beats it where a
+  stage's program borrows the cores the other stage leaves idle (XLA's intra-op pool)."""
   work = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
-  if "microbatches" in costs:  # GPipe: M + K - 1 micro-batch slots of the slowest stage a flush
+  if "microbatches" in costs:
     M = costs["microbatches"]
     return max((M + len(work) - 1) * max(work), M * sum(work) / cores)
   return max(max(work), sum(work) / cores)
@@ -242,7 +273,7 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
   from ripples_jax.pipeline import devices
 
   its = np.asarray(per_tick)
-  ceiling = ceiling_s(costs, cores)
+  ceiling, one_core = ceiling_s(costs, cores), one_core_per_stage_s(costs, cores)
   measured = float(np.median(its))
   M = costs.get("microbatches")
   count = (
@@ -261,10 +292,11 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
     "ceiling_vs_best_bp": _spread(np.asarray(best_bp) / ceiling),
     "fraction_of_ceiling": _spread(ceiling / its),
     "ceiling_s": ceiling,
-    "stage_work_s": work,
+    "one_core_per_stage_s": one_core,
+    "one_core_per_stage_vs_best_bp": _spread(np.asarray(best_bp) / one_core),
+    "stage_work_one_core_s": work,
     "imbalance": max(work) / (sum(work) / len(work)),
-    "stage_forward_s": costs["forward_s"],
-    "stage_backward_s": costs["backward_s"],
+    **{f"stage_{k}": v for k, v in costs.items() if k.endswith("_s") and isinstance(v, list)},
     "gap_s": {
       "total": measured - ceiling,
       "dispatch": dispatch,
@@ -273,6 +305,29 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
     },
     "dispatches_per_tick": count,
   }
+
+
+def reprice(out: dict) -> dict:
+  """The ceiling fields of every row of a stored result recomputed from its stored stage costs (for a
+  result measured before a change of ceiling_s; the measurements are untouched)."""
+  cores, bp = (
+    out["setting"]["cores"],
+    np.asarray([r for r in out["bp_variants_ms"][out["best_bp"]["variant"]]]) / 1e3,
+  )
+  for r in out.values():
+    if not isinstance(r, dict) or "label" not in r:
+      continue
+    costs = {k: r[f"stage_{k}"] for k in ("forward_s", "backward_s", "forward_all_s", "backward_all_s")}
+    if r["method"] == "gpipe":
+      costs["microbatches"] = out["setting"]["microbatches"]
+    its, ceiling = np.asarray(r["measured_tick_s"]["all"]), ceiling_s(costs, cores)
+    gap = r["gap_s"]
+    r.update(
+      ceiling_s=ceiling, ceiling_vs_best_bp=_spread(bp / ceiling), fraction_of_ceiling=_spread(ceiling / its)
+    )
+    total = float(np.median(its)) - ceiling
+    r["gap_s"] = dict(gap, total=total, rest=total - gap["dispatch"] - gap["transfers"])
+  return out
 
 
 def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) -> dict:
@@ -334,17 +389,18 @@ def print_table(out: dict) -> None:
   bp = out["best_bp"]
   print(f"best BP: {bp['variant']} {f(bp['ms'], spec='.1f')} ms")
   print(
-    "| row | ms/tick | speedup vs best BP | ceiling vs best BP | of its ceiling | imbalance "
-    "| gap ms: dispatch / transfers / rest |"
+    "| row | ms/tick | speedup vs best BP | ceiling vs best BP | of its ceiling | one core per stage vs "
+    "best BP | imbalance | gap ms: dispatch / transfers / rest |"
   )
-  print("|" + " --- |" * 7)
+  print("|" + " --- |" * 8)
   for name, r in out.items():
     if not isinstance(r, dict) or "label" not in r:
       continue
     g = r["gap_s"]
     print(
       f"| {name} | {f(r['measured_tick_s'], 1e3, '.1f')} | {f(r['measured_speedup_vs_best_bp'])} "
-      f"| {r['ceiling_vs_best_bp']['median']:.2f} | {f(r['fraction_of_ceiling'])} | {r['imbalance']:.2f} "
+      f"| {r['ceiling_vs_best_bp']['median']:.2f} | {f(r['fraction_of_ceiling'])} "
+      f"| {r['one_core_per_stage_vs_best_bp']['median']:.2f} | {r['imbalance']:.2f} "
       f"| {1e3 * g['dispatch']:.1f} / {1e3 * g['transfers']:.1f} / {1e3 * g['rest']:.1f} |"
     )
 

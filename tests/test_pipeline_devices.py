@@ -190,15 +190,20 @@ def test_a_devices_run_records_one_device_s_curve_and_resumes_from_a_checkpoint(
 
 
 def test_the_dispatch_count_and_the_ceiling_the_benchmark_charges():
-  from benchmarks.pipeline_devices import ceiling_s
+  from benchmarks.pipeline_devices import ceiling_s, one_core_per_stage_s
 
   # DSP, K=2: 4 stage programs, the batch and labels, a copy and a push per delayed link direction.
   assert devices_lib.dispatches_per_tick(tick_lib.method_schedule("dsp", 2)) == 10
   # PipeDream, K=3: 6 programs, batch and labels, 2 locked forward copies, 2 x (copy + push) down.
   assert devices_lib.dispatches_per_tick(tick_lib.method_schedule("pipedream", 3)) == 14
-  costs = {"forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0]}
-  assert ceiling_s(costs, cores=2) == 3.0  # the slower stage
-  assert ceiling_s(costs, cores=1) == 4.5  # one core runs both
+  costs = {"forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0], "forward_all_s": [0.9, 0.3]}
+  costs["backward_all_s"] = [1.5, 0.6]
+  assert ceiling_s(costs, cores=2) == pytest.approx(2.4)  # the slower stage alone with every core
+  assert ceiling_s(costs, cores=1) == pytest.approx(4.5)  # the single-core work on one core
+  assert ceiling_s(dict(costs, microbatches=4), cores=2) == pytest.approx(5 * 2.4)  # M + K - 1 slots
+  assert ceiling_s(dict(costs, microbatches=4), cores=1) == pytest.approx(4 * 4.5)
+  assert one_core_per_stage_s(costs, cores=2) == 3.0  # the slower stage on one core
+  assert one_core_per_stage_s(costs, cores=1) == 4.5  # one core runs both
   with pytest.raises(ConfigError, match="chunks: 3 is not allowed: a divisor of batch_size"):
     validate_dsp_config(dsp_config(placement="devices", method="pipedream", chunks=3))
   validate_dsp_config(dsp_config(placement="devices", method="pipedream", chunks=4))
