@@ -42,10 +42,9 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from benchmarks.best_bp import BP_VARIANTS, time_bp_variants
 from configs import dsp as dsp_config
-from ripples_jax.distributed.host import pin_threads
 from ripples_jax.distributed.launcher import launch
-from ripples_jax.optim import make_optimizer
 from ripples_jax.pipeline import timing
 from ripples_jax.pipeline import train as pipeline_train
 
@@ -88,7 +87,6 @@ MODEL_METHOD = {
   "dsp_weight_stash_chunks4": None,
 }
 STRAGGLER_VARIANTS = ("bp_model_parallel", "gpipe", "dsp", "dsp_weight_stash")
-BP_VARIANTS = ("bp_pinned", "bp_unpinned", "bp_micro_pinned", "bp_micro_unpinned")
 
 
 def define_flags() -> None:
@@ -125,69 +123,6 @@ def bench_config(K: int, model: str, iterations: int, input_shape=(32, 32, 3), m
   c.checkpoint_every = 0
   c.optimizer.lr = 0.01
   return c
-
-
-def _bp_steps(config):
-  """Single-process BP's step on the whole batch and on M accumulated micro-batches (one update: GPipe's
-  numerics without the pipeline), each a function of the state that blocks on its result."""
-  import jax.numpy as jnp
-  import optax
-
-  from ripples_jax.pipeline import baselines
-
-  stages, state, run = pipeline_train._setup(config)
-  M, opt = config.microbatches, make_optimizer(config.optimizer, run["num_batches"])
-  x, y = run["feed"].x(0), run["feed"].labels(0)
-
-  def whole(state):
-    state, (loss, _) = run["step"](state, x, y, 0)
-    float(loss)
-    return state
-
-  def loss_fn(params_K, ms_K, x, y):
-    logits, _ = baselines.compose(stages, params_K, ms_K, x, train=True)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-  grad = jax.jit(jax.grad(loss_fn))
-  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-  update = jax.jit(
-    lambda state, g: baselines.update_stages(
-      opt, state, jax.tree.map(lambda a: a / M, g), [st["model_state"] for st in state]
-    )
-  )
-  xs, ys = np.split(np.asarray(x), M), np.split(np.asarray(y), M)
-
-  def micro(state):
-    p, ms = [st["params"] for st in state], [st["model_state"] for st in state]
-    g = None
-    for xm, ym in zip(xs, ys):
-      gm = grad(p, ms, xm, ym)
-      g = gm if g is None else add(g, gm)
-    return jax.block_until_ready(update(state, g))
-
-  # The whole-batch step donates its state: each variant keeps its own.
-  micro_state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)
-  return {"bp": (whole, state), "bp_micro": (micro, micro_state)}
-
-
-def time_bp_variants(config, reps: int) -> dict:
-  """Median seconds of one step of each BP variant (BP_VARIANTS), the four interleaved step by step."""
-  steps = _bp_steps(config)
-  every = sorted(os.sched_getaffinity(0))
-  states = {name: st for name, (_, st) in steps.items()}
-  for name, (fn, _) in steps.items():
-    for _ in range(3):  # compile, warm
-      states[name] = fn(states[name])
-  times = {v: [] for v in BP_VARIANTS}
-  for _ in range(reps):
-    for variant in BP_VARIANTS:
-      name, pinned = variant.rsplit("_", 1)
-      pin_threads({every[0]} if pinned == "pinned" else set(every))
-      t0 = time.perf_counter()
-      states[name] = steps[name][0](states[name])
-      times[variant].append(time.perf_counter() - t0)
-  pin_threads(set(every))
-  return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def time_bp_padded(config, reps: int, pad_s: float) -> float:

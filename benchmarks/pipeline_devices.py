@@ -5,7 +5,7 @@ BP of the same run, each beside its ceiling (benchmarks.pipeline --placement=dev
     --json_out=results/pipeline_devices/rescnn_k2.json
 
 One process with K CPU devices (stage k on device k; on a GPU host, its GPUs), --reps repetitions,
-each: the four BP variants of benchmarks.pipeline (time_bp_variants: pinned or not, whole batch or M
+each: the four BP variants of benchmarks/best_bp.py (time_bp_variants: pinned or not, whole batch or M
 micro-batches), then every method a block of --ticks ticks after its warm-up, the methods' order
 rotated each repetition. Per method:
 - measured_speedup_vs_best_bp: best BP's step over the method's time per tick (one batch a tick in
@@ -332,7 +332,7 @@ def reprice(out: dict) -> dict:
 
 def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) -> dict:
   """The whole benchmark (module doc): BP variants and every method interleaved, then the costs."""
-  from benchmarks.pipeline import BP_VARIANTS, time_bp_variants
+  from benchmarks.best_bp import BP_VARIANTS, time_bp_variants
 
   methods = {name: Method(base, name) for name in names}
   for m in methods.values():

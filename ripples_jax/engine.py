@@ -325,13 +325,7 @@ def make_sim_round_fn(
     new_grads, new_model_state, loss_S = jax.vmap(grad_step)(params, model_state, x_SxB, y_SxB)
     grads = masked(start_S, new_grads, grads)
     model_state = masked(start_S, new_model_state, model_state)
-    new_state = {
-      "params": params,
-      "model_state": model_state,
-      "opt_state": opt_state,
-      "grads": grads,
-      **extra,
-    }
+    new_state = dict(params=params, model_state=model_state, opt_state=opt_state, grads=grads, **extra)
     return new_state, jnp.where(start_S, loss_S, jnp.nan)
 
   s = worker_sharding(mesh)

@@ -238,7 +238,7 @@ def _replay_averages(groups, n, x_NxD):
   return _flat(state["params"], n), sum(int(np.prod(s[1:])) for s in shapes)
 
 
-@pytest.mark.parametrize("grid", [(4, 4), (2, 2, 4)])
+@pytest.mark.parametrize("grid", [pytest.param((4, 4), marks=pytest.mark.slow), (2, 2, 4)])
 def test_moshpit_clock_averages_along_one_dimension_per_round(grid):
   """Heterogeneous speeds (a 3x straggler, jitter): every worker's k-th average is its group of
   layout k mod d, and replaying the averages alone through the engine gives every worker the exact

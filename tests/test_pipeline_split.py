@@ -111,7 +111,7 @@ def test_units_follow_model_kwargs():
 @pytest.mark.parametrize(
   "name,k",
   [
-    pytest.param(n, k, marks=pytest.mark.slow if n.startswith("resnet") else ())
+    pytest.param(n, k, marks=pytest.mark.slow if n.startswith("res") else ())
     for n in INPUTS
     for k in range(1, 5)
     if k <= MAX_STAGES[n]
@@ -135,7 +135,7 @@ def test_stages_compose_to_the_unsplit_model(name, k):
 
 
 @pytest.mark.parametrize(
-  "name", [pytest.param(n, marks=pytest.mark.slow if n.startswith("resnet") else ()) for n in MODEL_NAMES]
+  "name", [pytest.param(n, marks=pytest.mark.slow if n.startswith("res") else ()) for n in MODEL_NAMES]
 )
 def test_one_stage_is_the_whole_model(name):
   (stage,) = split.split_model(name, 10, 1)
