@@ -8,7 +8,10 @@ FIFO. Dispatch is asynchronous and a program waits only for its own inputs, so t
 run at once wherever the schedule makes them independent: under DSP's delays every stage reads its
 inputs from its FIFOs (filled by earlier ticks); under a locked forward (ddg, pipedream, pipemare, fr) a
 stage's forward waits for the stage below it, as the tick says, while that stage runs its backward.
-A link of delay d hands tick t's output to tick t + d, so a transfer has d - 1 ticks of slack.
+A link of delay d hands tick t's output to tick t + d, so a transfer has d - 1 ticks of slack. Under
+DSP's delays (every link delayed) a stage's whole tick is one program instead (make_fused_device_tick:
+the arrivals of tick t - 1 pushed by the receiver's program of tick t; `settle` before the state is
+read), the default for such schedules (device_tick_step).
 
 GPipe runs here too (make_device_gpipe): every micro-batch's forward dispatched up the stages, then
 every backward down them (rematerialised), one update per stage after the flush: the single-device
