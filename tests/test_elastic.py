@@ -740,6 +740,26 @@ def test_a_killed_worker_leaves_and_the_others_finish(tmp_path, where, step):
   assert len([r for r in records if "test_accuracy" in r]) >= steps // 8
 
 
+def test_failed_exchanges_are_counted_by_cause():
+  from ripples_jax.runtime.preduce import failure_cause
+  from ripples_jax.runtime.summary import failed_groups
+
+  assert failure_cause(RuntimeError("DEADLINE_EXCEEDED: Gloo collective timed out after 30s")) == "timeout"
+  assert (
+    failure_cause(RuntimeError("UNAVAILABLE: Connection closed by peer [127.0.0.1]:4411")) == "connection"
+  )
+  assert failure_cause(ValueError("something else")) == "ValueError"
+  traces = {
+    0: [{"k": "group", "g": 1, "failed": [2], "cause": ["connection"]}, {"k": "group", "g": 2}],
+    2: [{"k": "group", "g": 1, "failed": [0], "cause": ["connection"]}],
+    1: [{"k": "group", "g": 3, "failed": [2, 3], "cause": ["broken_before", "timeout"]}],
+    3: [{"k": "step"}, {"k": "group", "g": 4, "failed": [2]}],  # a trace from before causes: "unknown"
+  }
+  got = failed_groups(traces)
+  assert got == {"broken_before": 1, "connection": 2, "timeout": 1, "unknown": 1}
+  assert failed_groups({0: [{"k": "group", "g": 1}]}) == {}
+
+
 def when_traced(workdir, worker, condition, timeout_s=200.0) -> bool:
   """Waits until `worker`'s trace (written through) satisfies condition(events); False on timeout."""
   from ripples_jax.runtime import trace as trace_lib
@@ -850,6 +870,12 @@ def test_two_deaths(tmp_path):
   assert not groups_after_leave(traces, 2) and not groups_after_leave(traces, 0)
   failed = [e for w in (0, 1, 3) for e in traces[w] if e["k"] == "group" and e.get("failed") == [2]]
   assert failed  # the groups in flight with worker 2 failed for the others, who went on
+  # Every failed exchange is counted in summary.json by cause, none silent (the partners died: gloo
+  # saw their connections close, or a later group skipped a connection that had failed before).
+  every = [c for t in traces.values() for e in t if e["k"] == "group" for c in e.get("cause", [])]
+  assert len(every) == sum(len(e["failed"]) for t in traces.values() for e in t if e.get("failed"))
+  assert summary["failed_groups"] == {c: every.count(c) for c in sorted(set(every))}
+  assert set(summary["failed_groups"]) <= {"connection", "broken_before", "timeout"}, summary["failed_groups"]
   assert_replayed(workdir, steps)
   # Every evaluation marker kept its record (metrics.jsonl), the ones before the kills included.
   records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]

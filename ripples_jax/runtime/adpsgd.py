@@ -226,6 +226,8 @@ def exchange(
     event["join"] = list(joiners)
   if failed:
     event["failed"] = failed
+    causes = getattr(worker.averager, "causes", {})
+    event["cause"] = [causes.get(m, "unknown") for m in failed]
   return event
 
 

@@ -114,6 +114,19 @@ class GroupAverager(_Averager):
     return self._local(self._timed_first(fn, x_kxD, first), (size,))
 
 
+def failure_cause(error: Exception) -> str:
+  """A failed exchange's cause, as summary.json counts it: "timeout" (the collective timeout ran out:
+  the partner never came, stalled or slower than the timeout), "connection" (gloo saw the partner's
+  connection close: it died), else the error's type. A pair skipped because its connection failed
+  before is "broken_before"."""
+  text = str(error).lower()
+  if "timed out" in text or "timeout" in text or "deadline" in text:
+    return "timeout"
+  if "connection" in text or "closed by peer" in text or "reset by peer" in text:
+    return "connection"
+  return type(error).__name__
+
+
 class PairAverager(_Averager):
   """average(members, flat_D) from pairwise exchanges: at most n-1 programs per worker (module doc)."""
 
@@ -129,6 +142,7 @@ class PairAverager(_Averager):
     self._means = {}  # k -> the jitted local mean of k buffers
     self.precompile_s = 0.0
     self.broken = set()  # (pair, key) connections that failed (elastic): never tried again
+    self.causes = {}  # the last elastic call's failed members -> failure_cause(...)
 
   def _program(self, pair: tuple, like=None, key: tuple = (0, 0)):
     """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given.
@@ -191,11 +205,13 @@ class PairAverager(_Averager):
     size, ordered = flat_D.shape[0], sorted(members)
     pieces = [s.data[None] for s in flat_D.addressable_shards]
     buffers, failed = {self.me: flat_D}, []
+    self.causes = {}  # this call's failed members -> failure_cause(...), for the trace and summary.json
     for other in (m for m in ordered if m != self.me):
       pair = tuple(sorted((self.me, other)))
       key = (0, 0) if incs is None else pair_key(pair, incs)
       if (pair, key) in self.broken:
         failed.append(other)
+        self.causes[other] = "broken_before"
         continue
       try:
         (fn, sharding), first = self._program(pair, key=key)
@@ -206,6 +222,7 @@ class PairAverager(_Averager):
         buffers[other] = both[pair.index(other)]
       except Exception as e:  # noqa: BLE001  jax's runtime error: the collective failed in this pair only
         failed.append(other)
+        self.causes[other] = failure_cause(e)
         self.broken.add((pair, key))
         logging.warning(
           "worker %d: the exchange with worker %d failed (%s): %s",

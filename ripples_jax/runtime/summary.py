@@ -169,7 +169,21 @@ def _membership_fields(traces: dict, decider) -> dict:
     # came after the run's budget was handed out (runtime/membership.py). worker_steps + this
     # reaches the budget.
     "unmade_steps": decider.unmade,
+    "failed_groups": failed_groups(traces),
   }
+
+
+def failed_groups(traces: dict) -> dict:
+  """Exchanges that failed, counted by cause (preduce.failure_cause): one per (worker, group, failed
+  partner), from every worker's trace; {} when none failed. Never silent: a group a worker kept its own
+  model in is here."""
+  counts = {}
+  for trace in traces.values():
+    for e in trace:
+      if e["k"] == "group" and e.get("failed"):
+        for cause in e.get("cause", ["unknown"] * len(e["failed"])):
+          counts[cause] = counts.get(cause, 0) + 1
+  return dict(sorted(counts.items()))
 
 
 def membership_events(traces: dict, decider) -> list:

@@ -8,8 +8,9 @@ the number of checkpoint markers the worker had passed (a resume keeps the event
   {"k": "mark",  "c", "kind": "eval" | "ckpt", "id", "t", "s": local steps completed}
   {"k": "end",   "c", "t", "s", "compiles", "rtt": request round trips (s), "blocked": waits for an
                  answer (s): each a list, or past authority.Durations.EXACT of them its histogram}
-Elastic runs (runtime/membership.py) add: on a group, "join" (rejoined members, weight 0) and "failed"
-(the members whose exchange with this one failed: it kept its model); {"k": "member", "kind": leave |
+Elastic runs (runtime/membership.py) add: on a group, "join" (rejoined members, weight 0), "failed"
+(the members whose exchange with this one failed: it kept its model) and "cause" (each failure's,
+preduce.failure_cause: summary.json's failed_groups counts them); {"k": "member", "kind": leave |
 join, "w", "inc", "t"} (its queue's membership entries); {"k": "rejoin", "inc", "g0": groups made
 before it, "t", "s"} (a restarted process's first line: what follows is its new life).
 A step is compute up to "c_end", then the padding and any injected slowdown (shown as compute). A

@@ -258,6 +258,8 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
     event["join"] = list(joiners)
   if failed:
     event["failed"] = failed
+    causes = getattr(worker.averager, "causes", {})
+    event["cause"] = [causes.get(m, "unknown") for m in failed]
   elif worker.me in joiners:  # fresh momentum (a new process's), its schedule at its own step count
     loop.state["opt_state"] = worker.schedule_at(loop.state["opt_state"], loop.steps_done)
     loop.joining = False
