@@ -22,6 +22,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from benchmarks.timing import spread
+
 FLAGS = flags.FLAGS
 SHAPES = {"cnn1d": (40, 1), "cnn2d": (32, 32, 3)}
 
@@ -33,11 +35,6 @@ def define_flags() -> None:
   flags.DEFINE_integer("reps", 5, "Timed blocks per placement (in this process).")
   flags.DEFINE_integer("launches", 3, "per_process launches per model and method (0: none).")
   flags.DEFINE_string("json_out", None, "Where the JSON goes.")
-
-
-def _spread(values) -> dict:
-  v = np.asarray(values, np.float64)
-  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
 
 
 def _stepper(config, placement: str):
@@ -102,11 +99,11 @@ def main(argv):
     for method in FLAGS.methods:
       c = bench_config(2, model, 60, input_shape=SHAPES[model], method=method)
       ticks = in_process(c, FLAGS.ticks, FLAGS.reps)
-      row = {p: _spread(v) for p, v in ticks.items()}
-      row["devices_over_one_device"] = _spread(np.divide(ticks["devices"], ticks["one_device"]))
+      row = {p: spread(v) for p, v in ticks.items()}
+      row["devices_over_one_device"] = spread(np.divide(ticks["devices"], ticks["one_device"]))
       if FLAGS.launches:
         pp = per_process(c, FLAGS.launches)
-        row["per_process"] = _spread(pp)
+        row["per_process"] = spread(pp)
         row["devices_over_per_process"] = row["devices"]["median"] / row["per_process"]["median"]
       rows[f"{model}/{method}"] = row
       print(

@@ -43,6 +43,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.best_bp import BP_VARIANTS, time_bp_variants
+from benchmarks.timing import fmt_spread, spread
 from configs import dsp as dsp_config
 from ripples_jax.distributed.launcher import launch
 from ripples_jax.pipeline import timing
@@ -183,11 +184,6 @@ def run_variant(config, workdir: str) -> dict:
   return json.load(open(os.path.join(workdir, "summary.json")))
 
 
-def _spread(values) -> dict:
-  v = np.asarray(values, np.float64)
-  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
-
-
 def row(name: str, runs: list, best_bp: list, ceiling_s: list, bp_runs: list) -> dict:
   """One method's figures over the repetitions, each ratio paired with its repetition's BP."""
   its = np.array([r["iteration_s"] for r in runs])
@@ -196,10 +192,10 @@ def row(name: str, runs: list, best_bp: list, ceiling_s: list, bp_runs: list) ->
     "label": LABELS[name],
     "method": VARIANTS[name][0],
     "mode": runs[-1]["mode"],
-    "measured_iteration_s": {**_spread(its), "all": its.tolist()},
-    "measured_speedup_vs_best_bp": _spread(speedup),
-    "vs_ceiling": _spread(np.array(ceiling_s) / its),
-    "tick_efficiency": _spread([timing.tick_efficiency(r) for r in runs]),
+    "measured_iteration_s": {**spread(its), "all": its.tolist()},
+    "measured_speedup_vs_best_bp": spread(speedup),
+    "vs_ceiling": spread(np.array(ceiling_s) / its),
+    "tick_efficiency": spread([timing.tick_efficiency(r) for r in runs]),
     "stored_bytes": [s["stored_bytes"] for s in runs[-1]["stages"]],
     "xla_memory": [s.get("xla_memory") for s in runs[-1]["stages"]],
     "median_call_s": [s["median_s"] for s in runs[-1]["stages"]],
@@ -207,14 +203,14 @@ def row(name: str, runs: list, best_bp: list, ceiling_s: list, bp_runs: list) ->
   }
   model = MODEL_METHOD.get(name, VARIANTS[name][0])
   same = [timing.runtime_iteration(model or VARIANTS[name][0], r["stages"], microbatches=4) for r in runs]
-  out["same_run_model_error"] = _spread(np.array(same) / its - 1)
+  out["same_run_model_error"] = spread(np.array(same) / its - 1)
   if model is not None and bp_runs:
     pred = [
       timing.runtime_iteration(model, timing.calls_from_bp(model, bp["stages"], 4), microbatches=4)
       for bp in bp_runs
     ]
-    out["predicted_from_bp_s"] = _spread(pred)
-    out["prediction_error"] = _spread(np.array(pred) / its - 1)
+    out["predicted_from_bp_s"] = spread(pred)
+    out["prediction_error"] = spread(np.array(pred) / its - 1)
   return out
 
 
@@ -272,11 +268,11 @@ def main(argv):
   best = min(BP_VARIANTS, key=lambda v: np.median([r[v] for r in bp_reps]))
   best_bp = [r[best] for r in bp_reps]
   single_core = [min(r["bp_pinned"], r["bp_micro_pinned"]) / K for r in bp_reps]
-  spread = (max(best_bp) - min(best_bp)) / np.median(best_bp)
+  bp_spread = (max(best_bp) - min(best_bp)) / np.median(best_bp)
   out = {
-    "best_bp": {"variant": best, "ms": _spread(1e3 * np.array(best_bp)), "spread": float(spread)},
-    "unstable": bool(spread > 0.1),
-    "ceiling_vs_best_bp": _spread(np.array(best_bp) / np.array(single_core)),
+    "best_bp": {"variant": best, "ms": spread(1e3 * np.array(best_bp)), "spread": float(bp_spread)},
+    "unstable": bool(bp_spread > 0.1),
+    "ceiling_vs_best_bp": spread(np.array(best_bp) / np.array(single_core)),
     "bp_variants_ms": {v: [1e3 * r[v] for r in bp_reps] for v in BP_VARIANTS},
     "setting": {
       "num_stages": K,
@@ -344,15 +340,11 @@ def memory_rows(out: dict) -> list[str]:
   return rows
 
 
-def _fmt(d: dict, scale: float = 1.0, spec: str = ".2f") -> str:
-  return f"{scale * d['median']:{spec}} [{scale * d['min']:{spec}}, {scale * d['max']:{spec}}]"
-
-
 def print_table(out: dict) -> None:
   bp = out["best_bp"]
   print(
-    f"best BP: {bp['variant']} {_fmt(bp['ms'], spec='.1f')} ms (spread {100 * bp['spread']:.0f}%"
-    f"{', UNSTABLE' if out['unstable'] else ''}); ceiling vs best BP {_fmt(out['ceiling_vs_best_bp'])}"
+    f"best BP: {bp['variant']} {fmt_spread(bp['ms'], spec='.1f')} ms (spread {100 * bp['spread']:.0f}%"
+    f"{', UNSTABLE' if out['unstable'] else ''}); ceiling vs best BP {fmt_spread(out['ceiling_vs_best_bp'])}"
   )
   print(
     "| row | what it is | ms | speedup vs best BP | vs ceiling | tick efficiency | same-run model error "
@@ -362,11 +354,12 @@ def print_table(out: dict) -> None:
   for name, r in out.items():
     if not isinstance(r, dict) or "label" not in r:
       continue
-    pred = _fmt(r["prediction_error"], 100, "+.1f") + "%" if "prediction_error" in r else "-"
+    pred = fmt_spread(r["prediction_error"], 100, "+.1f") + "%" if "prediction_error" in r else "-"
     print(
-      f"| {name} | {r['label']} | {_fmt(r['measured_iteration_s'], 1e3, '.1f')} "
-      f"| {_fmt(r['measured_speedup_vs_best_bp'])} | {_fmt(r['vs_ceiling'])} | {_fmt(r['tick_efficiency'])} "
-      f"| {_fmt(r['same_run_model_error'], 100, '+.1f')}% | {pred} |"
+      f"| {name} | {r['label']} | {fmt_spread(r['measured_iteration_s'], 1e3, '.1f')} "
+      f"| {fmt_spread(r['measured_speedup_vs_best_bp'])} | {fmt_spread(r['vs_ceiling'])} "
+      f"| {fmt_spread(r['tick_efficiency'])} "
+      f"| {fmt_spread(r['same_run_model_error'], 100, '+.1f')}% | {pred} |"
     )
   print("KiB per stage:")
   print("\n".join(memory_rows({k: v for k, v in out.items() if isinstance(v, dict) and "label" in v})))

@@ -31,6 +31,8 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.timing import fmt_spread, spread
+
 # name: (method, mode, chunks, delay, donate)
 VARIANTS = {
   "dsp": ("dsp", "recompute", 1, 1, True),
@@ -59,11 +61,6 @@ LABELS = {
   "gpipe": "GPipe, M micro-batches, remat, flush",
 }
 DEFAULT = ("dsp", "dsp_chunks4", "fr", "pipemare", "pipedream", "pipedream_chunks4", "gpipe")
-
-
-def _spread(values) -> dict:
-  v = np.asarray(values, np.float64)
-  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
 
 
 def variant_config(base, name: str):
@@ -287,13 +284,13 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
   return {
     "label": LABELS[name],
     "method": VARIANTS[name][0],
-    "measured_tick_s": {**_spread(its), "all": its.tolist()},
-    "measured_speedup_vs_best_bp": _spread(np.asarray(best_bp) / its),
-    "ceiling_vs_best_bp": _spread(np.asarray(best_bp) / ceiling),
-    "fraction_of_ceiling": _spread(ceiling / its),
+    "measured_tick_s": {**spread(its), "all": its.tolist()},
+    "measured_speedup_vs_best_bp": spread(np.asarray(best_bp) / its),
+    "ceiling_vs_best_bp": spread(np.asarray(best_bp) / ceiling),
+    "fraction_of_ceiling": spread(ceiling / its),
     "ceiling_s": ceiling,
     "one_core_per_stage_s": one_core,
-    "one_core_per_stage_vs_best_bp": _spread(np.asarray(best_bp) / one_core),
+    "one_core_per_stage_vs_best_bp": spread(np.asarray(best_bp) / one_core),
     "stage_work_one_core_s": work,
     "imbalance": max(work) / (sum(work) / len(work)),
     **{f"stage_{k}": v for k, v in costs.items() if k.endswith("_s") and isinstance(v, list)},
@@ -323,7 +320,7 @@ def reprice(out: dict) -> dict:
     its, ceiling = np.asarray(r["measured_tick_s"]["all"]), ceiling_s(costs, cores)
     gap = r["gap_s"]
     r.update(
-      ceiling_s=ceiling, ceiling_vs_best_bp=_spread(bp / ceiling), fraction_of_ceiling=_spread(ceiling / its)
+      ceiling_s=ceiling, ceiling_vs_best_bp=spread(bp / ceiling), fraction_of_ceiling=spread(ceiling / its)
     )
     total = float(np.median(its)) - ceiling
     r["gap_s"] = dict(gap, total=total, rest=total - gap["dispatch"] - gap["transfers"])
@@ -355,7 +352,7 @@ def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) ->
   cores = len(os.sched_getaffinity(0))
   core = min(os.sched_getaffinity(0))
   out = {
-    "best_bp": {"variant": best, "ms": _spread(1e3 * np.asarray(best_bp))},
+    "best_bp": {"variant": best, "ms": spread(1e3 * np.asarray(best_bp))},
     "bp_variants_ms": {v: [1e3 * r[v] for r in bp_reps_out] for v in BP_VARIANTS},
     "setting": {
       "placement": "devices",
@@ -385,7 +382,7 @@ def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) ->
 
 
 def print_table(out: dict) -> None:
-  f = lambda d, s=1.0, spec=".2f": f"{s * d['median']:{spec}} [{s * d['min']:{spec}}, {s * d['max']:{spec}}]"
+  f = fmt_spread
   bp = out["best_bp"]
   print(f"best BP: {bp['variant']} {f(bp['ms'], spec='.1f')} ms")
   print(
@@ -453,7 +450,7 @@ def ablate(child_args: list, names: list, settings: list, rounds: int, tmp: str)
     for name in names:
       tick = lambda p: p[name]["measured_tick_s"]["median"]
       rows[name] = [tick(p[setting]) / tick(p["default"]) for p in pairs]
-    out[setting] = {k: {**_spread(v), "all": v} for k, v in rows.items()}
+    out[setting] = {k: {**spread(v), "all": v} for k, v in rows.items()}
     print(
       f"{setting} / default: " + ", ".join(f"{k} {v['median']:.3f}" for k, v in out[setting].items()),
       flush=True,

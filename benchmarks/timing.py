@@ -4,6 +4,8 @@ import json
 import os
 import time
 
+import numpy as np
+
 from ripples_jax.pipeline.timing import time_interleaved  # noqa: F401  (one definition, shared)
 from ripples_jax.tables import Table, markdown_table, write_table  # noqa: F401  (the benchmarks' tables)
 
@@ -23,3 +25,14 @@ def print_json(result, path: str = "") -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
       f.write(text + "\n")
+
+
+def spread(values) -> dict:
+  """The median and range of repeated measurements (a benchmark's rows carry them, never one figure)."""
+  v = np.asarray(values, np.float64)
+  return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
+
+
+def fmt_spread(d: dict, scale: float = 1.0, spec: str = ".2f") -> str:
+  """A spread as "median [min, max]", each times `scale`."""
+  return f"{scale * d['median']:{spec}} [{scale * d['min']:{spec}}, {scale * d['max']:{spec}}]"
