@@ -69,13 +69,17 @@ def test_no_group_after_a_leave_holds_the_dead_worker_and_a_rejoiner_has_weight_
   first = None
   for step in range(60, 100):
     for w in (2, 0, 1, 3):
-      service.report(w, float(step), 1.0, step + 1, 10**6)
+      if w != 2:  # a joiner takes no step (and reports none) before its first group lands
+        service.report(w, float(step), 1.0, step + 1, 10**6)
       service.request(w, service.appended(w), float(step) + 1.0, 1.0)
     first = next((e for e in service.entries[2] if e[0] == GROUP), None)
     if first:
       break
-  # Its first group carries it as a joiner (weight 0); its later groups do not.
-  assert first is not None and first[3] == (2,) and 2 not in service.joining
+  # Its first group carries it as a joiner (weight 0), and so does every group made with it until it
+  # reports a step (its first may fail); its groups made after that report do not.
+  assert first is not None and first[3] == (2,) and 2 in service.joining
+  service.report(2, 100.0, 1.0, 101, first[1])
+  assert 2 not in service.joining
 
 
 def test_a_step_the_dead_worker_started_and_never_completed_is_made_up_by_the_live():
@@ -654,6 +658,8 @@ def elastic_run(tmp_path, steps, extra=(), max_restarts=0, on_pids=None, algorit
   workdir = str(tmp_path / "run")
   args = run_args(workdir, algorithm, 4, steps, [*ELASTIC, *extra])
   code, out = launch_bounded(4, args, timeout_s=300, on_pids=on_pids, max_restarts=max_restarts)
+  with open(tmp_path / "launch.out", "w") as f:  # the whole output, for a failure's diagnosis
+    f.write(out)
   summary = json.load(open(os.path.join(workdir, "summary.json"))) if code == 0 else None
   return code, out, workdir, summary
 
@@ -758,6 +764,27 @@ def test_failed_exchanges_are_counted_by_cause():
   got = failed_groups(traces)
   assert got == {"broken_before": 1, "connection": 2, "timeout": 1, "unknown": 1}
   assert failed_groups({0: [{"k": "group", "g": 1}]}) == {}
+
+
+def test_a_new_pair_of_lives_meets_before_it_connects_and_both_sides_agree():
+  """membership.handshake: both there -> None on both; the other life removed -> "left" (not gloo's
+  30 s wait); nobody within the timeout -> "timeout", and the side that comes later reads that
+  decision at once instead of connecting alone."""
+  kv, pair = FakeKV(), (1, 3)
+  got = {}
+  both = [
+    threading.Thread(target=lambda m=m: got.update({m: membership.handshake(kv, m, pair, (2, 0), 5.0)}))
+    for m in pair
+  ]
+  [t.start() for t in both]
+  [t.join() for t in both]
+  assert got == {1: None, 3: None}
+  # Worker 3's life 1 is dead: removed/3 names it (or a later life), and worker 1's life 2 stops waiting.
+  kv.key_value_set(membership.removed_key(3), "1", allow_overwrite=True)
+  t0 = time.monotonic()
+  assert membership.handshake(kv, 1, pair, (2, 1), 5.0) == "left" and time.monotonic() - t0 < 1.0
+  assert membership.handshake(kv, 1, pair, (2, 2), 0.2) == "timeout"  # life 2 of 3 is not removed
+  assert membership.handshake(kv, 3, pair, (2, 2), 5.0) == "timeout"  # came late: the pair's decision
 
 
 def when_traced(workdir, worker, condition, timeout_s=200.0) -> bool:

@@ -145,8 +145,9 @@ def test_service_leave_and_rejoin_apply_the_membership_rules(seed):
   """Service.leave / rejoin as the runtime calls them (docs/design.md 3.10): after a leave the worker
   is in no group made afterwards, its pending groups left the Group Buffer, its queue is closed and
   every live queue ends with ("E", "leave", w, inc); after a rejoin every live queue ends with the
-  join, the worker's fresh queue starts where its old one ended, and the first group made with it
-  carries it as the joiner (weight 0), a later one does not."""
+  join, the worker's fresh queue starts where its old one ended, and every group made with it carries
+  it as the joiner (weight 0) until it reports a step (its first group may fail: the next must carry
+  it too); a group made after its report does not."""
   n, w = 6, 2
   service, live = random_service(n, seed), [v for v in range(n) if v != w]
   ask(service, range(n), 3, 0.0)
@@ -164,9 +165,14 @@ def test_service_leave_and_rejoin_apply_the_membership_rules(seed):
   assert all(service.entries[v][-1] == (MEMBER, "join", w, 1) for v in live)
   assert service.joining == {w} and service.started_at[w] == 20.0 - service.estimates[w]
   ask(service, [w], 2, 20.0)
-  first, later = [e for e in service.entries[w] if e[0] == GROUP][:2]
-  assert first[3] == (w,) and len(later) == 3 and service.joining == set()
+  first, second = [e for e in service.entries[w] if e[0] == GROUP][:2]
+  assert first[3] == second[3] == (w,) and service.joining == {w}
   assert all(first in service.entries[m] for m in first[2])  # every member's copy carries the joiner
+  service.report(w, 22.0, 1.0, int(service.steps[w]) + 1, first[1])  # a step: a model of the run's
+  assert service.joining == set()
+  ask(service, [w], 2, 22.0)
+  later = [e for e in service.entries[w] if e[0] == GROUP][2:]
+  assert later and all(len(e) == 3 for e in later)
 
 
 def test_service_fail_group_and_a_simulated_leave():

@@ -267,7 +267,7 @@ def run(config, workdir: str) -> dict:
   s = setup_lib.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
-  worker = Worker(config, s, first_life(config, kv))  # elastic: a restart warms up on its life's device
+  worker = Worker(config, s, first_life(config, kv), kv)  # elastic: a restart warms up on its life's device
   me = worker.me
   worker.warm_up()
   if rt.elastic and membership.started(kv):  # the run is on: this process is a restart

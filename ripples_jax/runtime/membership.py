@@ -104,6 +104,47 @@ def pair_devices(pair: tuple, key: tuple, devices_of) -> list:
   return [[life_device(devices_of[m], life)] for m, life in zip(pair, key)]
 
 
+def handshake(kv, me: int, pair: tuple, key: tuple, timeout_s: float, poll_s: float = 0.02) -> str | None:
+  """Before a pair of lives connects for the first time (a rejoined life's pairs: they were not
+  connected before the run), both sides agree in the store that both are there. gloo's own rendezvous
+  waits 30 s for a dead life's keys (its store timeout, not the collective timeout; measured: a
+  rejoiner whose first group held a life killed before it connected), and every worker whose exchanges
+  come after that one in the global order waits behind it, its own exchanges timing out, which breaks
+  pairs of live workers for the rest of the run. Here each side sets hello/<lives>/<me> and waits for
+  the other's; the first side to know the outcome writes it to hello/<lives>/decision, created once
+  (the store refuses a second create), so both sides act on one decision: "go" (both hellos seen),
+  "left" (the other life was removed, removed/<w>: its death noticed after heartbeat_timeout), or
+  "timeout" (neither within the collective timeout). Returns None for "go", else the cause. A life
+  that dies between its hello and its connection still costs gloo's 30 s (not seen here)."""
+  other = pair[1] if pair[0] == me else pair[0]
+  life = key[pair.index(other)]
+  name = f"{PREFIX}/hello/{pair[0]}.{key[0]}-{pair[1]}.{key[1]}"
+  kv.key_value_set(f"{name}/{me}", "1", allow_overwrite=True)
+  deadline = time.monotonic() + timeout_s
+  while True:
+    seen = dict(kv.key_value_dir_get(f"{name}/"))
+    outcome = seen.get(f"{name}/decision")
+    if outcome is None:
+      if f"{name}/{other}" in seen:
+        outcome = "go"
+      elif removed_life(kv, other) >= life:
+        outcome = "left"
+      elif time.monotonic() > deadline:
+        outcome = "timeout"
+    if outcome is not None:
+      try:
+        kv.key_value_set(f"{name}/decision", outcome)  # created once: the first side's outcome holds
+      except Exception:  # noqa: BLE001  the other side decided first: its outcome is the pair's
+        outcome = kv.blocking_key_value_get(f"{name}/decision", 10_000)
+      return None if outcome == "go" else outcome
+    time.sleep(poll_s)
+
+
+def removed_life(kv, worker: int) -> int:
+  """The newest life of `worker` the coordinator removed (removed/<w>), -1 if none."""
+  return int(dict(kv.key_value_dir_get(f"{PREFIX}/removed/")).get(removed_key(worker), -1))
+
+
 def lives_of(devices, n: int) -> int:
   """How many lives every worker of an async run can have: the fewest local devices of a worker
   process (`devices`: jax.devices(), every process's; worker w is process w + 1)."""

@@ -118,13 +118,18 @@ def failure_cause(error: Exception) -> str:
   """A failed exchange's cause, as summary.json counts it: "timeout" (the collective timeout ran out:
   the partner never came, stalled or slower than the timeout), "connection" (gloo saw the partner's
   connection close: it died), else the error's type. A pair skipped because its connection failed
-  before is "broken_before"."""
+  before is "broken_before"; a pair of lives that never met before its first connection (the
+  handshake, membership.handshake) is "left" (the other life was removed) or "timeout"."""
   text = str(error).lower()
   if "timed out" in text or "timeout" in text or "deadline" in text:
     return "timeout"
   if "connection" in text or "closed by peer" in text or "reset by peer" in text:
     return "connection"
   return type(error).__name__
+
+
+class Unmet(Exception):
+  """A pair of lives that did not meet before connecting (membership.handshake): "left" or "timeout"."""
 
 
 class PairAverager(_Averager):
@@ -143,6 +148,9 @@ class PairAverager(_Averager):
     self.precompile_s = 0.0
     self.broken = set()  # (pair, key) connections that failed (elastic): never tried again
     self.causes = {}  # the last elastic call's failed members -> failure_cause(...)
+    # (pair, key) -> None or the cause: a pair of lives not connected before the run agrees first that
+    # both are there (elastic: membership.handshake, set by the worker); None: connect directly.
+    self.handshake = None
 
   def _program(self, pair: tuple, like=None, key: tuple = (0, 0)):
     """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given.
@@ -215,6 +223,9 @@ class PairAverager(_Averager):
         continue
       try:
         (fn, sharding), first = self._program(pair, key=key)
+        unmet = self.handshake(pair, key) if first and self.handshake is not None else None
+        if unmet:  # the other life left, or never came: no connection attempt (gloo would wait 30 s)
+          raise Unmet(unmet)
         x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)
         both = self._local(self._timed_first(fn, x_2xD, first), (2, size))
         both.block_until_ready()
@@ -222,7 +233,7 @@ class PairAverager(_Averager):
         buffers[other] = both[pair.index(other)]
       except Exception as e:  # noqa: BLE001  jax's runtime error: the collective failed in this pair only
         failed.append(other)
-        self.causes[other] = failure_cause(e)
+        self.causes[other] = str(e) if isinstance(e, Unmet) else failure_cause(e)
         self.broken.add((pair, key))
         logging.warning(
           "worker %d: the exchange with worker %d failed (%s): %s",

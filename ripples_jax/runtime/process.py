@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ripples_jax import data as data_lib
 from ripples_jax import engine, optim
 from ripples_jax import setup as setup_lib
+from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.models import init_model
@@ -92,8 +93,8 @@ class Worker:
   alone (membership.life_device), so a restarted process's collectives use device ids no earlier life
   connected with; otherwise the worker is all its process's devices (data parallel inside it)."""
 
-  def __init__(self, config, s: setup_lib.Setup, life: int = 0):
-    self.config, self.s, self.rt = config, s, config.runtime
+  def __init__(self, config, s: setup_lib.Setup, life: int = 0, kv=None):
+    self.config, self.s, self.rt, self.kv = config, s, config.runtime, kv
     n, self.me = config.num_workers, coord.worker_of(jax.process_index())
     # Devices per worker, in the global order every process sees the same way (the coordinator's
     # device is in no mesh: it takes part in no collective).
@@ -125,6 +126,9 @@ class Worker:
       self.s.model, self.s.optimizer, self.unravel, self.local_mesh
     )
     self.averager = make_averager(self.config, self.local_mesh, self.devices_of, self.me)
+    if elastic and self.kv is not None:  # a pair of lives connecting in the run agrees first (membership)
+      timeout_s = collective_timeout_s(self.rt)
+      self.averager.handshake = lambda pair, key: membership.handshake(self.kv, self.me, pair, key, timeout_s)
     # A rejoined worker's optimizer state: its schedule at its own step count (optim.at_schedule_step).
     self.schedule_at = jax.jit(optim.at_schedule_step, out_shardings=self.rep)
 

@@ -188,10 +188,15 @@ def failed_groups(traces: dict) -> dict:
 
 def membership_events(traces: dict, decider) -> list:
   """[(run time, worker, leave | rejoin | refused | first_group)] in time order: the decisions of the
-  authority (or AD-PSGD's roster), and each rejoined worker's first group (its trace's)."""
+  authority (or AD-PSGD's roster), and each rejoined life's first group (its trace's first group as a
+  joiner that landed; a later one, made before the authority saw it step, is not its first)."""
   events = [list(e) for e in (decider.events if decider is not None else [])]
   for w, trace in traces.items():
+    joined = True
     for e in trace:
-      if e["k"] == "group" and w in e.get("join", ()) and not e.get("failed"):
+      if e["k"] == "rejoin":
+        joined = False
+      elif e["k"] == "group" and not joined and w in e.get("join", ()) and not e.get("failed"):
         events.append([e["t1"], w, "first_group"])
+        joined = True
   return sorted(events)

@@ -98,7 +98,7 @@ def run(config, workdir: str) -> dict:
   s = setup_lib.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
-  worker = Worker(config, s, first_life(config, kv))  # elastic: a restart warms up on its life's device
+  worker = Worker(config, s, first_life(config, kv), kv)  # elastic: a restart warms up on its life's device
   me = worker.me
   estimate = worker.warm_up()
   if rt.elastic and membership.started(kv):  # the run is on: this process is a restart
@@ -261,7 +261,9 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
     causes = getattr(worker.averager, "causes", {})
     event["cause"] = [causes.get(m, "unknown") for m in failed]
   elif worker.me in joiners:  # fresh momentum (a new process's), its schedule at its own step count
-    loop.state["opt_state"] = worker.schedule_at(loop.state["opt_state"], loop.steps_done)
+    # Fresh even when it stepped since its first group (a group made before the authority saw that
+    # step carries it as a joiner again: Service.report): the engine's JOIN, which the replay runs.
+    loop.state["opt_state"] = worker.schedule_at(worker.fresh()["opt_state"], loop.steps_done)
     loop.joining = False
   trace.add(**event)
 

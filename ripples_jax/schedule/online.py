@@ -108,7 +108,7 @@ class Service:
     self.marks = {"eval": 0, "ckpt": 0}  # markers inserted so far, per kind
     self.stopped = False
     self.gid0 = 0  # global sequence numbers continue across a resume
-    self.joining = set()  # rejoined workers (Service.rejoin) whose first group is not yet made
+    self.joining = set()  # rejoined workers (Service.rejoin) that have not reported a step since
     self.view = GGView(0.0, self.buffer, self.started_at, self.estimates, lambda j: int(self.steps[j]))
 
   # -- what workers tell the authority -----------------------------------------------------------
@@ -120,6 +120,12 @@ class Service:
     if step_time > 0:
       self.estimates[worker] = step_time
     self.steps[worker] = max(self.steps[worker], steps)
+    # A joiner steps only once a group of its has landed: from its first report on it holds a model of
+    # the run's. Until then every group made with it carries it as a joiner (weight 0), so a first
+    # group that failed (a member died in it) is followed by another, never by one where its fresh
+    # model would count. A group made in the round trip after its first group landed carries it
+    # again: it takes the others' mean once more (a step of its own at most is lost).
+    self.joining.discard(worker)
     self.buffer.done(worker, last_gid - self.gid0)
 
   def request(self, worker: int, want: int, now: float, step_time: float = 0.0) -> bool:
@@ -140,7 +146,6 @@ class Service:
       joiners = tuple(m for m in g.members if m in self.joining)
       if joiners and len(joiners) < len(g.members):  # their first average: weight 0 (3.10)
         entry += (joiners,)
-        self.joining.difference_update(joiners)
       for m in g.members:
         self.entries[m].append(entry)
     if want >= self.appended(worker):
