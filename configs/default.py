@@ -130,7 +130,9 @@ def get_config(arg=None):
   # step fail_step, once its newest checkpoint has committed
   c.runtime.fail_step = 0  # fault injection: the local step before which fail_worker dies
   c.runtime.fail_where = "step"  # step (before that local step) | preduce (inside the P-Reduce after
-  # it, after its first exchange; runtime.elastic)
+  # it, after its first exchange; runtime.elastic) | slow (no death: after that first exchange the worker
+  # sleeps the collective timeout + 1 s, heartbeating, so its next partner's exchange times out against
+  # a live worker; runtime.elastic, the authority's groups)
   c.runtime.elastic = False  # Random GG, Group Division, Smart GG, AD-PSGD: a worker that dies or
   # stalls is removed and the others go on; a restarted one (experiments.launch --max_restarts)
   # rejoins (docs/design.md 3.12)

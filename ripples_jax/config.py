@@ -256,7 +256,7 @@ ELASTIC_CPU_ONLY = (
   "gloo does (jax_enable_recoverability) and NCCL does not here: the survivors would hang in it; run it "
   "with JAX_PLATFORMS=cpu, or use the launcher's --max_restarts without elastic"
 )
-FAIL_WHERE = ("step", "preduce")
+FAIL_WHERE = ("step", "preduce", "slow")
 # Why an algorithm cannot run elastic (runtime.elastic; docs/design.md 3.12).
 NO_ELASTIC = {
   "allreduce": "every step averages over all workers, so no step can exclude a dead one (its elastic "
@@ -270,12 +270,18 @@ def _check_elastic(config):
   if "elastic" not in rt:
     return
   _bool(config, "runtime.elastic")
-  if rt.fail_where == "preduce" and not rt.elastic:
+  if rt.fail_where in ("preduce", "slow") and not rt.elastic:
     _fail(
-      "runtime.fail_where", rt.fail_where, "step without runtime.elastic (preduce needs runtime.elastic=True)"
+      "runtime.fail_where",
+      rt.fail_where,
+      f"step without runtime.elastic ({rt.fail_where} needs runtime.elastic=True)",
     )
   if not rt.elastic:
     return
+  if rt.fail_where == "slow" and config.algorithm == "adpsgd":
+    _fail(
+      "runtime.fail_where", "slow", "step or preduce with algorithm=adpsgd (slow: the authority's groups)"
+    )
   if config.algorithm in NO_ELASTIC:
     _fail("runtime.elastic", True, f"False with algorithm={config.algorithm}: {NO_ELASTIC[config.algorithm]}")
   if rt.preduce == "group":

@@ -787,6 +787,47 @@ def test_a_new_pair_of_lives_meets_before_it_connects_and_both_sides_agree():
   assert membership.handshake(kv, 3, pair, (2, 2), 5.0) == "timeout"  # came late: the pair's decision
 
 
+def test_a_timeout_retries_the_pair_once_on_a_fresh_connection_and_other_failures_break_it():
+  """Slow is not dead: an exchange that failed (timed out, or closed by the side that timed out) is
+  retried at the pair's next group on its second connection (generation 1); a failure there, or a
+  partner known gone (the handshake's "left"), breaks the pair of lives for good (later groups skip
+  it: broken_before). Every failure keeps the model."""
+  import jax.numpy as jnp
+
+  from ripples_jax.runtime.preduce import PairAverager, Unmet
+
+  avg = PairAverager(None, {0: [], 1: [], 2: []}, me=0, per_life=True)
+  calls, outcomes = [], {}
+
+  def exchange(pair, key, gen, pieces, size):
+    calls.append((pair[1], gen))
+    got = outcomes[pair[1]].pop(0)
+    if isinstance(got, Exception):
+      raise got
+    return jnp.full(size, got, jnp.float32)
+
+  avg._exchange = exchange
+  flat, incs = jnp.zeros(4, jnp.float32), [0, 0, 0]
+  timeout = RuntimeError("DEADLINE_EXCEEDED: Gloo collective timed out after 10s")
+  outcomes[1] = [timeout, 3.0, timeout, timeout]
+  outcomes[2] = [RuntimeError("UNAVAILABLE: Connection closed by peer"), Unmet("left")]
+  out, failed = avg.average_elastic((0, 1, 2), flat, (), incs)
+  assert failed == [1, 2] and avg.causes == {1: "timeout", 2: "connection"} and out is flat
+  out, failed = avg.average_elastic((0, 1), flat, (), incs)  # retried on generation 1: it lands
+  assert failed == [] and float(out[0]) == 1.5 and calls[-1] == (1, 1)
+  out, failed = avg.average_elastic((0, 2), flat, (), incs)  # its fresh connection: 2 is gone
+  assert failed == [2] and avg.causes == {2: "left"} and calls[-1] == (2, 1)
+  out, failed = avg.average_elastic((0, 2), flat, (), incs)  # never tried again
+  assert failed == [2] and avg.causes == {2: "broken_before"} and calls[-1] == (2, 1)
+  avg.average_elastic((0, 1), flat, (), incs)  # a timeout on generation 1: no third connection
+  out, failed = avg.average_elastic((0, 1), flat, (), incs)
+  assert failed == [1] and avg.causes == {1: "broken_before"} and out is flat
+  assert calls == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 1)]
+  outcomes[1] = [Unmet("left")]  # a rejoined life of 1 (another key) that left before it met
+  out, failed = avg.average_elastic((0, 1), flat, (), [0, 1, 0])
+  assert avg.causes == {1: "left"} and ((0, 1), (0, 1)) in avg.broken
+
+
 def when_traced(workdir, worker, condition, timeout_s=200.0) -> bool:
   """Waits until `worker`'s trace (written through) satisfies condition(events); False on timeout."""
   from ripples_jax.runtime import trace as trace_lib
@@ -827,10 +868,18 @@ def test_restarted_workers_rejoin_at_once_and_again_with_weight_0_and_train(tmp_
   """Workers 0 and 1 SIGKILLed at once, both restarted: both rejoin (a life runs on a CPU device of its
   own, so no pair runs out of connections) with weight 0 and train; worker 1, killed again once its
   second life has averaged, rejoins again as its third (--max_restarts=2: 3 CPU devices a process).
-  The run ends at its budget with summary.json and every worker's exit 0, replayed exactly."""
+  The run ends at its budget with summary.json and every worker's exit 0, replayed exactly.
+  Slow is not dead: worker 3 then sleeps, alive, past the collective timeout inside a P-Reduce
+  (fail_where=slow); the exchanges that failed against it are retried on a fresh connection and land."""
   # Two restarts at once (18 s of start-up on 2 busy cores), a third, and the third life's first group
-  # (~60 s of run time in all, measured) still leave steps to train.
-  steps = 500
+  # (~60 s of run time in all, measured) still leave steps to train; worker 3's sleep (11 s, at its
+  # step 400, after the churn) leaves groups to retry in.
+  steps = 700
+  slow = [
+    "--config.runtime.fail_worker=3",
+    "--config.runtime.fail_step=400",
+    "--config.runtime.fail_where=slow",
+  ]
   workdir, log = str(tmp_path / "run"), []
 
   def churn(pids):
@@ -851,8 +900,9 @@ def test_restarted_workers_rejoin_at_once_and_again_with_weight_0_and_train(tmp_
     threading.Thread(target=go, daemon=True).start()
 
   t0 = time.monotonic()
-  code, out, workdir, summary = elastic_run(tmp_path, steps, max_restarts=2, on_pids=churn)
+  code, out, workdir, summary = elastic_run(tmp_path, steps, slow, max_restarts=2, on_pids=churn)
   print(f"elastic churn run: {time.monotonic() - t0:.1f} s; {log}; {summary and summary['membership']}")
+  print(f"failed groups by cause: {summary and summary['failed_groups']}")
   assert code == 0, out[-3000:]
   assert log == ["killed 0 and 1", "killed 1 again"], (log, out[-3000:])
   for w, k in [(0, 1), (1, 1), (1, 2)]:
@@ -875,7 +925,35 @@ def test_restarted_workers_rejoin_at_once_and_again_with_weight_0_and_train(tmp_
   assert not groups_after_leave(traces, 0) and not groups_after_leave(traces, 1)
   assert sum(summary["worker_steps"]) + summary["unmade_steps"] >= 4 * steps
   assert "exit codes: coordinator 0, workers [0, 0, 0, 0]" in out
+  assert "inside a P-Reduce, alive (fail_where=slow)" in out
+  assert_retried_after_slow(traces, 3, 400)
   assert_replayed(workdir, steps)
+
+
+def assert_retried_after_slow(traces, slow, at_step):
+  """From the group in which the slow worker slept (its first after `at_step` steps) on, every member
+  whose exchange with it failed, or it with them, averaged with it again later (the pair's fresh
+  connection), and none of them skipped it as broken_before. (The churn is over by then.)"""
+  done, asleep = 0, None
+  for e in traces[slow]:
+    done += e["k"] == "step"
+    if e["k"] == "group" and done == at_step:
+      asleep = e["t0"]
+      break
+  failed = {
+    (w, m, e["g"])
+    for w, events in traces.items()
+    for e in events
+    if e["k"] == "group" and e["t1"] >= asleep
+    for m in e.get("failed", ())
+    if slow in (w, m)
+  }
+  assert failed, "no exchange with the slow worker failed: its sleep did not outlast the timeout"
+  for w, m, g in sorted(failed):
+    later = [e for e in traces[w] if e["k"] == "group" and e["g"] > g and m in e["m"]]
+    assert any(m not in e.get("failed", ()) for e in later), (w, m, g, later[:3])
+    skipped = [c for e in later for f, c in zip(e.get("failed", ()), e.get("cause", ())) if f == m]
+    assert "broken_before" not in skipped, (w, m, g, skipped)
 
 
 @pytest.mark.slow
@@ -898,11 +976,14 @@ def test_two_deaths(tmp_path):
   failed = [e for w in (0, 1, 3) for e in traces[w] if e["k"] == "group" and e.get("failed") == [2]]
   assert failed  # the groups in flight with worker 2 failed for the others, who went on
   # Every failed exchange is counted in summary.json by cause, none silent (the partners died: gloo
-  # saw their connections close, or a later group skipped a connection that had failed before).
+  # saw their connections close, the pair's fresh connection found them removed ("left"), or a later
+  # group skipped a pair of lives broken before).
   every = [c for t in traces.values() for e in t if e["k"] == "group" for c in e.get("cause", [])]
   assert len(every) == sum(len(e["failed"]) for t in traces.values() for e in t if e.get("failed"))
   assert summary["failed_groups"] == {c: every.count(c) for c in sorted(set(every))}
-  assert set(summary["failed_groups"]) <= {"connection", "broken_before", "timeout"}, summary["failed_groups"]
+  assert set(summary["failed_groups"]) <= {"connection", "broken_before", "timeout", "left"}, summary[
+    "failed_groups"
+  ]
   assert_replayed(workdir, steps)
   # Every evaluation marker kept its record (metrics.jsonl), the ones before the kills included.
   records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]

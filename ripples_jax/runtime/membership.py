@@ -104,7 +104,9 @@ def pair_devices(pair: tuple, key: tuple, devices_of) -> list:
   return [[life_device(devices_of[m], life)] for m, life in zip(pair, key)]
 
 
-def handshake(kv, me: int, pair: tuple, key: tuple, timeout_s: float, poll_s: float = 0.02) -> str | None:
+def handshake(
+  kv, me: int, pair: tuple, key: tuple, timeout_s: float, poll_s: float = 0.02, gen: int = 0
+) -> str | None:
   """Before a pair of lives connects for the first time (a rejoined life's pairs: they were not
   connected before the run), both sides agree in the store that both are there. gloo's own rendezvous
   waits 30 s for a dead life's keys (its store timeout, not the collective timeout; measured: a
@@ -115,10 +117,11 @@ def handshake(kv, me: int, pair: tuple, key: tuple, timeout_s: float, poll_s: fl
   (the store refuses a second create), so both sides act on one decision: "go" (both hellos seen),
   "left" (the other life was removed, removed/<w>: its death noticed after heartbeat_timeout), or
   "timeout" (neither within the collective timeout). Returns None for "go", else the cause. A life
-  that dies between its hello and its connection still costs gloo's 30 s (not seen here)."""
+  that dies between its hello and its connection still costs gloo's 30 s (not seen here). `gen`: the
+  pair's connection generation (runtime/preduce.py: a second connection after a timeout), met anew."""
   other = pair[1] if pair[0] == me else pair[0]
   life = key[pair.index(other)]
-  name = f"{PREFIX}/hello/{pair[0]}.{key[0]}-{pair[1]}.{key[1]}"
+  name = f"{PREFIX}/hello/{pair[0]}.{key[0]}-{pair[1]}.{key[1]}" + (f"/g{gen}" if gen else "")
   kv.key_value_set(f"{name}/{me}", "1", allow_overwrite=True)
   deadline = time.monotonic() + timeout_s
   while True:

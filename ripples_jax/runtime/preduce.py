@@ -146,29 +146,33 @@ class PairAverager(_Averager):
     self._ran = set()  # programs run at least once (their connection is set up)
     self._means = {}  # k -> the jitted local mean of k buffers
     self.precompile_s = 0.0
-    self.broken = set()  # (pair, key) connections that failed (elastic): never tried again
+    self.broken = set()  # (pair, key) connections that failed for good (elastic): never tried again
+    # (pair, key) -> its connection's generation (elastic): 0, then 1 after a timeout (slow is not dead)
+    self.gens = {}
     self.causes = {}  # the last elastic call's failed members -> failure_cause(...)
-    # (pair, key) -> None or the cause: a pair of lives not connected before the run agrees first that
-    # both are there (elastic: membership.handshake, set by the worker); None: connect directly.
+    # (pair, key, gen) -> None or the cause: a connection not made before the run agrees first that
+    # both lives are there (elastic: membership.handshake, set by the worker); None: connect directly.
     self.handshake = None
 
-  def _program(self, pair: tuple, like=None, key: tuple = (0, 0)):
+  def _program(self, pair: tuple, like=None, key: tuple = (0, 0), gen: int = 0):
     """The pair's program; compiled ahead for `like` (a ShapeDtypeStruct of one buffer) if given.
     `key` (elastic): its connection key, the pair's lives (membership.pair_key), each on its own device
-    (membership.pair_devices): a restarted process connects on a device its earlier lives never used."""
-    if (pair, key) in self.cache:
-      fn_sharding = self.cache[(pair, key)]
+    (membership.pair_devices): a restarted process connects on a device its earlier lives never used.
+    `gen` 1: the same devices in the other order (rows reversed), a device list, hence a connection,
+    that no other pair of lives uses: the pair's one fresh connection after a timeout."""
+    if (pair, key, gen) in self.cache:
+      fn_sharding = self.cache[(pair, key, gen)]
       return fn_sharding, fn_sharding[0] not in self._ran
     rows = pair_devices(pair, key, self.devices_of) if self.per_life else [self.devices_of[m] for m in pair]
-    mesh = Mesh(np.array(rows), (WORKER, LOCAL))
+    mesh = Mesh(np.array(rows[::-1] if gen else rows), (WORKER, LOCAL))
     gather = lambda x_1xD: jax.lax.all_gather(x_1xD, WORKER, axis=0, tiled=True)  # (2, D) on both
     fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(WORKER), out_specs=P(), check_vma=False))
     sharding = NamedSharding(mesh, P(WORKER))
     if like is not None:  # compiling needs no peer: only the first run connects (gloo, NCCL)
       fn = fn.lower(jax.ShapeDtypeStruct((2, *like.shape), like.dtype, sharding=sharding)).compile()
-    self.cache[(pair, key)] = (fn, sharding)
+    self.cache[(pair, key, gen)] = (fn, sharding)
     self.compiles += 1
-    return self.cache[(pair, key)], True
+    return self.cache[(pair, key, gen)], True
 
   def connect_all(self, flat_D: jax.Array) -> float:
     """Runs every pair program once, before the run, so that no group pays a pair's connection set-up
@@ -205,10 +209,12 @@ class PairAverager(_Averager):
     exchange failed). Every pair of this worker's is tried in the global order, even after a failure,
     so no live partner waits for an exchange that never comes; a failed exchange (its partner died:
     gloo raises at once on a connection set up before) leaves this worker's model as it was. A failed
-    connection is never tried again (gloo keeps it failed on both sides, docs/design.md 3.8): until the
-    death is noticed, groups with the dead worker fail here at no cost; a rejoined life of that worker
-    is another key (its lives' devices). Joiners (a rejoined worker's
-    first group) have weight 0: every member takes the others' mean.
+    connection is never used again (gloo keeps it failed on both sides, docs/design.md 3.8): the
+    pair's next exchange goes over its one fresh connection (generation 1, met through the handshake
+    first: slow is not dead), unless the partner's life is known gone; after a second failure the pair
+    of lives is broken, and groups with it fail here at no cost; a rejoined life of that worker is
+    another key (its lives' devices). Joiners (a rejoined worker's first group) have weight 0: every
+    member takes the others' mean.
     on_exchange(): called after each exchange (fault injection inside a P-Reduce)."""
     size, ordered = flat_D.shape[0], sorted(members)
     pieces = [s.data[None] for s in flat_D.addressable_shards]
@@ -221,20 +227,20 @@ class PairAverager(_Averager):
         failed.append(other)
         self.causes[other] = "broken_before"
         continue
+      gen = self.gens.get((pair, key), 0)
       try:
-        (fn, sharding), first = self._program(pair, key=key)
-        unmet = self.handshake(pair, key) if first and self.handshake is not None else None
-        if unmet:  # the other life left, or never came: no connection attempt (gloo would wait 30 s)
-          raise Unmet(unmet)
-        x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)
-        both = self._local(self._timed_first(fn, x_2xD, first), (2, size))
-        both.block_until_ready()
-        self._ran.add(fn)
-        buffers[other] = both[pair.index(other)]
+        buffers[other] = self._exchange(pair, key, gen, pieces, size)
       except Exception as e:  # noqa: BLE001  jax's runtime error: the collective failed in this pair only
         failed.append(other)
         self.causes[other] = str(e) if isinstance(e, Unmet) else failure_cause(e)
-        self.broken.add((pair, key))
+        # A failure's two sides may see different causes (the side that timed out closes the
+        # connection, so the slow side sees it closed), so the rule cannot hang on the cause: every
+        # failure but a partner known gone moves the pair to its fresh connection, met through the
+        # handshake, where a dead partner is told apart ("left", after its removal) from a slow one.
+        if gen == 0 and self.causes[other] != "left" and self.per_life:
+          self.gens[(pair, key)] = 1
+        else:
+          self.broken.add((pair, key))
         logging.warning(
           "worker %d: the exchange with worker %d failed (%s): %s",
           self.me,
@@ -248,6 +254,21 @@ class PairAverager(_Averager):
       return flat_D, failed
     weighted = [m for m in ordered if m not in joiners] or ordered
     return self._mean(len(weighted))(*(buffers[m] for m in weighted)), []
+
+  def _exchange(self, pair: tuple, key: tuple, gen: int, pieces, size: int):
+    """The other member's buffer, over the pair's connection `gen`; a connection not run before
+    meets first (handshake: elastic). Raises what the collective raised, or Unmet."""
+    (fn, sharding), first = self._program(pair, key=key, gen=gen)
+    unmet = self.handshake(pair, key, gen) if first and self.handshake is not None else None
+    if unmet:  # the other life left, or never came: no connection attempt (gloo would wait 30 s)
+      raise Unmet(unmet)
+    x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)
+    both = self._local(self._timed_first(fn, x_2xD, first), (2, size))
+    both.block_until_ready()
+    self._ran.add(fn)
+    other = pair[1] if pair[0] == self.me else pair[0]
+    order = pair[::-1] if gen else pair
+    return both[order.index(other)]
 
   def _mean(self, k: int):
     if k not in self._means:  # a left-to-right sum in member order: the same on every member

@@ -25,6 +25,7 @@ from absl import logging
 
 from ripples_jax import checkpoint as ckpt_lib
 from ripples_jax import setup as setup_lib
+from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.markers import fail_now
@@ -247,8 +248,11 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
   if loop.incs is None:
     flat = worker.averager.average(members, loop.state["flat"])
   else:
-    inject = fails_here(worker, loop, "preduce")
-    hook = (lambda: fail_now(log, saved, loop.steps_done, worker.me)) if inject else None
+    hook = None
+    if fails_here(worker, loop, "preduce"):
+      hook = lambda: fail_now(log, saved, loop.steps_done, worker.me)  # noqa: E731
+    elif fails_here(worker, loop, "slow"):
+      hook = slow_once(collective_timeout_s(worker.rt) + 1.0)
     flat, failed = worker.averager.average_elastic(members, loop.state["flat"], joiners, loop.incs, hook)
   flat.block_until_ready()
   loop.state["flat"] = flat
@@ -266,6 +270,21 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
     loop.state["opt_state"] = worker.schedule_at(worker.fresh()["opt_state"], loop.steps_done)
     loop.joining = False
   trace.add(**event)
+
+
+def slow_once(seconds: float):
+  """Fault injection (fail_where=slow): after this group's first exchange the worker sleeps `seconds`
+  once, alive (its heartbeat thread beats on), slower than the collective timeout: its next partner's
+  exchange times out against a live worker, which must not break that pair for the run."""
+  slept = []
+
+  def hook():
+    if not slept:
+      slept.append(seconds)
+      logging.warning("sleeping %.1f s inside a P-Reduce, alive (fail_where=slow)", seconds)
+      time.sleep(seconds)
+
+  return hook
 
 
 def mark(worker: Worker, loop: Loop, log: RunLog, trace, entry, workdir) -> int | None:
