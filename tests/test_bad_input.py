@@ -110,6 +110,7 @@ CROSS = [
   ("", "hetero.random_p", 0.1, f"0.0 (off) {SPMD_ONLY}"),
   ("", "hetero.jitter", 0.2, f"0.0 (off) {SPMD_ONLY}"),
   ("", "seed", -1, "an integer in [0, 2**32)"),
+  (ASYNC, "runtime.fail_where", "slow", "step without runtime.elastic (slow needs runtime.elastic=True)"),
 ]
 
 
@@ -125,6 +126,17 @@ def test_train_config_refuses(arg, key, value, allowed):
   with pytest.raises(ConfigError) as e:
     validate_train_config(config, num_devices=8, num_processes=n)
   assert str(e.value) == f"config.{key}: {value!r} is not allowed: {allowed}"
+
+
+def test_a_slow_worker_is_injected_only_where_the_authority_makes_groups():
+  config = default_config.get_config("executor=async,num_workers=4,algorithm=adpsgd")
+  config.update_from_flattened_dict({"runtime.elastic": True, "runtime.fail_where": "slow"})
+  with pytest.raises(ConfigError) as e:
+    validate_train_config(config, num_devices=8, num_processes=processes(config))
+  assert str(e.value) == (
+    "config.runtime.fail_where: 'slow' is not allowed: step or preduce with algorithm=adpsgd (slow: the "
+    "authority's groups)"
+  )
 
 
 def test_every_float_key_is_checked_for_nan_and_inf():
