@@ -147,7 +147,7 @@ class PairAverager(_Averager):
     self._means = {}  # k -> the jitted local mean of k buffers
     self.precompile_s = 0.0
     self.broken = set()  # (pair, key) connections that failed for good (elastic): never tried again
-    # (pair, key) -> its connection's generation (elastic): 0, then 1 after a timeout (slow is not dead)
+    # (pair, key) -> its connection's generation (elastic): 0, then 1 after a failure (slow is not dead)
     self.gens = {}
     self.causes = {}  # the last elastic call's failed members -> failure_cause(...)
     # (pair, key, gen) -> None or the cause: a connection not made before the run agrees first that
@@ -159,7 +159,7 @@ class PairAverager(_Averager):
     `key` (elastic): its connection key, the pair's lives (membership.pair_key), each on its own device
     (membership.pair_devices): a restarted process connects on a device its earlier lives never used.
     `gen` 1: the same devices in the other order (rows reversed), a device list, hence a connection,
-    that no other pair of lives uses: the pair's one fresh connection after a timeout."""
+    that no other pair of lives uses: the pair's one fresh connection after a failure."""
     if (pair, key, gen) in self.cache:
       fn_sharding = self.cache[(pair, key, gen)]
       return fn_sharding, fn_sharding[0] not in self._ran

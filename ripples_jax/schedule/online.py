@@ -124,7 +124,7 @@ class Service:
     # the run's. Until then every group made with it carries it as a joiner (weight 0), so a first
     # group that failed (a member died in it) is followed by another, never by one where its fresh
     # model would count. A group made in the round trip after its first group landed carries it
-    # again: it takes the others' mean once more (a step of its own at most is lost).
+    # again: it takes the others' mean once more (the steps it took since are lost; seen: up to 3 groups).
     self.joining.discard(worker)
     self.buffer.done(worker, last_gid - self.gid0)
 
