@@ -247,22 +247,24 @@ def ceiling_s(costs: dict, cores: int) -> float:
   leaves out transfers, dispatch and the stages contending for caches, memory bandwidth and XLA's
   pool. The single-core times are taken with XLA's pool pinned to one core, which may overstate a
   single thread's work: a run above the ceiling (fraction_of_ceiling > 1) shows where."""
-  work_all = [f + b for f, b in zip(costs["forward_all_s"], costs["backward_all_s"])]
-  work_one = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
-  M = costs.get("microbatches", 1)
-  slots = M + len(work_all) - 1 if "microbatches" in costs else 1
-  return max(slots * max(work_all), M * sum(work_one) / cores)
+  return _bound(costs, cores, "forward_all_s", "backward_all_s")
 
 
 def one_core_per_stage_s(costs: dict, cores: int) -> float:
   """The iteration if each stage ran single-threaded on a core of its own (the per-process model):
   the most expensive stage, no less than all stages' work over the cores. A run beats it where a
   stage's program borrows the cores the other stage leaves idle (XLA's intra-op pool)."""
-  work = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
-  if "microbatches" in costs:
-    M = costs["microbatches"]
-    return max((M + len(work) - 1) * max(work), M * sum(work) / cores)
-  return max(max(work), sum(work) / cores)
+  return _bound(costs, cores, "forward_s", "backward_s")
+
+
+def _bound(costs: dict, cores: int, forward: str, backward: str) -> float:
+  """max(slots x the slowest stage's work (the `forward` + `backward` costs), the single-core work
+  over the cores); slots: 1 a tick, M + K - 1 a GPipe flush of M micro-batches."""
+  stage = [f + b for f, b in zip(costs[forward], costs[backward])]
+  one = [f + b for f, b in zip(costs["forward_s"], costs["backward_s"])]
+  M = costs.get("microbatches", 1)
+  slots = M + len(stage) - 1 if "microbatches" in costs else 1
+  return max(slots * max(stage), M * sum(one) / cores)
 
 
 def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: int, fused=False) -> dict:
@@ -307,10 +309,8 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
 def reprice(out: dict) -> dict:
   """The ceiling fields of every row of a stored result recomputed from its stored stage costs (for a
   result measured before a change of ceiling_s; the measurements are untouched)."""
-  cores, bp = (
-    out["setting"]["cores"],
-    np.asarray([r for r in out["bp_variants_ms"][out["best_bp"]["variant"]]]) / 1e3,
-  )
+  cores = out["setting"]["cores"]
+  bp = np.asarray(out["bp_variants_ms"][out["best_bp"]["variant"]]) / 1e3
   for r in out.values():
     if not isinstance(r, dict) or "label" not in r:
       continue
