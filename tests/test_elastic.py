@@ -16,6 +16,7 @@ from ripples_jax import config as config_lib
 from ripples_jax import schedule as schedule_lib
 from ripples_jax import timeline
 from ripples_jax.distributed import coord
+from ripples_jax.distributed import watchdog as watchdog_lib
 from ripples_jax.errors import ConfigError
 from ripples_jax.runtime import membership
 from ripples_jax.runtime.authority import Authority, Feed
@@ -347,6 +348,34 @@ def test_a_run_every_worker_left_ends_resumable_once_none_rejoins_for_the_stall_
   # Removed at 126 (5 s of silence), so every worker has been gone since then: the end 30 s later.
   assert exits == [coord.EXIT_LOST] and t == 157, t
   assert "every worker left the run (workers [0, 1]) and none rejoined for 30 s" in logs[0], logs
+
+
+def test_a_run_every_worker_left_with_no_life_to_spare_ends_at_once():
+  """With no restart left to any worker (lives per worker: membership.lives_of), the run ends at the
+  check that removes the last one, not stall_timeout later; with one life left, it waits as before."""
+
+  def run(lives, incs):
+    kv, exits, logs = FakeKV(), [], []
+    boss = coord.Watchdog(
+      kv, None, 2, lambda: (0, 0, False), 1.0, 5.0, 30.0, logs.append, exits.append,
+      on_lost=lambda w, inc: None, lives=lives,
+    )  # fmt: skip
+    for w, inc in enumerate(incs):
+      if inc:
+        boss.watch_life(w, inc)
+      kv.key_value_set(watchdog_lib.beat_key(w, inc), f"1 1 1 0 {inc}")
+    for t in range(100, 160):  # nobody beats again: both are removed 5 s after the first check
+      boss.check(float(t))
+      if exits:
+        return t, logs
+    return None, logs
+
+  t, logs = run(lives=1, incs=[0, 0])
+  assert t == 106, t  # silent for more than 5 s at 106: removed, and nobody can come back
+  assert "none has a life left to rejoin with (1 per worker: --max_restarts=0)" in logs[0], logs
+  assert run(lives=3, incs=[2, 2])[0] == 106
+  t, logs = run(lives=3, incs=[2, 1])  # worker 1 may still come back: stall_timeout after 106
+  assert t == 137 and "none rejoined for 30 s" in logs[0], (t, logs)
 
 
 def test_the_coordinator_does_not_call_a_run_every_worker_left_complete(tmp_path):
@@ -1014,16 +1043,25 @@ def test_a_stalled_worker_is_removed_and_rejoins_after_it_continues(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.nightly
-def test_the_coordinators_death_stops_the_run_and_it_resumes(tmp_path):
+def test_the_coordinators_death_restarts_every_process_and_the_run_resumes(tmp_path):
+  """The coordinator SIGKILLed once (--max_restarts=1): the launcher restarts every process, which
+  resume from the newest marker (launcher.coordinator_died); the run ends complete and replays."""
   steps = 120
 
   workdir = str(tmp_path / "run")
-  kill_coordinator = when_steps(workdir, 0, 40, lambda pids: os.kill(pids[0], signal.SIGKILL))
+  killed = []
+
+  def kill_once(pids):  # on_pids runs at every start of the job: the restarted one is left alone
+    if not killed:
+      killed.append(os.kill(pids[0], signal.SIGKILL))
+
   args = run_args(workdir, "ripples_random", 4, steps, ELASTIC)
-  code, out = launch_bounded(4, args, timeout_s=300, on_pids=kill_coordinator)
-  assert code != 0 and "[launch] coordinator exited with -9 (SIGKILL)" in out, out[-3000:]
-  code, out = launch_bounded(4, args, timeout_s=300)
+  code, out = launch_bounded(
+    4, args, timeout_s=400, on_pids=when_steps(workdir, 0, 40, kill_once), max_restarts=1
+  )
   assert code == 0, out[-3000:]
+  assert "[launch] coordinator exited with -9 (SIGKILL)" in out, out[-3000:]
+  assert "[launch] the coordinator died: restarting every process (1 of 1)" in out, out[-3000:]
   assert "resuming at checkpoint marker" in out
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= 4 * steps and summary["membership"] == []
@@ -1034,17 +1072,23 @@ def test_the_coordinators_death_stops_the_run_and_it_resumes(tmp_path):
 @pytest.mark.nightly
 @pytest.mark.parametrize("algorithm", ["ripples_random", "adpsgd"])
 def test_every_worker_killed_ends_the_run_resumable_and_the_rerun_finishes_it(tmp_path, algorithm):
-  """Every worker SIGKILLed, no restarts: the coordinator removes them, waits stall_timeout (20 s) for a
-  rejoin, then ends with one line and exit 75, no summary; the same command finishes the run (Ripples
-  resumes from its newest marker; AD-PSGD, which checkpoints only its final state, starts over)."""
+  """Every worker SIGKILLed, no restarts: the coordinator removes them and, since none has a life left
+  to rejoin with, ends at once (heartbeat_timeout after the kill) with one line and exit 75, no summary;
+  the same command finishes the run (Ripples resumes from its newest marker; AD-PSGD, which
+  checkpoints only its final state, starts over). Prints the time from the kill to the launcher's end."""
   steps = 200
   workdir = str(tmp_path / "run")
-  kill_all = when_steps(workdir, 0, 20, lambda pids: [os.kill(p, signal.SIGKILL) for p in pids[1:]])
+  killed = []
+
+  def kill(pids):
+    killed.append(time.monotonic())
+    [os.kill(p, signal.SIGKILL) for p in pids[1:]]
+
   args = run_args(workdir, algorithm, 4, steps, ELASTIC)
-  code, out = launch_bounded(4, args, timeout_s=300, on_pids=kill_all)
-  assert code != 0 and "every worker left the run (workers [0, 1, 2, 3]) and none rejoined" in out, out[
-    -3000:
-  ]
+  code, out = launch_bounded(4, args, timeout_s=300, on_pids=when_steps(workdir, 0, 20, kill))
+  print(f"every worker killed: the run ended {time.monotonic() - killed[0]:.1f} s after the kill")
+  line = "every worker left the run (workers [0, 1, 2, 3]) and none has a life left to rejoin with"
+  assert code != 0 and line in out, out[-3000:]
   assert "[launch] coordinator exited with 75" in out, out[-3000:]
   assert not os.path.exists(os.path.join(workdir, "summary.json"))
   code, out = launch_bounded(4, args, timeout_s=300)

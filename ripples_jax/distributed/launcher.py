@@ -479,9 +479,10 @@ def launch(
 
   max_restarts (torchrun's name): with `elastic` (runtime.elastic) a failed worker is restarted alone
   and rejoins while the others go on (_Elastic; the exit code is the coordinator's), and every process
-  gets at least max_restarts + 1 CPU devices (a worker's life i runs on its device i); otherwise every
-  process is stopped and the whole job started again, resuming from the newest checkpoint (torchrun's
-  elastic restart), up to max_restarts times.
+  gets at least max_restarts + 1 CPU devices (a worker's life i runs on its device i); the coordinator's
+  death (coordinator_died) restarts every process. Otherwise every process is stopped and the whole job
+  started again, resuming from the newest checkpoint (torchrun's elastic restart). Either restart of
+  the whole job happens up to max_restarts times.
 
   Raises ValueError, before starting anything, for arguments that cannot run (check_args): fewer than
   1 process or CPU device, a negative or non-finite grace period, a port outside 0..65535 or one that
@@ -496,13 +497,24 @@ def launch(
   attempt = 0
   while True:
     code, signalled = _launch_once(num_processes, args, on_start, max_restarts, attempt, **kw)
-    if elastic or signalled or code in (0, 2) or attempt >= max_restarts:
+    if signalled or code in (0, 2) or attempt >= max_restarts or (elastic and not coordinator_died(code)):
       return code
     attempt += 1
+    who = "the coordinator died: " if elastic else ""
     (out or sys.stdout).write(
-      f"[launch] restarting every process ({attempt} of {max_restarts}): they resume from the newest "
-      "checkpoint\n"
+      f"[launch] {who}restarting every process ({attempt} of {max_restarts}): they resume from the "
+      "newest checkpoint\n"
     )
+
+
+def coordinator_died(code: int) -> bool:
+  """Whether an elastic run's exit code (the coordinator's) is its death rather than its verdict. An
+  elastic worker is restarted alone, but the coordinator hosts the coordination service, which no
+  process can rejoin once it is gone (docs/design.md 3.8): its death is survived by restarting every
+  process from the newest marker, the run's last consistent cut. Its own verdicts are not: a lost run
+  (coord.EXIT_LOST: every worker gone with no life left, no progress, a stuck collective) says why and
+  is resumed by hand, and a refusal or bad input (coord.EXIT_REFUSED, 2) would only recur."""
+  return code not in (0, 2, coord.EXIT_LOST, coord.EXIT_REFUSED)
 
 
 def _launch_once(

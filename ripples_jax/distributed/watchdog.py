@@ -76,6 +76,7 @@ class Watchdog:
     service_host: str = "worker 0",
     on_lost=None,
     incarnation: int | None = None,
+    lives: int | None = None,
   ):
     self.kv, self.worker, self.n = kv, worker, num_workers
     self.role = role  # what the exit line calls a process: worker, or stage (pipeline)
@@ -98,6 +99,7 @@ class Watchdog:
     # watch_life). A worker's (incarnation not None): peers are not its concern; it exits when the
     # coordinator removed it.
     self.on_lost, self.incarnation, self.gone = on_lost, incarnation, set()
+    self.lives = lives  # the coordinator's: lives per worker (membership.lives_of); None: unknown
     self._all_gone_since = None  # elastic: when the last live worker left (none done)
     # Each worker's life: the coordinator's are the ones it was told (watch_life at each accepted
     # rejoin: only that life's key is read); another process's, its newest beat's.
@@ -199,6 +201,15 @@ class Watchdog:
       # may still rejoin (a beat of it makes it a member again); after stall_timeout without one the
       # run ends resumable, instead of waiting for workers that will never come.
       self._all_gone_since = self._all_gone_since or now
+      if self.lives is not None and all(self.incarnations[w] + 1 >= self.lives for w in self.gone):
+        # No worker has a life left (membership.exhausted): no restart can be taken back, so waiting
+        # for one would only delay the line by stall_timeout.
+        return self._lost(
+          f"every {self.role} left the run ({self.role}s {sorted(self.gone)}) and none has a life left "
+          f"to rejoin with ({self.lives} per {self.role}: --max_restarts={self.lives - 1}); run the same "
+          "command again to resume from the newest checkpoint",
+          [],
+        )
       if now - self._all_gone_since > self.stall_timeout:
         return self._lost(
           f"every {self.role} left the run ({self.role}s {sorted(self.gone)}) and none rejoined for "

@@ -188,6 +188,7 @@ def run(config, workdir: str) -> dict:
       rt.stall_timeout,
       hosts_service=True,
       on_lost=(authority or roster).leave if rt.elastic else None,  # elastic: the run goes on without it
+      lives=membership.lives_of(jax.devices(), n) if rt.elastic else None,
     )
     if rt.elastic:  # a new life is watched from its acceptance, before its first beat
       (authority or roster).on_join = watchdog.watch_life
