@@ -948,7 +948,9 @@ def test_restarted_workers_rejoin_at_once_and_again_with_weight_0_and_train(tmp_
     for i in rejoins:  # its data continue where its record ends; its first group carries it (weight 0)
       assert traces[w][i]["s"] == sum(e["k"] == "step" for e in traces[w][:i])
       first = next(e for e in traces[w][i:] if e["k"] == "group" and not e.get("failed"))
-      assert first["join"] == [w] and first["g"] >= traces[w][i]["g0"]
+      # Workers 0 and 1 rejoin at once: one group may carry both, beside a member that trains.
+      assert w in first["join"] and len(first["join"]) < len(first["m"]), first
+      assert first["g"] >= traces[w][i]["g0"]
     after = traces[w][rejoins[-1] :]
     assert sum(e["k"] == "step" for e in after) > 10  # its last life trained after its first group
   assert not groups_after_leave(traces, 0) and not groups_after_leave(traces, 1)

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -100,6 +101,30 @@ def test_trace_intervals_split_wait_from_comm():
   }
   got = sorted(trace_lib.intervals(traces))
   assert got == [(0, "comm", 3.0, 3.5), (0, "wait", 1.0, 3.0), (1, "comm", 3.0, 3.5)]
+
+
+def test_a_write_through_trace_keeps_every_event_two_threads_add(tmp_path):
+  """AD-PSGD's passive side adds its averages from its serving thread while the main thread adds its
+  steps: every event of both reaches the file, each thread's in its own order."""
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: the race shows at once
+  try:
+    writer = trace_lib.TraceWriter(str(tmp_path), 0, write_through=True)
+
+    def add(who):
+      for i in range(3000):
+        writer.add(k="step", who=who, i=i)
+
+    threads = [threading.Thread(target=add, args=(who,)) for who in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  finally:
+    sys.setswitchinterval(interval)
+  events = trace_lib.read_trace(trace_lib.trace_path(str(tmp_path), 0))
+  for who in range(2):
+    assert [e["i"] for e in events if e["who"] == who] == list(range(3000))
 
 
 # -- real runs ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ group's wait is from this member's call to the last member's call; the rest is c
 import glob
 import json
 import os
+import threading
 
 
 def trace_path(workdir: str, worker: int) -> str:
@@ -29,7 +30,11 @@ def trace_path(workdir: str, worker: int) -> str:
 class TraceWriter:
   """Buffers events and appends them at block boundaries (and at exit). write_through (elastic): every
   event is appended as it is added, so a worker killed anywhere has recorded every state it shared
-  (the replay needs them); a write is one line to the page cache, which outlives the process."""
+  (the replay needs them); a write is one line to the page cache, which outlives the process.
+
+  Thread-safe: AD-PSGD's passive side adds its averages from its serving thread while the main
+  thread adds steps and marks; without the lock, an event added between one flush's write and its
+  reset of the buffer was dropped (a replay then finds a group one member never recorded)."""
 
   def __init__(
     self, workdir: str, worker: int, keep_before_epoch: int | None = None, write_through=False, append=False
@@ -45,17 +50,20 @@ class TraceWriter:
     elif not append and keep_before_epoch is None and os.path.exists(self.path):
       os.remove(self.path)
     self.events = []
+    self.lock = threading.Lock()
 
   def add(self, **event) -> None:
-    self.events.append(event)
+    with self.lock:
+      self.events.append(event)
     if self.write_through:
       self.flush()
 
   def flush(self) -> None:
-    if self.events:
-      with open(self.path, "a") as f:
-        f.writelines(json.dumps(e) + "\n" for e in self.events)
-      self.events = []
+    with self.lock:
+      events, self.events = self.events, []
+      if events:
+        with open(self.path, "a") as f:
+          f.writelines(json.dumps(e) + "\n" for e in events)
 
 
 def read_trace(path: str) -> list[dict]:
