@@ -120,7 +120,7 @@ def test_a_killed_worker_stops_the_run_and_a_corrupt_newest_marker_falls_back_de
   from what launch 2 saved and completes; the replay of the recorded order from x_0, across both
   kills, lands on the parameters the workers hold, and TensorBoard holds every record once."""
   workdir = str(tmp_path / "run")
-  n, steps = 4, 120
+  n, steps = 3, 120  # three workers: a launch's start-up is most of its time on two cores
   args = run_args(workdir, "ripples_division", n, steps, ["--config.runtime.step_time=0.02"])
   died = {}
 
@@ -145,13 +145,13 @@ def test_a_killed_worker_stops_the_run_and_a_corrupt_newest_marker_falls_back_de
   stopped = [l for l in out.splitlines() if "received SIGTERM (stopped by the launcher" in l]
   assert len(stopped) == n and sum("[c] coordinator: " in l for l in stopped) == 1, out[-3000:]
   assert "last completed step per worker" in stopped[0]
-  assert "exit codes: coordinator 143, workers [143, 143, -9, 143]" in out
+  assert "exit codes: coordinator 143, workers [143, 143, -9]" in out
 
   # The newest marker every worker committed (the launcher's SIGTERM may have caught some in the
   # middle of a newer one): the one the rerun would agree on, had worker 2's copy not been corrupted.
   bad = min(newest_marker(workdir, w) for w in range(n))
   corrupt(workdir, bad, process=2)
-  others = {w: tree_digest(os.path.join(workdir, "ckpt", str(w))) for w in (0, 1, 3)}
+  others = {w: tree_digest(os.path.join(workdir, "ckpt", str(w))) for w in (0, 1)}
   code, out = launch_bounded(n, args + ["--config.runtime.fail_worker=1", "--config.runtime.fail_step=90"])
   assert code != 0 and "worker 1 kills itself at local step 90" in out, out[-3000:]
   resumed = [
