@@ -11,8 +11,10 @@ use, the children's CPU seconds over wall seconds x cores). Parts (--parts):
   straggler  16 processes, worker 3 5x slower: Smart GG over All-Reduce (the limit is 4.75: All-Reduce
              runs at the slow worker's pace, Smart GG at (15 + 1/5) / 16 of full speed); homogeneous:
              Static GG and Group Division over All-Reduce.
-  predict    8 and 16 processes, All-Reduce and Smart GG, homogeneous and with worker 3 5x slower: the
-             simulator's throughput fed with each run's measured costs (predicted) against the run's.
+  predict    8 and 16 processes (--predict_sizes), All-Reduce and Smart GG (--predict_algorithms: any
+             algorithm the runtime runs, Moshpit's grid rounds included), homogeneous and with worker 3
+             5x slower: the simulator's throughput fed with each run's measured costs (predicted)
+             against the run's.
 Throughput is summary.json's window_throughput (worker steps per second while every worker runs).
 """
 
@@ -35,6 +37,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("ar_steps", 24, "All-Reduce's steps when the straggler sets its pace.")
   flags.DEFINE_list("parts", ["setup", "straggler", "predict"], "Parts to run.")
   flags.DEFINE_list("sizes", ["16", "32"], "Process counts of the setup part.")
+  flags.DEFINE_list("predict_sizes", ["8", "16"], "Process counts of the predict part.")
+  flags.DEFINE_list("predict_algorithms", ["allreduce", "ripples_smart"], "Algorithms of the predict part.")
 
 
 def measured(out_dir, name, n, algorithm, steps, step_time, extra=()) -> dict:
@@ -65,7 +69,7 @@ def setup_row(r, n) -> dict:
 
 
 def fed_simulation(
-  r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), leave=(), total=None, detect=0.0
+  r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), leave=(), total=None, detect=0.0, inner_steps=1
 ):
   """The simulator fed with what a run measured: its unslowed step time and jitter, request round trip,
   the authority's service time per request (busy seconds / requests; its queueing is the simulator's),
@@ -110,6 +114,7 @@ def fed_simulation(
       server=cost,
       leave=tuple(leave),
       detect=detect,
+      inner_steps=inner_steps,  # DiLoCo's H (the run's diloco.inner_steps)
     )
   )
   fed = {
@@ -122,9 +127,9 @@ def fed_simulation(
   return trace, fed
 
 
-def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=()) -> dict:
+def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), inner_steps=1) -> dict:
   """The simulator's throughput for a run, fed with what that run measured (fed_simulation)."""
-  trace, fed = fed_simulation(r, n, algorithm, slowdown, slow)
+  trace, fed = fed_simulation(r, n, algorithm, slowdown, slow, inner_steps=inner_steps)
   throughput = trace.worker_steps.sum() / trace.end_time
   return {
     "measured": r["window_throughput"],
@@ -134,7 +139,16 @@ def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=()) -> dict
   }
 
 
-def run(out_dir, parts, sizes, step_time, steps, ar_steps) -> dict:
+def run(
+  out_dir,
+  parts,
+  sizes,
+  step_time,
+  steps,
+  ar_steps,
+  predict_sizes=(8, 16),
+  predict_algorithms=("allreduce", "ripples_smart"),
+) -> dict:
   out = {"step_time": step_time, "steps": steps, "cores": os.cpu_count()}
   if "setup" in parts:
     out["setup"] = {}
@@ -165,15 +179,15 @@ def run(out_dir, parts, sizes, step_time, steps, ar_steps) -> dict:
     out["straggler"] = rows
   if "predict" in parts:
     rows, slow = {}, ["--config.hetero.slow_workers=(3,)", "--config.hetero.slowdown=5"]
-    for n in (8, 16):
-      for name, algorithm, extra, k, s in (
-        ("homogeneous", "allreduce", (), steps, 1.0),
-        ("homogeneous", "ripples_smart", (), steps, 1.0),
-        ("slow5", "allreduce", slow, ar_steps, 5.0),
-        ("slow5", "ripples_smart", slow, steps, 5.0),
-      ):
-        r = measured(out_dir, f"predict{n}-{name}", n, algorithm, k, step_time, extra)
-        p = predicted(r, n, algorithm, s, (3,) if s > 1 else ())
+    paced = ("allreduce", "diloco")  # the straggler sets their pace: ar_steps
+    cases = [("homogeneous", a, (), steps, 1.0) for a in predict_algorithms]
+    cases += [("slow5", a, slow, ar_steps if a in paced else steps, 5.0) for a in predict_algorithms]
+    H = 8  # DiLoCo's inner steps in these runs
+    for n in predict_sizes:
+      for name, algorithm, extra, k, s in cases:
+        h = [f"--config.diloco.inner_steps={H}"] if algorithm == "diloco" else []
+        r = measured(out_dir, f"predict{n}-{name}", n, algorithm, k, step_time, [*extra, *h])
+        p = predicted(r, n, algorithm, s, (3,) if s > 1 else (), inner_steps=H if h else 1)
         rows[f"{n}/{name}/{algorithm}"] = {**p, "cpu_use": r["cpu_use"]}
     out["predict"] = rows
   return out
@@ -182,7 +196,14 @@ def run(out_dir, parts, sizes, step_time, steps, ar_steps) -> dict:
 def main(argv):
   del argv
   result = run(
-    FLAGS.out, FLAGS.parts, [int(s) for s in FLAGS.sizes], FLAGS.step_time, FLAGS.steps, FLAGS.ar_steps
+    FLAGS.out,
+    FLAGS.parts,
+    [int(s) for s in FLAGS.sizes],
+    FLAGS.step_time,
+    FLAGS.steps,
+    FLAGS.ar_steps,
+    [int(s) for s in FLAGS.predict_sizes],
+    FLAGS.predict_algorithms,
   )
   print_json(result, FLAGS.json_out)
 

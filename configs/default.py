@@ -31,7 +31,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # spmd: allreduce | ripples_static; sim: those and ps_sync | ps_async | adpsgd | dpsgd | ripples_random |
   # ripples_division | ripples_smart | diloco | moshpit; async: allreduce | ripples_static | ripples_random |
-  # ripples_division | ripples_smart | adpsgd
+  # ripples_division | ripples_smart | adpsgd | moshpit
   c.algorithm = arg.algorithm
   c.executor = arg.executor  # spmd: lockstep on the device mesh | sim: event-driven, virtual time
   # | async: one process per worker (experiments.launch, --jax_distributed)
@@ -71,7 +71,7 @@ def get_config(arg=None):
   c.diloco.inner_steps = 16  # H: local steps (the run's optimizer, per worker) between outer steps
   c.diloco.outer_lr = 0.7  # the outer step size on the pseudo-gradient
   c.diloco.outer_momentum = 0.9  # the outer Nesterov momentum (0: plain outer SGD)
-  c.moshpit = ml_collections.ConfigDict()  # algorithm=moshpit (Ryabinin et al., 2021; executor=sim)
+  c.moshpit = ml_collections.ConfigDict()  # algorithm=moshpit (Ryabinin et al., 2021; sim and async)
   c.moshpit.grid = default_grid(arg.num_workers)  # the virtual grid, its product num_workers: round r
   # averages within the workers that share every coordinate but the (r mod d)-th; one local step between
   # rounds; (4, 4) for 16 workers, (2, 4) for 8

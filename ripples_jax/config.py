@@ -262,6 +262,8 @@ NO_ELASTIC = {
   "allreduce": "every step averages over all workers, so no step can exclude a dead one (its elastic "
   "form is the restart of every worker from the newest checkpoint: experiments.launch --max_restarts)",
   "ripples_static": "its groups are fixed in advance and cannot exclude a member",
+  "diloco": "its outer step all-reduces over every worker (its elastic form is the restart of every "
+  "worker from the newest checkpoint: experiments.launch --max_restarts)",
 }
 
 

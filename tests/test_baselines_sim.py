@@ -181,10 +181,15 @@ def test_diloco_run_h1_records_allreduces_metrics(tmp_path):
   assert dl["worker_steps"] == ar["worker_steps"]
 
 
-@pytest.mark.parametrize("executor", ["spmd", "async"])
-def test_diloco_needs_the_simulator_and_no_leave(executor):
-  config = default_config.get_config(f"algorithm=diloco,executor={executor},num_workers=4")
-  with pytest.raises(ConfigError, match=r"^config\.algorithm: 'diloco' .* diloco needs executor=sim$"):
+def test_diloco_needs_a_clocked_executor_and_no_leave():
+  config = default_config.get_config("algorithm=diloco,executor=spmd,num_workers=4")
+  needs = r"^config\.algorithm: 'diloco' .* diloco needs executor=sim or executor=async$"
+  with pytest.raises(ConfigError, match=needs):
+    validate_train_config(config, num_devices=8, num_processes=5)
+  config = default_config.get_config("algorithm=diloco,executor=async,num_workers=4")
+  validate_train_config(config, num_devices=8, num_processes=5)
+  config.runtime.elastic = True  # its outer step needs every worker: restart-all is its elastic form
+  with pytest.raises(ConfigError, match=r"^config\.runtime\.elastic: True .* algorithm=diloco: its outer"):
     validate_train_config(config, num_devices=8, num_processes=5)
   config = sim_config("diloco", n=4, **{"hetero.leave": ((1, 0.1, -1),)})
   with pytest.raises(ConfigError, match=r"^config\.hetero\.leave: .* algorithm=diloco: its outer step"):
@@ -291,7 +296,7 @@ def test_moshpit_with_a_dead_peer_averages_its_groups_without_it():
   assert not np.allclose(ref[1], ref[0])  # the dead peer's pair partner lags: a real degradation
 
 
-def test_moshpit_grid_is_validated_and_needs_the_simulator():
+def test_moshpit_grid_is_validated_and_needs_a_clocked_executor():
   with pytest.raises(ConfigError, match=r"^config\.moshpit\.grid: \(3, 3\) is not allowed: .*num_workers=8"):
     validate_train_config(sim_config("moshpit", **{"moshpit.grid": (3, 3)}), num_devices=8)
   with pytest.raises(ConfigError, match=r"^config\.moshpit\.grid: \(1, 8\) is not allowed"):
@@ -299,5 +304,10 @@ def test_moshpit_grid_is_validated_and_needs_the_simulator():
   validate_train_config(sim_config("moshpit", **{"moshpit.grid": (2, 2, 2)}), num_devices=8)
   assert default_config.get_config("num_workers=16").moshpit.grid == (4, 4)
   config = default_config.get_config("algorithm=moshpit,executor=spmd,num_workers=8")
-  with pytest.raises(ConfigError, match=r"^config\.algorithm: 'moshpit' .* moshpit needs executor=sim$"):
+  needs = r"^config\.algorithm: 'moshpit' .* moshpit needs executor=sim or executor=async$"
+  with pytest.raises(ConfigError, match=needs):
     validate_train_config(config, num_devices=8)
+  config = default_config.get_config("algorithm=moshpit,executor=async,num_workers=4")
+  with pytest.raises(ConfigError, match=r"^config\.moshpit\.grid: \(2, 4\) is not allowed"):
+    config.moshpit.grid = (2, 4)
+    validate_train_config(config, num_devices=8, num_processes=5)

@@ -84,10 +84,10 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
   return service, executed, done_steps, taken, made, kv
 
 
-@pytest.mark.parametrize("algorithm", DYNAMIC)
+@pytest.mark.parametrize("algorithm", DYNAMIC + ("moshpit",))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_online_protocol_under_random_speeds_and_arrivals(algorithm, seed):
-  n, steps = 7, 30
+  n, steps = (8 if algorithm == "moshpit" else 7), 30  # Moshpit: the grid (2, 4)
   service, executed, done, taken, made, kv = run_threads(algorithm, n, steps, seed)
   assert sum(done) >= steps * n  # STOP came only once the steps were done
   for w in range(n):
@@ -111,6 +111,11 @@ def test_online_protocol_under_random_speeds_and_arrivals(algorithm, seed):
       by_request.setdefault(g.request, []).extend(g.members)
     assert all(sorted(m) == list(range(n)) for m in by_request.values())
     assert {len(g.members) for g in made} == {2, 3}  # 7 into 3s: 3, 2, 2
+  if algorithm == "moshpit":  # every worker's j-th group is its group of round j, along dimension j mod 2
+    layouts = schedule_lib.grid_layouts((2, 4))
+    for w in range(n):
+      groups = [sorted(e[2]) for e in taken[w] if e[0] == GROUP]
+      assert groups == [sorted(next(g for g in layouts[j % 2] if w in g)) for j in range(len(groups))]
 
 
 def test_a_request_is_answered_and_a_pending_group_is_taken_first():

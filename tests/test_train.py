@@ -186,7 +186,7 @@ BAD_SIM += [
     "algorithm",
     "ps_sync",
     "config.algorithm: 'ps_sync' is not allowed: one of allreduce, "
-    "ripples_static, ripples_random, ripples_division, ripples_smart, adpsgd with executor=async; "
+    "ripples_static, ripples_random, ripples_division, ripples_smart, moshpit, adpsgd, diloco with executor=async; "
     "ps_sync needs executor=sim",
   ),
   (

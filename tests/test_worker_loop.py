@@ -28,7 +28,7 @@ def run(entries, resumed: bool, monkeypatch):
   monkeypatch.setattr(worker_lib, "mark", lambda w, loop, log, t, entry, wd: events.append(entry[1]))
   averager = types.SimpleNamespace(average=lambda members, flat: events.append(members) or flat)
   rt = types.SimpleNamespace(fail_worker=-1, fail_step=0, stall_timeout=1.0)
-  worker = types.SimpleNamespace(rt=rt, me=0, averager=averager, now=lambda: 0.0)
+  worker = types.SimpleNamespace(rt=rt, me=0, averager=averager, now=lambda: 0.0, outer_step=None)
   loop = process_lib.Loop({"flat": jnp.zeros(2)}, resumed_at=0 if resumed else None)
   trace = types.SimpleNamespace(add=lambda **kw: None)
   worker_lib.run_loop(worker, loop, None, Queue(entries), trace, {"steps": 0, "events": 0}, "")

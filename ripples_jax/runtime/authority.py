@@ -428,13 +428,19 @@ class LocalFeed:
     eval_every: int,
     checkpoint_every: int,
     resume_point: int = 0,
+    average_last: bool = False,
   ):
+    """average_last (DiLoCo): the group of every worker after the last step, then STOP (its outer step
+    makes the run's model the global one); otherwise STOP follows the last step at once."""
     from ripples_jax.schedule.online import fixed_entry
 
     self._fixed = lambda k: fixed_entry(layouts, num_workers, worker, k)
+    everyone = ((tuple(range(num_workers)),),)
+    self._last = (lambda k: fixed_entry(everyone, num_workers, worker, k)) if average_last else None
     self.num_steps, self.every = num_steps, (("eval", eval_every), ("ckpt", checkpoint_every))
     self._gen = self._entries(resume_point)
     self.rtts, self.blocked, self.requests, self.taken = Durations(), Durations(), 0, 0
+    self.steps_over = False
 
   def _entries(self, start: int):
     for k in range(start, self.num_steps):
@@ -442,7 +448,13 @@ class LocalFeed:
         for kind, every in self.every:
           if k and every and k % every == 0:
             yield (MARK, kind, k // every)
-      yield (STOP,) if k == self.num_steps - 1 else self._fixed(k)
+      if k < self.num_steps - 1:
+        yield self._fixed(k)
+        continue
+      if self._last is not None:
+        self.steps_over = True  # the worker takes this group without a step after it, then STOP
+        yield self._last(k)
+      yield (STOP,)
 
   def report(self, *args) -> None:
     pass

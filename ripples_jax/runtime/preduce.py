@@ -39,6 +39,8 @@ from ripples_jax.schedule.online import DYNAMIC
 def member_sets_per_worker(config) -> int:
   """How many distinct groups containing one worker the run's generator can form (an upper bound)."""
   n = config.num_workers
+  if config.algorithm == "moshpit":  # one group per grid dimension (a dead peer's: elastic, pairs)
+    return len(config.moshpit.grid)
   if config.algorithm in DYNAMIC:  # groups of 2 .. group_size (Division and Smart GG form smaller ones)
     return sum(math.comb(n - 1, s - 1) for s in range(2, config.schedule.group_size + 1))
   return n  # All-Reduce: one set; Static GG: one per layout, a few

@@ -28,7 +28,7 @@ from ripples_jax.distributed import coord
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite
-from ripples_jax.runtime import membership
+from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import make_averager
 from ripples_jax.timeline import slow_at
@@ -71,7 +71,7 @@ def make_step_fns(model, optimizer, unravel, local_mesh: Mesh):
 class Loop:
   """This worker's loop state (its checkpoint's cursor and arrays)."""
 
-  state: dict  # {"flat": D, "opt_state"} on this worker's devices
+  state: dict  # {"flat": D, "opt_state"} on this worker's devices (DiLoCo: and "outer")
   steps_done: int = 0  # this worker's local steps
   last_gid: int = -1  # the newest group it executed (global sequence number)
   epoch: int = 0  # checkpoint markers passed (trace events carry it: resume cuts there)
@@ -105,6 +105,11 @@ class Worker:
     flat0, self.unravel = ravel_pytree({"params": params, "model_state": model_state})
     # From host copies: the step donates its input, so every fresh state needs buffers of its own.
     self._flat0, self._opt0 = np.asarray(flat0), jax.device_get(s.optimizer.init(params))
+    # DiLoCo: the outer step after each All-Reduce, on the global model every worker keeps a copy of.
+    self._outer0, self.outer_step = None, None
+    if config.algorithm == "diloco":
+      self._outer0 = diloco.init_outer(self._flat0)
+      self.outer_step = diloco.make_outer_step(config, params, model_state)
     self.place(life)
     self.t_start = 0.0  # perf_counter at the run's common start (minus the time before a resume)
 
@@ -138,7 +143,10 @@ class Worker:
     return time.perf_counter() - self.t_start
 
   def fresh(self) -> dict:
-    return jax.device_put({"flat": self._flat0, "opt_state": self._opt0}, self.rep)
+    state = {"flat": self._flat0, "opt_state": self._opt0}
+    if self._outer0 is not None:
+      state["outer"] = self._outer0
+    return jax.device_put(state, self.rep)
 
   def batch(self, step: int):
     c, s = self.config, self.s
@@ -214,7 +222,7 @@ class Worker:
   def unpack(self, local, cursor: dict) -> Loop:
     f64 = lambda a: float(np.asarray(a).view(np.float64)[0])
     return Loop(
-      {"flat": local["flat"], "opt_state": local["opt_state"]},
+      {k: local[k] for k in ("flat", "opt_state", "outer") if k in local},
       int(local["steps_done"]),
       int(local["last_gid"]),
       cursor["mark"],

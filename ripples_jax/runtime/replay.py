@@ -88,6 +88,7 @@ def _groups(traces: dict, num_workers: int) -> tuple[dict, dict]:
       if e["k"] == "group":
         g = info.setdefault(e["g"], {"m": tuple(e["m"]), "applied": set(), "failed": set(), "incs": None})
         g["join"] = set(e.get("join", ()))
+        g["outer"] = bool(e.get("outer"))  # DiLoCo: the group's mean takes the outer step
         g["incs"] = e.get("i", g["incs"])
         (g["failed"] if e.get("failed") else g["applied"]).add(w)
     seqs[w] = worker_sequence(events)
@@ -158,7 +159,9 @@ class _Merge:
     for f in sorted(i["failed"]):
       out.append((0.0, timeline.PULL, n + f, f))
     weighted = tuple(m for m in i["m"] if m not in i["join"]) or i["m"]
-    if len(weighted) > 1:
+    if i["outer"]:  # every worker's (DiLoCo has no elastic form): the engine's outer step
+      out.append((0.0, timeline.OUTER, weighted, None))
+    elif len(weighted) > 1:
       out.append((0.0, timeline.AVG, weighted, None))
     for j in sorted(i["join"] & i["applied"]):
       out.append((0.0, timeline.JOIN, j, weighted[0]))
@@ -219,7 +222,12 @@ def replay(config, workdir: str) -> dict:
   state = engine.init_sim_state(
     model, optimizer, jax.random.key(config.seed), data["x_train"][:1], slots, mesh
   )
-  round_fn = engine.make_sim_round_fn(model, optimizer, mesh, n, slots, pull=elastic)
+  outer = None  # DiLoCo: the engine's outer step (lr, Nesterov momentum), its global model in the state
+  if config.algorithm == "diloco":
+    outer = (float(config.diloco.outer_lr), float(config.diloco.outer_momentum))
+  round_fn = engine.make_sim_round_fn(model, optimizer, mesh, n, slots, pull=elastic, outer=outer)
+  if outer is not None:
+    state["outer"] = engine.init_outer_state(state["params"])
   sharding = engine.worker_sharding(mesh)
   put = lambda a: jax.device_put(a, sharding)
   starts = np.zeros(slots, np.int64)
@@ -242,6 +250,7 @@ def replay(config, workdir: str) -> dict:
       put(r["pull_src"]),
       put(r["start"]),
       *([put(r["reset"])] if "reset" in r else []),
+      **({"outer_now": r["outer"]} if outer is not None else {}),
     )
     starts += r["start"]
   keep = lambda a: a[:n]  # the workers' slots, not the scratch ones

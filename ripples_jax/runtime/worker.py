@@ -31,7 +31,7 @@ from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import authority as authority_lib
-from ripples_jax.runtime import membership
+from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.process import (
   Loop,
@@ -84,10 +84,20 @@ def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
     ahead = asks_ahead(c)  # Random GG, Group Division: at a step's start; Smart GG: just before its end
     lead = bool(c.schedule.request_ahead) and not ahead
     return authority_lib.Feed(kv, me, worker.now, ahead, lead=lead, inc=inc, taken=taken)
-  layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
+  if c.algorithm == "diloco":  # the All-Reduce after every H-th step, and after the last one
+    layouts = diloco.layouts(c)
+  else:
+    layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
   point = loop.syncs if loop.resumed_at is not None else 0
   return authority_lib.LocalFeed(
-    layouts, c.num_workers, me, c.num_steps, c.eval_every, worker.rt.checkpoint_every, point
+    layouts,
+    c.num_workers,
+    me,
+    c.num_steps,
+    c.eval_every,
+    worker.rt.checkpoint_every,
+    point,
+    average_last=c.algorithm == "diloco",
   )
 
 
@@ -228,6 +238,7 @@ def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, wor
     elif loop.joining:  # no group was made for it (Smart GG skipped it): ask again a base step later
       time.sleep(loop.last_step_time)
     step_first = not loop.joining  # a joiner whose first group failed asks again, without a step
+    step_first &= not getattr(feed, "steps_over", False)  # DiLoCo's last outer step: STOP comes next
     progress["events"] += 1
 
 
@@ -254,10 +265,15 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
     elif fails_here(worker, loop, "slow"):
       hook = slow_once(collective_timeout_s(worker.rt) + 1.0)
     flat, failed = worker.averager.average_elastic(members, loop.state["flat"], joiners, loop.incs, hook)
+  outer = worker.outer_step is not None
+  if outer:  # DiLoCo: the outer step from the workers' mean (runtime/diloco.py)
+    flat, loop.state["outer"] = worker.outer_step(flat, loop.state["outer"])
   flat.block_until_ready()
   loop.state["flat"] = flat
   loop.last_gid = gid
   event = {"k": "group", "c": loop.epoch, "g": gid, "m": list(members), "t0": t0, "t1": worker.now()}
+  if outer:
+    event["outer"] = True
   if joiners:
     event["join"] = list(joiners)
   if failed:

@@ -16,9 +16,9 @@ request carrying its measured step time and waits for its next entry. With reque
 (schedule.request_ahead, the default; `asks_ahead`) a worker whose queue is empty when a step
 *starts* sends the request for the entry after that step at once, so the round trip overlaps the
 step. Only for generators whose groups do not depend on when they are made (Random GG, Group
-Division): Smart GG groups the workers that are ready together, so its requests are sent when ready
-(sent ahead, a request would be decided on the speeds before a straggler's first slow step). The authority
-generates groups
+Division, Moshpit's grid rounds): Smart GG groups the workers that are ready together, so its
+requests are sent when ready (sent ahead, a request would be decided on the speeds before a
+straggler's first slow step). The authority generates groups
 on these actual arrivals and appends each group to all its members' queues under one global sequence
 number (gid); markers and STOP go to every queue at once.
 
@@ -43,9 +43,10 @@ import numpy as np
 from ripples_jax.schedule.group_gen import GGView, GroupBuffer
 
 GROUP, NONE, MARK, STOP, MEMBER = "G", "N", "M", "S", "E"
-DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart")
+# The generators the authority drives (Moshpit's grid rounds too: a request appends one whole round).
+DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart", "moshpit")
 FIXED = ("allreduce", "ripples_static")
-RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd",)  # what executor=async runs
+RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd", "diloco")  # what executor=async runs
 ADPSGD_PASSIVE = ("concurrent", "blocking")  # runtime.adpsgd_passive
 PREDUCE_MODES = ("auto", "group", "pairs")  # runtime.preduce (runtime/preduce.py)
 

@@ -1,0 +1,115 @@
+"""Today's baselines in the asynchronous runtime (executor=async, real processes): Moshpit SGD's grid
+rounds through the authority, and DiLoCo's All-Reduce every H steps with its outer step, each
+replayed exactly by the engine."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from configs import default as default_config
+from ripples_jax import engine
+from ripples_jax import schedule as schedule_lib
+from ripples_jax.runtime import diloco
+from ripples_jax.runtime import trace as trace_lib
+from tests.test_runtime import MODEL, assert_replay_matches, launch_bounded, make_config, run_args
+
+
+def groups_of(traces, w):
+  return [sorted(e["m"]) for e in traces[w] if e["k"] == "group"]
+
+
+@pytest.mark.slow
+@pytest.mark.nightly  # the full tier's Moshpit rounds are the online protocol's (tests/test_online.py)
+def test_moshpit_on_four_processes_alternates_grid_dimensions_and_replays(tmp_path):
+  """4 workers on the grid (2, 2): the authority appends one whole round per request, so every
+  worker's j-th group is its group along dimension j mod 2 (never a group of another shape), and the
+  engine's replay of the recorded order lands on every worker's model."""
+  workdir, steps = str(tmp_path / "run"), 32
+  args = run_args(
+    workdir, "moshpit", 4, steps, ["--config.runtime.step_time=0.01", "--config.moshpit.grid=(2,2)"]
+  )
+  code, out = launch_bounded(4, args)
+  assert code == 0, out[-3000:]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert sum(summary["worker_steps"]) >= 4 * steps and summary["authority"]["requests"] > 0
+  layouts = schedule_lib.grid_layouts((2, 2))
+  traces = trace_lib.load_traces(workdir)
+  for w in range(4):
+    got = groups_of(traces, w)
+    assert len(got) >= steps // 2, got
+    assert got == [sorted(next(g for g in layouts[j % 2] if w in g)) for j in range(len(got))], (w, got)
+  config = make_config("moshpit", 4, steps, MODEL)
+  config.moshpit.grid = (2, 2)
+  assert_replay_matches(config, workdir, tmp_path)
+
+
+def test_diloco_outer_step_on_the_flat_layout_is_the_engines():
+  """runtime/diloco.py's outer step on one worker's flat {"params", "model_state"} equals the engine's
+  over the stacked workers (engine.diloco_outer_step, which the replay runs), two rounds (momentum)."""
+  rng = np.random.default_rng(0)
+  S, lr, mu = 3, 0.7, 0.9
+  params = {"a": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=5).astype(np.float32)}
+  state = {"bn": rng.normal(size=6).astype(np.float32)}
+  config = default_config.get_config("algorithm=diloco,executor=async,num_workers=3")
+  config.diloco.outer_lr, config.diloco.outer_momentum = lr, mu
+  step = diloco.make_outer_step(config, params, state)
+  flat0, unravel = ravel_pytree({"params": params, "model_state": state})
+  outer, want = diloco.init_outer(flat0), engine.init_outer_state(stack([params] * S))
+  for _ in range(2):
+    workers = [
+      jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(np.float32), params) for _ in range(S)
+    ]
+    states = [
+      jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(np.float32), state) for _ in range(S)
+    ]
+    got_p, got_s, want = engine.diloco_outer_step(lr, mu, stack(workers), stack(states), want)
+    mean = ravel_pytree({"params": mean_of(workers), "model_state": mean_of(states)})[0]
+    flat, outer = step(mean, outer)
+    tree = unravel(flat)
+    for w in range(S):  # every slot restarts from the new global model, the state averaged
+      jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b[w], rtol=1e-5, atol=1e-6), tree["params"], got_p
+      )
+      jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b[w], rtol=1e-5, atol=1e-6), tree["model_state"], got_s
+      )
+
+
+def stack(trees):
+  return jax.tree.map(lambda *a: np.stack(a), *trees)
+
+
+def mean_of(trees):
+  return jax.tree.map(lambda *a: np.mean(np.stack(a), axis=0), *trees)
+
+
+@pytest.mark.slow
+def test_diloco_on_two_processes_averages_every_h_steps_and_replays(tmp_path):
+  """2 workers, H = 4: the All-Reduce with its outer step after every 4th local step and after the
+  last, nothing between; the engine's replay (its OUTER events) lands on every worker's model, which is
+  the one global model."""
+  n, workdir, steps, H = 2, str(tmp_path / "run"), 30, 4
+  args = run_args(
+    workdir, "diloco", n, steps, ["--config.runtime.step_time=0.01", f"--config.diloco.inner_steps={H}"]
+  )
+  code, out = launch_bounded(n, args)
+  assert code == 0, out[-3000:]
+  traces = trace_lib.load_traces(workdir)
+  for w in range(n):
+    done, at = 0, []
+    for e in traces[w]:
+      done += e["k"] == "step"
+      if e["k"] == "group":
+        assert e["outer"] and e["m"] == list(range(n)), e
+        at.append(done)
+    assert done == steps and at == [*range(H, steps, H), steps], (w, at)
+  finals = [np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy")) for w in range(n)]
+  for f in finals[1:]:
+    np.testing.assert_allclose(f, finals[0], rtol=1e-6, atol=1e-7)
+  config = make_config("diloco", n, steps, MODEL)
+  config.diloco.inner_steps = H
+  assert_replay_matches(config, workdir, tmp_path)
