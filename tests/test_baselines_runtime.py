@@ -1,6 +1,6 @@
 """Today's baselines in the asynchronous runtime (executor=async, real processes): Moshpit SGD's grid
-rounds through the authority, and DiLoCo's All-Reduce every H steps with its outer step, each
-replayed exactly by the engine."""
+rounds through the authority (elastic: without a dead worker), and DiLoCo's All-Reduce every H steps
+with its outer step, each replayed exactly by the engine."""
 
 import json
 import os
@@ -113,3 +113,33 @@ def test_diloco_on_two_processes_averages_every_h_steps_and_replays(tmp_path):
   config = make_config("diloco", n, steps, MODEL)
   config.diloco.inner_steps = H
   assert_replay_matches(config, workdir, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+def test_moshpit_goes_on_without_a_dead_worker_and_replays(tmp_path):
+  """Elastic Moshpit (runtime.elastic) on the grid (2, 2): worker 2 dies at its step 20; the rounds made
+  after its leave average its grid groups without it (worker 0's group along dimension 0 and worker
+  3's along dimension 1 become groups of one, which are none), the others end at the budget, and the
+  replay equals their models."""
+  from tests.test_elastic import assert_replayed, elastic_run, traces_of
+
+  steps = 120
+  fail = ["--config.runtime.fail_worker=2", "--config.runtime.fail_step=20", "--config.moshpit.grid=(2,2)"]
+  code, out, workdir, summary = elastic_run(tmp_path, steps, fail, algorithm="moshpit")
+  assert code == 0, out[-3000:]
+  assert "worker 2 exited with -9 (SIGKILL); the run goes on without it" in out
+  assert [e[1:] for e in summary["membership"]] == [[2, "leave"]], summary["membership"]
+  traces = traces_of(workdir)
+  after = [sorted(e["m"]) for w in (0, 1, 3) for e in after_leave(traces[w], 2) if e["k"] == "group"]
+  assert after and {tuple(m) for m in after} <= {(0, 1), (1, 3)}, after  # (0, 2) and (2, 3) lost worker 2
+  assert sum(summary["worker_steps"]) + summary["unmade_steps"] >= 4 * steps
+  assert_replayed(workdir, steps, "moshpit")
+
+
+def after_leave(events, worker):
+  """The events after this trace's membership entry for `worker`'s leave."""
+  at = next(
+    i for i, e in enumerate(events) if e["k"] == "member" and e["w"] == worker and e["kind"] == "leave"
+  )
+  return events[at + 1 :]
