@@ -32,15 +32,16 @@ def make_outer_step(config, params, model_state):
   """Jitted outer_step(mean_D, outer) -> (flat_D, outer) on the flat layout of {"params", "model_state"}
   (ravel_pytree's): the params' entries take the outer step, the model state's the mean."""
   lr, mu = float(config.diloco.outer_lr), float(config.diloco.outer_momentum)
-  ones = lambda tree, v: jax.tree.map(lambda a: jnp.full(jnp.shape(a), v, jnp.asarray(a).dtype), tree)
-  is_param_D, _ = ravel_pytree({"params": ones(params, 1), "model_state": ones(model_state, 0)})
+  ones_D, _ = ravel_pytree(
+    {"params": jax.tree.map(jnp.ones_like, params), "model_state": jax.tree.map(jnp.zeros_like, model_state)}
+  )
+  is_param_D = ones_D > 0
 
   @jax.jit
   def outer_step(mean_D, outer):
-    g = is_param_D * (outer["global"] - mean_D)  # the pseudo-gradient (0 on the model state)
+    g = jnp.where(is_param_D, outer["global"] - mean_D, 0)  # the pseudo-gradient
     m = mu * outer["momentum"] + g
-    new = outer["global"] - lr * (g + mu * m)
-    flat = jnp.where(is_param_D > 0, new, mean_D)
-    return flat, {"global": jnp.where(is_param_D > 0, new, outer["global"]), "momentum": m}
+    new = outer["global"] - lr * (g + mu * m)  # the model state's entries stay (g and m are 0 there)
+    return jnp.where(is_param_D, new, mean_D), {"global": new, "momentum": m}
 
   return outer_step
