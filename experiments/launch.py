@@ -15,8 +15,20 @@ coordinator) and the others are stopped (SIGTERM, then SIGKILL after --grace_s);
 SIGTERM, SIGINT or SIGHUP to the launcher. The exit code is that process's (128 + k for signal k), or
 128 + k after signal k to the launcher. Bad input (a flag that does not parse, or a value that cannot
 run) is one line on stderr and exit code 2, before anything starts; more workers than CPU cores is one
-warning line. On a cluster, run experiments.train with --jax_distributed once per host/GPU instead,
-plus one coordinator process for executor=async (README).
+warning line.
+
+Several nodes (torchrun's flags): one launcher per node, each starting --num_processes workers and
+restarting its own (--max_restarts); node 0 also runs the coordinator at --coordinator_address, which
+every node reaches:
+
+  python -m experiments.launch --nnodes=2 --node_rank=R --coordinator_address=HEAD:29500 \
+      --num_processes=8 --max_restarts=3 -- --config=configs/default.py:executor=async,num_workers=16 \
+      --config.runtime.elastic=True --workdir=/shared/runs/async
+
+An elastic run survives the loss of a whole node other than node 0 (its workers leave the run); node 0
+hosts the coordinator, and its loss ends the run on every node (rerun every node's command: the run
+resumes from the newest marker). Or run experiments.train with --jax_distributed once per host/GPU,
+plus one coordinator process for executor=async (docs/usage.md).
 """
 
 import re
@@ -24,7 +36,7 @@ import sys
 
 from absl import app, flags
 
-from ripples_jax.distributed.launcher import launch
+from ripples_jax.distributed.launcher import Node, launch
 
 from . import config_args
 
@@ -49,7 +61,35 @@ _MAX_RESTARTS = flags.DEFINE_integer(
   "worker, the others go on and the restarted worker rejoins. Otherwise every process restarts and "
   "resumes from the newest checkpoint.",
 )
-_OWN = (_NUM_PROCESSES, _CPU_DEVICES, _PLATFORM, _GRACE, _MODULE, _PORT, _MAX_RESTARTS)
+_NNODES = flags.DEFINE_integer("nnodes", 1, "Nodes of the job (torchrun's name); one launcher runs on each.")
+_NODE_RANK = flags.DEFINE_integer(
+  "node_rank", 0, "This node's rank, 0..nnodes-1: node r starts workers r*N..r*N+N-1; node 0 the coordinator."
+)
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+  "coordinator_address",
+  "",
+  "HOST:PORT of node 0's coordinator, which every node reaches (required with --nnodes > 1; default: "
+  "127.0.0.1 and --port).",
+)
+_NODE_ADDRESS = flags.DEFINE_string(
+  "node_address",
+  "",
+  "Where this node's workers' gloo listeners bind (default: loopback for a loopback coordinator, else "
+  "what the host's name resolves to).",
+)
+_OWN = (
+  _NUM_PROCESSES,
+  _CPU_DEVICES,
+  _PLATFORM,
+  _GRACE,
+  _MODULE,
+  _PORT,
+  _MAX_RESTARTS,
+  _NNODES,
+  _NODE_RANK,
+  _COORDINATOR_ADDRESS,
+  _NODE_ADDRESS,
+)
 _KINDS = {"int": "an integer", "float": "a number"}
 
 
@@ -95,6 +135,7 @@ def main(argv):
       coordinator=config_args.runs_async(_MODULE.value, argv[1:]),
       max_restarts=_MAX_RESTARTS.value,
       elastic=config_args.runs_elastic(_MODULE.value, argv[1:]),
+      node=Node(_NNODES.value, _NODE_RANK.value, _COORDINATOR_ADDRESS.value, _NODE_ADDRESS.value),
     )
   except ValueError as e:  # bad input, found before anything starts
     sys.stderr.write(f"error: {e}\n")

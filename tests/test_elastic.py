@@ -1221,3 +1221,78 @@ def test_adpsgd_a_stalled_passive_worker_is_removed_and_rejoins(tmp_path):
   # No exchange it served began after its removal (it served none once it knew).
   assert not [e for e in traces[2][:rejoin] if e["k"] == "group" and e["t0"] > leave]
   assert_replayed(workdir, steps, "adpsgd")
+
+
+def start_node(rank, port, args, max_restarts, log_path):
+  """One node launcher of a 2-node job on this machine: node r's workers' gloo listeners on loopback
+  address 127.0.0.(r + 1), the coordinator on node 0 at 127.0.0.1:port."""
+  import subprocess
+  import sys
+
+  from tests.test_runtime import ROOT
+
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.launch",
+    "--nnodes=2",
+    f"--node_rank={rank}",
+    f"--coordinator_address=127.0.0.1:{port}",
+    f"--node_address=127.0.0.{rank + 1}",
+    "--num_processes=2",
+    f"--max_restarts={max_restarts}",
+    "--grace_s=10",
+    "--",
+    *args,
+  ]
+  log = open(log_path, "w")
+  return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+@pytest.mark.slow
+def test_a_node_launcher_restarts_its_workers_across_nodes_and_a_lost_node_is_survived(tmp_path):
+  """Two node launchers on this machine (loopback addresses 127.0.0.1 and .2), 2 workers each, node 0
+  also the coordinator. Worker 3 (node 1) kills itself; node 1's launcher restarts it and it rejoins
+  the run, averaging with node 0's workers. Then node 1 vanishes (its launcher and both workers
+  SIGKILLed: a host loss): node 0's workers finish the budget, the run ends with exit 0, replayed."""
+  from ripples_jax.distributed.launcher import free_port
+
+  steps, port, workdir = 250, free_port(), str(tmp_path / "run")
+  args = run_args(workdir, "ripples_random", 4, steps, [*ELASTIC, "--config.runtime.fail_worker=3"])
+  args.append("--config.runtime.fail_step=20")
+  nodes = [start_node(r, port, args, 1, tmp_path / f"node{r}.out") for r in (0, 1)]
+  log = []
+  try:
+    rejoined = when_traced(workdir, 3, lambda ev: averaged_as(ev, 1), timeout_s=150)
+    log.append("rejoined" if rejoined else "worker 3 never averaged as its second life")
+    if rejoined:
+      victims = [process_of(workdir, w) for w in (2, 3)]
+      os.kill(nodes[1][0].pid, signal.SIGKILL)  # the launcher first: nothing restarts its workers
+      for pid in victims:
+        if pid is not None:
+          os.kill(pid, signal.SIGKILL)
+      log.append(f"node 1 lost: {victims}")
+    code = nodes[0][0].wait(timeout=150)
+  finally:
+    for p, f in nodes:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+      f.close()
+  out = [open(tmp_path / f"node{r}.out").read() for r in (0, 1)]
+  assert log[0] == "rejoined" and None not in eval(log[1].split(": ")[1]), (log, out[1][-3000:])
+  assert code == 0, out[0][-3000:]
+  assert "2 workers and a coordinator (workers 0..1; node 0 of 2) on 127.0.0.1" in out[0]
+  assert "2 workers (workers 2..3; node 1 of 2) on 127.0.0.1" in out[1]
+  assert "worker 3 exited with -9 (SIGKILL); restarting it (1 of 1): it rejoins the run" in out[1]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  kinds = {w: [e[2] for e in summary["membership"] if e[1] == w] for w in range(4)}
+  assert kinds[3] == ["leave", "rejoin", "first_group", "leave"] and kinds[2] == ["leave"], summary
+  assert kinds[0] == kinds[1] == []
+  traces = traces_of(workdir)
+  first = next(e for e in traces[3] if e["k"] == "group" and e.get("join") and not e.get("failed"))
+  assert 3 in first["join"] and {0, 1} & set(first["m"]), first  # across nodes: with node 0's workers
+  assert not groups_after_leave(traces, 2)
+  assert sum(summary["worker_steps"]) + summary["unmade_steps"] >= 4 * steps
+  assert "exit codes: coordinator 0, workers [0, 0]" in out[0]
+  assert_failures_counted(traces, summary)
+  assert_replayed(workdir, steps)

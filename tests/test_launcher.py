@@ -287,6 +287,63 @@ def test_gloo_binds_loopback_exactly_when_the_coordinator_is_loopback():
   assert coord.collectives_host("node-017:1234") is None
 
 
+def test_a_node_address_decides_where_gloo_binds(monkeypatch):
+  """A node launcher's --node_address reaches its workers (start_worker's env) and wins over the
+  coordinator's rule; without it the rule stands."""
+  from ripples_jax.distributed import addresses
+  from ripples_jax.distributed.launcher import child_env
+
+  monkeypatch.setenv(addresses.COLLECTIVES_HOST_ENV, "127.0.0.2")
+  assert coord.collectives_host("127.0.0.1:1234") == "127.0.0.2"
+  assert coord.collectives_host("10.0.0.7:1234") == "127.0.0.2"
+  monkeypatch.delenv(addresses.COLLECTIVES_HOST_ENV)
+  assert addresses.COLLECTIVES_HOST_ENV not in child_env(1, "cpu")
+  assert coord.collectives_host("127.0.0.1:1234") == "127.0.0.1"
+
+
+def test_node_roles_number_every_process_of_the_job_once():
+  """Two nodes of 3 workers each, with a coordinator: node 0 starts the coordinator (process 0) and
+  workers 0..2 (processes 1..3), node 1 workers 3..5 (processes 4..6); each names and finds only its
+  own. Without a coordinator, node 1's processes are 3..5 and are workers 3..5."""
+  from ripples_jax.distributed.launcher import Node, Roles
+
+  head, other = (Roles(3, True, Node(2, r, "127.0.0.1:9")) for r in (0, 1))
+  assert head.total == other.total == 7 and (head.local, other.local) == (4, 3)
+  assert [head.process_id(i) for i in range(4)] == [0, 1, 2, 3]
+  assert [other.process_id(i) for i in range(3)] == [4, 5, 6]
+  assert [head.name(i) for i in range(4)] == ["coordinator", "worker 0", "worker 1", "worker 2"]
+  assert [other.prefix(i) for i in range(3)] == ["[w3]", "[w4]", "[w5]"]
+  assert [other.local_worker(i) for i in range(3)] == [0, 1, 2]  # its GPUs
+  assert [head.local_worker(i) for i in range(1, 4)] == [0, 1, 2]
+  assert [other.process(w) for w in (2, 3, 5, 6, coord.COORDINATOR)] == [None, 0, 2, None, None]
+  assert head.process(coord.COORDINATOR) == 0 and head.process(3) is None
+  assert other.codes([0, 0, 75]) == "workers 3..5: [0, 0, 75]"
+  plain = Roles(3, False, Node(2, 1, "127.0.0.1:9"))
+  assert plain.total == 6 and [plain.process_id(i) for i in range(3)] == [3, 4, 5]
+  assert [plain.worker(i) for i in range(3)] == [3, 4, 5]
+  assert Roles(2, True).codes([0, 0, 0]) == "coordinator 0, workers [0, 0]"  # one node: as before
+
+
+@pytest.mark.parametrize(
+  "node,message",
+  [
+    ((0, 0, ""), "--nnodes=0 is not allowed: at least 1 node"),
+    ((2, 2, "127.0.0.1:9"), "--node_rank=2 is not allowed: 0..1 (--nnodes=2)"),
+    ((2, 1, ""), "--nnodes=2 needs --coordinator_address=HOST:PORT"),
+    ((2, 1, "head"), "--coordinator_address=head is not allowed: HOST:PORT"),
+    ((2, 1, "head:0"), "--coordinator_address=head:0 is not allowed: a port in 1..65535"),
+  ],
+)
+def test_a_node_that_cannot_run_is_one_line_before_anything_starts(node, message):
+  from ripples_jax.distributed.launcher import Node, launch
+
+  with pytest.raises(ValueError) as e:
+    launch(1, [], node=Node(*node))
+  assert str(e.value).startswith(message), str(e.value)
+  with pytest.raises(ValueError, match="--port=5 is not allowed with --coordinator_address"):
+    launch(1, [], port=5, node=Node(2, 1, "head:9"))
+
+
 @pytest.mark.parametrize(
   "address,process_id", [("127.0.0.1:1234", 0), ("10.0.0.7:1234", 0), ("10.0.0.7:1234", 1)]
 )

@@ -6,7 +6,12 @@ and the local launcher; collectives_host, where gloo's listeners go.
 
 import errno
 import ipaddress
+import os
 import socket
+
+# Where this process's gloo listeners bind, when its launcher says so: a node launcher's --node_address
+# (several nodes on one host, each on a loopback address of its own, bind there, not the coordinator's).
+COLLECTIVES_HOST_ENV = "RIPPLES_COLLECTIVES_HOST"
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -37,7 +42,10 @@ def collectives_host(coordinator_address: str) -> str | None:
   """The address gloo's TCP listeners (the CPU collectives: unauthenticated tensor traffic) should bind:
   loopback when the coordinator is a loopback address (every process is on this host: the local
   launcher's case), else None, JAX's default (what this host's name resolves to; other hosts must reach it).
+  A node launcher's --node_address (COLLECTIVES_HOST_ENV) comes first.
   """
+  if given := os.environ.get(COLLECTIVES_HOST_ENV):
+    return given
   host, _ = split_address(coordinator_address)
   if host == "localhost":
     return "127.0.0.1"

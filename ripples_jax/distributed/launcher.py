@@ -26,6 +26,7 @@ Bad input (launch's arguments) raises ValueError before anything starts; more wo
 CPU cores is one warning line, and the job runs.
 """
 
+import dataclasses
 import errno
 import importlib.util
 import math
@@ -38,7 +39,7 @@ import sys
 import threading
 import time
 
-from ripples_jax.distributed import coord
+from ripples_jax.distributed import addresses, coord
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 MEANING = {
@@ -144,34 +145,67 @@ class _LibraryLines:
       return False
 
 
-class Roles:
-  """Who each launched process is: process i is worker i, or, with a coordinator (an executor=async
-  run), process 0 is the coordinator and process i is worker i - 1."""
+@dataclasses.dataclass(frozen=True)
+class Node:
+  """Which node of a multi-node job this launcher is (torchrun's --nnodes/--node_rank): every node runs
+  `num_processes` workers, node 0 also the coordinator; `coordinator_address` (host:port) is where node
+  0's coordination service listens (required with nnodes > 1); `address` is where this node's gloo
+  listeners bind ('' : the rule of addresses.collectives_host)."""
 
-  def __init__(self, num_workers: int, coordinator: bool):
+  nnodes: int = 1
+  rank: int = 0
+  coordinator_address: str = ""
+  address: str = ""
+
+
+class Roles:
+  """Who each process this launcher starts is. Globally, without a coordinator process p is worker p;
+  with one (an executor=async run) process 0 is the coordinator and process p is worker p - 1. Node r
+  of a multi-node job starts workers r * n .. r * n + n - 1 (n per node) and, on node 0, the
+  coordinator. `i` below is a local index: the launcher's own list of processes, the coordinator first."""
+
+  def __init__(self, num_workers: int, coordinator: bool, node: Node | None = None):
+    self.node = node or Node()
     self.n, self.coordinator = num_workers, coordinator
-    self.total = num_workers + int(coordinator)
+    self.hosts_coordinator = coordinator and self.node.rank == 0
+    self.total = num_workers * self.node.nnodes + int(coordinator)  # processes in the whole job
+    self.local = num_workers + int(self.hosts_coordinator)  # processes this launcher starts
+    self.first = 0 if self.hosts_coordinator else self.node.rank * num_workers + int(coordinator)
+
+  def process_id(self, i: int) -> int:
+    return self.first + i
+
+  def worker(self, i: int) -> int | None:
+    """The worker id of local process i (None: the coordinator)."""
+    p = self.process_id(i)
+    return None if self.coordinator and p == 0 else p - int(self.coordinator)
+
+  def local_worker(self, i: int) -> int:
+    """Local process i's index among this node's workers (its GPU on cuda)."""
+    return i - int(self.hosts_coordinator)
 
   def name(self, i: int) -> str:
-    if self.coordinator:
-      return coord.COORDINATOR if i == 0 else f"worker {i - 1}"
-    return f"worker {i}"
+    w = self.worker(i)
+    return coord.COORDINATOR if w is None else f"worker {w}"
 
   def prefix(self, i: int) -> str:
-    if self.coordinator:
-      return "[c]" if i == 0 else f"[w{i - 1}]"
-    return f"[w{i}]"
+    w = self.worker(i)
+    return "[c]" if w is None else f"[w{w}]"
 
   def process(self, named) -> int | None:
-    """The process index of a watchdog's named peer (a worker id, or coord.COORDINATOR)."""
+    """The local index of a watchdog's named peer (a worker id, or coord.COORDINATOR), None when it is
+    not a process of this launcher."""
     if named == coord.COORDINATOR:
-      return 0 if self.coordinator else None
-    i = int(named) + int(self.coordinator)
-    return i if i < self.total else None
+      return 0 if self.hosts_coordinator else None
+    i = int(named) + int(self.coordinator) - self.first
+    return i if 0 <= i < self.local else None
 
   def codes(self, codes: list) -> str:
-    if self.coordinator:
+    if self.hosts_coordinator:
       return f"coordinator {codes[0]}, workers {codes[1:]}"
+    if self.node.nnodes > 1:
+      first = self.worker(0)
+      return f"workers {first}..{first + self.n - 1}: {codes}"
     return str(codes)
 
 
@@ -297,6 +331,39 @@ def check_args(
     )
 
 
+def check_node(node: Node, port: int = 0) -> None:
+  """ValueError, one line naming the flag and what is allowed, for a node that cannot run: --nnodes < 1,
+  --node_rank outside 0..nnodes-1, several nodes without --coordinator_address (host:port: every node
+  must reach node 0's coordinator), --port beside --coordinator_address, node 0's coordinator port
+  taken on a loopback address."""
+  if node.nnodes < 1:
+    raise ValueError(f"--nnodes={node.nnodes} is not allowed: at least 1 node")
+  if not 0 <= node.rank < node.nnodes:
+    raise ValueError(f"--node_rank={node.rank} is not allowed: 0..{node.nnodes - 1} (--nnodes={node.nnodes})")
+  if node.nnodes > 1 and not node.coordinator_address:
+    raise ValueError(
+      f"--nnodes={node.nnodes} needs --coordinator_address=HOST:PORT (node 0's address, which every node "
+      "reaches, and a fixed port)"
+    )
+  if not node.coordinator_address:
+    return
+  if port:
+    raise ValueError(f"--port={port} is not allowed with --coordinator_address: the address holds the port")
+  if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\s]+):\d{1,5}", node.coordinator_address):
+    raise ValueError(
+      f"--coordinator_address={node.coordinator_address} is not allowed: HOST:PORT ([V6]:PORT for IPv6)"
+    )
+  host, number = addresses.split_address(node.coordinator_address)
+  if not 1 <= number <= 65535:
+    raise ValueError(f"--coordinator_address={node.coordinator_address} is not allowed: a port in 1..65535")
+  bind = addresses.bind_address(node.coordinator_address)
+  if node.rank == 0 and bind and (problem := coord.port_problem(bind)):  # node 0 binds it: free here?
+    raise ValueError(
+      f"--coordinator_address={node.coordinator_address} is not allowed: {os.strerror(problem)} on this "
+      "node (node 0 hosts the coordinator there)"
+    )
+
+
 def devices_per_process(cpu_devices: int, max_restarts: int, elastic: bool) -> int:
   """The CPU devices each process gets: --cpu_devices, and in an elastic run at least one per life of
   a worker (max_restarts + 1): life i runs on local device i, so a restart connects on device ids no
@@ -364,11 +431,15 @@ def start_worker(
   text: bool = False,
   coordinator: bool = False,
   restart: int = 0,
+  gpu: int | None = None,
+  collectives_host: str = "",
 ):
   """Process i of n: `python -m module args` with the coordinator flags, in a session of its own (the
   launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe (bytes, or
   str with `text`). launched=False: a process on its own, as on a cluster (no launcher whose death it
-  follows). coordinator=True: process 0 is an async run's coordinator, process i worker i - 1."""
+  follows). coordinator=True: process 0 is an async run's coordinator, process i worker i - 1. gpu: its
+  index among this host's workers (default: its worker id); collectives_host: where its gloo listeners
+  bind (a node's address; '' : addresses.collectives_host's rule)."""
   cmd = [
     sys.executable,
     "-m",
@@ -380,7 +451,10 @@ def start_worker(
     f"--process_id={i}",
     f"--cpu_devices={cpu_devices}",
   ]
-  env = child_env(cpu_devices, platform, max(i - int(coordinator), 0), coordinator and i == 0)
+  gpu = max(i - int(coordinator), 0) if gpu is None else gpu
+  env = child_env(cpu_devices, platform, gpu, coordinator and i == 0)
+  if collectives_host:
+    env[addresses.COLLECTIVES_HOST_ENV] = collectives_host
   if not launched:
     env.pop(coord.LAUNCHER_PID_ENV, None)
   if restart:
@@ -421,24 +495,35 @@ class _Elastic:
     self.restarts, self.left = {}, set()
 
   def watch(self, procs, threads, signals, clues, address: str):
-    """Polls every child every 0.1 s until the coordinator exits; returns (0, code) on its failure, or
-    None."""
+    """Polls every child every 0.1 s until the coordinator exits (on a node without it: until every
+    worker of this node has ended or been left out); returns (0, code) on its failure, or None. On a
+    node without the coordinator, a worker that lost the coordination service ends the node's run:
+    (i, its code) (the coordinator's death; docs/design.md 3.12 says why no node restarts it)."""
+    hosts = self.roles.hosts_coordinator
     while not signals.got:
-      code0 = procs[0].poll()
+      code0 = procs[0].poll() if hosts else None
       if code0 not in (None, 0):
         threads[0].join(timeout=2)
         self.out.write(
           f"[launch] {failure_line((0, code0), procs, clues, address, self.roles)}; stopping the others\n"
         )
         return (0, code0)
-      for i in range(1, len(procs)):
+      for i in range(int(hosts), len(procs)):
         code = procs[i].poll()
         if code in (None, 0) or i in self.left:
           continue
         threads[i].join(timeout=2)
+        if not hosts and coord.COORDINATOR in clues.lost.get(i, ()):
+          self.out.write(
+            f"[launch] {self.roles.name(i)} lost the coordinator (node 0): the run cannot go on here; "
+            "stopping this node's workers (rerun every node's command to resume from the newest marker)\n"
+          )
+          return (i, code)
         self._failed(i, code, procs, threads)
       if code0 == 0:  # the run is over: the live workers follow it out (the rest are stopped)
         _wait(procs, time.monotonic() + self.grace_s, lambda: bool(signals.got))
+        return None
+      if not hosts and all(p.poll() is not None for p in procs):  # each ended, or was left out
         return None
       time.sleep(0.1)
     return None
@@ -472,6 +557,7 @@ def launch(
   coordinator: bool = False,
   max_restarts: int = 0,
   elastic: bool = False,
+  node: Node | None = None,
 ) -> int:
   """Runs `python -m module args --jax_distributed ...` N times (N + 1 with `coordinator`: an
   executor=async run's process 0, which trains nothing); returns the first non-zero exit code (a
@@ -484,20 +570,29 @@ def launch(
   started again, resuming from the newest checkpoint (torchrun's elastic restart). Either restart of
   the whole job happens up to max_restarts times.
 
+  node (Node): one node of a multi-node job; this launcher starts the node's workers (and on node 0 the
+  coordinator) and restarts its own. An elastic node's restarted worker rejoins the run like any other;
+  a worker that lost the coordinator ends its node's run (rerun every node's command to resume; node 0
+  does not restart the coordinator when the job spans nodes: docs/design.md 3.12).
+
   Raises ValueError, before starting anything, for arguments that cannot run (check_args): fewer than
   1 process or CPU device, a negative or non-finite grace period, a port outside 0..65535 or one that
   cannot be bound, a negative max_restarts; on cuda, more workers than GPUs or an elastic run
   (check_platform).
   """
+  node = node or Node()
   check_args(num_processes, cpu_devices, grace_s, port, max_restarts)
+  check_node(node, port)
   check_platform(num_processes, resolve_platform(platform), elastic)
   cpu_devices = devices_per_process(cpu_devices, max_restarts, elastic)
   kw = dict(module=module, cpu_devices=cpu_devices, platform=platform, grace_s=grace_s, out=out, cwd=cwd)
-  kw.update(port=port, coordinator=coordinator, elastic=elastic)
+  kw.update(port=port, coordinator=coordinator, elastic=elastic, node=node)
   attempt = 0
   while True:
     code, signalled = _launch_once(num_processes, args, on_start, max_restarts, attempt, **kw)
     if signalled or code in (0, 2) or attempt >= max_restarts or (elastic and not coordinator_died(code)):
+      return code
+    if elastic and node.nnodes > 1:  # no node restarts the coordinator alone (launch()'s docstring)
       return code
     attempt += 1
     who = "the coordinator died: " if elastic else ""
@@ -532,20 +627,21 @@ def _launch_once(
   port: int,
   coordinator: bool,
   elastic: bool,
+  node: Node,
 ) -> tuple[int, bool]:
   """One start of the job (launch()'s docstring); returns (its exit code, whether a signal ended it)."""
   out = out or sys.stdout
   _warn_oversubscribed(num_processes, out)
-  address = f"127.0.0.1:{port or free_port()}"
+  address = node.coordinator_address or f"127.0.0.1:{port or free_port()}"
   platform, module = resolve_platform(platform), resolve_module(module)
   procs, threads, clues = [], [], _Clues()
-  roles = Roles(num_processes, coordinator)
+  roles = Roles(num_processes, coordinator, node)
   shown = _LibraryLines(any(VERBOSE_FLAG.match(a) for a in args))
   first = None  # (worker, exit code) of the first failure
 
   def start(i: int, restart: int = 0):
     p = start_worker(
-      i,
+      roles.process_id(i),
       roles.total,
       module,
       args,
@@ -555,6 +651,8 @@ def _launch_once(
       cwd,
       coordinator=coordinator,
       restart=restart,
+      gpu=max(roles.local_worker(i), 0),
+      collectives_host=node.address,
     )
     t = threading.Thread(target=_stream, args=(i, p.stdout, out, clues, shown, roles.prefix(i)), daemon=True)
     t.start()
@@ -573,7 +671,7 @@ def _launch_once(
       seen = len(signals.got)
       _stop(procs, grace_s, lambda: len(signals.got) > seen)
   codes = _report_exits(procs, threads, shown, roles, out)
-  return _exit_code(first, signals.got, codes, elastic and coordinator)
+  return _exit_code(first, signals.got, codes, elastic and roles.hosts_coordinator)
 
 
 def _warn_oversubscribed(num_processes: int, out) -> None:
@@ -589,7 +687,7 @@ def _warn_oversubscribed(num_processes: int, out) -> None:
 def _start_all(start, attempt: int, procs: list, threads: list, signals, roles: Roles) -> None:
   """Starts process 0, 1, ... in turn until all run or a signal arrives; each is appended to procs
   and threads as soon as it starts, so that the caller's _stop reaches it whatever happens next."""
-  for i in range(roles.total):
+  for i in range(roles.local):
     if signals.got:
       break
     p, t = start(i, attempt)
@@ -599,7 +697,11 @@ def _start_all(start, attempt: int, procs: list, threads: list, signals, roles: 
 
 def _who(roles: Roles) -> str:
   """The processes started, in words: "N workers", and "and a coordinator" where there is one."""
-  return f"{roles.n} workers and a coordinator" if roles.coordinator else f"{roles.n} workers"
+  who = f"{roles.n} workers and a coordinator" if roles.hosts_coordinator else f"{roles.n} workers"
+  if roles.node.nnodes > 1:
+    first = roles.worker(int(roles.hosts_coordinator))
+    who += f" (workers {first}..{first + roles.n - 1}; node {roles.node.rank} of {roles.node.nnodes})"
+  return who
 
 
 def _supervise(procs, threads, signals, clues, address: str, roles: Roles, out, grace_s: float, restarter):
