@@ -1296,3 +1296,53 @@ def test_a_node_launcher_restarts_its_workers_across_nodes_and_a_lost_node_is_su
   assert "exit codes: coordinator 0, workers [0, 0]" in out[0]
   assert_failures_counted(traces, summary)
   assert_replayed(workdir, steps)
+
+
+@pytest.mark.slow
+def test_a_run_that_lost_a_worker_for_good_resumes_from_its_newest_marker_and_the_worker_rejoins(tmp_path):
+  """Worker 2 dies for good (no restarts), the others go on past five more checkpoint markers, then the
+  coordinator is SIGKILLed: the run ends. The same command (with --max_restarts=1: a second life per
+  process) resumes from the newest marker workers 0 and 1 hold, at which worker 2 was out (before:
+  only from a marker every worker held, one before the death); worker 2 rejoins as a new life, and
+  the run ends at its budget, its membership whole, replayed exactly. The authority kept no snapshot
+  for worker 2's old markers (bounded after a permanent death)."""
+  steps, workdir = 160, str(tmp_path / "run")
+  args = run_args(workdir, "ripples_random", 3, steps, [*ELASTIC, "--config.runtime.fail_worker=2"])
+  args.append("--config.runtime.fail_step=10")
+  killed = []
+
+  def kill_coordinator(pids):
+    def go():
+      def past_leave(ev):  # five checkpoint markers after worker 2's leave reached worker 0
+        left = next((i for i, e in enumerate(ev) if e["k"] == "member" and e["w"] == 2), None)
+        return left is not None and sum(e["k"] == "mark" and e["kind"] == "ckpt" for e in ev[left:]) >= 5
+
+      if when_traced(workdir, 0, past_leave, timeout_s=150):
+        killed.append(os.kill(pids[0], signal.SIGKILL))
+
+    threading.Thread(target=go, daemon=True).start()
+
+  code, out = launch_bounded(3, args, timeout_s=300, on_pids=kill_coordinator)
+  assert killed and code != 0, out[-3000:]
+  assert "worker 2 exited with -9 (SIGKILL); the run goes on without it" in out
+  held = {
+    w: {int(s) for s in os.listdir(os.path.join(workdir, "ckpt", str(w))) if s.isdigit()} for w in range(3)
+  }
+  newest = max(held[0] & held[1])
+  assert newest > max(held[2], default=0), held  # the newest common marker predates nothing of worker 2
+  authority = {int(f.split(".")[0]) for f in os.listdir(os.path.join(workdir, "authority"))}
+  assert min(authority) > max(held[2], default=0), (authority, held)  # none kept for worker 2's markers
+  code, out = launch_bounded(3, args, timeout_s=300, max_restarts=1)
+  assert code == 0, out[-3000:]
+  assert f"resuming at checkpoint marker {newest} " in out, out[-3000:]
+  assert f"worker 2: out at checkpoint marker {newest}, which the run resumes from: rejoining" in out
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  kinds = [e[2] for e in summary["membership"] if e[1] == 2]
+  assert kinds == ["leave", "rejoin", "first_group"], summary["membership"]
+  traces = traces_of(workdir)
+  assert [e["inc"] for e in traces[2] if e["k"] == "rejoin"] == [1]
+  assert sum(e["k"] == "step" for e in traces[2][[e["k"] for e in traces[2]].index("rejoin") :]) > 5
+  assert sum(summary["worker_steps"]) + summary["unmade_steps"] >= 3 * steps
+  config = make_config("ripples_random", 3, steps, MODEL)
+  config.runtime.elastic = True
+  assert max(replay_error(config, workdir)) < 1e-5

@@ -7,7 +7,10 @@ processes may hold different steps, and one process's newest may be corrupt. The
   2. round r: every process tries candidate r (reads it back, checks its fingerprint) and publishes
      ok or bad; if all say ok, every process resumes from it, else all go on to the next candidate.
 Every process sees the same verdicts in the same order, so all resume from the same step or all
-refuse. What a process may delete or move (RunLog.resume_from): its own candidates that it tried
+refuse. `excused(step)` (an elastic run: the workers out at that marker, dead or still joining, read
+from its authority snapshot by every process alike) names processes that need not hold a candidate:
+they vote ok without reading, and get (step, None, None) back (they rejoin the resumed run).
+What a process may delete or move (RunLog.resume_from): its own candidates that it tried
 and found unusable, once an older one restored everywhere; its other newer steps are set aside, never
 deleted (another process's are its own business). When steps exist somewhere and no candidate
 restores everywhere, every process refuses (ResumeRefused) and nothing is deleted.
@@ -28,11 +31,21 @@ def exchange(kv, name: str, me: int, n: int, value: str, timeout_s: float) -> li
 
 
 def restore_common(
-  log: RunLog, kv, me: int, n: int, like, timeout_s: float, resumable: bool = True, what: str = "process"
+  log: RunLog,
+  kv,
+  me: int,
+  n: int,
+  like,
+  timeout_s: float,
+  resumable: bool = True,
+  what: str = "process",
+  excused=None,
 ):
   """(step, state, cursor) from the newest step every process restores, or None (a fresh start:
   no process holds a checkpoint). `resumable=False`: an executor without mid-run checkpoints, which
-  refuses a workdir holding any rather than start over them."""
+  refuses a workdir holding any rather than start over them. excused: step -> the processes that
+  need not hold it (see above); such a process gets (step, None, None)."""
+  excused = excused or (lambda step: set())
   mine = log.committed()
   held = [
     {int(v) for v in s.split() if v != "-"}
@@ -46,7 +59,14 @@ def restore_common(
       "from them; nothing was deleted; use another --workdir or move its ckpt/ aside"
     )
   unusable, reasons = [], {}
-  for r, step in enumerate(sorted(set.intersection(*held), reverse=True)):
+  out = {s: set(excused(s)) for s in sorted(set().union(*held), reverse=True)}
+  candidates = [s for s, o in out.items() if len(o) < n and all(s in held[w] or w in o for w in range(n))]
+  for r, step in enumerate(candidates):
+    if me in out[step]:  # out at this marker: nothing of its own to read
+      verdicts = exchange(kv, f"try/{r}", me, n, "ok", timeout_s)
+      if all(v == "ok" for v in verdicts):
+        return step, None, None
+      continue
     got = log.try_restore(step, like)
     if isinstance(got, str):
       unusable.append(step)

@@ -123,6 +123,11 @@ class Watchdog:
     self._stop.set()
     self._thread.join(timeout=5 * self.interval)
 
+  def resume_members(self, out) -> None:
+    """The coordinator's (elastic, resumed): the workers out at the marker the run resumes from are
+    gone (not waited for, not lost again) until a rejoin brings each back (watch_life)."""
+    self.gone |= set(out)
+
   def watch_life(self, w: int, inc: int) -> None:
     """The coordinator's (elastic): worker w's life inc was accepted (a rejoin). From the next check it
     is watched from now, beat or not: one that dies before its first beat is lost after timeout_s."""

@@ -33,7 +33,9 @@ request when a step starts, so that only a round trip longer than the step is wa
 
 import collections
 import concurrent.futures
+import json
 import math
+import os
 import queue
 import threading
 import time
@@ -44,6 +46,30 @@ from absl import logging
 from ripples_jax.distributed.kvstore import PAGE, PREFIX, Either, paged, values_in_order
 from ripples_jax.runtime import membership
 from ripples_jax.schedule.online import MARK, STOP, decode, encode
+
+
+def snapshot_file(workdir: str, ident) -> str:
+  """authority/<ident>.json: the authority's state at checkpoint marker ident (runtime/coordinator.py)."""
+  return os.path.join(workdir, "authority", f"{ident}.json")
+
+
+def out_at_marker(workdir: str, ident: int) -> set:
+  """The workers a resume from checkpoint marker `ident` goes on without (out_at of its snapshot's
+  membership; none when the snapshot is missing or the run is not elastic). Every process reads the
+  same file, so all agree (distributed.resume's excused)."""
+  try:
+    with open(snapshot_file(workdir, ident)) as f:
+      return out_at(json.load(f).get("members"))
+  except (OSError, ValueError):
+    return set()
+
+
+def out_at(members: dict | None) -> set:
+  """The workers a resume from a snapshot with this membership continues without (and that rejoin):
+  those not live at it, and those live but still joining (no checkpoint of theirs is at it)."""
+  if not members:
+    return set()
+  return {w for w, live in enumerate(members["alive"]) if not live} | set(members.get("joining", ()))
 
 
 class Authority:
@@ -61,7 +87,10 @@ class Authority:
     elastic: bool = False,
     now=None,
     lives: int = 1,
+    members: dict | None = None,
   ):
+    """members (elastic): the membership a resumed run continues from (a checkpoint's snapshot:
+    Authority.state)."""
     self.kv, self.service, self.poll_s = kv, service, poll_s
     self.n = service.n
     # Elastic membership (runtime/membership.py): who is live, each worker's incarnation, what happened.
@@ -73,6 +102,9 @@ class Authority:
     self.on_join = None  # (w, inc): a new life accepted (the coordinator's watchdog watches it from then)
     if elastic:
       service.view.alive = np.ones(self.n, bool)
+    self._quiet = [threading.Event() for _ in range(self.n)]  # a listener's own stop (its worker died)
+    if elastic and members:
+      self.load_members(members)
     self.on_checkpoint = on_checkpoint or (lambda ident, state: self.snapshots.__setitem__(ident, state))
     self.epochs = [0] * self.n
     self._reported = [0] * self.n  # the newest step whose start report was applied, per worker
@@ -88,12 +120,39 @@ class Authority:
     self._seen = {}
     self._stop = threading.Event()
     self._writers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="ripples-gg-post")
-    self._quiet = [threading.Event() for _ in range(self.n)]  # a listener's own stop (its worker died)
     self._threads = [self._listener(w) for w in range(self.n)]
     if elastic:
       self._threads.append(threading.Thread(target=self._joins, name="ripples-gg-joins", daemon=True))
     self._threads.append(threading.Thread(target=self._serve, name="ripples-gg", daemon=True))
     self.error = None
+
+  def state(self) -> dict:
+    """The service's state and, elastic, the membership (who is live, each worker's life, the steps
+    not made up, the events so far): what a checkpoint's snapshot holds (authority/<c>.json)."""
+    state = self.service.state()
+    if self.elastic:
+      state["members"] = {
+        "alive": self.service.view.alive.tolist(),
+        "joining": sorted(int(w) for w in self.service.joining),
+        "incs": list(self.incs),  # for the record: a resume starts every life at 0 (load_members)
+        "unmade": self.unmade,
+        "events": [list(e) for e in self.events],
+      }
+    return state
+
+  def load_members(self, members: dict) -> None:
+    """Continues from a snapshot's membership. A worker live at it but still joining (it saved no
+    checkpoint there: its first group had not landed) is out too: the resumed run has no model of it,
+    and it rejoins like a dead one (out_at). Lives start again at 0: every process of a resumed run is
+    new, on its device 0, in a new coordination service (no connection of an earlier start is cached
+    or keyed anywhere: docs/design.md 3.12), so an out worker rejoins as life 1, if its process has a
+    second device (the rerun's --max_restarts >= 1), and is refused otherwise."""
+    out = out_at(members)
+    self.service.view.alive[:] = [w not in out for w in range(self.n)]
+    self.unmade = int(members.get("unmade", 0))
+    self.events = [tuple(e) for e in members.get("events", [])]
+    for w in out:
+      self._quiet[w].set()  # nobody requests on its old life's channel
 
   def _listener(self, w: int) -> threading.Thread:
     return threading.Thread(
@@ -262,7 +321,7 @@ class Authority:
       self.service.request(w, want, ready_at, step_time)
     for kind, ident in self.service.tick():
       if kind == "ckpt":  # saved before _post: a worker can checkpoint at it only once it is posted
-        self.on_checkpoint(ident, self.service.state())
+        self.on_checkpoint(ident, self.state())
         self.last_ckpt = ident
     self._post()
     done = time.perf_counter()

@@ -41,13 +41,9 @@ from ripples_jax.schedule import make_group_generator
 from ripples_jax.schedule.online import DYNAMIC, Cadence, Service
 
 
-def snapshot_file(workdir: str, ident) -> str:
-  return os.path.join(workdir, "authority", f"{ident}.json")
-
-
 def save_snapshot(workdir: str, ident, state: dict) -> None:
   """authority/<ident>.json, whole or not at all (a temporary file fsynced, then renamed)."""
-  path = snapshot_file(workdir, ident)
+  path = authority_lib.snapshot_file(workdir, ident)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
@@ -58,7 +54,7 @@ def save_snapshot(workdir: str, ident, state: dict) -> None:
 
 
 def load_snapshot(workdir: str, ident: int) -> dict:
-  path = snapshot_file(workdir, ident)
+  path = authority_lib.snapshot_file(workdir, ident)
   if not os.path.exists(path):
     raise FileNotFoundError(
       f"{path}: the Group Generator's state at checkpoint marker {ident}, which the workers resume "
@@ -69,7 +65,9 @@ def load_snapshot(workdir: str, ident: int) -> dict:
 
 
 def trim_snapshots(workdir: str, epochs, keep: int) -> None:
-  """Removes the snapshots no worker can resume from: below min(epochs) - keep."""
+  """Removes the snapshots no worker can resume from: below min(epochs) - keep (none: nothing)."""
+  if not len(epochs):
+    return
   oldest = min(epochs) - keep
   folder = os.path.join(workdir, "authority")
   for name in os.listdir(folder) if os.path.isdir(folder) else []:
@@ -90,11 +88,21 @@ def make_authority(config, kv, workdir: str, state: dict | None, estimate: float
 
   def on_checkpoint(ident, snapshot):
     save_snapshot(workdir, ident, snapshot)
-    trim_snapshots(workdir, authority.epochs, keep)
+    # The live workers' markers only: a worker dead for good passes none, and a resume goes on
+    # without it (authority.out_at), so its old markers need no snapshot (the folder stays bounded).
+    alive = authority.service.view.alive
+    trim_snapshots(workdir, [e for w, e in enumerate(authority.epochs) if alive is None or alive[w]], keep)
 
   lives = membership.lives_of(jax.devices(), n)  # elastic: one CPU device per life of a worker
+  members = (state or {}).get("members")
   authority = authority_lib.Authority(
-    kv, service, on_checkpoint=on_checkpoint, elastic=bool(c.runtime.elastic), now=now, lives=lives
+    kv,
+    service,
+    on_checkpoint=on_checkpoint,
+    elastic=bool(c.runtime.elastic),
+    now=now,
+    lives=lives,
+    members=members,
   )
   return authority
 
@@ -129,7 +137,7 @@ def await_workers(watchdog, authority, workdir: str, timeout_s: float) -> None:
     while not authority.join(1.0):
       if authority.error is not None:
         raise RuntimeError(f"the Group Generator's authority stopped: {authority.error}")
-    save_snapshot(workdir, authority.last_ckpt + 1, authority.service.state())
+    save_snapshot(workdir, authority.last_ckpt + 1, authority.state())
   deadline = time.monotonic() + timeout_s if authority is not None else None
   gone = getattr(watchdog, "gone", set())  # elastic: the dead are not waited for
   # ... unless every worker is gone and none finished: that run has not ended (a restart may rejoin;
@@ -192,6 +200,8 @@ def run(config, workdir: str) -> dict:
     )
     if rt.elastic:  # a new life is watched from its acceptance, before its first beat
       (authority or roster).on_join = watchdog.watch_life
+      if authority is not None:  # resumed: the workers out at the marker are gone until they rejoin
+        watchdog.resume_members(authority_lib.out_at((state or {}).get("members")))
     sigterm.watchdog = watchdog
     clock["t0"] = start_clock(kv, None, n, epoch, 0.0, timeout_ms)
     record_start(workdir, time.perf_counter() - clock["t0"])

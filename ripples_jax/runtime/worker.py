@@ -52,15 +52,25 @@ from ripples_jax.schedule import static_layouts
 from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, MEMBER, STOP, asks_ahead
 
 
-def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop:
+def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop | int:
   """The loop state from the newest marker every worker can restore (distributed.resume), or a fresh
   one; what the lost run did after that marker (snapshots, trace events) is dropped so this run redoes it.
-  Worker 0 tells the coordinator where (distributed.resume.publish_point)."""
+  The lowest worker that restored tells the coordinator where (distributed.resume.publish_point).
+
+  Elastic, with an authority: a marker needs only the workers live at it (its snapshot's membership:
+  authority.out_at_marker), so a run that lost a worker for good resumes from its newest marker, not
+  from one before the death. A worker out at the chosen marker gets the marker back (an int): it
+  rejoins the resumed run (rejoin_resumed)."""
   me, n, rt = worker.me, worker.config.num_workers, worker.rt
   like = worker.pack(Loop(worker.fresh()))
-  got = resume_lib.restore_common(log, kv, me, n, like, rt.stall_timeout, what="worker")
-  if me == 0:
+  excused = None
+  if rt.elastic and worker.config.algorithm in DYNAMIC:
+    excused = lambda step: authority_lib.out_at_marker(workdir, step)  # noqa: E731
+  got = resume_lib.restore_common(log, kv, me, n, like, rt.stall_timeout, what="worker", excused=excused)
+  if me == min(set(range(n)) - (excused(got[0]) if got and excused else set())):
     resume_lib.publish_point(kv, log, got and got[0])
+  if got is not None and got[1] is None:  # out at the marker
+    return got[0]
   if got is None:
     loop = Loop(worker.fresh())
   else:
@@ -128,6 +138,8 @@ def run(config, workdir: str) -> dict:
     )
   with worker.run_log(workdir) as log:
     loop = resume(worker, log, kv, workdir)
+    if isinstance(loop, int):  # out at the marker the run resumes from
+      return rejoin_resumed(worker, kv, workdir, loop, estimate, sigterm)
     loop.last_step_time = loop.last_step_time or estimate
     loop.incs = [0] * n if rt.elastic else None
     if rt.checkpoint_every:  # compiles the checkpoint fingerprint now, not at the first marker
@@ -203,6 +215,26 @@ def rejoin(worker: Worker, kv, workdir: str, estimate: float, sigterm) -> dict:
     feed = make_feed(worker, loop, kv, inc=got["inc"], taken=got["taken"])
     train(worker, loop, log, kv, feed, trace, progress, watchdog, workdir)
     return result(worker, loop, log, workdir)
+
+
+def rejoin_resumed(worker: Worker, kv, workdir: str, mark: int, estimate: float, sigterm) -> dict:
+  """A worker out at the marker `mark` the run resumed from (dead there, or still joining): its trace
+  is cut back to the marker (what it recorded after it, if anything, the resumed run redoes), it takes
+  part in the start barrier (with no time of its own: 0), and once the run is on it asks to rejoin as
+  a restarted process would (rejoin): refused (no device for a next life), it exits with one line and
+  the run goes on without it."""
+  trace_lib.TraceWriter(workdir, worker.me, keep_before_epoch=mark)
+  timeout_s = worker.rt.stall_timeout
+  start_clock(kv, worker.me, worker.config.num_workers, mark, 0.0, int(timeout_s * 1000))
+  deadline = time.monotonic() + timeout_s
+  while not membership.started(kv):  # the coordinator marks the run on right after the barrier
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"worker {worker.me}: the resumed run did not start within {timeout_s:.0f} s")
+    time.sleep(0.05)
+  logging.warning(
+    "worker %d: out at checkpoint marker %d, which the run resumes from: rejoining", worker.me, mark
+  )
+  return rejoin(worker, kv, workdir, estimate, sigterm)
 
 
 def run_loop(worker: Worker, loop: Loop, log: RunLog, feed, trace, progress, workdir) -> None:
