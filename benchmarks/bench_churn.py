@@ -213,8 +213,8 @@ def end_time(r) -> float:
 
 
 def windows(r, base: float, window_s: float) -> dict:
-  """Throughput per window against (live / N) x the uninterrupted throughput `base`; windows holding a
-  kill before its leave (detection) are left out."""
+  """Throughput per window, from the first detection (a leave) on, against (live / N) x the
+  uninterrupted throughput `base`; windows holding a kill before its leave (detection) are left out."""
   ends, spans = step_ends(r["traces"]), dead_spans(r)
   leaves = {}
   for t, w, kind in r.get("membership", []):
@@ -225,10 +225,9 @@ def windows(r, base: float, window_s: float) -> dict:
     for a, _ in ws:
       later = [t for t in leaves.get(w, []) if t >= a - 1.0]
       undetected.append((a, later[0] if later else a + HEARTBEAT_TIMEOUT + 1.0))
-  first_kill = min((a for ws in spans.values() for a, _ in ws), default=None)
-  t0 = (first_kill if first_kill is not None else 10.0) - 3 * window_s
+  first = min((b for _, b in undetected), default=None)  # the first detection: the windows start there
   rows = []
-  for a in np.arange(max(t0, 5.0), end_time(r) - window_s, window_s):
+  for a in np.arange(first if first is not None else 10.0, end_time(r) - window_s, window_s):
     b = a + window_s
     if any(u0 < b and u1 > a for u0, u1 in undetected):
       continue

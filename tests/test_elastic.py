@@ -1250,6 +1250,7 @@ def start_node(rank, port, args, max_restarts, log_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_a_node_launcher_restarts_its_workers_across_nodes_and_a_lost_node_is_survived(tmp_path):
   """Two node launchers on this machine (loopback addresses 127.0.0.1 and .2), 2 workers each, node 0
   also the coordinator. Worker 3 (node 1) kills itself; node 1's launcher restarts it and it rejoins
