@@ -210,10 +210,10 @@ def overhead_costs(devs, boundary: list, reps: int, core: int, per_iteration: in
 def gpipe_costs(m: Method, reps: int, core: int) -> dict:
   """GPipe's per-micro-batch programs of each stage (forward; rematerialised backward; the last
   stage's loss and backward) timed alone on one core and on every core, as stage_costs does."""
-  from ripples_jax.pipeline import devices
+  from ripples_jax.pipeline import gpipe
 
   K, M, devs = len(m.stages), m.config.microbatches, m.devices
-  progs = [devices._gpipe_programs(m.stages[k], m.optimizer, k == K - 1, M) for k in range(K)]
+  progs = [gpipe.stage_programs(m.stages[k], m.optimizer, k == 0, k == K - 1, M) for k in range(K)]
   x = np.split(np.asarray(m.feed.x(0)), M)[0]
   y = jax.device_put(np.split(np.asarray(m.feed.labels(0)), M)[0], devs[-1])
   fwd, bwd, outs, h = [], [], [], jax.device_put(x, devs[0])

@@ -99,6 +99,7 @@ def unit_costs(config, units, num_classes: int, sample_shape, how: str) -> dict:
   if how == "macs":
     return {"split": "macs", "costs": split.unit_costs(units, sample_shape)}
   key = {
+    "parts": ["forward_backward", "forward"],  # costs, then forward (older entries: costs only)
     "model": config.model,
     "num_classes": int(num_classes),
     "sample_shape": [int(d) for d in sample_shape],
@@ -109,8 +110,25 @@ def unit_costs(config, units, num_classes: int, sample_shape, how: str) -> dict:
   }
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
   path = os.path.join(mnist1d.cache_dir(None), "unit_times", f"{config.model}-{digest}.json")
-  make = lambda: dict(key, split="measured", costs=profile.unit_times(units, sample_shape, config.batch_size))
+
+  def make():
+    costs = profile.unit_times(units, sample_shape, config.batch_size)
+    forward = profile.unit_times(units, sample_shape, config.batch_size, forward=True)
+    return dict(key, split="measured", costs=costs, forward=forward)
+
   return records.write_json_once(path, make)
+
+
+def recomputes(config) -> bool:
+  """Whether the config's method runs each stage's forward again in its backward (below the last
+  stage): DSP's recompute and fused modes, stash, GPipe's remat; not the residual modes (the vjp
+  kept), PipeMare's kept activations, nor a whole-model step (bp in one process, dni)."""
+  from ripples_jax.pipeline.baselines import schedule_of  # the pipeline package builds on this module
+
+  if config.method == "gpipe":
+    return True
+  schedule = schedule_of(config)
+  return schedule is not None and config.method != "bp" and schedule.mode in ("recompute", "stash", "fused")
 
 
 def split_stages(config, num_classes: int, sample_shape, workdir: str | None = None) -> list:
@@ -125,8 +143,17 @@ def split_stages(config, num_classes: int, sample_shape, workdir: str | None = N
 
   def make():
     costs = unit_costs(config, units, num_classes, sample_shape, how)
-    ranges = split.split_ranges(config.model, units, config.num_stages, costs["costs"])
-    return dict(costs, model=config.model, num_stages=config.num_stages, ranges=ranges)
+    # Balanced for this method's work: a stage that recomputes pays each unit's forward twice.
+    mine, last = split.method_costs(costs["costs"], costs.get("forward"), recomputes(config))
+    ranges = split.split_ranges(config.model, units, config.num_stages, mine, last)
+    return dict(
+      costs,
+      model=config.model,
+      num_stages=config.num_stages,
+      ranges=ranges,
+      stage_costs=mine,
+      last_costs=last,
+    )
 
   got = records.write_json_once(pinned, make) if pinned else make()
   held = (got.get("model", config.model), len(got["ranges"]), got["ranges"][-1][1])

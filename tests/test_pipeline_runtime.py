@@ -2,6 +2,7 @@
 runtime (pipeline/per_process.py) against the single-process tick: numerics, a killed stage, resume."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,8 +95,10 @@ def pipeline_config(method, mode="recompute", delay=1, epochs=1, extra=()):
   ]
 
 
-def single_process_params(method, mode, delay, epochs=1):
-  """Every stage's flat parameters after the run of the same config in one process (the tick).
+def single_process_params(method, mode, delay, epochs=1, split_of=None):
+  """Every stage's flat parameters after the run of the same config in one process (the tick), on
+  the split the run in workdir `split_of` used (its split.json: a split balances each method's own
+  work, so a residual-mode run and its stash-mode reference may split apart otherwise).
 
   It runs in a process of its own without this one's forced device count: with 8 forced CPU devices
   XLA compiles the tick to other float orders (a few 1e-9), and at link delay 2 one ReLU that flips
@@ -108,7 +111,7 @@ def single_process_params(method, mode, delay, epochs=1):
     "from ripples_jax.pipeline import train as pipeline_train\n"
     "from ripples_jax.pipeline.baselines import schedule_of\n"
     f"config = dsp_config.get_config('method={method},num_stages=2,mode={mode},delay={delay},epochs={epochs}')\n"
-    "stages, state, run = pipeline_train._setup(config)\n"
+    "stages, state, run = pipeline_train._setup(config, sys.argv[2])\n"
     "sch = schedule_of(config)\n"
     "drain, offset = (sch.drain_ticks(), sch.offsets[-1]) if sch else (0, 0)\n"
     "for t in range(run['num_batches'] + drain):\n"
@@ -117,9 +120,11 @@ def single_process_params(method, mode, delay, epochs=1):
   )
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "params.npz")
+    if split_of is not None:
+      shutil.copy(os.path.join(split_of, "split.json"), tmp)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run(
-      [sys.executable, "-c", code, path], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+      [sys.executable, "-c", code, path, tmp], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     with np.load(path) as z:
@@ -155,7 +160,7 @@ CASES = [
 
 
 def fake_stage(schedule, k: int, slack: bool = True):
-  """Stage's link logic alone (no devices, no processes): a stand-in whose link threads hand out
+  """Links' logic alone (no devices, no processes): a stand-in whose link threads hand out
   futures that the test resolves, and whose clock records every wait for one."""
   import concurrent.futures
   import types
@@ -177,10 +182,10 @@ def fake_stage(schedule, k: int, slack: bool = True):
     lower_t=Thread() if k > 0 else None,
     upper_t=Thread() if k < schedule.num_stages - 1 else None,
     clock=types.SimpleNamespace(run=run),
-    config=types.SimpleNamespace(runtime=types.SimpleNamespace(slack=slack)),
+    slack=slack,
   )
-  for name in ("post", "wait", "slot", "load_slots", "_advance_links"):
-    setattr(stage, name, getattr(per_process.Stage, name).__get__(stage))
+  for name in ("post", "wait", "slot", "load_slots", "advance"):
+    setattr(stage, name, getattr(per_process.Links, name).__get__(stage))
   return stage, posted, waits
 
 
@@ -191,11 +196,11 @@ def test_with_link_delay_2_a_tick_waits_only_for_the_transfer_of_two_ticks_befor
   schedule = tick_lib.method_schedule("dsp", 2, 2, "recompute")
   stage, posted, waits = fake_stage(schedule, 0)
   stage.load_slots({"bwd_fifo": jnp.stack([jnp.zeros(2), jnp.ones(2)])})
-  stage._advance_links(jnp.full(2, 5.0), None)  # end of tick 0: its output goes up, a gradient comes
+  stage.advance(jnp.full(2, 5.0), None)  # end of tick 0: its output goes up, a gradient comes
   assert [kind for kind, _ in posted] == ["swap"] and not waits  # posted, not waited for
   np.testing.assert_array_equal(stage.slot(stage.bwd_slots), jnp.ones(2))  # tick 1 reads the FIFO's
   assert not waits
-  stage._advance_links(jnp.full(2, 6.0), None)  # end of tick 1
+  stage.advance(jnp.full(2, 6.0), None)  # end of tick 1
   posted[0][1].set_result(jnp.full(2, 7.0))  # tick 0's transfer lands; tick 1's is still in flight
   np.testing.assert_array_equal(stage.slot(stage.bwd_slots), jnp.full(2, 7.0))  # tick 2 reads tick 0's
   assert waits == ["link"] and not posted[1][1].done()
@@ -203,7 +208,7 @@ def test_with_link_delay_2_a_tick_waits_only_for_the_transfer_of_two_ticks_befor
   stage, posted, waits = fake_stage(schedule, 1, slack=False)
   stage.load_slots({"fwd_fifo": jnp.stack([jnp.zeros(2), jnp.ones(2)])})
   stage.lower_t.post = lambda kind, x=None, f=stage.lower_t.post: (f(kind, x), posted[-1][1].set_result(x))[0]
-  stage._advance_links(None, jnp.full(2, 3.0))
+  stage.advance(None, jnp.full(2, 3.0))
   assert [kind for kind, _ in posted] == ["swap"] and waits == ["link"]
 
 
@@ -212,7 +217,7 @@ def test_two_process_pipeline_equals_the_single_process_tick(tmp_path, method, m
   workdir = str(tmp_path / "run")
   code, out = launch_pipeline(pipeline_config(method, mode, delay) + [f"--workdir={workdir}"])
   assert code == 0, out[-3000:]
-  want = single_process_params(reference[0], reference[1], delay)
+  want = single_process_params(reference[0], reference[1], delay, split_of=workdir)
   for k, (got, ref) in enumerate(zip(final_params(workdir), want)):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"stage {k}")
 
@@ -275,7 +280,9 @@ def test_chunked_calls_keep_the_numerics(tmp_path, method, mode, reference):
     pipeline_config(method, mode, 1, extra=["--config.chunks=4"]) + [f"--workdir={workdir}"]
   )
   assert code == 0, out[-3000:]
-  for k, (got, ref) in enumerate(zip(final_params(workdir), single_process_params(*reference, 1))):
+  for k, (got, ref) in enumerate(
+    zip(final_params(workdir), single_process_params(*reference, 1, split_of=workdir))
+  ):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"stage {k}")
 
 

@@ -292,8 +292,12 @@ def test_write_json_once_keeps_the_first_writer(tmp_path):
   assert json.load(open(path)) == {"a": 1} and os.listdir(tmp_path / "sub") == ["x.json"]
 
 
-def _fake_times(monkeypatch, costs, calls):
+def _fake_times(monkeypatch, costs, calls, forward=None):
+  """profile.unit_times returning `costs` (forward=True: `forward`, default a third of each)."""
+
   def fake(units, sample_shape, batch_size, **kw):
+    if kw.get("forward"):
+      return list(forward) if forward is not None else [c / 3 for c in costs]
     calls.append(len(units))
     return list(costs)
 
@@ -304,7 +308,7 @@ def test_measured_costs_are_cached_and_a_run_keeps_its_split(tmp_path, monkeypat
   monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache"))
   config = dsp_config.get_config("model=cnn2d,num_stages=2")
   calls = []
-  _fake_times(monkeypatch, [1.0, 1.0, 1.0, 3.0], calls)  # the head is the costly unit
+  _fake_times(monkeypatch, [1.0, 1.0, 1.0, 3.0], calls, forward=[0.0] * 4)  # the head is the costly unit
   shape = (8, 8, 1)
   run = str(tmp_path / "run")
   os.makedirs(run)
@@ -313,7 +317,7 @@ def test_measured_costs_are_cached_and_a_run_keeps_its_split(tmp_path, monkeypat
   assert setup.split_stages(config, 10, shape) and calls == [4]  # cached: not measured again
   # Another machine (a new cache) measures other costs: a fresh split follows them, the run keeps its own.
   monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache2"))
-  _fake_times(monkeypatch, [3.0, 1.0, 1.0, 1.0], calls)
+  _fake_times(monkeypatch, [3.0, 1.0, 1.0, 1.0], calls, forward=[0.0] * 4)
   assert [len(s.units) for s in setup.split_stages(config, 10, shape)] == [1, 3]
   assert [len(s.units) for s in setup.split_stages(config, 10, shape, run)] == [3, 1]
   assert json.load(open(os.path.join(run, "split.json")))["ranges"] == [[0, 3], [3, 4]]
@@ -340,3 +344,35 @@ def test_a_pinned_split_of_another_run_is_refused_in_one_line(tmp_path, monkeypa
     ConfigError, match=r"split.json holds the split of cnn2d into 2 stages, not cnn2d into 3"
   ):
     setup.split_stages(dsp_config.get_config("model=cnn2d,num_stages=3"), 10, (8, 8, 1), run)
+
+
+def test_the_last_stage_has_costs_of_its_own():
+  # Four equal units; below the last stage each costs 2 (a recompute runs its forward again), in the
+  # last 1: one unit below and three in the last (bottleneck 3) beats two and two (4).
+  assert split.partition([2, 2, 2, 2], 2, last_costs=[1, 1, 1, 1]) == [(0, 1), (1, 4)]
+  assert split.partition([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+  assert split.partition([2, 2, 2, 2, 2], 3, last_costs=[1] * 5) == [(0, 1), (1, 2), (2, 5)]
+  assert split.method_costs([3.0, 6.0], [1.0, 2.0], recomputes=True) == ([4.0, 8.0], [3.0, 6.0])
+  assert split.method_costs([3.0, 6.0], [1.0, 2.0], recomputes=False) == ([3.0, 6.0], [3.0, 6.0])
+
+
+@pytest.mark.parametrize(
+  "method,mode,placement,want",
+  [
+    ("dsp", "recompute", "one_device", [1, 3]),  # below the last: forward + forward again + backward
+    ("gpipe", "recompute", "one_device", [1, 3]),  # its remat
+    ("pipemare", "recompute", "one_device", [2, 2]),  # the forward's activations kept
+    ("dsp", "residuals", "per_process", [2, 2]),  # the vjp kept
+    ("pipedream", "recompute", "per_process", [2, 2]),  # its stored graph (residuals per process)
+    ("pipedream", "recompute", "one_device", [1, 3]),  # stash: recomputed at the stashed weights
+  ],
+)
+def test_the_split_balances_each_methods_own_work(tmp_path, monkeypatch, method, mode, placement, want):
+  """Four units of equal forward + backward time, the forward alone as much (so a recompute doubles
+  a unit's cost below the last stage): a recomputing method puts one unit below and three in the
+  last stage; a method that keeps what its backward needs splits two and two."""
+  monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache"))
+  config = dsp_config.get_config(f"model=cnn2d,num_stages=2,method={method},mode={mode}")
+  config.placement = placement
+  _fake_times(monkeypatch, [1.0] * 4, [], forward=[1.0] * 4)
+  assert [len(s.units) for s in setup.split_stages(config, 10, (8, 8, 1))] == want

@@ -28,13 +28,22 @@ def _unit_call(unit, params, model_state):
   return jax.jit(fb)
 
 
-def unit_times(units, sample_shape, batch_size: int, reps: int = 15, warmup: int = 2) -> list[float]:
-  """Median seconds of each unit's forward + backward on a batch of `batch_size` examples."""
+def _unit_forward(unit, params, model_state):
+  """The unit's forward alone (what a stage that recomputes runs once more in its backward)."""
+  return jax.jit(lambda p, x: apply_model(unit, p, model_state, x, train=True)[0])
+
+
+def unit_times(
+  units, sample_shape, batch_size: int, reps: int = 15, warmup: int = 2, forward: bool = False
+) -> list[float]:
+  """Median seconds of each unit's forward + backward (forward=True: its forward alone) on a batch of
+  `batch_size` examples."""
   x = jax.random.normal(jax.random.key(0), (batch_size,) + tuple(sample_shape), jnp.float32)
   calls = []
+  make = _unit_forward if forward else _unit_call
   for i, unit in enumerate(units):
     params, model_state = init_model(unit, jax.random.key(i), x)
-    calls.append((_unit_call(unit, params, model_state), params, x))
+    calls.append((make(unit, params, model_state), params, x))
     x, _ = apply_model(unit, params, model_state, x, train=False)
   for fn, p, xi in calls:
     for _ in range(warmup):

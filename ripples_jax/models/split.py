@@ -19,7 +19,10 @@ and `params_from_model` / `params_to_model` convert by name, not by leaf order
 
 Balancing rule. Each unit has a cost: by default its measured seconds of
 forward and backward on a batch (models/profile.py; setup.build_pipeline caches
-them per machine and pins a run's split in its workdir), else (`split="macs"`)
+them per machine and pins a run's split in its workdir), plus its forward again
+in every stage but the last where the method recomputes its forward in the
+backward (`method_costs`: DSP's recompute and fused modes, stash, GPipe's remat;
+the last stage takes its loss in one pass), else (`split="macs"`)
 its multiply-accumulates per example (every Dense and Conv: output positions x
 kernel size, traced with `jax.eval_shape` on `sample_shape`; elementwise ops,
 BatchNorm and pooling left out). MACs mislead where a layer is memory-bound (on
@@ -243,21 +246,37 @@ def unit_costs(units: Sequence[nn.Module], sample_shape: tuple) -> list[int]:
   return costs
 
 
+def method_costs(total: Sequence[float], forward: Sequence[float] | None, recomputes: bool) -> tuple:
+  """(each unit's cost in a stage below the last, in the last stage) for a method: a stage below the
+  last that recomputes its forward in its backward (recompute, stash and fused modes, GPipe's remat)
+  runs each unit's forward twice, the last stage (its backward takes the loss in one pass) once."""
+  if not recomputes or forward is None:
+    return list(total), list(total)
+  return [t + f for t, f in zip(total, forward)], list(total)
+
+
 def partition(
-  costs: Sequence[float], num_stages: int, preferred: Sequence[int] = (), slack: float = PREFERRED_CUT_SLACK
+  costs: Sequence[float],
+  num_stages: int,
+  preferred: Sequence[int] = (),
+  slack: float = PREFERRED_CUT_SLACK,
+  last_costs: Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
   """Contiguous [start, stop) unit ranges for K stages; see the module doc for the rule.
 
-  `preferred` are unit indices worth starting a stage at. Two dynamic programs
-  over (stages, units): the smallest bottleneck, then the best split within
-  `slack` of it. Both are exact (at most a few thousand steps for our models).
+  `preferred` are unit indices worth starting a stage at. `last_costs`: each unit's cost when it is in
+  the last stage (method_costs; default `costs`). Two dynamic programs over (stages, units): the
+  smallest bottleneck, then the best split within `slack` of it. Both are exact (at most a few
+  thousand steps for our models).
   """
   n, K = len(costs), num_stages
   assert 1 <= K <= n, (K, n)
-  prefix = [0.0]
-  for c in costs:
+  prefix, last_prefix = [0.0], [0.0]
+  for c, cl in zip(costs, costs if last_costs is None else last_costs):
     prefix.append(prefix[-1] + c)
-  cost = lambda j, i: prefix[i] - prefix[j]  # Units j..i-1 as one stage.
+    last_prefix.append(last_prefix[-1] + cl)
+  # Units j..i-1 as stage k (1-based): the last stage (k == K) at its own costs.
+  cost = lambda j, i, k: (last_prefix if k == K else prefix)[i] - (last_prefix if k == K else prefix)[j]
 
   # best[k][i]: smallest bottleneck of units 0..i-1 in k stages.
   inf = float("inf")
@@ -265,7 +284,7 @@ def partition(
   best[0][0] = 0.0
   for k in range(1, K + 1):
     for i in range(k, n + 1):
-      best[k][i] = min(max(best[k - 1][j], cost(j, i)) for j in range(k - 1, i))
+      best[k][i] = min(max(best[k - 1][j], cost(j, i, k)) for j in range(k - 1, i))
   limit = best[K][n] * (1 + slack)
 
   # score[k][i]: (preferred cuts, -bottleneck) of the best split under `limit`. Extending
@@ -277,10 +296,10 @@ def partition(
   for k in range(1, K + 1):
     for i in range(k, n + 1):
       for j in range(k - 1, i):
-        if score[k - 1][j] is None or cost(j, i) > limit:
+        if score[k - 1][j] is None or cost(j, i, k) > limit:
           continue
         cuts, neg_bottleneck = score[k - 1][j]
-        cand = (cuts + (j > 0 and j in preferred), min(neg_bottleneck, -cost(j, i)))
+        cand = (cuts + (j > 0 and j in preferred), min(neg_bottleneck, -cost(j, i, k)))
         if score[k][i] is None or cand > score[k][i]:
           score[k][i], arg[k][i] = cand, j
   bounds, i = [n], n
@@ -296,14 +315,17 @@ def _preferred_cuts(units) -> list[int]:
   return [i for i, u in enumerate(units) if isinstance(u, ResNetBlock) and u.stride > 1]
 
 
-def split_ranges(name: str, units, num_stages: int, costs: Sequence[float]) -> list[tuple[int, int]]:
-  """The [start, stop) unit range of each of `num_stages` stages balancing `costs` (module doc)."""
+def split_ranges(
+  name: str, units, num_stages: int, costs: Sequence[float], last_costs: Sequence[float] | None = None
+) -> list[tuple[int, int]]:
+  """The [start, stop) unit range of each of `num_stages` stages balancing `costs` (`last_costs` in
+  the last stage: method_costs) (module doc)."""
   n = len(units)
   if num_stages < 1:
     raise ValueError(f"num_stages: {num_stages} is not allowed: {name} splits into 1 to {n} stages")
   if num_stages > n:
     raise ValueError(f"num_stages: {num_stages} is not allowed: {name} splits into at most {n} stages")
-  return partition(costs, num_stages, _preferred_cuts(units))
+  return partition(costs, num_stages, _preferred_cuts(units), last_costs=last_costs)
 
 
 def stages_of(units, ranges) -> list[Stage]:

@@ -26,9 +26,8 @@ jax.block_until_ready(state), as for one_device.
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from ripples_jax.models import apply_model
+from ripples_jax.pipeline import gpipe
 from ripples_jax.pipeline.baselines import schedule_of
 from ripples_jax.pipeline.tick import (
   BATCH,
@@ -203,41 +202,6 @@ def make_device_tick(
   return tick
 
 
-def _gpipe_programs(stage, optimizer, last: bool, microbatches: int):
-  """GPipe's programs of one stage: the forward of a micro-batch (its output, the model state it
-  leaves), the rematerialised backward (the stage's forward again, then its vjp; the last stage:
-  the micro-batch's loss and its gradient), the accumulation of a micro-batch's gradient, the update."""
-
-  def forward(p, ms, x):
-    return apply_model(stage, p, ms, x, train=True)
-
-  def backward(p, ms, x, cot):
-    return jax.vjp(lambda p, x: apply_model(stage, p, ms, x, train=True)[0], p, x)[1](cot)
-
-  def loss_grad(p, ms, x, y):
-    def loss_fn(p, x):
-      logits, new_ms = apply_model(stage, p, ms, x, train=True)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      return loss, (new_ms, jnp.mean(jnp.argmax(logits, -1) == y))
-
-    (loss, (new_ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(p, x)
-    return g_p, g_x, new_ms, loss, acc
-
-  def accumulate(g_acc, g):  # baselines.make_gpipe_step's sum: a + b / M, micro-batches in order
-    return jax.tree.map(lambda a, b: a + b / microbatches, g_acc, g)
-
-  def update(st, g, ms):
-    updates, opt_state = optimizer.update(g, st["opt_state"], st["params"])
-    return dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state, model_state=ms)
-
-  return {
-    "forward": jax.jit(forward),
-    "backward": jax.jit(loss_grad if last else backward),
-    "accumulate": jax.jit(accumulate, donate_argnums=0),
-    "update": jax.jit(update, donate_argnums=0),
-  }
-
-
 def gpipe_dispatches(num_stages: int, microbatches: int) -> int:
   """What make_device_gpipe's step dispatches: per micro-batch its copy in and its labels' copy, a
   forward and a copy up per stage below the last, the last stage's loss-and-backward and
@@ -256,7 +220,7 @@ def make_device_gpipe(stages, optimizer, microbatches: int, devices: list):
   of m-1), which is GPipe's pipeline, and the flush is the update after the last backward. The
   gradients are summed over the micro-batches in their order, as the single-device step sums them."""
   K, M = len(stages), microbatches
-  progs = [_gpipe_programs(stages[k], optimizer, k == K - 1, M) for k in range(K)]
+  progs = [gpipe.stage_programs(stages[k], optimizer, k == 0, k == K - 1, M) for k in range(K)]
   to = lambda x, k: jax.device_put(x, devices[k])
 
   def step(state, x, y, t):
@@ -276,13 +240,13 @@ def make_device_gpipe(stages, optimizer, microbatches: int, devices: list):
         h, ms[k] = progs[k]["forward"](state[k]["params"], ms[k], h)
         h = to(h, k + 1)
       g_p, cots[m], ms[K - 1], lm, am = last["backward"](state[K - 1]["params"], ms[K - 1], h, ys[m])
-      grads[K - 1] = last["accumulate"](jax.tree.map(jnp.zeros_like, g_p) if m == 0 else grads[K - 1], g_p)
+      grads[K - 1] = last["accumulate"](gpipe.zeros_like(g_p) if m == 0 else grads[K - 1], g_p)
       loss, acc = loss + lm / M, acc + am / M
     for m in range(M):  # backwards down, each stage's gradients summed in the micro-batches' order
       cot = cots[m]
       for k in reversed(range(K - 1)):
         g_p, cot = progs[k]["backward"](state[k]["params"], used[m][k], inputs[m][k], to(cot, k))
-        grads[k] = progs[k]["accumulate"](jax.tree.map(jnp.zeros_like, g_p) if m == 0 else grads[k], g_p)
+        grads[k] = progs[k]["accumulate"](gpipe.zeros_like(g_p) if m == 0 else grads[k], g_p)
     state = [progs[k]["update"](state[k], grads[k], ms[k]) for k in range(K)]  # the flush
     return state, (loss, acc)
 

@@ -59,8 +59,8 @@ from ripples_jax.distributed.host import pin_threads
 from ripples_jax.distributed.markers import fail_now
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model
+from ripples_jax.pipeline import gpipe, timing
 from ripples_jax.pipeline import tick as tick_lib
-from ripples_jax.pipeline import timing
 from ripples_jax.pipeline.baselines import schedule_of
 from ripples_jax.pipeline.link import Link, LinkThread, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
@@ -117,126 +117,72 @@ def compiled_memory(fn, args) -> dict | None:
   return None if stats is None else {k: int(getattr(stats, k, 0)) for k in keys}
 
 
-def _drop(fn, index: int):
-  """fn with output `index` replaced by None: stage 0's dL/d(input) is not needed, and XLA then never
-  computes it (single-process BP does not either)."""
+def tick_programs(stage, optimizer, sch, k: int, num_batches: int) -> dict:
+  """The jitted programs of stage k's part of a tick under schedule `sch` (jit is lazy: each compiles
+  on its first call): forward, backward, fused (DSP's whole tick), and the residual mode's forward
+  (with its vjp) and backward. Stage 0's dL/d(input) is dropped (gpipe.drop)."""
+  first, chunks = k == 0, sch.chunks  # config: 1 with fused
+  bwd = lambda st, cot, labels, t: tick_lib.stage_backward(
+    stage, optimizer, sch, k, st, cot, labels, t, num_batches, chunks
+  )
+  fused = lambda st, x, cot, t: tick_lib.stage_fused(stage, optimizer, sch, k, st, x, cot, t, num_batches)
+  res_bwd = lambda st, pb, ms, cot, t: tick_lib.stage_backward_residuals(
+    optimizer, sch, k, st, pb, ms, cot, t, num_batches
+  )
+  return {
+    "forward": jax.jit(functools.partial(tick_lib.stage_forward, stage, sch, k)),
+    "backward": jax.jit(gpipe.drop(bwd, 1) if first else bwd),
+    "fused": jax.jit(gpipe.drop(fused, 2) if first else fused),
+    "res_forward": jax.jit(lambda p, ms, x: tick_lib.stage_forward_residuals(stage, p, ms, x, chunks)),
+    "res_backward": jax.jit(gpipe.drop(res_bwd, 1) if first else res_bwd),
+  }
 
-  def wrapped(*args):
-    out = list(fn(*args))
-    out[index] = None
-    return tuple(out)
 
-  return wrapped
-
-
-class Stage:
-  """This process's stage: its state, its jitted programs, its links, its clock."""
-
-  def __init__(self, config, stages, optimizer, num_batches: int, sample_x, test_x):
-    self.k, self.K = jax.process_index(), config.num_stages
-    self.config, self.n, self.last = config, num_batches, jax.process_index() == config.num_stages - 1
-    self.schedule = schedule_of(config)  # None: gpipe, its own loop
-    self.device = stage_device(self.k)
-    self.clock = Clock()
-    self.boundary_bytes = 0  # gpipe: the micro-batch boundary inputs it keeps during an iteration
-    k, stage, sch = self.k, stages[self.k], self.schedule
-    full = tick_lib.init_pipeline(
-      stages, optimizer, sch or tick_lib.method_schedule("bp", self.K), jax.random.key(config.seed), sample_x
+def boundary_shapes(config, stages, full, test_x) -> tuple[list, list, list]:
+  """Every stage's input (boundary j: stage j's input) for the training batch, GPipe's micro-batch and
+  the test set, as zero arrays (the first two) and shape structs."""
+  K, M = config.num_stages, config.microbatches
+  ins = [np.zeros(s["in_ring"].shape[1:], s["in_ring"].dtype) for s in full]
+  test_in = [jax.ShapeDtypeStruct(test_x.shape, test_x.dtype)]
+  for j in range(K - 1):
+    test_in.append(
+      jax.eval_shape(
+        lambda p, m, x, j=j: apply_model(stages[j], p, m, x, train=False)[0],
+        full[j]["params"],
+        full[j]["model_state"],
+        test_in[-1],
+      )
     )
-    st = full[k]
-    if sch is None or (sch.mode == "residuals" and not self.last):
-      # gpipe keeps its micro-batch inputs during an iteration only; residuals hold their input
-      st = {key: v for key, v in st.items() if key != "in_ring"}
-    if st["model_state"] and sch is not None and sch.mode == "fused":
-      raise ConfigError(
-        f"mode: fused is not allowed with {config.model}: it has a model state "
-        "(BatchNorm), whose batch statistics would mix the two batches of the fused call"
-      )
-    self.state = jax.device_put(st, self.device)
-    # The shape of every boundary: stage j's input, for the training batch and for the test set.
-    ins = [np.zeros(s["in_ring"].shape[1:], s["in_ring"].dtype) for s in full]
-    test_in = [jax.ShapeDtypeStruct(test_x.shape, test_x.dtype)]
-    for j in range(self.K - 1):
-      test_in.append(
-        jax.eval_shape(
-          lambda p, m, x, j=j: apply_model(stages[j], p, m, x, train=False)[0],
-          full[j]["params"],
-          full[j]["model_state"],
-          test_in[-1],
-        )
-      )
-    # Link j carries stage j + 1's input: the whole batch, GPipe's micro-batch, the test set.
-    M = config.microbatches
-    micro = lambda a: np.zeros((a.shape[0] // M,) + a.shape[1:], a.dtype)
-    link = lambda j, like: Link(j, k, like[j + 1].shape, like[j + 1].dtype) if 0 <= j < self.K - 1 else None
+  micro = [np.zeros((a.shape[0] // M,) + a.shape[1:], a.dtype) for a in ins]
+  return ins, micro, test_in
+
+
+class Links:
+  """Stage k's links to its neighbours: link j carries stage j + 1's input up and its error gradient
+  down, one per boundary shape (the training batch, GPipe's micro-batch, the test set). The training
+  links' transfers run on threads of their own (slack: a FIFO slot holds the transfer that fills it, a
+  future, until a tick reads it); the others are called directly. `clock` times every wait ("link")."""
+
+  def __init__(self, k: int, schedule, slack: bool, clock: Clock, shapes: tuple[list, list, list]):
+    self.k, self.schedule, self.slack, self.clock = k, schedule, slack, clock
+    K = len(shapes[0])
+    self.last = k == K - 1
+    link = lambda j, like: Link(j, k, like[j + 1].shape, like[j + 1].dtype) if 0 <= j < K - 1 else None
+    ins, micro, test_in = shapes
     self.lower, self.upper = link(k - 1, ins), link(k, ins)
-    self.lower_mb, self.upper_mb = link(k - 1, [micro(a) for a in ins]), link(k, [micro(a) for a in ins])
+    self.lower_mb, self.upper_mb = link(k - 1, micro), link(k, micro)
     self.eval_lower, self.eval_upper = link(k - 1, test_in), link(k, test_in)
-    # The training links' transfers run on threads of their own (slack); the others only once drained.
     self.lower_t, self.upper_t = (LinkThread(x) if x is not None else None for x in (self.lower, self.upper))
     self.fwd_slots = self.bwd_slots = None  # the FIFOs as slots: arrays, or futures of transfers
-    self._compile_programs(stage, optimizer)
-    self.ring = collections.deque()
-    if sch is not None and sch.mode == "residuals" and not self.last:
-      # S_k placeholders (the warm-up's backwards are masked); the forward's vjp fixes the ring's shape.
-      _, pb, ms = self.res_fwd(
-        self.state["params"], self.state["model_state"], jax.device_put(jnp.asarray(ins[k]), self.device)
-      )
-      self.ring.extend([(pb, ms)] * sch.staleness[k])
 
-  def _compile_programs(self, stage, optimizer):
-    """The jitted programs this stage calls (jit is lazy: each compiles on its first call)."""
-    k, sch, n = self.k, self.schedule, self.n
-    first = k == 0
-    if sch is not None:
-      chunks = sch.chunks  # config: 1 with fused
-      bwd = lambda st, cot, labels, t: tick_lib.stage_backward(
-        stage, optimizer, sch, k, st, cot, labels, t, n, chunks
-      )
-      fused = lambda st, x, cot, t: tick_lib.stage_fused(stage, optimizer, sch, k, st, x, cot, t, n)
-      res_bwd = lambda st, pb, ms, cot, t: tick_lib.stage_backward_residuals(
-        optimizer, sch, k, st, pb, ms, cot, t, n
-      )
-      self.fwd = jax.jit(functools.partial(tick_lib.stage_forward, stage, sch, k))
-      self.bwd = jax.jit(_drop(bwd, 1) if first else bwd)
-      self.fused = jax.jit(_drop(fused, 2) if first else fused)
-      self.res_fwd = jax.jit(lambda p, ms, x: tick_lib.stage_forward_residuals(stage, p, ms, x, chunks))
-      self.res_bwd = jax.jit(_drop(res_bwd, 1) if first else res_bwd)
-    M = self.config.microbatches
-
-    def gp_bwd(p, ms, x, cot):  # rematerialised: the forward again, then its vjp
-      return jax.vjp(lambda p, x: apply_model(stage, p, ms, x, train=True)[0], p, x)[1](cot)
-
-    def gp_last(p, ms, x, y):
-      def loss_fn(p, x):
-        logits, new_ms = apply_model(stage, p, ms, x, train=True)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return loss, (jnp.mean(jnp.argmax(logits, -1) == y), new_ms)
-
-      (loss, (acc, new_ms)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(p, x)
-      return (loss, acc, new_ms), g_p, g_x
-
-    def gp_update(st, grads_sum, ms):
-      grads = jax.tree.map(lambda g: g / M, grads_sum)
-      updates, opt_state = optimizer.update(grads, st["opt_state"], st["params"])
-      return dict(st, params=optax.apply_updates(st["params"], updates), opt_state=opt_state, model_state=ms)
-
-    self.gp_fwd = jax.jit(lambda p, ms, x: apply_model(stage, p, ms, x, train=True))
-    self.gp_bwd = jax.jit(_drop(gp_bwd, 1) if first else gp_bwd)
-    self.gp_last = jax.jit(_drop(gp_last, 2) if first else gp_last)
-    self.gp_add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-    self.gp_update = jax.jit(gp_update)
-    self.ev_fwd = jax.jit(lambda p, ms, x: apply_model(stage, p, ms, x, train=False)[0])
-
-  # -- one tick (dsp, fr, ddg, bp) --------------------------------------------------------------------
-
-  def link(self, fn, *args):
+  def call(self, fn, *args):
+    """A direct transfer (GPipe's micro-batch links, evaluation), waited for."""
     return self.clock.run("link", fn, *args)
 
   def post(self, lt: LinkThread, kind: str, x=None):
     """A transfer on link thread `lt`; without slack (runtime.slack=False) waited for at once."""
     future = lt.post(kind, x)
-    if not self.config.runtime.slack:
+    if not self.slack:
       self.wait(future)
     return future
 
@@ -274,49 +220,7 @@ class Stage:
         lt.drain()
         lt.close()
 
-  def tick(self, st, x_t, y_t, t):
-    """This stage's part of tick t (tick.make_tick's order); returns (state, (loss, acc) or None).
-
-    Transfers are posted to the link threads in the lockstep order; only their results are waited for.
-    The state's FIFOs are stale during the run: the slots hold them (settle writes them back)."""
-    sch, k, c, last = self.schedule, self.k, self.clock, self.last
-    src = tick_lib.input_source(sch, k)
-    if src == tick_lib.BATCH:
-      x_in = x_t
-    elif src == tick_lib.NOW:
-      x_in = self.wait(self.post(self.lower_t, "up"))  # locked forward: this tick's output of the stage below
-    else:
-      x_in = self.slot(self.fwd_slots)
-    metrics = y = g_x = None
-    if sch.mode == "fused" and not last:  # DSP: the error gradient is already in the FIFO
-      st, y, g_x = c.run("fused", self.fused, st, x_in, self.slot(self.bwd_slots), t)
-    else:
-      residuals = sch.mode == "residuals" and not last
-      if residuals:
-        y, pb, ms = c.run("forward", self.res_fwd, st["params"], st["model_state"], x_in)
-        self.ring.append((pb, ms))
-      else:
-        st, y = c.run("forward", self.fwd, st, x_in, t)
-      if not last and tick_lib.input_source(sch, k + 1) == tick_lib.NOW:  # the stage above waits for it
-        self.post(self.upper_t, "up", y)
-      src = tick_lib.cotangent_source(sch, k)
-      if src == tick_lib.LABELS:
-        cot = None
-      elif src == tick_lib.NOW:
-        cot = self.wait(self.post(self.upper_t, "down"))  # locked backward: this tick's from above
-      else:
-        cot = self.slot(self.bwd_slots)
-      if residuals:
-        pb, ms = self.ring.popleft()  # the forward of tick t - S_k
-        st, g_x = c.run("backward", self.res_bwd, st, pb, ms, cot, t)
-      else:
-        st, g_x, metrics = c.run("backward", self.bwd, st, cot, y_t, t)
-      if k > 0 and tick_lib.cotangent_source(sch, k - 1) == tick_lib.NOW:  # the stage below waits for it
-        self.post(self.lower_t, "down", g_x)
-    self._advance_links(y, g_x)
-    return st, metrics
-
-  def _advance_links(self, y, g_x) -> None:
+  def advance(self, y, g_x) -> None:
     """The delayed links move one tick: each FIFO drops the entry this tick read and takes the
     transfer of this tick's output (a future), the lower link's transfer posted first, as lockstep
     ran them."""
@@ -339,40 +243,7 @@ class Stage:
         self.bwd_slots.popleft()
         self.bwd_slots.append(got)
 
-  # -- one gpipe batch ----------------------------------------------------------------------------------
-
-  def gpipe(self, st, x_t, y_t):
-    """M micro-batches up (only the stage inputs are kept), then down in reverse order with the
-    forward rematerialised, the gradients summed, one update after the flush."""
-    k, c, last, M = self.k, self.clock, self.last, self.config.microbatches
-    p, ms = st["params"], st["model_state"]
-    split = lambda a: np.split(np.asarray(a), M) if a is not None else [None] * M
-    xs, ys = split(x_t), split(y_t)
-    ins, new_ms = [], ms  # the micro-batch boundary inputs: all GPipe keeps for its remat backward
-    for m in range(M):
-      x = xs[m] if k == 0 else self.link(self.lower_mb.up)
-      ins.append(x)
-      if not last:
-        y, new_ms = c.run("forward", self.gp_fwd, p, ms, x)
-        self.link(self.upper_mb.up, y)
-    grads, losses = None, []
-    for m in reversed(range(M)):
-      if last:
-        (loss, acc, new_ms), g_p, g_x = c.run("backward", self.gp_last, p, ms, ins[m], ys[m])
-        losses.append((loss, acc))
-      else:
-        g_p, g_x = c.run("backward", self.gp_bwd, p, ms, ins[m], self.link(self.upper_mb.down))
-      grads = g_p if grads is None else self.gp_add(grads, g_p)
-      if k > 0:
-        self.link(self.lower_mb.down, g_x)
-    self.boundary_bytes = int(sum(np.asarray(x).nbytes for x in ins))
-    st = c.run("update", self.gp_update, st, grads, new_ms)
-    metrics = tuple(jnp.mean(jnp.stack(v)) for v in zip(*losses)) if last else None
-    return st, metrics
-
-  # -- what a transfer costs --------------------------------------------------------------------------
-
-  def calibrate_links(self, reps: int = 7) -> dict:
+  def calibrate(self, reps: int = 7) -> dict:
     """Median seconds of one transfer of the training boundary on each of this stage's links, with
     both ends ready (the run's link waits also hold the time spent waiting for the neighbour). Every
     stage runs this at the same point, lower link first, so the pairs meet."""
@@ -389,14 +260,138 @@ class Stage:
       out[name] = float(np.median(times[2:]))
     return out
 
+
+class Stage:
+  """This process's stage: its state and residual ring, its programs (a tick's, GPipe's, evaluation's),
+  its links, its clock."""
+
+  def __init__(self, config, stages, optimizer, num_batches: int, sample_x, test_x):
+    self.k, self.K = jax.process_index(), config.num_stages
+    self.config, self.n, self.last = config, num_batches, jax.process_index() == config.num_stages - 1
+    self.schedule = schedule_of(config)  # None: gpipe, its own loop
+    self.device = stage_device(self.k)
+    self.clock = Clock()
+    self.boundary_bytes = 0  # gpipe: the micro-batch boundary inputs it keeps during an iteration
+    k, stage, sch = self.k, stages[self.k], self.schedule
+    full = tick_lib.init_pipeline(
+      stages, optimizer, sch or tick_lib.method_schedule("bp", self.K), jax.random.key(config.seed), sample_x
+    )
+    st = full[k]
+    if sch is None or (sch.mode == "residuals" and not self.last):
+      # gpipe keeps its micro-batch inputs during an iteration only; residuals hold their input
+      st = {key: v for key, v in st.items() if key != "in_ring"}
+    if st["model_state"] and sch is not None and sch.mode == "fused":
+      raise ConfigError(
+        f"mode: fused is not allowed with {config.model}: it has a model state "
+        "(BatchNorm), whose batch statistics would mix the two batches of the fused call"
+      )
+    self.state = jax.device_put(st, self.device)
+    shapes = boundary_shapes(config, stages, full, test_x)
+    self.links = Links(k, sch, config.runtime.slack, self.clock, shapes)
+    self.progs = tick_programs(stage, optimizer, sch, k, num_batches) if sch is not None else {}
+    self.gp = gpipe.stage_programs(stage, optimizer, k == 0, self.last, config.microbatches)
+    self.ev_fwd = jax.jit(lambda p, ms, x: apply_model(stage, p, ms, x, train=False)[0])
+    self.ring = collections.deque()
+    if sch is not None and sch.mode == "residuals" and not self.last:
+      # S_k placeholders (the warm-up's backwards are masked); the forward's vjp fixes the ring's shape.
+      x0 = jax.device_put(jnp.asarray(shapes[0][k]), self.device)
+      _, pb, ms = self.progs["res_forward"](self.state["params"], self.state["model_state"], x0)
+      self.ring.extend([(pb, ms)] * sch.staleness[k])
+
+  # -- one tick (dsp, fr, ddg, pipedream, pipemare, bp) -----------------------------------------------
+
+  def tick(self, st, x_t, y_t, t):
+    """This stage's part of tick t (tick.make_tick's order); returns (state, (loss, acc) or None).
+
+    Transfers are posted to the link threads in the lockstep order; only their results are waited for.
+    The state's FIFOs are stale during the run: the slots hold them (Links.settle writes them back)."""
+    sch, k, c, last, L, P = self.schedule, self.k, self.clock, self.last, self.links, self.progs
+    src = tick_lib.input_source(sch, k)
+    if src == tick_lib.BATCH:
+      x_in = x_t
+    elif src == tick_lib.NOW:
+      x_in = L.wait(L.post(L.lower_t, "up"))  # locked forward: this tick's output of the stage below
+    else:
+      x_in = L.slot(L.fwd_slots)
+    metrics = y = g_x = None
+    if sch.mode == "fused" and not last:  # DSP: the error gradient is already in the FIFO
+      st, y, g_x = c.run("fused", P["fused"], st, x_in, L.slot(L.bwd_slots), t)
+    else:
+      residuals = sch.mode == "residuals" and not last
+      if residuals:
+        y, pb, ms = c.run("forward", P["res_forward"], st["params"], st["model_state"], x_in)
+        self.ring.append((pb, ms))
+      else:
+        st, y = c.run("forward", P["forward"], st, x_in, t)
+      if not last and tick_lib.input_source(sch, k + 1) == tick_lib.NOW:  # the stage above waits for it
+        L.post(L.upper_t, "up", y)
+      src = tick_lib.cotangent_source(sch, k)
+      if src == tick_lib.LABELS:
+        cot = None
+      elif src == tick_lib.NOW:
+        cot = L.wait(L.post(L.upper_t, "down"))  # locked backward: this tick's from above
+      else:
+        cot = L.slot(L.bwd_slots)
+      if residuals:
+        pb, ms = self.ring.popleft()  # the forward of tick t - S_k
+        st, g_x = c.run("backward", P["res_backward"], st, pb, ms, cot, t)
+      else:
+        st, g_x, metrics = c.run("backward", P["backward"], st, cot, y_t, t)
+      if k > 0 and tick_lib.cotangent_source(sch, k - 1) == tick_lib.NOW:  # the stage below waits for it
+        L.post(L.lower_t, "down", g_x)
+    L.advance(y, g_x)
+    return st, metrics
+
+  # -- one gpipe batch ----------------------------------------------------------------------------------
+
+  def gpipe(self, st, x_t, y_t):
+    """One GPipe batch in pipeline/gpipe.py's order: the M micro-batches up (each stage keeping its
+    inputs and the model state its forward saw; the last stage taking each one's loss and backward as
+    it arrives), then their gradients down in the same order (rematerialised backwards), the
+    gradients summed in that order, one update after the flush. Both ends of a link issue its
+    transfers in this order: every up, then every down."""
+    k, c, last, M, L, G = self.k, self.clock, self.last, self.config.microbatches, self.links, self.gp
+    p, ms = st["params"], st["model_state"]
+    split = lambda a: np.split(np.asarray(a), M) if a is not None else [None] * M
+    xs, ys = split(x_t), split(y_t)
+    ins, used, cots, grads, losses = [], [], [], None, []
+    accumulate = lambda grads, g_p: c.run(
+      "accumulate", G["accumulate"], gpipe.zeros_like(g_p) if grads is None else grads, g_p
+    )
+    for m in range(M):
+      x = xs[m] if k == 0 else L.call(L.lower_mb.up)
+      if last:
+        g_p, g_x, ms, loss, acc = c.run("backward", G["backward"], p, ms, x, ys[m])
+        grads = accumulate(grads, g_p)
+        cots.append(g_x)
+        losses.append((loss, acc))
+      else:
+        ins.append(x)
+        used.append(ms)
+        y, ms = c.run("forward", G["forward"], p, ms, x)
+        L.call(L.upper_mb.up, y)
+    for m in range(M):
+      if not last:
+        g_p, g_x = c.run("backward", G["backward"], p, used[m], ins[m], L.call(L.upper_mb.down))
+        grads = accumulate(grads, g_p)
+      else:
+        g_x = cots[m]
+      if k > 0:
+        L.call(L.lower_mb.down, g_x)
+    self.boundary_bytes = int(sum(np.asarray(x).nbytes for x in ins))
+    st = c.run("update", G["update"], st, grads, ms)
+    metrics = tuple(jnp.mean(jnp.stack(v)) for v in zip(*losses)) if last else None
+    return st, metrics
+
   # -- evaluation ------------------------------------------------------------------------------------
 
   def evaluate(self, st, x_test, y_test):
     """The test set up the stages; the last stage returns (accuracy, loss), the others None."""
-    h = jax.device_put(x_test, self.device) if self.k == 0 else self.eval_lower.up()
+    L = self.links
+    h = jax.device_put(x_test, self.device) if self.k == 0 else L.eval_lower.up()
     h = self.ev_fwd(st["params"], st["model_state"], h)
     if not self.last:
-      self.eval_upper.up(h)
+      L.eval_upper.up(h)
       return None
     y = jax.device_put(y_test, self.device)
     return (
@@ -488,7 +483,7 @@ def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progre
   clock = lambda: time.perf_counter() - t_start - (loop.eval_s - eval_before)
   saved = None
   if sch is not None:
-    sp.load_slots(sp.state)
+    sp.links.load_slots(sp.state)
   for t in range(loop.tick, n + drain):
     if sp.k == rt.fail_stage and t == rt.fail_tick:
       fail_now(log, saved, t)
@@ -507,7 +502,7 @@ def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progre
     if done > 0 and (done % config.log_every == 0 or done % config.eval_every == 0 or done == n):
       saving = done == n or bool(config.checkpoint_every and done % config.checkpoint_every == 0)
       if sch is not None and (saving or done % config.eval_every == 0):  # the lockstep cut, on every stage
-        sp.state = sp.settle(sp.state)
+        sp.state = sp.links.settle(sp.state)
       _record(sp, log, p, clock, loop, done, losses)
       losses = []
       loop.tick, loop.time = t + 1, clock()
@@ -517,7 +512,7 @@ def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progre
     elif done > 0:
       log.progress(done)
   if sch is not None:
-    sp.state = sp.settle(sp.state)
+    sp.state = sp.links.settle(sp.state)
   loop.tick, loop.time = n + drain, clock()
 
 
@@ -596,11 +591,11 @@ def run(config, workdir: str) -> dict:
     )
     sigterm.watchdog = watchdog
     kv.wait_at_barrier(f"{coord.PREFIX}/pipe/start/{loop.tick}", int(rt.stall_timeout * 1000))
-    transfer_s = sp.calibrate_links()  # before the clock starts: not training time
+    transfer_s = sp.links.calibrate()  # before the clock starts: not training time
     watchdog.start()
     try:
       _loop(sp, log, p, loop, progress)
-      sp.close()
+      sp.links.close()
     except Exception:
       # A transfer may fail (rather than hang) when the neighbour died: let the watchdog name it first.
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)

@@ -404,6 +404,7 @@ def runtime_with_stragglers(
   elif method == "gpipe":
     M = int(microbatches)
     update = max(float(s["median_s"].get("update", 0.0)) for s in stages)
+    b = b + call("accumulate")  # each micro-batch's gradient summed after its backward
     f_up, b_down = f + np.append(up, 0.0) / M, b + np.append(0.0, up) / M
     ends = np.cumsum(
       [gpipe_iteration(M * f_up * fac[t], M * b_down * fac[t], M, remat=False) + update for t in range(n)]
@@ -442,7 +443,7 @@ def runtime_with_stragglers(
 def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) -> float:
   """The pipeline runtime's iteration (pipeline/per_process.py) as predicted from the costs measured in
   that run: per stage, `median_s` (median seconds per call of each kind it makes: forward, backward,
-  fused, update) and `transfer_s` (one transfer on its lower/upper link with both ends ready).
+  fused, update, accumulate) and `transfer_s` (one transfer on its lower/upper link with both ends ready).
 
   It charges exactly the calls the runtime makes, so a recompute is in `backward` where the method
   recomputes (fr, pipemare, dsp recompute, gpipe's remat) and absent where it keeps residuals (bp,
@@ -473,6 +474,7 @@ def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) ->
     return float(max(call(k, "fused") + f[k] + b[k] + link(k) for k in range(K)))
   if method == "gpipe":
     M = int(microbatches)
+    b = b + np.array([call(k, "accumulate") for k in range(K)])  # each micro-batch's gradient summed
     f_up = f + np.array(up + [0.0]) / M  # a micro-batch forward, then its activation up
     b_down = b + np.array([0.0] + up) / M  # a micro-batch backward, then its gradient down
     return float(
