@@ -220,3 +220,21 @@ def test_straggler_factor_is_one_draw_of_seed_tick_and_stage():
   hits = np.mean([T.straggler_factor(7, k, t, 3.0, p=0.2) == 3.0 for t in range(3000) for k in range(2)])
   assert abs(hits - 0.2) < 0.02
   assert T.straggler_factor(7, 0, 5, 1.0, p=1.0) == 1.0  # no slowdown, no straggler
+
+
+def test_the_per_tick_overhead_is_paid_where_each_method_pays_a_tick():
+  x, o = 0.01, 0.05
+  two = [_stage(forward=1.0, backward=2.0, upper=x), _stage(forward=0.5, backward=3.0, lower=x)]
+  # BP: every stage's tick in turn; DSP and 1F1B (calls the critical path holds): once a tick.
+  assert T.runtime_iteration("bp", two, overhead_s=o) == pytest.approx(T.runtime_iteration("bp", two) + 2 * o)
+  assert T.runtime_iteration("dsp", two, overhead_s=o) == pytest.approx(max(3.0, 3.5) + x + o)
+  assert T.runtime_iteration("pipedream", two, overhead_s=o) == pytest.approx(3.5 + o)
+  fused = [_stage(fused=4.0, upper=x), _stage(forward=0.5, backward=3.0, lower=x)]
+  assert T.runtime_iteration("dsp", fused, overhead_s=o) == pytest.approx(4.0 + x + o)
+  gp = [_stage(forward=1.0, backward=2.0, update=0.1, upper=0.0), _stage(backward=3.0, update=0.2, lower=0.0)]
+  assert T.runtime_iteration("gpipe", gp, microbatches=1, overhead_s=o) == pytest.approx(6.2 + 4 * o / 2)
+  # tick_overhead inverts it: the overhead a measured iteration implies, for every method.
+  for m, st in (("bp", two), ("dsp", fused), ("pipedream", two), ("fr", two), ("gpipe", gp)):
+    measured = T.runtime_iteration(m, st, overhead_s=0.0123)
+    assert T.tick_overhead(m, st, measured) == pytest.approx(0.0123, abs=1e-9)
+  assert T.tick_overhead("dsp", fused, 4.0 + x - 0.02) == pytest.approx(-0.02, abs=1e-9)

@@ -440,7 +440,9 @@ def runtime_with_stragglers(
   return steady_spacing(ends, warmup=min(max(n // 4, 1), n - 1))
 
 
-def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) -> float:
+def runtime_iteration(
+  method: str, stages: list[dict], microbatches: int = 4, overhead_s: float = 0.0
+) -> float:
   """The pipeline runtime's iteration (pipeline/per_process.py) as predicted from the costs measured in
   that run: per stage, `median_s` (median seconds per call of each kind it makes: forward, backward,
   fused, update, accumulate) and `transfer_s` (one transfer on its lower/upper link with both ends ready).
@@ -455,22 +457,27 @@ def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) ->
     dsp       max_k (stage k's calls + one swap per link it has): every stage busy every tick
     gpipe     the flushed wavefront of `gpipe_iteration` on the micro-batch calls, each transfer
               (1/M of the batch's) added to the call it follows, plus the update
+  `overhead_s`: the seconds a stage spends per tick outside its calls and transfers (the loop in
+  Python, dispatch, the link threads' hand-offs; `tick_overhead` fits it to a run), charged once per
+  stage-tick, half to its forward and half to its backward: BP pays it on every stage in turn, DSP
+  once a tick, 1F1B on each call of its critical path, GPipe on each micro-batch call.
   """
+  o = float(overhead_s)
   method = "dsp" if method == "dsp_residuals" else method
   _check_method(method)
   K = len(stages)
   call = lambda k, kind: float(stages[k]["median_s"].get(kind, 0.0))
   up = [float(stages[k]["transfer_s"].get("upper", 0.0)) for k in range(K - 1)]  # link k
   link = lambda k: (up[k - 1] if k > 0 else 0.0) + (up[k] if k < K - 1 else 0.0)  # stage k's links
-  f = np.array([call(k, "forward") for k in range(K)])
-  b = np.array([call(k, "backward") for k in range(K)])
+  f = np.array([call(k, "forward") for k in range(K)]) + o / 2
+  b = np.array([call(k, "backward") for k in range(K)]) + o / 2
   if method == "bp":
     return float(f.sum() + b.sum() + 2 * sum(up))
   if method in ONE_F_ONE_B:
     n = 64
     ends = one_f_one_b(np.tile(f, (n, 1)), np.tile(b, (n, 1)), up)
     return steady_spacing(ends.max(axis=1))
-  if method == "dsp":
+  if method == "dsp":  # f + b hold the tick's overhead (a fused stage's are 0 + o / 2 each)
     return float(max(call(k, "fused") + f[k] + b[k] + link(k) for k in range(K)))
   if method == "gpipe":
     M = int(microbatches)
@@ -481,3 +488,19 @@ def runtime_iteration(method: str, stages: list[dict], microbatches: int = 4) ->
       gpipe_iteration(M * f_up, M * b_down, M, remat=False) + max(call(k, "update") for k in range(K))
     )
   raise ValueError(f"{method!r} does not run in the pipeline runtime")
+
+
+def tick_overhead(method: str, stages: list[dict], iteration_s: float, microbatches: int = 4) -> float:
+  """The per-stage-tick overhead (runtime_iteration's `overhead_s`) at which the model's iteration
+  equals a run's measured `iteration_s`: what the run spent outside its measured calls and transfers.
+  Negative where the calls alone already exceed the iteration (a stage's call borrowing the other's
+  idle core). Fitted on one run, it predicts others (benchmarks/pipeline.py: `prediction_error`
+  beside `prediction_error_with_overhead`)."""
+  at = lambda o: runtime_iteration(method, stages, microbatches, o) - float(iteration_s)
+  lo, hi = -float(iteration_s), float(iteration_s)
+  if at(lo) > 0 or at(hi) < 0:
+    raise ValueError(f"no overhead in [{lo}, {hi}] s gives {method}'s measured {iteration_s} s")
+  for _ in range(60):  # the model grows with o: bisection
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if at(mid) < 0 else (lo, mid)
+  return (lo + hi) / 2
