@@ -814,6 +814,20 @@ def test_a_new_pair_of_lives_meets_before_it_connects_and_both_sides_agree():
   assert membership.handshake(kv, 1, pair, (2, 1), 5.0) == "left" and time.monotonic() - t0 < 1.0
   assert membership.handshake(kv, 1, pair, (2, 2), 0.2) == "timeout"  # life 2 of 3 is not removed
   assert membership.handshake(kv, 3, pair, (2, 2), 5.0) == "timeout"  # came late: the pair's decision
+  # A hello that never beats again is a life that died while it waited (or stalled): no "go" on it,
+  # so the side that came later never enters gloo's 30 s rendezvous with a dead life.
+  kv.key_value_set(f"{membership.PREFIX}/hello/1.3-3.3/a7/3", "5", allow_overwrite=True)
+  assert membership.handshake(kv, 1, pair, (3, 3), 0.3, attempt=7) == "timeout"
+  # Each group meets afresh: attempt 8 of the same pair of lives, both there, goes.
+  both = [
+    threading.Thread(
+      target=lambda m=m: got.update({m: membership.handshake(kv, m, pair, (3, 3), 5.0, attempt=8)})
+    )
+    for m in pair
+  ]
+  [t.start() for t in both]
+  [t.join() for t in both]
+  assert got == {1: None, 3: None}
 
 
 def test_a_timeout_retries_the_pair_once_on_a_fresh_connection_and_other_failures_break_it():
@@ -828,7 +842,7 @@ def test_a_timeout_retries_the_pair_once_on_a_fresh_connection_and_other_failure
   avg = PairAverager(None, {0: [], 1: [], 2: []}, me=0, per_life=True)
   calls, outcomes = [], {}
 
-  def exchange(pair, key, gen, pieces, size):
+  def exchange(pair, key, gen, pieces, size, attempt=None):
     calls.append((pair[1], gen))
     got = outcomes[pair[1]].pop(0)
     if isinstance(got, Exception):
@@ -855,6 +869,13 @@ def test_a_timeout_retries_the_pair_once_on_a_fresh_connection_and_other_failure
   outcomes[1] = [Unmet("left")]  # a rejoined life of 1 (another key) that left before it met
   out, failed = avg.average_elastic((0, 1), flat, (), [0, 1, 0])
   assert avg.causes == {1: "left"} and ((0, 1), (0, 1)) in avg.broken
+  # A meeting that timed out (a stalled life of 2) tried no connection: same generation next group.
+  outcomes[2] = [Unmet("timeout"), Unmet("timeout"), 5.0]
+  for _ in range(2):
+    out, failed = avg.average_elastic((0, 2), flat, (), [0, 0, 1])
+    assert failed == [2] and avg.causes == {2: "unmet"} and calls[-1] == (2, 0)
+  out, failed = avg.average_elastic((0, 2), flat, (), [0, 0, 1])
+  assert failed == [] and float(out[0]) == 2.5 and calls[-1] == (2, 0)
 
 
 def when_traced(workdir, worker, condition, timeout_s=200.0) -> bool:
@@ -972,9 +993,9 @@ def assert_failures_counted(traces, summary):
   every = [c for t in traces.values() for e in t if e["k"] == "group" for c in e.get("cause", [])]
   assert len(every) == sum(len(e["failed"]) for t in traces.values() for e in t if e.get("failed"))
   assert summary["failed_groups"] == {c: every.count(c) for c in sorted(set(every))}
-  assert set(summary["failed_groups"]) <= {"connection", "broken_before", "timeout", "left"}, summary[
-    "failed_groups"
-  ]
+  assert set(summary["failed_groups"]) <= {"connection", "broken_before", "timeout", "left", "unmet"}, (
+    summary["failed_groups"]
+  )
 
 
 def assert_retried_after_slow(traces, slow, at_step):

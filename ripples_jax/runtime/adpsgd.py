@@ -218,7 +218,7 @@ def exchange(
   if fails_here(worker, loop, "preduce"):  # fault injection: killed right after this exchange
     hook = lambda: fail_now(log, None, loop.steps_done, me)  # noqa: E731
   joiners = () if joiner is None else (joiner,)
-  flat, failed = worker.averager.average_elastic(pair, loop.state["flat"], joiners, incs, hook)
+  flat, failed = worker.averager.average_elastic(pair, loop.state["flat"], joiners, incs, hook, attempt=g)
   flat.block_until_ready()
   loop.state["flat"] = flat
   event["i"] = [incs[m] for m in pair]

@@ -105,30 +105,45 @@ def pair_devices(pair: tuple, key: tuple, devices_of) -> list:
 
 
 def handshake(
-  kv, me: int, pair: tuple, key: tuple, timeout_s: float, poll_s: float = 0.02, gen: int = 0
+  kv,
+  me: int,
+  pair: tuple,
+  key: tuple,
+  timeout_s: float,
+  poll_s: float = 0.02,
+  gen: int = 0,
+  attempt=None,
 ) -> str | None:
-  """Before a pair of lives connects for the first time (a rejoined life's pairs: they were not
-  connected before the run), both sides agree in the store that both are there. gloo's own rendezvous
-  waits 30 s for a dead life's keys (its store timeout, not the collective timeout; measured: a
-  rejoiner whose first group held a life killed before it connected), and every worker whose exchanges
+  """Before a pair of lives connects for the first time (a rejoined life's pairs, a pair's second
+  connection), both sides agree in the store that both are there. gloo's own rendezvous waits 30 s for
+  a dead life's keys (its store timeout, not the collective timeout), and every worker whose exchanges
   come after that one in the global order waits behind it, its own exchanges timing out, which breaks
-  pairs of live workers for the rest of the run. Here each side sets hello/<lives>/<me> and waits for
-  the other's; the first side to know the outcome writes it to hello/<lives>/decision, created once
-  (the store refuses a second create), so both sides act on one decision: "go" (both hellos seen),
-  "left" (the other life was removed, removed/<w>: its death noticed after heartbeat_timeout), or
-  "timeout" (neither within the collective timeout). Returns None for "go", else the cause. A life
-  that dies between its hello and its connection still costs gloo's 30 s (not seen here). `gen`: the
-  pair's connection generation (runtime/preduce.py: a second connection after a timeout), met anew."""
+  pairs of live workers. Each side writes hello/<lives>/<me> and rewrites it every poll while it waits
+  (a beat); the first side to know the outcome writes it to .../decision, created once (the store
+  refuses a second create), so both sides act on one decision: "go", "left" (the other life was
+  removed, removed/<w>: its death noticed after heartbeat_timeout) or "timeout" (no proof of the other
+  within the collective timeout). Returns None for "go", else the cause.
+  Proof of life: "go" only on a hello that appeared or beat while this side watched. A hello that was
+  there at the first look may be a dead life's (killed while it waited here: measured, 30 s of gloo's
+  rendezvous for the side that came later, then a cascade of timeouts behind it), so it counts only
+  once it beats again. A live waiter beats every poll, so the cost is one poll.
+  `gen`: the pair's connection generation (runtime/preduce.py: a second connection after a timeout);
+  `attempt`: the group both sides are in (a gid, an exchange id), so that a meeting that timed out
+  consumes nothing and the pair's next group meets afresh."""
   other = pair[1] if pair[0] == me else pair[0]
   life = key[pair.index(other)]
   name = f"{PREFIX}/hello/{pair[0]}.{key[0]}-{pair[1]}.{key[1]}" + (f"/g{gen}" if gen else "")
-  kv.key_value_set(f"{name}/{me}", "1", allow_overwrite=True)
-  deadline = time.monotonic() + timeout_s
+  name += "" if attempt is None else f"/a{attempt}"
+  deadline, beat, first = time.monotonic() + timeout_s, 0, ()
   while True:
+    beat += 1
+    kv.key_value_set(f"{name}/{me}", str(beat), allow_overwrite=True)
     seen = dict(kv.key_value_dir_get(f"{name}/"))
-    outcome = seen.get(f"{name}/decision")
+    outcome, hello = seen.get(f"{name}/decision"), seen.get(f"{name}/{other}")
+    if first == ():  # the other's hello at the first look: evidence only once it changes
+      first = hello
     if outcome is None:
-      if f"{name}/{other}" in seen:
+      if hello is not None and hello != first:
         outcome = "go"
       elif removed_life(kv, other) >= life:
         outcome = "left"

@@ -120,8 +120,11 @@ def failure_cause(error: Exception) -> str:
   """A failed exchange's cause, as summary.json counts it: "timeout" (the collective timeout ran out:
   the partner never came, stalled or slower than the timeout), "connection" (gloo saw the partner's
   connection close: it died), else the error's type. A pair skipped because its connection failed
-  before is "broken_before"; a pair of lives that never met before its first connection (the
-  handshake, membership.handshake) is "left" (the other life was removed) or "timeout"."""
+  before is "broken_before"; a pair of lives that did not meet before a connection's first use (the
+  handshake, membership.handshake) is "left" (the other life was removed) or "unmet" (no proof of the
+  other within the collective timeout: no connection was tried)."""
+  if isinstance(error, Unmet):
+    return "unmet" if str(error) == "timeout" else str(error)
   text = str(error).lower()
   if "timed out" in text or "timeout" in text or "deadline" in text:
     return "timeout"
@@ -206,7 +209,7 @@ class PairAverager(_Averager):
     self.ahead_s += time.perf_counter() - t0
     return time.perf_counter() - t0
 
-  def average_elastic(self, members, flat_D, joiners=(), incs=None, on_exchange=None):
+  def average_elastic(self, members, flat_D, joiners=(), incs=None, on_exchange=None, attempt=None):
     """average() under elastic membership (runtime/membership.py): (the result, the members whose
     exchange failed). Every pair of this worker's is tried in the global order, even after a failure,
     so no live partner waits for an exchange that never comes; a failed exchange (its partner died:
@@ -215,9 +218,12 @@ class PairAverager(_Averager):
     pair's next exchange goes over its one fresh connection (generation 1, met through the handshake
     first: slow is not dead), unless the partner's life is known gone; after a second failure the pair
     of lives is broken, and groups with it fail here at no cost; a rejoined life of that worker is
-    another key (its lives' devices). Joiners (a rejoined worker's first group) have weight 0: every
-    member takes the others' mean.
-    on_exchange(): called after each exchange (fault injection inside a P-Reduce)."""
+    another key (its lives' devices). A meeting that timed out ("unmet": the partner did not come to
+    the handshake within the collective timeout, a stalled life) touched no connection: the pair stays
+    on its generation and meets afresh at its next group. Joiners (a rejoined worker's first group)
+    have weight 0: every member takes the others' mean.
+    on_exchange(): called after each exchange (fault injection inside a P-Reduce); attempt: the group's
+    name on both sides (its gid, an exchange id), the handshake's round."""
     size, ordered = flat_D.shape[0], sorted(members)
     pieces = [s.data[None] for s in flat_D.addressable_shards]
     buffers, failed = {self.me: flat_D}, []
@@ -231,15 +237,17 @@ class PairAverager(_Averager):
         continue
       gen = self.gens.get((pair, key), 0)
       try:
-        buffers[other] = self._exchange(pair, key, gen, pieces, size)
+        buffers[other] = self._exchange(pair, key, gen, pieces, size, attempt)
       except Exception as e:  # noqa: BLE001  jax's runtime error: the collective failed in this pair only
         failed.append(other)
-        self.causes[other] = str(e) if isinstance(e, Unmet) else failure_cause(e)
+        self.causes[other] = failure_cause(e)
         # A failure's two sides may see different causes (the side that timed out closes the
         # connection, so the slow side sees it closed), so the rule cannot hang on the cause: every
         # failure but a partner known gone moves the pair to its fresh connection, met through the
         # handshake, where a dead partner is told apart ("left", after its removal) from a slow one.
-        if gen == 0 and self.causes[other] != "left" and self.per_life:
+        if self.causes[other] == "unmet":  # no connection was tried: the next group meets afresh
+          pass
+        elif gen == 0 and self.causes[other] != "left" and self.per_life:
           self.gens[(pair, key)] = 1
         else:
           self.broken.add((pair, key))
@@ -257,11 +265,11 @@ class PairAverager(_Averager):
     weighted = [m for m in ordered if m not in joiners] or ordered
     return self._mean(len(weighted))(*(buffers[m] for m in weighted)), []
 
-  def _exchange(self, pair: tuple, key: tuple, gen: int, pieces, size: int):
+  def _exchange(self, pair: tuple, key: tuple, gen: int, pieces, size: int, attempt=None):
     """The other member's buffer, over the pair's connection `gen`; a connection not run before
     meets first (handshake: elastic). Raises what the collective raised, or Unmet."""
     (fn, sharding), first = self._program(pair, key=key, gen=gen)
-    unmet = self.handshake(pair, key, gen) if first and self.handshake is not None else None
+    unmet = self.handshake(pair, key, gen, attempt) if first and self.handshake is not None else None
     if unmet:  # the other life left, or never came: no connection attempt (gloo would wait 30 s)
       raise Unmet(unmet)
     x_2xD = jax.make_array_from_single_device_arrays((2, size), sharding, pieces)

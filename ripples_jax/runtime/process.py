@@ -133,8 +133,8 @@ class Worker:
     self.averager = make_averager(self.config, self.local_mesh, self.devices_of, self.me)
     if elastic and self.kv is not None:  # a pair of lives connecting in the run agrees first (membership)
       timeout_s = collective_timeout_s(self.rt)
-      self.averager.handshake = lambda pair, key, gen: membership.handshake(
-        self.kv, self.me, pair, key, timeout_s, gen=gen
+      self.averager.handshake = lambda pair, key, gen, attempt: membership.handshake(
+        self.kv, self.me, pair, key, timeout_s, gen=gen, attempt=attempt
       )
     # A rejoined worker's optimizer state: its schedule at its own step count (optim.at_schedule_step).
     self.schedule_at = jax.jit(optim.at_schedule_step, out_shardings=self.rep)

@@ -210,8 +210,11 @@ def scratch_slots(traces: dict) -> bool:
   return any(e["k"] == "group" and e.get("failed") for events in traces.values() for e in events)
 
 
-def replay(config, workdir: str) -> dict:
-  """The engine's final state {"params", "model_state"} (leading worker axis) for the recorded order."""
+def replay(config, workdir: str, on_round=None) -> dict:
+  """The engine's final state {"params", "model_state"} (leading worker axis) for the recorded order.
+  on_round(started, steps, loss_S): after each round, the workers that started a step in it, their
+  step numbers and the losses at those starts (benchmarks/replay_drift.py compares them with the
+  traces')."""
   n = config.num_workers
   s = setup_lib.build(config)
   data, shards, model, optimizer = s.data, s.shards, s.model, s.optimizer
@@ -240,7 +243,7 @@ def replay(config, workdir: str) -> dict:
         [shards[w] for w in started], config.batch_size, config.seed, starts[started], workers=started
       )
       x[started], y[started] = data["x_train"][idx], data["y_train"][idx]
-    state, _ = round_fn(
+    state, loss_S = round_fn(
       state,
       put(x),
       put(y),
@@ -252,6 +255,9 @@ def replay(config, workdir: str) -> dict:
       *([put(r["reset"])] if "reset" in r else []),
       **({"outer_now": r["outer"]} if outer is not None else {}),
     )
+    if on_round is not None:
+      mine = started[started < n]
+      on_round(mine, starts[mine].copy(), np.asarray(loss_S)[mine])
     starts += r["start"]
   keep = lambda a: a[:n]  # the workers' slots, not the scratch ones
   return {

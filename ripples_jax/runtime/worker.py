@@ -296,7 +296,9 @@ def average(worker: Worker, loop: Loop, log: RunLog, trace, entry, saved) -> Non
       hook = lambda: fail_now(log, saved, loop.steps_done, worker.me)  # noqa: E731
     elif fails_here(worker, loop, "slow"):
       hook = slow_once(collective_timeout_s(worker.rt) + 1.0)
-    flat, failed = worker.averager.average_elastic(members, loop.state["flat"], joiners, loop.incs, hook)
+    flat, failed = worker.averager.average_elastic(
+      members, loop.state["flat"], joiners, loop.incs, hook, attempt=gid
+    )
   outer = worker.outer_step is not None
   if outer:  # DiLoCo: the outer step from the workers' mean (runtime/diloco.py)
     flat, loop.state["outer"] = worker.outer_step(flat, loop.state["outer"])
