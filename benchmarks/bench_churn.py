@@ -53,6 +53,9 @@ def define_flags() -> None:
   flags.DEFINE_list("seeds", ["0"], "Seeds of every algorithm's churn and uninterrupted runs.")
   flags.DEFINE_list("more_seeds", ["1", "2"], "Further seeds for the first algorithm (accuracy, paired).")
   flags.DEFINE_integer("steps", 200, "Steps per worker (config.num_steps).")
+  # Smart GG and AD-PSGD make ~2.4x Random GG's steps/s here: at 200 steps their runs would end
+  # after ~110 s, before the kill schedule does.
+  flags.DEFINE_list("steps_by", ["ripples_smart=450", "adpsgd=450"], "algorithm=steps overriding --steps.")
   flags.DEFINE_float("step_time", 0.5, "Seconds every step is padded to.")
   flags.DEFINE_float("churn_s", 180.0, "Seconds of kills, from the run's first step.")
   flags.DEFINE_integer("kill_seed", 0, "Seed of the kill schedule.")
@@ -130,10 +133,18 @@ def start_once(thread: threading.Thread) -> None:
     thread.start()
 
 
+def steps_of(algorithm: str) -> int:
+  return int(dict(s.split("=") for s in FLAGS.steps_by).get(algorithm, FLAGS.steps))
+
+
 def run_one(workdir, algorithm, seed, events=(), restart_all=False) -> dict:
   """One launch under the kill schedule `events` (none: uninterrupted); its summary, traces, clock,
-  records and kills (--reuse: the finished run already in workdir)."""
+  records and kills (--reuse: the finished run already in workdir, if it ran the same steps)."""
   if FLAGS.reuse and os.path.exists(os.path.join(workdir, "summary.json")):
+    with open(os.path.join(workdir, "config.json")) as f:
+      ran = json.load(f)["num_steps"]
+    if ran != steps_of(algorithm):
+      raise SystemExit(f"--reuse: {workdir} ran {ran} steps, not {steps_of(algorithm)}: move it away")
     return load(workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
@@ -142,7 +153,7 @@ def run_one(workdir, algorithm, seed, events=(), restart_all=False) -> dict:
     f"--config=configs/default.py:executor=async,num_workers={N},algorithm={algorithm},model=mlp",
     f"--workdir={workdir}",
     f"--config.seed={seed}",
-    f"--config.num_steps={FLAGS.steps}",
+    f"--config.num_steps={steps_of(algorithm)}",
     f"--config.runtime.step_time={FLAGS.step_time}",
     "--config.eval_every=20",
     "--config.runtime.checkpoint_every=20",
@@ -251,6 +262,21 @@ def windows(r, base: float, window_s: float) -> dict:
   }
 
 
+def steady_windows(base_run, start: float, base: float, window_s: float) -> dict:
+  """The same windows on the run without kills, from the churn run's first detection on: how far a
+  window of Random GG's or Smart GG's throughput strays from its mean with nobody dying."""
+  ends = step_ends(base_run["traces"])
+  ratios = [
+    rate(ends, a, a + window_s) / base for a in np.arange(start, end_time(base_run) - window_s, window_s)
+  ]
+  return {
+    "min_ratio": min(ratios) if ratios else None,
+    "median_ratio": float(np.median(ratios)) if ratios else None,
+    "met": sum(x >= 0.9 for x in ratios),
+    "of": len(ratios),
+  }
+
+
 def rejoins(r) -> dict:
   """Per kill of an elastic run: the worker's first group after it, in seconds."""
   spans, out = dead_spans(r), []
@@ -323,16 +349,21 @@ def churn_row(r, base_run, algorithm: str) -> dict:
     "kills": r["kills"],
     "deaths": deaths,
     "uninterrupted_steps_per_s": base,
-    "windows": windows(r, base, FLAGS.window_s),
+    "windows": (churned := windows(r, base, FLAGS.window_s)),
+    "uninterrupted_windows": steady_windows(
+      base_run, churned["rows"][0]["from"] if churned["rows"] else 10.0, base, FLAGS.window_s
+    ),
     "rejoins": rejoins(r),
     "failed_groups": r.get("failed_groups"),
     "failed_between_live": failed_between_live(r, 2 * HEARTBEAT_TIMEOUT + 2.0),
     "steps": {
       "made_and_unmade": made,
-      "budget": N * FLAGS.steps,
-      "over": made - N * FLAGS.steps,
+      "budget": N * steps_of(algorithm),
+      "over": made - N * steps_of(algorithm),
       # the same run without kills: steps start until STOP reaches each worker's queue
-      "uninterrupted_over": sum(base_run["worker_steps"]) + base_run.get("unmade_steps", 0) - N * FLAGS.steps,
+      "uninterrupted_over": sum(base_run["worker_steps"])
+      + base_run.get("unmade_steps", 0)
+      - N * steps_of(algorithm),
     },
     "replay_error": replay_error(r),
     # The same check on the run without kills: the engine's vmapped rounds and the workers' own
@@ -353,6 +384,7 @@ def main(argv):
     "config": {
       "workers": N,
       "steps": FLAGS.steps,
+      "steps_by": {a: steps_of(a) for a in FLAGS.algorithms},
       "step_time": FLAGS.step_time,
       "heartbeat_s": HEARTBEAT_S,
       "heartbeat_timeout": HEARTBEAT_TIMEOUT,
@@ -375,7 +407,10 @@ def main(argv):
     ar = run_one(f"{out}/allreduce-restart-all-0", "allreduce", 0, events, restart_all=True)
     res["allreduce_restart_all"] = {
       "kills": ar["kills"],
-      "starts": len(ar["starts"]),
+      # restarts of the job; reaching the start barrier: the runs that started (clock.jsonl), the
+      # others were killed during their start-up (16 processes on 2 cores start in ~20 s)
+      "restarts": ar["log"].count("restarting every process"),
+      "reached_start_barrier": len(ar["starts"]),
       "final_test_accuracy": ar["final_test_accuracy"],
       "time_to_target_s": {t: time_to(ar, float(t)) for t in FLAGS.targets},
       "wall_s": wall_of(ar, ar["time"]),
