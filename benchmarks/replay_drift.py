@@ -5,7 +5,8 @@ r"""Where a runtime run and the engine's replay of its traces part: each step's 
 For each run (a finished executor=async run's workdir), the engine replays the traces
 (runtime/replay.py) and every start's loss is compared with the loss the worker recorded for that step.
 Prints per run: the starts, the fraction equal bit for bit and within 3e-7 (a few ulp), the first start
-off by more than 1e-5 (its round of the replay, worker and step), and the largest relative difference.
+off by more than 1e-5 (its round of the replay, worker and step), the first start off at all, the largest
+difference in each tenth of the rounds, and the largest relative difference.
 The engine's rounds and the workers' programs order float sums differently; the figures show where a
 few ulp became more (docs/design.md 3.12).
 """
@@ -44,6 +45,12 @@ def drift(workdir: str) -> dict:
     "exact": float(np.mean(rel == 0)),
     "within_3e-7": float(np.mean(rel <= 3e-7)),
     "first_over_1e-5": None if first is None else {"round": first[0], "worker": first[1], "step": first[2]},
+    "first_off": next(({"round": r[0], "relative": r[3]} for r in rows if r[3] > 0), None),
+    # the largest difference in each tenth of the rounds: a float-order drift grows from a few ulp
+    # smoothly; a wrong update would jump at its round
+    "growth": [
+      float(rel[[r[0] * 10 // max(rounds[0], 1) == k for r in rows]].max(initial=0.0)) for k in range(10)
+    ],
     "max": float(rel.max()) if len(rel) else 0.0,
   }
 
