@@ -27,6 +27,9 @@ methods rotated each repetition so that drift on a shared machine lands on every
    prediction across runs), each beside the measurement with its error.
 6. --slowdowns: the last stage padded to s x its compute for DSP, GPipe and model-parallel BP (inside
    the calls), single-process BP padded by (s - 1) x that stage's compute in the model-parallel run.
+7. --ablate=allocator,threads (either placement): this benchmark in whole processes, each setting
+   against the default, alternated --ablate_rounds times; the per-process stages inherit the setting.
+   Ratios setting / default of best BP's step and of each row's time per iteration (or tick).
 """
 
 import copy
@@ -98,7 +101,9 @@ def define_flags() -> None:
   )
   flags.DEFINE_integer("ticks", 10, "placement=devices: ticks per timed block.")
   flags.DEFINE_list(
-    "ablate", [], "placement=devices: process settings each against the default (allocator, threads)."
+    "ablate",
+    [],
+    "Process settings, each against the default (allocator, threads), whole processes alternated.",
   )
   flags.DEFINE_integer("ablate_rounds", 4, "--ablate: alternations of whole processes per setting.")
   flags.DEFINE_list("slowdowns", [], "Straggler factors s for the last stage (e.g. 2,4); none by default.")
@@ -230,23 +235,29 @@ def main_devices(base) -> dict:
     raise app.UsageError(
       f"--variants: {bad} not allowed with --placement=devices: {list(pipeline_devices.VARIANTS)}"
     )
-  bad = [a for a in FLAGS.ablate if a not in pipeline_devices.ABLATIONS]
-  if bad:
-    raise app.UsageError(f"--ablate: {bad} not allowed: a list of {list(pipeline_devices.ABLATIONS)}")
   if FLAGS.ablate:
-    keep = [a for a in sys.argv[1:] if not a.startswith(("--ablate", "--json_out", "--reps"))]
-    tmp = tempfile.mkdtemp(prefix="bench_ablate_")
-    try:
-      return {
-        "ablations": pipeline_devices.ablate(
-          keep + ["--reps=1"], names, FLAGS.ablate, FLAGS.ablate_rounds, tmp
-        )
-      }
-    finally:
-      shutil.rmtree(tmp, ignore_errors=True)
+    return run_ablations(names)
   out = pipeline_devices.run(base, names, FLAGS.reps, FLAGS.ticks, FLAGS.bp_reps)
   pipeline_devices.print_table(out)
   return out
+
+
+def run_ablations(names: list) -> dict:
+  """--ablate, either placement: this benchmark in whole processes, each setting against the default
+  (benchmarks/pipeline_devices.py ablate); a per-process run's stage processes inherit the setting."""
+  from benchmarks import pipeline_devices
+
+  bad = [a for a in FLAGS.ablate if a not in pipeline_devices.ABLATIONS]
+  if bad:
+    raise app.UsageError(f"--ablate: {bad} not allowed: a list of {list(pipeline_devices.ABLATIONS)}")
+  keep = [a for a in sys.argv[1:] if not a.startswith(("--ablate", "--json_out", "--reps"))]
+  tmp = tempfile.mkdtemp(prefix="bench_ablate_")
+  try:
+    return {
+      "ablations": pipeline_devices.ablate(keep + ["--reps=1"], names, FLAGS.ablate, FLAGS.ablate_rounds, tmp)
+    }
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv):
@@ -257,6 +268,12 @@ def main(argv):
     out = main_devices(base)
     if FLAGS.json_out:
       os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
+      with open(FLAGS.json_out, "w") as f:
+        json.dump(out, f, indent=1)
+    return
+  if FLAGS.ablate:
+    out = run_ablations(names)
+    if FLAGS.json_out:
       with open(FLAGS.json_out, "w") as f:
         json.dump(out, f, indent=1)
     return

@@ -162,6 +162,23 @@ def test_bench_pipeline(tmp_path):
     "dsp_weight_stash",
   }
   assert "| dsp_weight_stash | weight stashing on DSP's schedule" in out
+  # --ablate on the per-process placement: whole benchmark processes (their stage processes inherit
+  # the setting), once each; the ratio is of the row's time per iteration.
+  run(
+    "benchmarks.pipeline",
+    "--num_stages=2",
+    "--iterations=8",
+    "--bp_reps=2",
+    "--model=cnn1d",
+    "--input_shape=40,1",
+    "--variants=dsp",
+    "--ablate=threads",
+    "--ablate_rounds=1",
+    f"--json_out={out_json}",
+    tmp_path=tmp_path,
+  )
+  got = json.loads(out_json.read_text())["ablations"]["threads"]
+  assert set(got) == {"best_bp", "dsp"} and got["dsp"]["median"] > 0 and len(got["dsp"]["all"]) == 1
 
 
 @pytest.mark.slow
