@@ -115,6 +115,9 @@ def define_flags() -> None:
     "input_shape", ["32", "32", "3"], "The synthetic examples' shape (CIFAR-shaped by default)."
   )
   flags.DEFINE_bool("pin_cores", True, "Pin stage k to core k mod the cores (runtime.pin_cores).")
+  flags.DEFINE_enum(
+    "malloc", "default", ["default", "tuned"], "The stage processes' allocator (experiments.launch --malloc)."
+  )
   flags.DEFINE_string("json_out", None, "Where the JSON goes.")
 
 
@@ -183,7 +186,7 @@ def run_variant(config, workdir: str) -> dict:
       node = node[part]
     args.append(f"--config.{key}={node}")
   out = io.StringIO()
-  code = launch(K, args, module="experiments.train_dsp", out=out, cwd=ROOT, grace_s=10)
+  code = launch(K, args, module="experiments.train_dsp", out=out, cwd=ROOT, grace_s=10, malloc=FLAGS.malloc)
   if code != 0:
     raise RuntimeError(f"{config.method}/{config.mode} K={K} failed ({code}):\n{out.getvalue()[-3000:]}")
   return json.load(open(os.path.join(workdir, "summary.json")))
@@ -305,6 +308,7 @@ def main(argv):
       "iterations": FLAGS.iterations,
       "reps": FLAGS.reps,
       "microbatches": base.microbatches,
+      "malloc": FLAGS.malloc,
     },
   }
   bp_runs = runs.get("bp_model_parallel", [])

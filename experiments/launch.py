@@ -77,6 +77,13 @@ _NODE_ADDRESS = flags.DEFINE_string(
   "Where this node's workers' gloo listeners bind (default: loopback for a loopback coordinator, else "
   "what the host's name resolves to).",
 )
+_MALLOC = flags.DEFINE_string(
+  "malloc",
+  "default",
+  "default, or tuned: glibc's allocator tunables for the children (ripples_jax.allocator: one arena, "
+  "no mmap, no trim, huge pages), for processes whose programs allocate large temporaries every call, "
+  "e.g. per-process pipeline stages (docs/usage.md).",
+)
 _OWN = (
   _NUM_PROCESSES,
   _CPU_DEVICES,
@@ -89,6 +96,7 @@ _OWN = (
   _NODE_RANK,
   _COORDINATOR_ADDRESS,
   _NODE_ADDRESS,
+  _MALLOC,
 )
 _KINDS = {"int": "an integer", "float": "a number"}
 
@@ -136,6 +144,7 @@ def main(argv):
       max_restarts=_MAX_RESTARTS.value,
       elastic=config_args.runs_elastic(_MODULE.value, argv[1:]),
       node=Node(_NNODES.value, _NODE_RANK.value, _COORDINATOR_ADDRESS.value, _NODE_ADDRESS.value),
+      malloc=_MALLOC.value,
     )
   except ValueError as e:  # bad input, found before anything starts
     sys.stderr.write(f"error: {e}\n")

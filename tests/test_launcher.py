@@ -1119,3 +1119,17 @@ def test_an_entry_point_outside_a_checkout_is_the_shipped_one(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in shipped else None)
   assert launcher_lib.resolve_module("experiments.train_dsp") == "ripples_jax.experiments.train_dsp"
   assert launcher_lib.resolve_module("my_project.train") == "my_project.train"
+
+
+def test_tuned_malloc_reaches_the_children_and_a_bad_value_is_one_line(monkeypatch):
+  """--malloc=tuned: every child starts with ripples_jax.allocator's tunables (glibc reads them at
+  process start only), kept after the caller's own; default: the caller's environment as it is."""
+  from ripples_jax import allocator
+  from ripples_jax.distributed.launcher import child_env, launch
+
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+  tuned, plain = child_env(1, "cpu", malloc="tuned"), child_env(1, "cpu")
+  assert allocator.tuned(tuned) and tuned["GLIBC_TUNABLES"].startswith("glibc.malloc.tcache_count=0:")
+  assert not allocator.tuned(plain) and plain["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
+  with pytest.raises(ValueError, match=r"^--malloc=jemalloc is not allowed: one of default, tuned$"):
+    launch(1, [], malloc="jemalloc")

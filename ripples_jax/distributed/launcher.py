@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 
+from ripples_jax import allocator
 from ripples_jax.distributed import addresses, coord
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -79,12 +80,19 @@ def resolve_platform(platform: str) -> str:
   return "cuda" if local_gpus() else "cpu"
 
 
-def child_env(cpu_devices: int, platform: str, index: int = 0, coordinator: bool = False) -> dict:
+MALLOC = ("default", "tuned")
+
+
+def child_env(
+  cpu_devices: int, platform: str, index: int = 0, coordinator: bool = False, malloc: str = "default"
+) -> dict:
   """The environment of worker `index`: forced CPU devices, JAX_PLATFORMS, and on cuda one GPU each
   (worker i sees GPU i mod the host's GPU count; launch() refuses more workers than GPUs: check_platform).
   The coordinator (which trains nothing, but takes part in the devices' start-up exchange) shares
-  GPU 0 without preallocating its memory."""
-  env = dict(os.environ)
+  GPU 0 without preallocating its memory. malloc="tuned": ripples_jax.allocator's glibc tunables (read
+  at process start only, so set here): a per-process pipeline stage whose programs allocate large
+  temporaries every call reuses them instead of faulting fresh pages (measured: docs/design.md 5.1)."""
+  env = dict(os.environ) if malloc == "default" else allocator.env()
   if platform == "cuda":
     gpus = local_gpus()
     if gpus:
@@ -433,6 +441,7 @@ def start_worker(
   restart: int = 0,
   gpu: int | None = None,
   collectives_host: str = "",
+  malloc: str = "default",
 ):
   """Process i of n: `python -m module args` with the coordinator flags, in a session of its own (the
   launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe (bytes, or
@@ -452,7 +461,7 @@ def start_worker(
     f"--cpu_devices={cpu_devices}",
   ]
   gpu = max(i - int(coordinator), 0) if gpu is None else gpu
-  env = child_env(cpu_devices, platform, gpu, coordinator and i == 0)
+  env = child_env(cpu_devices, platform, gpu, coordinator and i == 0, malloc)
   if collectives_host:
     env[addresses.COLLECTIVES_HOST_ENV] = collectives_host
   if not launched:
@@ -558,6 +567,7 @@ def launch(
   max_restarts: int = 0,
   elastic: bool = False,
   node: Node | None = None,
+  malloc: str = "default",
 ) -> int:
   """Runs `python -m module args --jax_distributed ...` N times (N + 1 with `coordinator`: an
   executor=async run's process 0, which trains nothing); returns the first non-zero exit code (a
@@ -568,7 +578,7 @@ def launch(
   gets at least max_restarts + 1 CPU devices (a worker's life i runs on its device i); the coordinator's
   death (coordinator_died) restarts every process. Otherwise every process is stopped and the whole job
   started again, resuming from the newest checkpoint (torchrun's elastic restart). Either restart of
-  the whole job happens up to max_restarts times.
+  the whole job happens up to max_restarts times. malloc: "default" or "tuned" (child_env).
 
   node (Node): one node of a multi-node job; this launcher starts the node's workers (and on node 0 the
   coordinator) and restarts its own. An elastic node's restarted worker rejoins the run like any other;
@@ -581,12 +591,14 @@ def launch(
   (check_platform).
   """
   node = node or Node()
+  if malloc not in MALLOC:
+    raise ValueError(f"--malloc={malloc} is not allowed: one of {', '.join(MALLOC)}")
   check_args(num_processes, cpu_devices, grace_s, port, max_restarts)
   check_node(node, port)
   check_platform(num_processes, resolve_platform(platform), elastic)
   cpu_devices = devices_per_process(cpu_devices, max_restarts, elastic)
   kw = dict(module=module, cpu_devices=cpu_devices, platform=platform, grace_s=grace_s, out=out, cwd=cwd)
-  kw.update(port=port, coordinator=coordinator, elastic=elastic, node=node)
+  kw.update(port=port, coordinator=coordinator, elastic=elastic, node=node, malloc=malloc)
   attempt = 0
   while True:
     code, signalled = _launch_once(num_processes, args, on_start, max_restarts, attempt, **kw)
@@ -628,6 +640,7 @@ def _launch_once(
   coordinator: bool,
   elastic: bool,
   node: Node,
+  malloc: str = "default",
 ) -> tuple[int, bool]:
   """One start of the job (launch()'s docstring); returns (its exit code, whether a signal ended it)."""
   out = out or sys.stdout
@@ -653,6 +666,7 @@ def _launch_once(
       restart=restart,
       gpu=max(roles.local_worker(i), 0),
       collectives_host=node.address,
+      malloc=malloc,
     )
     t = threading.Thread(target=_stream, args=(i, p.stdout, out, clues, shown, roles.prefix(i)), daemon=True)
     t.start()
