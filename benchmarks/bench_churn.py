@@ -252,9 +252,12 @@ def windows(r, base: float, window_s: float) -> dict:
     live = np.mean([N - sum(any(s0 <= t < s1 for s0, s1 in ws) for ws in spans.values()) for t in grid])
     got = rate(ends, a, b)
     rows.append({"from": float(a), "live": float(live), "steps_per_s": got, "ratio": got / (live / N * base)})
-  ratios = [x["ratio"] for x in rows]
+  return {"rows": rows, **window_summary([x["ratio"] for x in rows])}
+
+
+def window_summary(ratios) -> dict:
+  """The windows' ratios to the bar: smallest, median, how many reach 0.9 of how many."""
   return {
-    "rows": rows,
     "min_ratio": min(ratios) if ratios else None,
     "median_ratio": float(np.median(ratios)) if ratios else None,
     "met": sum(x >= 0.9 for x in ratios),
@@ -266,15 +269,8 @@ def steady_windows(base_run, start: float, base: float, window_s: float) -> dict
   """The same windows on the run without kills, from the churn run's first detection on: how far a
   window of Random GG's or Smart GG's throughput strays from its mean with nobody dying."""
   ends = step_ends(base_run["traces"])
-  ratios = [
-    rate(ends, a, a + window_s) / base for a in np.arange(start, end_time(base_run) - window_s, window_s)
-  ]
-  return {
-    "min_ratio": min(ratios) if ratios else None,
-    "median_ratio": float(np.median(ratios)) if ratios else None,
-    "met": sum(x >= 0.9 for x in ratios),
-    "of": len(ratios),
-  }
+  starts = np.arange(start, end_time(base_run) - window_s, window_s)
+  return window_summary([rate(ends, a, a + window_s) / base for a in starts])
 
 
 def rejoins(r) -> dict:
@@ -345,6 +341,7 @@ def churn_row(r, base_run, algorithm: str) -> dict:
   deaths = sum(len(w) for _, w in r["kills"])
   made = sum(r["worker_steps"]) + r.get("unmade_steps", 0)
   base = rate(step_ends(base_run["traces"]), 10.0, end_time(base_run) - 5.0)
+  budget = N * steps_of(algorithm)
   return {
     "kills": r["kills"],
     "deaths": deaths,
@@ -358,12 +355,10 @@ def churn_row(r, base_run, algorithm: str) -> dict:
     "failed_between_live": failed_between_live(r, 2 * HEARTBEAT_TIMEOUT + 2.0),
     "steps": {
       "made_and_unmade": made,
-      "budget": N * steps_of(algorithm),
-      "over": made - N * steps_of(algorithm),
+      "budget": budget,
+      "over": made - budget,
       # the same run without kills: steps start until STOP reaches each worker's queue
-      "uninterrupted_over": sum(base_run["worker_steps"])
-      + base_run.get("unmade_steps", 0)
-      - N * steps_of(algorithm),
+      "uninterrupted_over": sum(base_run["worker_steps"]) + base_run.get("unmade_steps", 0) - budget,
     },
     "replay_error": replay_error(r),
     # The same check on the run without kills: the engine's vmapped rounds and the workers' own

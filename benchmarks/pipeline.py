@@ -267,18 +267,8 @@ def main(argv):
   del argv
   K, names = FLAGS.num_stages, FLAGS.variants or list(VARIANTS)
   base = bench_config(K, FLAGS.model, FLAGS.iterations, tuple(int(d) for d in FLAGS.input_shape))
-  if FLAGS.placement == "devices":
-    out = main_devices(base)
-    if FLAGS.json_out:
-      os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
-      with open(FLAGS.json_out, "w") as f:
-        json.dump(out, f, indent=1)
-    return
-  if FLAGS.ablate:
-    out = run_ablations(names)
-    if FLAGS.json_out:
-      with open(FLAGS.json_out, "w") as f:
-        json.dump(out, f, indent=1)
+  if FLAGS.placement == "devices" or FLAGS.ablate:  # whole processes per setting, or one process
+    write_json(main_devices(base) if FLAGS.placement == "devices" else run_ablations(names))
     return
   base.runtime.pin_cores = FLAGS.pin_cores
   tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
@@ -320,6 +310,10 @@ def main(argv):
     )
   shutil.rmtree(tmp, ignore_errors=True)
   print_table(out)
+  write_json(out)
+
+
+def write_json(out: dict) -> None:
   if FLAGS.json_out:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
     with open(FLAGS.json_out, "w") as f:

@@ -448,10 +448,9 @@ def ablate(child_args: list, names: list, settings: list, rounds: int, tmp: str)
       ]
     }
     for name in names:
-      tick = lambda p: p[name]["measured_tick_s"]["median"]  # noqa: E731
-      if "measured_tick_s" not in pairs[0]["default"][name]:  # per_process: its time per iteration
-        tick = lambda p: p[name]["measured_iteration_s"]["median"]  # noqa: E731
-      rows[name] = [tick(p[setting]) / tick(p["default"]) for p in pairs]
+      # devices: time per tick; per_process: time per iteration
+      key = "measured_tick_s" if "measured_tick_s" in pairs[0]["default"][name] else "measured_iteration_s"
+      rows[name] = [p[setting][name][key]["median"] / p["default"][name][key]["median"] for p in pairs]
     out[setting] = {k: {**spread(v), "all": v} for k, v in rows.items()}
     print(
       f"{setting} / default: " + ", ".join(f"{k} {v['median']:.3f}" for k, v in out[setting].items()),
