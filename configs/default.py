@@ -107,6 +107,8 @@ def get_config(arg=None):
   )
   c.timeline.adpsgd_fixed_cost = 0.0  # AD-PSGD: seconds added to every average
   c.timeline.adpsgd_passive_blocks = False  # AD-PSGD: the passive worker's compute pauses while it serves
+  c.timeline.adpsgd_hidden = 1.0  # AD-PSGD: the share of an active worker's average its compute hides
+  # (1: Lian et al.'s order, the average beside the compute; 0: the average, then the compute)
   c.time_budget = 0.0  # virtual seconds; 0: run num_steps x num_workers worker steps
   c.target_accuracy = 0.0  # summary.json reports time_to_target when set
   c.stop_at_target = False  # executor=sim: end the run at the first evaluation that reaches it
@@ -140,6 +142,9 @@ def get_config(arg=None):
   c.num_steps = arg.steps  # steps per worker
   c.log_every = 50  # steps between log records (metrics.jsonl, TensorBoard)
   c.eval_every = 500  # steps between evaluations of the averaged model
+  # sim: evaluations also take each worker's own model's accuracy (worker_test_accuracy: one forward
+  # pass per worker, most of an evaluation's cost); False: the averaged model's alone
+  c.eval_workers = True
   c.checkpoint_every = 1000  # steps between orbax checkpoints (0: none); a rerun resumes
   c.checkpoint_keep = 2  # checkpoints kept
   c.stuck_timeout_s = 30.0  # spmd: a round whose collective has not completed after this many seconds

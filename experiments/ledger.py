@@ -53,9 +53,9 @@ import os
 
 from absl import app, flags
 
-from experiments.ledger_throughput import run, sensitivity, sync_overhead
-from experiments.ledger_tta import TTA_SCENARIOS, tta, tta_table
-from experiments.ledger_verdicts import verdicts_text
+from experiments.ledger_throughput import adpsgd_sweep, run, sensitivity, sync_overhead
+from experiments.ledger_tta import MODELS, TTA_SCENARIOS, tta, tta_table
+from experiments.ledger_verdicts import claim_estimate, verdicts_text
 
 FLAGS = flags.FLAGS
 
@@ -80,16 +80,25 @@ def define_flags():
   )
   flags.DEFINE_list("tta_algorithms", None, "With --tta_scenario: only these of each scenario's algorithms.")
   flags.DEFINE_integer("workers", 1, "Training runs at once, each in its own process on one core.")
+  flags.DEFINE_enum("model", "mlp", list(MODELS), "The training runs' numerics (one model per --out).")
+  flags.DEFINE_bool("adpsgd_sweep", False, "Only AD-PSGD's cost sweep (the clock alone), into --out.")
+  flags.DEFINE_string("beside", "", "Another ledger's folder (another --model): its verdicts beside these.")
 
 
 def main(argv):
   del argv
-  if FLAGS.sensitivity or FLAGS.sync_overhead:  # clock studies alone
+  if FLAGS.sensitivity or FLAGS.sync_overhead or FLAGS.adpsgd_sweep:  # clock studies alone
     os.makedirs(FLAGS.out, exist_ok=True)
     if FLAGS.sensitivity:
       sensitivity(FLAGS.out, FLAGS.seeds, FLAGS.steps)
     if FLAGS.sync_overhead:
       sync_overhead(FLAGS.out, FLAGS.seeds, FLAGS.steps)
+    if FLAGS.adpsgd_sweep:  # with the ledger's measured Smart GG vs AD-PSGD, where --out holds it
+      held = os.path.join(FLAGS.out, "tta.json")
+      measured = (
+        claim_estimate(json.load(open(held)), "homogeneous vs AD-PSGD") if os.path.exists(held) else None
+      )
+      adpsgd_sweep(FLAGS.out, FLAGS.seeds, FLAGS.steps, measured)
     return
   if FLAGS.verdicts_only:  # the verdict table again, from the JSON files a run left
     with open(os.path.join(FLAGS.out, "ledger.json")) as f:
@@ -119,16 +128,27 @@ def main(argv):
         FLAGS.tta_algorithms,
         merge=True,
         workers=FLAGS.workers,
-      )
+        model=FLAGS.model,
+      ),
+      "model": FLAGS.model,
     }
   else:
     ledger_out = run(FLAGS.out, FLAGS.seeds, FLAGS.steps)
     tta_out = (
-      {"scenarios": tta(FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target, workers=FLAGS.workers)}
+      {
+        "scenarios": tta(
+          FLAGS.out, FLAGS.seeds, FLAGS.tta_steps, FLAGS.target, workers=FLAGS.workers, model=FLAGS.model
+        ),
+        "model": FLAGS.model,
+      }
       if FLAGS.tta
       else None
     )
-  text = verdicts_text(FLAGS.out, ledger_out, tta_out, FLAGS.target, FLAGS.tta_steps)
+  beside = None
+  if FLAGS.beside:
+    with open(os.path.join(FLAGS.beside, "tta.json")) as f:
+      beside = json.load(f)
+  text = verdicts_text(FLAGS.out, ledger_out, tta_out, FLAGS.target, FLAGS.tta_steps, beside)
   with open(os.path.join(FLAGS.out, "verdicts.md"), "w") as f:
     f.write(text + "\n")
   print(text)

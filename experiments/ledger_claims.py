@@ -89,7 +89,15 @@ FIGURES = {
 
 SOURCES = ("arXiv", "ASPLOS", "body (summary)")
 
-NUMERICS = "numerics: MNIST-1D MLP, 16 workers, simulator"
+MODEL_NAMES = {"mlp": "MLP (40-256-256-10)", "cnn1d": "CNN1D (12,106 parameters)"}
+
+
+def numerics(model: str = "mlp") -> str:
+  """The label of every table: whose numerics the figures are."""
+  return f"numerics: MNIST-1D {MODEL_NAMES[model]}, 16 workers, simulator"
+
+
+NUMERICS = numerics("mlp")
 
 CLOCKS = {
   "light": "clock: light (0.2 MB, 10 Gb/s, 10 ms steps)",

@@ -27,7 +27,7 @@ def fixed_time(runs: dict, tta_out: dict, steps: int) -> dict | None:
     return None
   curves = {
     a: [
-      runs[run_key(FIXED_TIME_SCENARIO, a, per[a]["lr"], s, steps)]["curve"]
+      runs[run_key(FIXED_TIME_SCENARIO, a, per[a]["lr"], s, steps, tta_out.get("model", "mlp"))]["curve"]
       for s in range(len(per[a]["end"]))
     ]
     for a in FIXED_TIME_PAPER

@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from configs import default as default_config
-from experiments.ledger_claims import NUMERICS, SETTINGS, TUNED_ON, fmt, publish, set_clock
+from experiments.ledger_claims import SETTINGS, TUNED_ON, fmt, numerics, publish, set_clock
 from experiments.pool import pinned_pool
 from ripples_jax import analysis, sim, verdict
 from ripples_jax.runlog import write_json
@@ -83,14 +83,16 @@ def scenario_workers(name: str) -> int:
 
 # The step size is tuned per algorithm and clock on a validation split (VALIDATION_EXAMPLES of
 # MNIST-1D's 4,000 training examples, held out for every run, the same ones for every seed) from one
-# shared grid: the lr whose median validation time to the target over TUNE_SEEDS seeds is least (a miss
+# shared grid: the lr whose median validation time to the target over TUNE_SEEDS is least (a miss
 # counts as never; ties and all-miss broken by final validation accuracy), in the clock's homogeneous
-# scenario (TUNE_SCENARIO). Reported runs use it and report test accuracy.
+# scenario (TUNE_SCENARIO). Reported runs use it and report test accuracy. The tuning seeds are none of
+# the reported ones (0..seeds-1), so no reported run is a run the step size was chosen on; the grid
+# steps by sqrt(2) (a 2x grid moved the homogeneous ratio by 5-10%, the size of the 1.1x claim).
 VALIDATION_EXAMPLES = 500
 
-LR_GRID = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+LR_GRID = tuple(round(0.05 * 2 ** (k / 2), 4) for k in range(11))  # 0.05 .. 1.6
 
-TUNE_SEEDS = 2
+TUNE_SEEDS = (100, 101)
 
 TUNE_SCENARIO = {
   "light": "homogeneous",
@@ -109,23 +111,33 @@ CURVE_KEYS = {  # runs.json's curve: record key per column
 }
 
 
-def run_key(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> str:
-  return f"{scenario}|{algorithm}|lr={lr:g}|seed={seed}|steps={steps}"
+MODELS = ("mlp", "cnn1d")  # the ledger's numerics: --model
 
 
-def train_run(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -> dict:
-  """One simulated training run of `scenario` (in a temporary folder), evaluated after every step: its
-  curve (CURVE_KEYS, one list per column), throughput (worker-steps per virtual s) and end (virtual s).
-  A run that diverges (its loss not finite: the run log stops it) is kept as far as it got, marked
-  "diverged": it reaches no later target, and a step size that diverges is never chosen over one that
-  reaches the target."""
+def run_key(
+  scenario: str, algorithm: str, lr: float, seed: int, steps: int, model: str = "mlp", own: bool = True
+) -> str:
+  """runs.json's key of one run (the MLP's keys as the first editions wrote them)."""
+  tail = ("" if model == "mlp" else f"|model={model}") + ("" if own else "|own=0")
+  return f"{scenario}|{algorithm}|lr={lr:g}|seed={seed}|steps={steps}{tail}"
+
+
+def train_run(
+  scenario: str, algorithm: str, lr: float, seed: int, steps: int, model: str = "mlp", own: bool = True
+) -> dict:
+  """One simulated training run of `scenario` with `model` (in a temporary folder), evaluated after
+  every step: its curve (CURVE_KEYS, one list per column; own=False: without the workers' own models,
+  a tuning run's), throughput (worker-steps per virtual s) and end (virtual s). A run that diverges
+  (its loss not finite: the run log stops it) is kept as far as it got, marked "diverged": it reaches
+  no later target, and a step size that diverges is never chosen over one that reaches the target."""
   import tempfile
 
   setting, overrides = TTA_SCENARIOS[scenario]
   n = int(overrides.get("num_workers", 16))
   config = default_config.get_config(
-    f"algorithm={algorithm},executor=sim,num_workers={n},model=mlp,steps={steps}"
+    f"algorithm={algorithm},executor=sim,num_workers={n},model={model},steps={steps}"
   )
+  config.eval_workers = own
   config.seed, config.hetero.jitter, config.optimizer.lr = seed, 0.05, lr
   config.validation_examples = VALIDATION_EXAMPLES
   set_clock(config, SETTINGS[setting])
@@ -142,7 +154,8 @@ def train_run(scenario: str, algorithm: str, lr: float, seed: int, steps: int) -
     with open(os.path.join(d, "metrics.jsonl")) as f:
       evals = [r for r in map(json.loads, f) if "test_accuracy" in r]
   digits = {"time": 7, "step": 0}
-  curve = {c: [round(r[k], digits.get(c, 5)) for r in evals] for c, k in CURVE_KEYS.items()}
+  keys = {c: k for c, k in CURVE_KEYS.items() if own or c != "worker"}
+  curve = {c: [round(r[k], digits.get(c, 5)) for r in evals] for c, k in keys.items()}
   curve["step"] = [int(x) for x in curve["step"]]
   if summary is None:
     end = curve["time"][-1] if evals else 0.0
@@ -163,7 +176,8 @@ def _quiet_run(args) -> dict:
 
 
 def run_jobs(out_dir: str, jobs: list, workers: int = 1) -> dict:
-  """Every (scenario, algorithm, lr, seed, steps) job whose run out_dir/runs.json does not hold yet,
+  """Every (scenario, algorithm, lr, seed, steps, model, own) job (train_run's arguments) whose run
+  out_dir/runs.json does not hold yet,
   `workers` at once (one core each); returns runs.json's {run_key: run}. Only this process writes
   runs.json, after each run, so an interrupted study resumes where it stopped. Every curve of every
   run stays there."""
@@ -208,15 +222,28 @@ def accuracy_at(curve: dict, t: float, key: str = "test") -> float:
 
 
 def tune(
-  out_dir: str, settings, steps: int, target: float, workers: int = 1, grid=LR_GRID, algorithms=None
+  out_dir: str,
+  settings,
+  steps: int,
+  target: float,
+  workers: int = 1,
+  grid=LR_GRID,
+  algorithms=None,
+  model: str = "mlp",
 ) -> dict:
-  """The step size per clock and algorithm (see LR_GRID; `algorithms`: only those): {setting:
-  {algorithm: lr}}. tuning.md / tuning.json hold every grid point's median validation time to the
-  target (null: never) and final validation accuracy, for these settings and those tuned before in
-  --out with the same grid and target (chosen again from their held runs)."""
+  """The step size per clock and algorithm (see LR_GRID; `algorithms`: only those) for `model`:
+  {setting: {algorithm: lr}}. tuning.md / tuning.json hold every grid point's median validation time
+  to the target (null: never) and final validation accuracy, for these settings and those tuned
+  before in --out with the same grid, seeds, target and model (chosen again from their held runs).
+  Tuning runs skip the workers' own evaluation (nothing reads it)."""
   path = os.path.join(out_dir, "tuning.json")
   held = json.load(open(path)) if os.path.exists(path) else {}
-  same = (held.get("grid"), held.get("target"), held.get("seeds")) == (list(grid), target, TUNE_SEEDS)
+  same = (held.get("grid"), held.get("target"), held.get("seeds"), held.get("model", "mlp")) == (
+    list(grid),
+    target,
+    list(TUNE_SEEDS),
+    model,
+  )
   # The settings tuned before with this grid are chosen again from their (held) runs, not kept as
   # written: one rule and one format for every row.
   before = {s: list(per) for s, per in held.get("choice", {}).items() if same and s not in settings}
@@ -229,19 +256,26 @@ def tune(
     for name, s in scenarios.items()
   }
   jobs = [
-    (name, a, lr, seed, steps)
+    (name, a, lr, seed, steps, model, False)
     for name in scenarios
     for a in algs[name]
     for lr in grid
-    for seed in range(TUNE_SEEDS)
+    for seed in TUNE_SEEDS
   ]
   runs = run_jobs(out_dir, jobs, workers)
-  out = {"grid": list(grid), "seeds": TUNE_SEEDS, "target": target, "choice": {}, "points": {}}
+  out = {
+    "grid": list(grid),
+    "seeds": list(TUNE_SEEDS),
+    "target": target,
+    "model": model,
+    "choice": {},
+    "points": {},
+  }
   for name, setting in scenarios.items():
     for a in algs[name]:
       score = {}
       for lr in grid:
-        got = [runs[run_key(name, a, lr, seed, steps)] for seed in range(TUNE_SEEDS)]
+        got = [runs[run_key(name, a, lr, seed, steps, model, False)] for seed in TUNE_SEEDS]
         hit = [crossing(r["curve"], target, "val") for r in got]
         vt = float(np.median([h[0] if h else np.inf for h in hit]))
         score[lr] = (vt, -float(np.mean([final(r, "val") for r in got])))
@@ -268,8 +302,9 @@ def tune(
     rows,
   )
   text = (
-    f"{NUMERICS}; step size per algorithm and clock, tuned in each clock's homogeneous scenario on "
-    f"{VALIDATION_EXAMPLES} held-out training examples, {TUNE_SEEDS} seeds, {steps} steps "
+    f"{numerics(model)}; step size per algorithm and clock, tuned in each clock's homogeneous scenario on "
+    f"{VALIDATION_EXAMPLES} held-out training examples, seeds {', '.join(map(str, TUNE_SEEDS))} (none "
+    f"of them reported), {steps} steps "
     f"(* chosen: least median validation time to {100 * target:.0f}%, ties by final validation accuracy)"
     f"\n\n{table}"
   )
@@ -308,12 +343,14 @@ def tta(
   merge=False,
   workers=1,
   grid=LR_GRID,
+  model="mlp",
 ) -> dict:
-  """The training runs of `scenarios`, each with its algorithms (TTA_ALGORITHMS_OF, else TTA_ALGORITHMS;
-  `algorithms`: only those of them) at the step size `tune` chose for the scenario's clock. merge: into
-  the scenarios and algorithms --out's tta.json already holds (those run here replaced, the rest
-  kept), else a fresh file. Writes tta.json, tta.md (every scenario held), seed 0's accuracy curves
-  (tta_curves.json, for the figures; runs.json holds every run's) and a figure per scenario."""
+  """The training runs of `scenarios` with `model`, each with its algorithms (TTA_ALGORITHMS_OF, else
+  TTA_ALGORITHMS; `algorithms`: only those of them) at the step size `tune` chose for the scenario's
+  clock. merge: into the scenarios and algorithms --out's tta.json already holds (those run here
+  replaced, the rest kept), else a fresh file. Every scenario's records also get the targets where
+  training ends (ends_of_training). Writes tta.json, tta.md (every scenario held), seed 0's accuracy
+  curves (tta_curves.json, for the figures; runs.json holds every run's) and a figure per scenario."""
   path, curves_path = os.path.join(out_dir, "tta.json"), os.path.join(out_dir, "tta_curves.json")
   out, curves = {}, {}
   if merge and os.path.exists(path):
@@ -321,19 +358,23 @@ def tta(
       held = json.load(f)
     if held["target"] != target:
       raise ValueError(f"{path} holds target {held['target']}, not {target}: merge refused")
+    if held.get("model", "mlp") != model:
+      raise ValueError(f"{path} holds model {held.get('model', 'mlp')}, not {model}: merge refused")
     out = held["scenarios"]
     if os.path.exists(curves_path):
       with open(curves_path) as f:
         curves = json.load(f)
   tuned_on = lambda name: TUNED_ON.get(TTA_SCENARIOS[name][0], TTA_SCENARIOS[name][0])  # noqa: E731
-  lr = tune(out_dir, sorted({tuned_on(name) for name in scenarios}), steps, target, workers, grid, algorithms)
+  lr = tune(
+    out_dir, sorted({tuned_on(name) for name in scenarios}), steps, target, workers, grid, algorithms, model
+  )
   plan = {
     name: [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if algorithms is None or a in algorithms]
     for name in scenarios
   }
   lr_of = lambda name, a: lr[tuned_on(name)][a]  # noqa: E731
   jobs = [
-    (name, a, lr_of(name, a), seed, steps)
+    (name, a, lr_of(name, a), seed, steps, model, True)
     for name, algs in plan.items()
     for a in algs
     for seed in range(seeds)
@@ -342,30 +383,73 @@ def tta(
   for name, algs in plan.items():
     per = out.setdefault(name, {})
     for a in algs:
-      got = [runs[run_key(name, a, lr_of(name, a), seed, steps)] for seed in range(seeds)]
+      got = [runs[run_key(name, a, lr_of(name, a), seed, steps, model)] for seed in range(seeds)]
       per[a] = summarize(got, lr_of(name, a), target)
       c = got[0]["curve"]
       curves.setdefault(name, {})[a] = [[t, acc] for t, acc in zip(c["time"], c["test"])]
     # Keep TTA_ALGORITHMS_OF's order in the table, whatever order the merges came in.
     order = [a for a in TTA_ALGORITHMS_OF.get(name, TTA_ALGORITHMS) if a in per]
     out[name] = {a: per[a] for a in order + [a for a in per if a not in order]}
+    ends_of_training(out[name], runs, steps, model, name)
   table = tta_table(out, target)
   for name in scenarios:
     slug = name.replace(" ", "_").replace(",", "").replace("=", "").replace(".", "").replace("/", "")
     analysis.accuracy_vs_time(
       {name: {a: curves[name][a] for a in out[name] if a in curves.get(name, {})}},
       os.path.join(out_dir, f"tta_{slug}.png"),
-      f"{scenario_workers(name)} workers, MNIST-1D MLP, seed 0",
+      f"{scenario_workers(name)} workers, MNIST-1D {model.upper()}, seed 0",
       target=target,
     )
   with open(os.path.join(out_dir, "tta.md"), "w") as f:
     f.write(str(table) + "\n")
   with open(path, "w") as f:
-    json.dump({"target": target, "targets": list(TARGETS), "scenarios": out}, f, indent=1)
+    json.dump({"target": target, "targets": list(TARGETS), "model": model, "scenarios": out}, f, indent=1)
   with open(curves_path, "w") as f:
     json.dump(curves, f)
   print(table)
   return out
+
+
+# Targets where training ends, beside the paper's reading (a fixed accuracy early in training): time to
+# END_FRACTION of All-Reduce's final accuracy (the mean over its seeds, per evaluation), and accuracy
+# at a budget no run is censored at (the scenario's shortest run, per seed: every run still trains).
+END_FRACTION = 0.95
+
+
+def ends_of_training(per: dict, runs: dict, steps: int, model: str, scenario: str) -> None:
+  """Adds to each algorithm's record of one scenario (in place): `end_target` / `end_worker_target`
+  (END_FRACTION of All-Reduce's mean final accuracy, averaged model / workers' own), the times to them
+  (`end_time`, `end_worker_time`: None where missed), the `budget` per seed (the least end over the
+  scenario's algorithms at that seed; a diverged run sets none) and the accuracies there
+  (`budget_acc`, `budget_worker_acc`). Only records whose runs runs.json holds take part; without
+  All-Reduce's, nothing is added."""
+  keys = {
+    a: [run_key(scenario, a, p.get("lr", 0), s, steps, model) for s in range(len(p["time"]))]
+    for a, p in per.items()
+  }
+  per = {a: p for a, p in per.items() if "lr" in p and all(k in runs for k in keys[a])}  # runs held
+  ar = per.get("allreduce")
+  if ar is None:
+    return
+  seeds = min(len(p["end"]) for p in per.values())
+  got = {a: [runs[k] for k in keys[a][:seeds]] for a in per}
+  curves = {a: [r["curve"] for r in rs] for a, rs in got.items()}
+  # A diverged run's end is where it broke, not a budget: it sets none (it holds 0 accuracy after).
+  budget = [min(rs[s]["end"] for rs in got.values() if not rs[s].get("diverged")) for s in range(seeds)]
+  targets = {"test": END_FRACTION * float(np.mean(ar["final"][:seeds]))}
+  if "final_worker" in ar:
+    targets["worker"] = END_FRACTION * float(np.mean(ar["final_worker"][:seeds]))
+  for a, p in per.items():
+    p["budget"] = budget
+    for key, name in (("test", ""), ("worker", "_worker")):
+      if key not in targets:
+        continue
+      p[f"end{name}_target"] = targets[key]
+      p[f"end{name}_time"] = [(crossing(c, targets[key], key) or (None,))[0] for c in curves[a]]
+      p[f"budget{name}_acc"] = [
+        0.0 if r.get("diverged") and b > r["end"] else accuracy_at(r["curve"], b, key)
+        for r, b in zip(got[a], budget)
+      ]
 
 
 def tta_table(scenarios: dict, target: float) -> Table:

@@ -394,6 +394,7 @@ def _check_timeline(config):
         f"0 with algorithm={config.algorithm} (it models the Group Buffer's removal)",
       )
   _number(config, "timeline.adpsgd_fixed_cost", lambda v: v >= 0, "seconds >= 0")
+  _number(config, "timeline.adpsgd_hidden", lambda v: 0 <= v <= 1, "a share in [0, 1]")
   for key in ("adpsgd_serial", "adpsgd_passive_blocks"):
     _bool(config, f"timeline.{key}")
   _number(config, "timeline.compute_time", lambda v: v >= 0, "seconds >= 0 (0: measure the real jitted step)")
@@ -417,8 +418,8 @@ def _check_hetero_off(config):
 
 
 def _check_run_end(config):
-  """Raises ConfigError for validation_examples or stop_at_target where they cannot work: both are
-  the simulator's, and stopping at a target needs target_accuracy."""
+  """Raises ConfigError for validation_examples, eval_workers or stop_at_target where they cannot
+  work: all three are the simulator's, and stopping at a target needs target_accuracy."""
   if "validation_examples" in config:
     _int_in(config, "validation_examples", 0, 10**9, "an integer number of training examples >= 0 (0: none)")
     if config.validation_examples and config.executor != "sim":
@@ -427,6 +428,10 @@ def _check_run_end(config):
         config.validation_examples,
         f"0 with executor={config.executor} (the simulator records val_accuracy)",
       )
+  if "eval_workers" in config:
+    _bool(config, "eval_workers")
+    if not config.eval_workers and config.executor != "sim":
+      _fail("eval_workers", False, f"True with executor={config.executor} (the simulator's evaluations)")
   if "stop_at_target" in config:
     _bool(config, "stop_at_target")
   if config.get("stop_at_target"):

@@ -153,7 +153,10 @@ def leave_plan(config) -> tuple:
 def adpsgd_cost(config) -> timeline.AdpsgdCost:
   tl = config.timeline
   return timeline.AdpsgdCost(
-    bool(tl.adpsgd_serial), float(tl.adpsgd_fixed_cost), bool(tl.adpsgd_passive_blocks)
+    bool(tl.adpsgd_serial),
+    float(tl.adpsgd_fixed_cost),
+    bool(tl.adpsgd_passive_blocks),
+    float(tl.get("adpsgd_hidden", 1.0)),
   )
 
 
@@ -262,7 +265,10 @@ def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunL
   )
   # PS: the server's model; with leave/join, the live workers' (3.10)
   evaluate = make_evaluate(
-    s, slice(n, n + 1) if has_server else slice(0, n), None if has_server or not leaving else trace.membership
+    s,
+    slice(n, n + 1) if has_server else slice(0, n),
+    None if has_server or not leaving else trace.membership,
+    config.eval_workers,
   )
   put = lambda a: jax.device_put(a, engine.worker_sharding(mesh))
   total, every = config.num_steps * n, config.checkpoint_every
@@ -342,8 +348,9 @@ def batches(config, s, workers, starts):
   return s.data["x_train"][idx], s.data["y_train"][idx]
 
 
-def make_evaluate(s: setup_lib.Setup, slots: slice, membership: list | None = None):
-  """(state, t) -> the evaluation scalars of the model held in `slots` (averaged over them). With
+def make_evaluate(s: setup_lib.Setup, slots: slice, membership: list | None = None, workers: bool = True):
+  """(state, t) -> the evaluation scalars of the model held in `slots` (averaged over them; workers:
+  and the mean of their own models' accuracies, config.eval_workers). With
   `membership` (trace.membership), over those of them live at virtual time t (3.10): a dead worker's
   stale model, or a rejoined one's before its first group, is no part of the run's model."""
   eval_fn = engine.make_eval_fn(s.model)
@@ -356,9 +363,9 @@ def make_evaluate(s: setup_lib.Setup, slots: slice, membership: list | None = No
       live = live_at(membership, slots.stop - slots.start, t)
       pick = slots if live.all() or not live.any() else np.flatnonzero(live) + slots.start
     held = jax.tree.map(lambda a: a[pick], state)
-    out = {k: float(v) for k, v in eval_fn(held, x_test, y_test).items()}
+    out = {k: float(v) for k, v in eval_fn(held, x_test, y_test, workers).items()}
     if val is not None:  # the averaged model on the held-out examples: what a step size is chosen on
-      out["val_accuracy"] = float(eval_fn(held, *val)["test_accuracy"])
+      out["val_accuracy"] = float(eval_fn(held, *val, workers=False)["test_accuracy"])
     return out
 
   return evaluate

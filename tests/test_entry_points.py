@@ -528,9 +528,9 @@ def test_ledger(tmp_path):
   )
   assert got["homogeneous"]["ripples_smart"]["steps"] == [1]  # target 0: reached at the first step
   assert (tmp_path / "tta.md").stat().st_size > 0 and (tmp_path / "tta_homogeneous.png").exists()
-  # Tuned on validation: every grid point's runs are kept, the reported run reuses seed 0's at its lr.
+  # Tuned on validation at seeds apart from the reported ones: every grid point's runs are kept.
   runs = json.loads((tmp_path / "runs.json").read_text())
-  assert len(runs) == 2 * 2 * ledger_tta.TUNE_SEEDS
+  assert len(runs) == 2 * 2 * len(ledger_tta.TUNE_SEEDS) + 2  # tuning runs, then the two reported
   lr = got["homogeneous"]["ripples_smart"]["lr"]
   curve = runs[ledger_tta.run_key("homogeneous", "ripples_smart", lr, 0, 4)]["curve"]
   assert len(curve["time"]) == 4 and all(0 <= v <= 1 for v in curve["val"] + curve["worker"])

@@ -49,11 +49,12 @@ def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_
       val[("adpsgd", lr, seed)] = [0.1, 0.2, 0.3, last]
 
   def fake_jobs(out_dir, jobs, workers=1):
+    # Tuning runs: at TUNE_SEEDS (none of them a reported seed 0..4), without the workers' own models.
+    assert all(j[3] in ledger_tta.TUNE_SEEDS and j[3] >= 5 and j[6] is False for j in jobs)
+    key = lambda j: (j[1], j[2], ledger_tta.TUNE_SEEDS.index(j[3]))  # noqa: E731
     return {
       ledger_tta.run_key(*j): {
-        "curve": curve(
-          [1.0, 2.0, 3.0, 4.0], [0.9 - v for v in val[j[1], j[2], j[3]]], val=val[j[1], j[2], j[3]]
-        )
+        "curve": curve([1.0, 2.0, 3.0, 4.0], [0.9 - v for v in val[key(j)]], val=val[key(j)])
       }
       for j in jobs
     }
@@ -171,12 +172,12 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
 
   def fake_jobs(out_dir, jobs, workers=1):
     out = {}
-    for name, a, lr, seed, steps in jobs:
+    for name, a, lr, seed, steps, model, own in jobs:
       assert name in ("homogeneous, VGG-16 clock", "homogeneous, VGG-16 clock, overlap 2/3"), name
       reach = 0.55 if lr == best[a] else 0.5  # only the best step size reaches the target
       speed = {"allreduce": 2.0, "ripples_smart": 1.0}[a] * (1 + 0.01 * seed)
       times = [speed * (i + 1) for i in range(4)]
-      out[ledger_tta.run_key(name, a, lr, seed, steps)] = {
+      out[ledger_tta.run_key(name, a, lr, seed, steps, model, own)] = {
         "curve": curve(times, [0.3, 0.4, reach, reach]),
         "end": times[-1],
         "throughput": 1.0 / speed,
@@ -206,6 +207,18 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
   )
   assert row[2] == "-" and row[3] == f"{e}: {verdict.judge(e, 1.1)}"  # no base-clock runs; the variant's
   assert e.mean == pytest.approx(2.0)
+  # Targets where training ends: 95% of All-Reduce's mean final accuracy (0.55), crossed at the third
+  # evaluation by both; the budget is the shortest run of each seed (Smart GG's, at its end), where
+  # All-Reduce, twice as slow, holds its second evaluation's accuracy.
+  ar, smart = variant["allreduce"], variant["ripples_smart"]
+  assert ar["end_target"] == smart["end_target"] == pytest.approx(0.95 * 0.55)
+  assert ar["end_time"] == pytest.approx([6.0 * (1 + 0.01 * s) for s in range(5)])
+  assert smart["end_time"] == pytest.approx([3.0 * (1 + 0.01 * s) for s in range(5)])
+  assert ar["budget"] == smart["budget"] == pytest.approx([4.0 * (1 + 0.01 * s) for s in range(5)])
+  assert ar["budget_acc"] == [0.4] * 5 and smart["budget_acc"] == [0.55] * 5
+  ends = ledger_verdicts.ends_table({"scenarios": {"homogeneous, VGG-16 clock": variant}})
+  row = next(r for r in ends.rows if r[0] == "homogeneous vs All-Reduce")
+  assert row[4].startswith("2.00x [2.00, 2.00]") and row[6].startswith("+15.0 [+15.0, +15.0] (Ripples ahead)")
 
 
 @pytest.mark.slow  # in process, too long for the fast tier

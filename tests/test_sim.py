@@ -282,6 +282,21 @@ def test_stop_at_target_ends_at_the_first_evaluation_that_reaches_it(tmp_path):
   assert got["time_to_target"] == first["time"]
 
 
+def test_eval_workers_off_drops_only_the_workers_own_accuracy(tmp_path):
+  """The ledger's tuning runs skip the workers' own evaluation (its cost): every other field of every
+  record is the same, and validation accuracy is the averaged model's in both."""
+  kw = {"validation_examples": 50}
+  sim.simulate_and_train(_small_config("ripples_random", **kw), str(tmp_path / "on"))
+  sim.simulate_and_train(_small_config("ripples_random", eval_workers=False, **kw), str(tmp_path / "off"))
+  on = [json.loads(l) for l in open(tmp_path / "on" / "metrics.jsonl")]
+  off = [json.loads(l) for l in open(tmp_path / "off" / "metrics.jsonl")]
+  assert sum("worker_test_accuracy" in r for r in on) > 1 and not any(
+    "worker_test_accuracy" in r for r in off
+  )
+  assert all("val_accuracy" in r for r in off if "test_accuracy" in r)
+  assert [{k: v for k, v in r.items() if k != "worker_test_accuracy"} for r in on] == off
+
+
 def test_static_gg_in_the_clock_follows_the_layouts():
   trace, _, _ = clock("ripples_static", slow=(), jitter=0.0, steps=8)
   layouts = static_gg_layouts(16, 4)
@@ -331,6 +346,32 @@ def test_adpsgd_cost_parts_each_slow_it_down_and_pause_the_passive_side():
   )
   assert free.time_split()["wait"].sum() == 0 < tf.time_split()["wait"].sum()
   assert free.time_split()["comm"][1::2].sum() > 0
+
+
+def test_adpsgd_unhidden_share_runs_before_the_compute():
+  """AdpsgdCost.hidden: 1 is Lian et al.'s order (the published clock, event for event); 0 puts each
+  active worker's whole average before its compute, so its communication is every average's length
+  exactly (not serialised: no queue) and nothing outlasts the compute; a share between costs between."""
+  from experiments import ledger_claims, ledger_throughput
+
+  def run(**kw):
+    cost = timeline.AdpsgdCost(serial=False, **kw)
+    return ledger_throughput.throughput("adpsgd", "heavy", steps=20, cost=cost)
+
+  base, tb = run()
+  same, ts = run(hidden=1.0)
+  assert ts.events == tb.events and same == base
+  none, t0 = run(hidden=0.0, fixed=0.2)
+  half, th = run(hidden=0.5, fixed=0.2)
+  full, tf = run(fixed=0.2)
+  config = default_config.get_config("algorithm=adpsgd,executor=sim,num_workers=16")
+  nbytes, step = ledger_claims.set_clock(config, ledger_claims.SETTINGS["heavy"])
+  d = 0.2 + sim.build_clock(config, model_bytes=nbytes, base_time=step)[1].allreduce(2, hide=False)
+  active = np.arange(1, 16, 2)
+  averages = np.array([sum(a == w for a, _ in t0.pairs) for w in active])
+  np.testing.assert_allclose(t0.time_split()["comm"][active], averages * d, rtol=1e-9)
+  assert t0.time_split()["wait"][active].sum() == 0
+  assert none < half < full
 
 
 @pytest.mark.parametrize("setting", ["light", "heavy"])

@@ -143,6 +143,12 @@ BAD_SIM = [
     ),
   ),
   (
+    "",
+    "eval_workers",
+    False,
+    "config.eval_workers: False is not allowed: True with executor=spmd (the simulator's evaluations)",
+  ),
+  (
     SIM + ",algorithm=ripples_smart",
     "hetero.slowdown",
     0.5,

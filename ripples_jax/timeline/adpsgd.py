@@ -61,11 +61,15 @@ class _Adpsgd:
 
   def start(self, w: int) -> None:
     clock, st, alive, passive = self.clock, self.st, self.alive, self.passive
-    clock.start_compute(w, self.on_finish)
+    ahead = w % 2 == 1 and self.cost.hidden < 1  # part of the average runs before the compute
+    if not ahead:
+      clock.start_compute(w, self.on_finish)
     if w % 2 == 0:
       return
     live = passive if alive is None else passive[alive[passive]]
     if not len(live):  # every passive worker is gone: this step has no average (3.10)
+      if ahead:
+        clock.start_compute(w, self.on_finish)
       return
     j = int(self.rng.choice(live))
     d = self.net.allreduce(2, hide=False) + self.cost.fixed
@@ -74,6 +78,12 @@ class _Adpsgd:
     st.landed[w], st.window[w] = False, (begin, begin + d)
     if alive is not None:
       st.partner_life[w] = clock.epoch[j]
+    if ahead:  # the unhidden share: waited for and communicated before the compute starts
+      lead = begin + (1 - self.cost.hidden) * d
+      clock.interval(w, WAIT, clock.now, begin)
+      clock.interval(w, COMM, begin, lead)
+      st.window[w] = (lead, begin + d)  # what may still outlast the compute
+      clock.at_w(lead, w, clock.start_compute, w, self.on_finish)
     clock.at_w(begin + d, w, self.pair_end, w, j)
 
   def serve(self, j: int, d: float) -> float:

@@ -116,8 +116,11 @@ class AdpsgdCost:
     serial          a passive worker serves one atomic average at a time (requests queue, FIFO)
     fixed           seconds added to every average (locking, a gossip thread's hand-off, an RPC)
     passive_blocks  the passive worker's computation stops while it serves an average
+    hidden          the share of an active worker's average its compute hides: the rest runs before
+                    the compute starts (1: beside it, Lian et al.'s order; 0: average, then compute)
   The default is Lian et al.'s AD-PSGD as published: serial atomic averages, nothing else."""
 
   serial: bool = True
   fixed: float = 0.0
   passive_blocks: bool = False
+  hidden: float = 1.0
