@@ -99,20 +99,9 @@ def measured_step(results) -> tuple[float, float]:
 
 
 def fit_alpha(runs) -> float:
-  """The ring all-reduce latency that explains the measured group times: each group's communication
-  (its last member's arrival to its end) over 2 (k - 1) messages, the median over groups."""
-  per_message = []
-  for r in runs:
-    arrivals, groups = {}, {}
-    for events in r["traces"].values():
-      for e in events:
-        if e["k"] == "group":
-          arrivals[e["g"]] = max(arrivals.get(e["g"], e["t0"]), e["t0"])
-          groups.setdefault(e["g"], []).append(e)
-    for g, evs in groups.items():
-      k = len(evs[0]["m"])
-      per_message.append(max(max(e["t1"] for e in evs) - arrivals[g], 0.0) / (2 * (k - 1)))
-  return float(np.median(per_message)) if per_message else 0.0
+  """The ring all-reduce latency that explains the measured group times (trace.ring_latency) over
+  several runs: the median over all their groups."""
+  return trace_lib.ring_latency(*(r["traces"] for r in runs))
 
 
 def group_wait(r) -> float:

@@ -57,6 +57,7 @@ def get_config(arg=None):
   c.optimizer.weight_decay = 5e-4  # L2, added to the gradient
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
   c.optimizer.warmup_steps = 50  # linear warm-up from 0
+  c.optimizer.schedule_steps = 0  # the schedule's horizon in steps (0: num_steps)
 
   c.schedule = ml_collections.ConfigDict()
   c.schedule.layout = arg.layout  # node (the authors' Static GG) | hypercube

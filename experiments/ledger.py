@@ -42,10 +42,16 @@ constant of the VGG-16 clock moves (SWEEPS: bandwidth 0.25x-4x, the message's si
 
   python -m experiments.ledger --out=results/ledger3 --seeds=5 --sensitivity --sync_overhead
 
+On real processes (--runtime, ~an hour on 2 cores at 5 seeds): the homogeneous, 2x and 5x straggler
+claims against All-Reduce and AD-PSGD in the asynchronous runtime, 16 worker processes, wall-clock time
+to --target, paired by seed, each row beside the simulator's prediction (experiments.ledger_runtime):
+
+  python -m experiments.ledger --runtime --out=results/ledger_runtime --seeds=5
+
 This module is the entry point (flags, main); the ledger's parts: ledger_claims (the claims, their
 published figures, the clocks), ledger_throughput (the clock runs and studies), ledger_tta (the training
 runs, the step-size tuning, tta.json), ledger_tables (the fixed-time and scale tables), ledger_verdicts
-(verdicts.md).
+(verdicts.md), ledger_runtime (the claims on real processes).
 """
 
 import json
@@ -53,6 +59,7 @@ import os
 
 from absl import app, flags
 
+from experiments import ledger_runtime
 from experiments.ledger_throughput import adpsgd_sweep, run, sensitivity, sync_overhead
 from experiments.ledger_tta import MODELS, TTA_SCENARIOS, tta, tta_table
 from experiments.ledger_verdicts import claim_estimate, verdicts_text
@@ -83,10 +90,32 @@ def define_flags():
   flags.DEFINE_enum("model", "mlp", list(MODELS), "The training runs' numerics (one model per --out).")
   flags.DEFINE_bool("adpsgd_sweep", False, "Only AD-PSGD's cost sweep (the clock alone), into --out.")
   flags.DEFINE_string("beside", "", "Another ledger's folder (another --model): its verdicts beside these.")
+  flags.DEFINE_bool(
+    "runtime", False, "Only the claims on real processes (experiments.ledger_runtime), into --out."
+  )
+  flags.DEFINE_integer("runtime_steps", 80, "--runtime: steps per worker of each run.")
+  flags.DEFINE_float("runtime_step_time", 0.5, "--runtime: seconds every step is padded to.")
+  flags.DEFINE_string(
+    "runtime_tuned", "results/ledger4/tuning.json", "--runtime: the step sizes (light clock)."
+  )
+  flags.DEFINE_string("runtime_workdir", "/tmp/ledger_runtime", "--runtime: the runs' folders (traces).")
 
 
 def main(argv):
   del argv
+  if FLAGS.runtime:  # the claims on real processes alone
+    held = ledger_runtime.runtime_ledger(
+      FLAGS.out,
+      FLAGS.seeds,
+      FLAGS.runtime_steps,
+      FLAGS.tta_steps,
+      FLAGS.runtime_step_time,
+      FLAGS.target,
+      FLAGS.runtime_tuned,
+      FLAGS.runtime_workdir,
+    )
+    print(f"{len(held)} runs; {os.path.join(FLAGS.out, 'verdicts.md')}")
+    return
   if FLAGS.sensitivity or FLAGS.sync_overhead or FLAGS.adpsgd_sweep:  # clock studies alone
     os.makedirs(FLAGS.out, exist_ok=True)
     if FLAGS.sensitivity:

@@ -302,6 +302,8 @@ def _check_optimizer(config):
   _number(config, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
   _number(config, "optimizer.weight_decay", lambda v: v >= 0, "a number >= 0")
   _int_in(config, "optimizer.warmup_steps", 0, 10**9, "an integer >= 0")
+  if "schedule_steps" in config.optimizer:
+    _int_in(config, "optimizer.schedule_steps", 0, 10**12, "an integer >= 0 (0: num_steps)")
 
 
 def _check_schedule(config, n):

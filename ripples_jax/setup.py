@@ -51,13 +51,16 @@ def build(config) -> Setup:
     data = data_lib.hold_out(data, config.validation_examples)
   shards = data_lib.shard_indices(data["y_train"], n, config.data_sharding, seed=config.seed)
   model = build_model(config.model, data["num_classes"])
+  # The schedule's horizon: the run's steps, or optimizer.schedule_steps (a run that is the first
+  # num_steps of a longer one's schedule, as the ledger's runtime rows are of its simulated runs).
+  horizon = config.optimizer.get("schedule_steps", 0) or config.num_steps
   if config.algorithm == "ps_async":
     opt = config.optimizer.to_dict()
     opt["lr"] /= n
     opt["warmup_steps"] *= n
-    optimizer = make_optimizer(ml_collections.ConfigDict(opt), config.num_steps * n)
+    optimizer = make_optimizer(ml_collections.ConfigDict(opt), horizon * n)
   else:
-    optimizer = make_optimizer(config.optimizer, config.num_steps)
+    optimizer = make_optimizer(config.optimizer, horizon)
   return Setup(data, shards, model, optimizer)
 
 

@@ -297,6 +297,25 @@ def test_eval_workers_off_drops_only_the_workers_own_accuracy(tmp_path):
   assert [{k: v for k, v in r.items() if k != "worker_test_accuracy"} for r in on] == off
 
 
+def test_schedule_steps_makes_a_short_run_the_start_of_a_longer_ones_schedule(tmp_path):
+  """optimizer.schedule_steps: a 4-step run on an 8-step schedule is the 8-step run's first 4 steps,
+  record for record (the ledger's runtime rows are the start of its simulated runs); on its own
+  4-step schedule it is not (the cosine decays sooner)."""
+  kw = {"optimizer.warmup_steps": 2, "log_every": 2, "eval_every": 2}
+  sim.simulate_and_train(_small_config("allreduce", num_steps=8, **kw), str(tmp_path / "long"))
+  sim.simulate_and_train(
+    _small_config("allreduce", num_steps=4, **{"optimizer.schedule_steps": 8}, **kw), str(tmp_path / "start")
+  )
+  sim.simulate_and_train(_small_config("allreduce", num_steps=4, **kw), str(tmp_path / "own"))
+  read = lambda d: [json.loads(l) for l in open(tmp_path / d / "metrics.jsonl")]  # noqa: E731
+  long, start, own = read("long"), read("start"), read("own")
+  assert [r for r in long if r["step"] < 4] == start[:-1]
+  # Step 4 ends the short runs before its average (the run ends at its last gradient): the averaged
+  # model is the same, so its test loss is, to float order; on its own schedule it is another model.
+  at4 = lambda rs: next(r["test_loss"] for r in rs if r["step"] == 4)  # noqa: E731
+  assert at4(start) == pytest.approx(at4(long), rel=1e-5) and at4(own) != pytest.approx(at4(long), rel=1e-3)
+
+
 def test_static_gg_in_the_clock_follows_the_layouts():
   trace, _, _ = clock("ripples_static", slow=(), jitter=0.0, steps=8)
   layouts = static_gg_layouts(16, 4)

@@ -22,6 +22,8 @@ import json
 import os
 import threading
 
+import numpy as np
+
 
 def trace_path(workdir: str, worker: int) -> str:
   return os.path.join(workdir, f"trace-{worker}.jsonl")
@@ -77,6 +79,25 @@ def load_traces(workdir: str) -> dict:
   for path in glob.glob(os.path.join(workdir, "trace-*.jsonl")):
     out[int(os.path.basename(path)[len("trace-") : -len(".jsonl")])] = read_trace(path)
   return dict(sorted(out.items()))
+
+
+def ring_latency(*runs: dict) -> float:
+  """The ring all-reduce latency per message that explains the group times of one or more runs
+  (each a {worker: events} dict): each group's communication (its last member's arrival to its end)
+  over 2 (k - 1) messages, the median over the groups of all of them (0.0 without groups). The
+  simulator's timeline.alpha, fed from runs."""
+  per_message = []
+  for traces in runs:
+    arrivals, groups = {}, {}
+    for events in traces.values():
+      for e in events:
+        if e["k"] == "group":
+          arrivals[e["g"]] = max(arrivals.get(e["g"], e["t0"]), e["t0"])
+          groups.setdefault(e["g"], []).append(e)
+    for g, evs in groups.items():
+      k = len(evs[0]["m"])
+      per_message.append(max(max(e["t1"] for e in evs) - arrivals[g], 0.0) / (2 * (k - 1)))
+  return float(np.median(per_message)) if per_message else 0.0
 
 
 def intervals(traces: dict) -> list:
