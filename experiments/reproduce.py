@@ -1,4 +1,8 @@
-r"""Regenerates every table and figure of WORKSPACE.md.
+r"""Regenerates the tables and figures of its steps (STEPS: the collectives, the engine, the spectral
+gap, the timeline, the simulated Ripples studies, the 4- and 8-process runtime, DSP, checkpoints, the
+claims ledger on the VGG-16 clock and the online Group Generator). The later studies (the ledger's
+other scenarios, second model and real-process rows, the pipelines, churn, scale) each have their own
+command, in their results/ folder's README and provenance.json.
 
   python -m experiments.reproduce --all              # the numbers (~1 h on 2 cores, estimated)
   python -m experiments.reproduce --quick            # every step at small sizes (under 10 min)

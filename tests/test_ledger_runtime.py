@@ -20,6 +20,7 @@ def test_run_args_carry_every_key_the_prediction_reads():
   assert "--config.optimizer.schedule_steps=300" in args and "--config.seed=3" in args
   homogeneous = ledger_runtime.overrides("homogeneous", "adpsgd", 0, 0.4, 80, 300, 0.5, 0.55)
   assert homogeneous["num_steps"] == 80 and "hetero.slowdown" not in homogeneous
+  assert homogeneous["runtime.elastic"] is True and "runtime.elastic" not in keys  # AD-PSGD's shared steps
 
 
 def test_fed_costs_read_the_unslowed_steps_and_the_group_latency():
