@@ -31,7 +31,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # spmd: allreduce | ripples_static; sim: those and ps_sync | ps_async | adpsgd | dpsgd | ripples_random |
   # ripples_division | ripples_smart | diloco | moshpit; async: allreduce | ripples_static | ripples_random |
-  # ripples_division | ripples_smart | adpsgd | moshpit | diloco
+  # ripples_division | ripples_smart | adpsgd | moshpit | diloco | ps_sync | ps_async (the coordinator serves)
   c.algorithm = arg.algorithm
   c.executor = arg.executor  # spmd: lockstep on the device mesh | sim: event-driven, virtual time
   # | async: one process per worker (experiments.launch, --jax_distributed)

@@ -264,6 +264,10 @@ NO_ELASTIC = {
   "ripples_static": "its groups are fixed in advance and cannot exclude a member",
   "diloco": "its outer step all-reduces over every worker (its elastic form is the restart of every "
   "worker from the newest checkpoint: experiments.launch --max_restarts)",
+  "ps_sync": "its step waits for every worker's push, and its server is the coordinator, whose loss "
+  "ends the run (runtime/ps.py)",
+  "ps_async": "its server is the coordinator, whose loss ends the run, and a dead worker's request "
+  "would hold the server in its exchange (runtime/ps.py)",
 }
 
 

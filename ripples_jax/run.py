@@ -4,8 +4,9 @@
   sim                   the discrete-event clock, then exact numerics (sim.py)
   async                 one process per worker on jax.distributed: Ripples (runtime/worker.py)
   async/adpsgd          the same runtime, AD-PSGD's active and passive workers (runtime/adpsgd.py)
-  async/coordinator     process 0 of either: hosts the service and the authority, trains nothing
-                        (runtime/coordinator.py)
+  async/ps              the same runtime, a parameter server's workers (runtime/ps.py)
+  async/coordinator     process 0 of any of them: hosts the service and the authority (PS: the
+                        server), trains nothing else (runtime/coordinator.py)
   pipeline              DSP and its baselines in one process (pipeline/train.py)
   pipeline/per_process  one process per stage (pipeline/per_process.py)
 Executors are peers: none imports another; each writes its files through runlog.RunLog and builds its
@@ -29,6 +30,7 @@ EXECUTORS = {
   "sim": ("ripples_jax.sim", "run"),
   "async": ("ripples_jax.runtime.worker", "run"),
   "async/adpsgd": ("ripples_jax.runtime.adpsgd", "run"),
+  "async/ps": ("ripples_jax.runtime.ps", "run"),
   "async/coordinator": ("ripples_jax.runtime.coordinator", "run"),
   "pipeline": ("ripples_jax.pipeline.train", "run"),
   "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
@@ -42,6 +44,8 @@ def executor_of(config) -> str:
     return "pipeline/per_process" if config.placement == "per_process" else "pipeline"
   if config.executor == "async" and config.algorithm == "adpsgd":
     return "async/adpsgd"
+  if config.executor == "async" and config.algorithm in ("ps_sync", "ps_async"):
+    return "async/ps"
   return config.executor
 
 

@@ -143,3 +143,110 @@ def after_leave(events, worker):
     i for i, e in enumerate(events) if e["k"] == "member" and e["w"] == worker and e["kind"] == "leave"
   )
   return events[at + 1 :]
+
+
+def ps_reference(config):
+  """The single-process pieces a parameter server's run is made of: (initial flat, the local step's
+  jitted halves on one device, batch(w, step), the left-to-right mean of k buffers, optimizer init)."""
+  from jax.sharding import Mesh
+
+  from ripples_jax import data as data_lib
+  from ripples_jax import setup as setup_lib
+  from ripples_jax.distributed.arrays import LOCAL
+  from ripples_jax.models import init_model
+  from ripples_jax.runtime.process import make_step_fns
+
+  s = setup_lib.build(config)
+  params, ms = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
+  flat0, unravel = ravel_pytree({"params": params, "model_state": ms})
+  grad_fn, apply_fn, rep, batch_sharding = make_step_fns(
+    s.model, s.optimizer, unravel, Mesh(np.array(jax.devices()[:1]), (LOCAL,))
+  )
+
+  def batch(w, step):
+    idx = data_lib.batch_indices([s.shards[w]], config.batch_size, config.seed, [step], workers=[w])[0]
+    return (
+      jax.device_put(s.data["x_train"][idx], batch_sharding),
+      jax.device_put(s.data["y_train"][idx], batch_sharding),
+    )
+
+  def opt0():
+    return jax.device_put(jax.device_get(s.optimizer.init(params)), rep)
+
+  return jax.device_put(np.asarray(flat0), rep), grad_fn, apply_fn, batch, opt0
+
+
+def ps_run(tmp_path, algorithm, n, steps):
+  workdir = str(tmp_path / "run")
+  args = run_args(
+    workdir, algorithm, n, steps, ["--config.runtime.step_time=0.01", "--config.runtime.checkpoint_every=0"]
+  )
+  code, out = launch_bounded(n, args)
+  assert code == 0, out[-3000:]
+  snap = lambda name, w: np.load(os.path.join(workdir, "snapshots", f"{name}-{w}.npy"))  # noqa: E731
+  server = [json.loads(line) for line in open(os.path.join(workdir, "server.jsonl"))]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert summary["worker_steps"] == [steps] * n
+  return make_config(algorithm, n, steps, MODEL), snap, server, summary
+
+
+@pytest.mark.slow
+def test_ps_sync_on_two_processes_is_the_mean_of_the_local_steps_every_step(tmp_path):
+  """ps_sync, 2 workers and the coordinator's server: every step each worker's local step (its own
+  optimizer) from the one model, then the server's mean, which every worker pulls: the single-process
+  reference of those rounds lands on the server's final model and every worker's, and the server's
+  evaluation marks sit after every eval_every steps (k x 8 x n worker steps)."""
+  n, steps = 2, 20
+  config, snap, server, summary = ps_run(tmp_path, "ps_sync", n, steps)
+  flat, grad_fn, apply_fn, batch, opt0 = ps_reference(config)
+  opts = [opt0() for _ in range(n)]
+  mean = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
+  for step in range(steps):
+    models = []
+    for w in range(n):
+      g, ms, _ = grad_fn(flat, *batch(w, step))
+      new, opts[w] = apply_fn(jax.numpy.array(flat), opts[w], g, ms)
+      models.append(new)
+    flat = mean(*models)
+  for who in (n, *range(n)):
+    np.testing.assert_allclose(snap("final", who), np.asarray(flat), rtol=1e-6, atol=1e-7)
+  assert [(e["id"], e["s"]) for e in server if e["k"] == "mark"] == [(0, 0), (1, 8 * n), (2, 16 * n)]
+  records = [json.loads(line) for line in open(os.path.join(str(tmp_path / "run"), "metrics.jsonl"))]
+  assert [r["worker_steps"] for r in records if "test_accuracy" in r] == [0, 16, 32, 40]
+  assert summary["time_to_target"] is None or summary["time_to_target"] > 0
+
+
+@pytest.mark.slow
+def test_ps_async_on_two_processes_applies_each_gradient_to_the_model_it_was_pulled_after(tmp_path):
+  """ps_async, 2 workers: server.jsonl's applies, in order, are every worker's steps 0..steps-1 once
+  each; replaying them (each gradient on the model the worker pulled after its previous push, applied
+  by the server's optimizer at lr / n) lands on the server's final model, and each worker's final model
+  is the server's right after that worker's last gradient."""
+  n, steps = 2, 20
+  config, snap, server, _ = ps_run(tmp_path, "ps_async", n, steps)
+  applies = [(e["w"], e["s"]) for e in server if e["k"] == "apply"]
+  for w in range(n):
+    assert [s for v, s in applies if v == w] == list(range(steps))
+  flat, grad_fn, apply_fn, batch, opt0 = ps_reference(config)
+  opt, pulled = opt0(), {w: flat for w in range(n)}
+  for w, s in applies:
+    g, ms, _ = grad_fn(pulled[w], *batch(w, s))
+    flat, opt = apply_fn(jax.numpy.array(flat), opt, g, ms)
+    pulled[w] = flat
+  np.testing.assert_allclose(snap("final", n), np.asarray(flat), rtol=1e-6, atol=1e-7)
+  for w in range(n):
+    np.testing.assert_allclose(snap("final", w), np.asarray(pulled[w]), rtol=1e-6, atol=1e-7)
+
+
+def test_ps_runs_in_the_runtime_with_the_coordinator_as_server_and_refuses_elastic():
+  from ripples_jax import run as run_lib
+  from ripples_jax.config import validate_train_config
+  from ripples_jax.errors import ConfigError
+
+  for algorithm in ("ps_sync", "ps_async"):
+    config = default_config.get_config(f"algorithm={algorithm},executor=async,num_workers=4")
+    validate_train_config(config, num_devices=8, num_processes=5)
+    assert run_lib.executor_of(config) == "async/ps"
+    config.runtime.elastic = True
+    with pytest.raises(ConfigError, match=rf"^config\.runtime\.elastic: True .* algorithm={algorithm}: its "):
+      validate_train_config(config, num_devices=8, num_processes=5)

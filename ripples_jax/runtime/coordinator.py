@@ -1,7 +1,9 @@
-"""executor=async, process 0: the coordinator. It trains nothing and holds no checkpoint; it hosts the
+"""executor=async, process 0: the coordinator. It computes no gradient and holds no checkpoint; it hosts the
 coordination service (jax.distributed's, as process 0 always does), the Group Generator's authority
-(dynamic generators), and owns the run's records (config.json, metrics.jsonl, summary.json, the Gantt;
-RunLog's lead). No training process is special: worker w is process w + 1 (coord.worker_process).
+(dynamic generators) or the parameter server (ps_sync, ps_async: runtime/ps.py, the one algorithm
+family whose process 0 holds a model), and owns the run's records (config.json, metrics.jsonl,
+summary.json, the Gantt; RunLog's lead). No training process is special: worker w is process w + 1
+(coord.worker_process).
 
   start-up  the run's folder and lock -> the workers' agreed resume point (worker 0 publishes it:
             distributed.resume.publish_point) -> the records cut back to it -> the authority's state
@@ -34,7 +36,7 @@ from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.runtime import authority as authority_lib
-from ripples_jax.runtime import membership
+from ripples_jax.runtime import membership, ps
 from ripples_jax.runtime import summary as summary_lib
 from ripples_jax.runtime.process import start_clock
 from ripples_jax.schedule import make_group_generator
@@ -170,6 +172,10 @@ def run(config, workdir: str) -> dict:
   params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
   _, unravel = ravel_pytree({"params": params, "model_state": model_state})
   timeout_ms = int(rt.stall_timeout * 1000)
+  server = None
+  if config.algorithm in ps.PS_ALGORITHMS:  # this process is the server: it meets each worker first
+    server = ps.Server(config, s, kv, workdir)
+    logging.info("coordinator: the parameter server connected to %d workers in %.2f s", n, server.connect())
   with RunLog(workdir, config, config.num_steps, is_lead=True, checkpoint_every=0) as log:
     epoch = resume_records(log, resume_lib.await_point(kv, rt.stall_timeout * 4))
     dynamic = config.algorithm in DYNAMIC
@@ -209,12 +215,19 @@ def run(config, workdir: str) -> dict:
       kv.key_value_set(membership.RUNNING, "1", allow_overwrite=True)
     if authority is not None:
       authority.start()
+    if server is not None:
+      server.start(clock["t0"])
     watchdog.start()
     stop = threading.Event()
     threading.Thread(
       target=follow, args=(log, watchdog, authority, config.num_steps, stop), daemon=True
     ).start()
     try:
+      if server is not None:  # the server ends with the run's last pull (ps_async: every worker's DONE)
+        while not server.join(1.0):
+          pass
+        if server.error is not None:
+          raise RuntimeError(f"the parameter server stopped: {server.error}")
       await_workers(watchdog, authority, workdir, 10 * rt.stall_timeout)
       if authority is not None:
         authority.settle()

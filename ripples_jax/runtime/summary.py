@@ -15,6 +15,7 @@ import numpy as np
 from ripples_jax import engine
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import preduce as preduce_lib
+from ripples_jax.runtime import ps
 from ripples_jax.runtime import trace as trace_lib
 
 
@@ -59,9 +60,13 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
   n = config.num_workers
   traces = trace_lib.load_traces(workdir)
   steps = np.array([sum(e["k"] == "step" for e in traces.get(w, [])) for w in range(n)])
-  end = max(e["t"] for events in traces.values() for e in events if e["k"] == "end")
+  server = ps.server_records(workdir) if config.algorithm in ps.PS_ALGORITHMS else None
+  end = max(e["t"] for events in [*traces.values(), server or []] for e in events if e["k"] == "end")
   elastic = bool(config.runtime.get("elastic", False))
-  records, time_to_target = _evaluate_markers(config, workdir, setup, unravel, traces, steps, end, elastic)
+  if server is not None:  # PS: the run's model is the server's (its marks and snapshots)
+    records, time_to_target = _evaluate_server(config, workdir, setup, unravel, server, steps, end)
+  else:
+    records, time_to_target = _evaluate_markers(config, workdir, setup, unravel, traces, steps, end, elastic)
   for r in records:  # the run's only records: metrics.jsonl was cut back to none on resume
     log.record(**{k: v for k, v in r.items() if v is not None})
 
@@ -115,6 +120,24 @@ def _evaluate_markers(config, workdir: str, setup, unravel, traces: dict, steps,
     ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
     record = {"step": total // n, "time": t, "worker_steps": total, "train_loss": loss, **ev}
     records.append(record)
+    if time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy:
+      time_to_target = t
+  return records, time_to_target
+
+
+def _evaluate_server(config, workdir: str, setup, unravel, server: list, steps, end: float):
+  """_evaluate_markers for a parameter server's run: its model at each of its evaluation marks (k x
+  eval_every x n worker steps applied), then its final model."""
+  n, snap = config.num_workers, os.path.join(workdir, "snapshots")
+  eval_fn = engine.make_eval_fn(setup.model)
+  x_test, y_test = jax.device_put((setup.data["x_test"], setup.data["y_test"]))
+  points = [(f"eval{e['id']}", e["t"], e["s"]) for e in server if e["k"] == "mark"]
+  points.append(("final", end, int(steps.sum())))
+  records, time_to_target = [], None
+  for name, t, total in points:
+    flat = np.load(os.path.join(snap, f"{name}-{n}.npy"))
+    ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, [flat]), x_test, y_test).items()}
+    records.append({"step": total // n, "time": t, "worker_steps": total, **ev})
     if time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy:
       time_to_target = t
   return records, time_to_target

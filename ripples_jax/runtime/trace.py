@@ -39,10 +39,17 @@ class TraceWriter:
   reset of the buffer was dropped (a replay then finds a group one member never recorded)."""
 
   def __init__(
-    self, workdir: str, worker: int, keep_before_epoch: int | None = None, write_through=False, append=False
+    self,
+    workdir: str,
+    worker: int,
+    keep_before_epoch: int | None = None,
+    write_through=False,
+    append=False,
+    path: str | None = None,
   ):
-    """append: a rejoined worker's new life continues its file as it is (elastic)."""
-    self.path, self.write_through = trace_path(workdir, worker), write_through
+    """append: a rejoined worker's new life continues its file as it is (elastic). path: a file other
+    than the worker's trace (a parameter server's records: runtime/ps.py)."""
+    self.path, self.write_through = path or trace_path(workdir, worker), write_through
     if not append and keep_before_epoch is not None and os.path.exists(self.path):
       # A resumed run continues from checkpoint marker `keep_before_epoch`: drop what the lost run did
       # after it (its events carry a later epoch).

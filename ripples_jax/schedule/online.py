@@ -46,7 +46,7 @@ GROUP, NONE, MARK, STOP, MEMBER = "G", "N", "M", "S", "E"
 # The generators the authority drives (Moshpit's grid rounds too: a request appends one whole round).
 DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart", "moshpit")
 FIXED = ("allreduce", "ripples_static")
-RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd", "diloco")  # what executor=async runs
+RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd", "diloco", "ps_sync", "ps_async")  # what executor=async runs
 ADPSGD_PASSIVE = ("concurrent", "blocking")  # runtime.adpsgd_passive
 PREDUCE_MODES = ("auto", "group", "pairs")  # runtime.preduce (runtime/preduce.py)
 
