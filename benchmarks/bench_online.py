@@ -26,6 +26,7 @@ from configs import default as default_config
 from ripples_jax import analysis, sim, timeline
 from ripples_jax import schedule as schedule_lib
 from ripples_jax.distributed.launcher import launch
+from ripples_jax.runtime import ps
 from ripples_jax.runtime import trace as trace_lib
 
 FLAGS = flags.FLAGS
@@ -69,6 +70,8 @@ def run_one(out_dir, name, n, algorithm, steps, step_time, extra=()) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     r = json.load(f)
   r["traces"] = trace_lib.load_traces(workdir)
+  if os.path.exists(os.path.join(workdir, ps.SERVER_TRACE)):  # a parameter server's records
+    r["server"] = ps.server_records(workdir)
   print(
     f"{name:>12} {algorithm:>16} {' '.join(extra):>40}: {r['window_throughput']:.2f} worker-steps/s",
     flush=True,

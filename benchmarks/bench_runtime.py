@@ -1,6 +1,6 @@
 r"""The asynchronous runtime in wall-clock time: 4 worker processes, homogeneous and one 2x / 5x slower.
 
-  python -m benchmarks.bench_runtime --out=results/runtime        # ~9 minutes on 2 cores
+  python -m benchmarks.bench_runtime --out=results/runtime        # ~12 minutes on 2 cores (estimated)
 
 Every (slowdown, algorithm) is a real run of experiments.train under the local launcher: MLP on
 MNIST-1D, 150 steps per worker on average. A worker's real compute is padded to `step_time` seconds
@@ -32,6 +32,8 @@ ALGORITHMS = (
   "adpsgd",
   "moshpit",
   "diloco",
+  "ps_sync",
+  "ps_async",
 )
 
 

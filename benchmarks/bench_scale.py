@@ -14,10 +14,13 @@ use, the children's CPU seconds over wall seconds x cores). Parts (--parts):
   predict    8 and 16 processes (--predict_sizes), All-Reduce and Smart GG (--predict_algorithms: any
              algorithm the runtime runs, Moshpit's grid rounds included), homogeneous and with worker 3
              5x slower: the simulator's throughput fed with each run's measured costs (predicted)
-             against the run's.
+             against the run's. Parameter servers (ps_sync, ps_async): the server's link is fed its
+             measured seconds per transfer and ps_async's requests their measured delivery
+             (ps_transfer_s, ps_latency_s: from server.jsonl, runtime/ps.py).
 Throughput is summary.json's window_throughput (worker steps per second while every worker runs).
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -99,7 +102,13 @@ def fed_simulation(
   config.hetero.slow_workers, config.hetero.slowdown, config.hetero.jitter = tuple(slow), slowdown, jitter
   config.schedule.workers_per_node = max(1, n // 2)
   config.timeline.alpha = fit_alpha([r])
-  speed, net = sim.build_clock(config, model_bytes=0.0, base_time=base)
+  model_bytes, ps_transfer = 0.0, None
+  if algorithm in ("ps_sync", "ps_async"):  # the server's link: its measured seconds per transfer
+    ps_transfer = ps_transfer_s(r["server"], algorithm)
+    config.timeline.alpha, config.timeline.ps_bandwidth, model_bytes = 0.0, 1.0 / ps_transfer, 1.0
+  speed, net = sim.build_clock(config, model_bytes=model_bytes, base_time=base)
+  latency = ps_latency_s(r) if algorithm == "ps_async" else 0.0
+  net = dataclasses.replace(net, ps_latency=latency)
   gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
   cost = timeline.AuthorityCost(service=service)
   trace = timeline.simulate(
@@ -123,8 +132,37 @@ def fed_simulation(
     "rtt_ms": rtt,
     "service_ms": 1e3 * service,
     "alpha_s": config.timeline.alpha,
+    **({"ps_transfer_s": ps_transfer, "ps_latency_s": latency} if ps_transfer is not None else {}),
   }
   return trace, fed
+
+
+def ps_transfer_s(server: list, algorithm: str) -> float:
+  """A parameter server's seconds per transfer on its link, from server.jsonl: ps_async, half of a
+  request's service (push, apply, pull: the server is busy for all of it, and the clock's FIFO link
+  books a push and a pull per request); ps_sync, one pull (the pushes include each worker's lateness)."""
+  if algorithm == "ps_async":
+    return float(np.median([(e["t1"] - e["t0"]) / 2 for e in server if e["k"] == "apply"]))
+  return float(np.median([e["pull_s"] for e in server if e["k"] == "round"]))
+
+
+def ps_latency_s(r) -> float:
+  """ps_async: a request's delivery, the median over requests of the worker's exchange (its trace's
+  group: post, delivery, the server's queue and service, return) less the server's time from the
+  request's arrival to its pull's end (server.jsonl: t1 - got). Both are differences on one process's
+  clock each: the processes' clocks differ by the start barrier's release skew (milliseconds)."""
+  took = {
+    (int(w), e["g"]): e["t1"] - e["t0"] for w, ev in r["traces"].items() for e in ev if e["k"] == "group"
+  }
+  return float(
+    np.median(
+      [
+        took[(e["w"], f"ps/{e['w']}/{e['s']}")] - (e["t1"] - e["got"])
+        for e in r["server"]
+        if e["k"] == "apply"
+      ]
+    )
+  )
 
 
 def predicted(r, n: int, algorithm: str, slowdown: float = 1.0, slow=(), inner_steps=1) -> dict:
@@ -183,7 +221,7 @@ def run(
     out["straggler"] = rows
   if "predict" in parts:
     rows, slow = {}, ["--config.hetero.slow_workers=(3,)", "--config.hetero.slowdown=5"]
-    paced = ("allreduce", "diloco")  # the straggler sets their pace: ar_steps
+    paced = ("allreduce", "diloco", "ps_sync")  # the straggler sets their pace: ar_steps
     cases = [("homogeneous", a, (), steps, 1.0) for a in predict_algorithms]
     cases += [("slow5", a, slow, ar_steps if a in paced else steps, 5.0) for a in predict_algorithms]
     H = 8  # DiLoCo's inner steps in these runs

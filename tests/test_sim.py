@@ -637,3 +637,14 @@ def test_async_ps_pushes_start_early_but_hold_the_shared_link_for_their_whole_le
     trace = timeline.simulate(timeline.ClockSpec("ps_async", speed, net, 2))
     got = [t for t, kind, target, _ in trace.events if kind == timeline.APPLY and target == 2]
     assert got == pytest.approx(applied)
+
+
+def test_async_ps_request_latency_delays_the_push_without_holding_the_link():
+  """ps_latency 0.3 s (a request's delivery, fed from runtime runs): pulls w0 [0, 0.1], w1 [0.1, 0.2];
+  w0's compute ends at 1.1, its request reaches the server at 1.4, push [1.4, 1.5]; w1's at 1.5, push
+  [1.5, 1.6]: each push 0.3 s later than without the latency ([1.1, 1.2], [1.2, 1.3])."""
+  speed = timeline.SpeedModel(1.0, 2)
+  net = timeline.Network(1e8, 0.0, 1e9, 1e9, ps_latency=0.3)
+  trace = timeline.simulate(timeline.ClockSpec("ps_async", speed, net, 2))
+  got = [t for t, kind, target, _ in trace.events if kind == timeline.APPLY and target == 2]
+  assert got == pytest.approx([1.5, 1.6])

@@ -119,6 +119,7 @@ def run(config, workdir: str) -> dict:
   link = Link(n, me)
   link.connect(worker.fresh()["flat"])
   ravel = jax.jit(lambda grads, ms: ravel_pytree({"params": grads, "model_state": ms})[0])
+  ravel(*worker.grad_fn(worker.fresh()["flat"], *worker.batch(0))[:2]).block_until_ready()  # compiled now
   with worker.run_log(workdir) as log:
     resume_lib.restore_common(log, kv, me, n, None, rt.stall_timeout, resumable=False, what="worker")
     if me == 0:
@@ -212,7 +213,13 @@ class Server:
     self.thread = None
 
   def connect(self) -> float:
-    return self.link.connect(self.flat)
+    """The pairs' first runs, and the server's programs compiled on copies (no request pays them)."""
+    seconds = self.link.connect(self.flat)
+    copy = lambda tree: jax.tree.map(jax.numpy.array, tree)  # noqa: E731  (apply donates its inputs)
+    self.mean(*[self.flat] * self.n).block_until_ready()
+    g = self.unravel(self.flat)
+    self.apply_fn(copy(self.flat), copy(self.opt_state), g["params"], g["model_state"])[0].block_until_ready()
+    return seconds
 
   def now(self) -> float:
     return time.perf_counter() - self.t0
@@ -255,12 +262,17 @@ class Server:
 
   def serve_sync(self) -> None:
     """Every step: the n pushes in worker order, their mean, the n pulls in the same order."""
-    for _ in range(self.config.num_steps):
-      models = [self.link.exchange(w, self.flat) for w in range(self.n)]
+    for step in range(self.config.num_steps):
+      t0 = self.now()
+      models = [self.link.exchange(w, self.flat) for w in range(self.n)]  # each waits for its worker
       self.flat = self.mean(*models)
+      t_pull = self.now()
       for w in range(self.n):
-        self.link.exchange(w, self.flat)
+        self.link.exchange(w, self.flat).block_until_ready()
       self.applied += self.n
+      # pull_s: one pull's seconds (no worker is late for it: each waits in it), the link's time
+      # per transfer that the simulator's clock is fed (benchmarks/bench_scale.py).
+      self.trace.add(k="round", s=step, t0=t0, t1=self.now(), pull_s=(self.now() - t_pull) / self.n)
       self._eval_due()
 
   def serve_async(self) -> None:
@@ -271,7 +283,7 @@ class Server:
     def listen(w):
       try:
         for r, value in enumerate(values_in_order(self.kv, channel(w), stop)):
-          inbox.put((w, r, value))
+          inbox.put((w, r, value, self.now()))
           if value == DONE:
             return
       except Exception as e:  # noqa: BLE001  the service is gone: the server stops with it
@@ -285,16 +297,18 @@ class Server:
         item = inbox.get()
         if isinstance(item, Exception):
           raise item
-        w, r, value = item
+        w, r, value, got = item
         if value == DONE:
           done.add(w)
           continue
         t0 = self.now()
         g = self.unravel(self.link.exchange(w, self.flat))  # push
         self.flat, self.opt_state = self.apply_fn(self.flat, self.opt_state, g["params"], g["model_state"])
+        t_pull = self.now()
         self.link.exchange(w, self.flat).block_until_ready()  # pull
         self.applied += 1
-        self.trace.add(k="apply", w=w, s=r, t0=t0, t1=self.now())
+        # got: when the request reached the server (its delivery; t0 - got: its wait in the queue).
+        self.trace.add(k="apply", w=w, s=r, got=got, t0=t0, t1=self.now(), pull_s=self.now() - t_pull)
         self._eval_due()
     finally:
       stop.set()

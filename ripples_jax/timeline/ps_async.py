@@ -26,7 +26,10 @@ def _ps_async(clock: _Clock, net: Network) -> None:
     clock.at_w(end, w, then, w)
 
   def push(w):
-    transfer(w, pushed, net.hidden)
+    if net.ps_latency:  # the request's delivery first (it holds no link time)
+      clock.at_w(clock.now + net.ps_latency, w, lambda w: transfer(w, pushed), w)
+    else:
+      transfer(w, pushed, net.hidden)
 
   def pulled(w):
     clock.emit(PULL, w, server)
