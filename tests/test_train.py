@@ -190,10 +190,10 @@ BAD_SIM += [
   (
     ASYNC,
     "algorithm",
-    "ps_sync",
-    "config.algorithm: 'ps_sync' is not allowed: one of allreduce, "
-    "ripples_static, ripples_random, ripples_division, ripples_smart, moshpit, adpsgd, diloco with executor=async; "
-    "ps_sync needs executor=sim",
+    "dpsgd",
+    "config.algorithm: 'dpsgd' is not allowed: one of allreduce, ripples_static, ripples_random, "
+    "ripples_division, ripples_smart, moshpit, adpsgd, diloco, ps_sync, ps_async with executor=async; "
+    "dpsgd needs executor=sim",
   ),
   (
     ASYNC,  # validated with its 2 processes (a worker and the coordinator)

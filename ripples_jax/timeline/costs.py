@@ -73,10 +73,10 @@ class Network:
   alpha: float = 5e-6
   bandwidth: float = 1.25e9  # per link (10 Gb/s)
   ps_bandwidth: float = 1.25e9  # the parameter server's link
+  hidden: float = 0.0
   # Seconds from an asynchronous PS worker's request to the server's taking it, off the link (its
   # delivery: the runtime posts it through the coordination service); fed from runs, else 0.
   ps_latency: float = 0.0
-  hidden: float = 0.0
 
   def _charged(self, t: float) -> float:
     return t - min(t, self.hidden)
