@@ -433,3 +433,26 @@ def test_the_coordinator_waits_out_a_run_longer_than_its_end_timeout(tmp_path):
   watchdog.done = {0: True, 1: False}  # one worker ended, the other never does
   with pytest.raises(TimeoutError, match="did not finish within 0 s of the run's end"):
     coordinator.await_workers(watchdog, None, str(tmp_path), timeout_s=0.2)
+
+
+def test_adpsgd_passive_serving_counts_as_heartbeat_progress(monkeypatch):
+  """A passive worker done with its own steps serves a straggler's requests until its DONE: each
+  request served, and the DONE, move its heartbeat's events (without them its beats stood still past
+  stall_timeout, and once the straggler was done its peers' watchdogs ended a finishing run: exit 75
+  with 4 processes, worker 3 5x slower, 100 steps)."""
+  import queue
+  import threading
+  import types
+
+  from ripples_jax.runtime import adpsgd
+
+  monkeypatch.setattr(adpsgd, "exchange", lambda *a: {"k": "group", "c": 0, "g": "x", "m": [0, 1]})
+  p = object.__new__(adpsgd.Passive)
+  p.worker = types.SimpleNamespace(me=0, now=lambda: 0.0, config=types.SimpleNamespace(num_workers=2))
+  p.loop, p.log, p.view, p.lock, p.computing, p.applied = None, None, None, threading.Lock(), None, 20
+  p.trace, p.done, p.served = types.SimpleNamespace(add=lambda **e: None), set(), 0
+  p.progress, p.inbox = {"steps": 20, "events": 20, "done": False}, queue.Queue()
+  for r, value in enumerate([adpsgd.AVG, adpsgd.AVG, adpsgd.DONE]):
+    p.inbox.put((1, 0, r, value))
+  assert [p.serve_one(block=False) for _ in range(4)] == [True, True, True, False]
+  assert p.progress["events"] == 23 and p.served == 2 and p.done == {(1, 0)}

@@ -82,8 +82,15 @@ class Passive:
   requests from it (concurrent mode: its own thread; blocking mode: the main thread between steps).
   Its clients: the active workers (elastic: every other worker, whose rejoiners may ask for a copy)."""
 
-  def __init__(self, worker: Worker, loop: Loop, log: RunLog, kv, trace, concurrent: bool, view=None):
+  def __init__(
+    self, worker: Worker, loop: Loop, log: RunLog, kv, trace, concurrent: bool, view=None, progress=None
+  ):
     self.worker, self.loop, self.log, self.kv, self.trace = worker, loop, log, kv, trace
+    # The heartbeat's counts: a request served is progress. A passive worker done with its own steps
+    # serves a straggler's requests until that one's DONE; without counting them its beats stood
+    # still for longer than stall_timeout, and once the straggler was done the peers' watchdogs saw
+    # only it running, "stalled", and ended a run that was finishing.
+    self.progress = progress
     self.view = view  # elastic: the roster view (who is live, each worker's incarnation)
     self.lock = threading.Lock()
     self.computing = None  # the local step in flight (between its start and its apply)
@@ -153,6 +160,8 @@ class Passive:
     client, inc, r, value = item
     if value == DONE:
       self.done.add((client, inc))
+      if self.progress is not None:
+        self.progress["events"] += 1
       return True
     if self.view is not None and not self.view.fresh().alive[[self.worker.me, client]].all():
       # This worker was removed (it stalled: its watchdog exits it) or the client was (a stalled one
@@ -169,6 +178,8 @@ class Passive:
       event = exchange(self.worker, loop, self.log, client, lives, joiner, exchange_id(client, me, lives, r))
       self.trace.add(**event, t0=t0, t1=self.worker.now(), **where)
     self.served += 1
+    if self.progress is not None:
+      self.progress["events"] += 1
     return True
 
   def _serve_forever(self) -> None:
@@ -302,7 +313,9 @@ def train(
   sent: the requests this life posted so far, per channel (a rejoiner's copy)."""
   config, rt, me = worker.config, worker.rt, worker.me
   serves_concurrently = rt.adpsgd_passive == "concurrent"
-  passive = Passive(worker, loop, log, kv, trace, serves_concurrently, view) if me % 2 == 0 else None
+  passive = (
+    Passive(worker, loop, log, kv, trace, serves_concurrently, view, progress) if me % 2 == 0 else None
+  )
   life = loop.incs[me] if loop.incs else 0  # a rejoiner's draws are its own, not its last life's again
   rng = np.random.default_rng([3, config.seed, me] + ([life] if life else []))
   sent = {} if sent is None else sent  # (passive worker, its incarnation) -> requests posted on that channel
