@@ -50,12 +50,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from ripples_jax import setup as setup_lib
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.kvstore import Either, values_in_order
 from ripples_jax.distributed.markers import fail_now
-from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runlog import RunLog
 from ripples_jax.runtime import membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.process import (
@@ -65,7 +64,7 @@ from ripples_jax.runtime.process import (
   end_of_run,
   end_step,
   fails_here,
-  first_life,
+  open_worker,
   result,
   snapshot_path,
   watch,
@@ -274,11 +273,7 @@ def step(worker: Worker, loop: Loop, log: RunLog, trace, passive: Passive | None
 
 def run(config, workdir: str) -> dict:
   rt, n = config.runtime, config.num_workers
-  sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
-  s = setup_lib.build(config)
-  workdir = make_workdir(workdir, config)
-  kv = coord.client()
-  worker = Worker(config, s, first_life(config, kv), kv)  # elastic: a restart warms up on its life's device
+  sigterm, workdir, kv, worker = open_worker(config, workdir)
   me = worker.me
   worker.warm_up()
   if rt.elastic and membership.started(kv):  # the run is on: this process is a restart

@@ -174,7 +174,7 @@ def run(config, workdir: str) -> dict:
   timeout_ms = int(rt.stall_timeout * 1000)
   server = None
   if config.algorithm in ps.PS_ALGORITHMS:  # this process is the server: it meets each worker first
-    server = ps.Server(config, s, kv, workdir)
+    server = ps.Server(config, s, kv, workdir, params, model_state)
     logging.info("coordinator: the parameter server connected to %d workers in %.2f s", n, server.connect())
   with RunLog(workdir, config, config.num_steps, is_lead=True, checkpoint_every=0) as log:
     epoch = resume_records(log, resume_lib.await_point(kv, rt.stall_timeout * 4))

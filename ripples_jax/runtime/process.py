@@ -27,7 +27,7 @@ from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.models import init_model
-from ripples_jax.runlog import RunLog, check_finite
+from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import make_averager
@@ -240,6 +240,18 @@ def first_life(config, kv) -> int:
   if not config.runtime.get("elastic", False) or not membership.started(kv):
     return 0
   return membership.next_life(kv, coord.worker_of(jax.process_index()))
+
+
+def open_worker(config, workdir: str):
+  """What every worker process does first, whatever its executor: SIGTERM ends it with one line
+  (coord.EXIT_TERM), the setup, the run's folder, the coordination client, and this process's Worker
+  on its first life's devices (elastic: a restart warms up on its life's device). Returns (sigterm,
+  workdir, kv, worker)."""
+  sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
+  s = setup_lib.build(config)
+  workdir = make_workdir(workdir, config)
+  kv = coord.client()
+  return sigterm, workdir, kv, Worker(config, s, first_life(config, kv), kv)
 
 
 def ask_back(worker: Worker, kv, workdir: str) -> tuple[dict, list]:

@@ -44,8 +44,7 @@ from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.arrays import LOCAL
 from ripples_jax.distributed.kvstore import values_in_order
 from ripples_jax.distributed.markers import fail_now
-from ripples_jax.models import init_model
-from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runlog import RunLog
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import PairAverager
 from ripples_jax.runtime.process import (
@@ -55,6 +54,7 @@ from ripples_jax.runtime.process import (
   end_step,
   fails_here,
   make_step_fns,
+  open_worker,
   result,
   snapshot_path,
   start_clock,
@@ -109,11 +109,7 @@ class Link:
 def run(config, workdir: str) -> dict:
   """A worker process of ps_sync / ps_async: its steps, each followed by a push and a pull."""
   rt, n = config.runtime, config.num_workers
-  sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
-  s = setup_lib.build(config)
-  workdir = make_workdir(workdir, config)
-  kv = coord.client()
-  worker = Worker(config, s, 0, kv)
+  sigterm, workdir, kv, worker = open_worker(config, workdir)
   me = worker.me
   worker.warm_up()
   link = Link(n, me)
@@ -195,10 +191,10 @@ class Server:
   serve() runs the run's rounds (ps_sync) or requests (ps_async) to the end; `error` holds what
   stopped it early (the coordinator raises it after the watchdog's verdict)."""
 
-  def __init__(self, config, s: setup_lib.Setup, kv, workdir: str):
+  def __init__(self, config, s: setup_lib.Setup, kv, workdir: str, params, model_state):
+    """params, model_state: the run's initial model (the coordinator's init_model)."""
     self.config, self.kv, self.workdir, self.n = config, kv, workdir, config.num_workers
     self.link = Link(self.n, self.n)
-    params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
     flat0, unravel = ravel_pytree({"params": params, "model_state": model_state})
     self.unravel = jax.jit(unravel)
     _, self.apply_fn, rep, _ = make_step_fns(s.model, s.optimizer, unravel, self.link.pairs.local_mesh)
@@ -209,7 +205,7 @@ class Server:
     self.applied = 0  # worker steps the server's model holds
     self.evals = 0
     self.error = None
-    self.trace = trace_lib.TraceWriter(workdir, self.n, path=os.path.join(workdir, SERVER_TRACE))
+    self.trace = None  # opened by start(): a run refused at start-up leaves an earlier one's records
     self.thread = None
 
   def connect(self) -> float:
@@ -226,6 +222,7 @@ class Server:
 
   def start(self, t0: float) -> "Server":
     self.t0 = t0
+    self.trace = trace_lib.TraceWriter(self.workdir, self.n, path=os.path.join(self.workdir, SERVER_TRACE))
     os.makedirs(os.path.join(self.workdir, "snapshots"), exist_ok=True)
     self._snapshot("eval0")
     self.trace.add(k="mark", kind="eval", id=0, t=0.0, s=0)

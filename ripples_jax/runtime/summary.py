@@ -102,42 +102,39 @@ def _evaluate_markers(config, workdir: str, setup, unravel, traces: dict, steps,
   the time of the first record at target_accuracy or None): each evaluates the average of the
   workers' snapshots there."""
   n = config.num_workers
-  eval_fn = engine.make_eval_fn(setup.model)
-  x_test, y_test = jax.device_put((setup.data["x_test"], setup.data["y_test"]))
-  records, time_to_target = [], None
   snap = os.path.join(workdir, "snapshots")
   # Elastic: the run's model at a marker is the live workers' average there (a dead worker's stale
   # model, or a rejoined one's before its first group, saved nothing: docs/design.md 3.10).
   held = lambda name: [w for w in range(n) if os.path.exists(os.path.join(snap, f"{name}-{w}.npy"))]
   points = [
-    (f"eval{i}", t, total, loss)
+    (f"eval{i}", t, total, loss, held(f"eval{i}"))
     for i, t, total, loss in eval_points(traces, 1 if elastic else n)
     if len(held(f"eval{i}")) == n or (elastic and held(f"eval{i}"))
   ]
-  points.append(("final", end, int(steps.sum()), None))
-  for name, t, total, loss in points:
-    flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in held(name)]
-    ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
-    record = {"step": total // n, "time": t, "worker_steps": total, "train_loss": loss, **ev}
-    records.append(record)
-    if time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy:
-      time_to_target = t
-  return records, time_to_target
+  points.append(("final", end, int(steps.sum()), None, held("final")))
+  return _evaluate(config, snap, setup, unravel, points)
 
 
 def _evaluate_server(config, workdir: str, setup, unravel, server: list, steps, end: float):
-  """_evaluate_markers for a parameter server's run: its model at each of its evaluation marks (k x
-  eval_every x n worker steps applied), then its final model."""
-  n, snap = config.num_workers, os.path.join(workdir, "snapshots")
+  """_evaluate_markers for a parameter server's run: its model (id n) at each of its evaluation marks
+  (k x eval_every x n worker steps applied), then its final model."""
+  n = config.num_workers
+  points = [(f"eval{e['id']}", e["t"], e["s"], None, [n]) for e in server if e["k"] == "mark"]
+  points.append(("final", end, int(steps.sum()), None, [n]))
+  return _evaluate(config, os.path.join(workdir, "snapshots"), setup, unravel, points)
+
+
+def _evaluate(config, snap: str, setup, unravel, points: list):
+  """(records, time to target) of points (name, time, worker steps, train loss or None, the snapshot
+  owners whose mean is the model there), in order."""
+  n = config.num_workers
   eval_fn = engine.make_eval_fn(setup.model)
   x_test, y_test = jax.device_put((setup.data["x_test"], setup.data["y_test"]))
-  points = [(f"eval{e['id']}", e["t"], e["s"]) for e in server if e["k"] == "mark"]
-  points.append(("final", end, int(steps.sum())))
   records, time_to_target = [], None
-  for name, t, total in points:
-    flat = np.load(os.path.join(snap, f"{name}-{n}.npy"))
-    ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, [flat]), x_test, y_test).items()}
-    records.append({"step": total // n, "time": t, "worker_steps": total, **ev})
+  for name, t, total, loss, owners in points:
+    flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in owners]
+    ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
+    records.append({"step": total // n, "time": t, "worker_steps": total, "train_loss": loss, **ev})
     if time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy:
       time_to_target = t
   return records, time_to_target

@@ -24,12 +24,11 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import checkpoint as ckpt_lib
-from ripples_jax import setup as setup_lib
 from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.markers import fail_now
-from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runlog import RunLog
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
@@ -41,7 +40,7 @@ from ripples_jax.runtime.process import (
   end_of_run,
   end_step,
   fails_here,
-  first_life,
+  open_worker,
   result,
   snapshot_path,
   start_clock,
@@ -114,12 +113,7 @@ def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
 def run(config, workdir: str) -> dict:
   """This process's worker: runs the loop; returns its own counts (the coordinator writes the summary)."""
   rt, n = config.runtime, config.num_workers
-  # SIGTERM ends this worker: one line, coord.EXIT_TERM
-  sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
-  s = setup_lib.build(config)
-  workdir = make_workdir(workdir, config)
-  kv = coord.client()
-  worker = Worker(config, s, first_life(config, kv), kv)  # elastic: a restart warms up on its life's device
+  sigterm, workdir, kv, worker = open_worker(config, workdir)
   me = worker.me
   estimate = worker.warm_up()
   if rt.elastic and membership.started(kv):  # the run is on: this process is a restart
