@@ -1,0 +1,449 @@
+"""The baselines study (experiments.baselines_study): Ripples beside today's baselines, every algorithm
+in one study, tuned one way, on the ledger's scenarios.
+
+Simulated part: the MNIST-1D MLP's numerics on the VGG-16 clock (ledger_claims.SETTINGS["heavy"]:
+528e6-byte messages, 56 Gb/s, 0.3 s steps), 300 steps per worker, at 16 workers (STUDY_16) and 256
+(STUDY_256). Every run is ledger_tta.train_run; runs.json holds each (resumable: only one study
+process writes it).
+
+Tuning (tuning.md): each algorithm's step size from the ledger's one grid (LR_GRID, sqrt(2) apart) on
+its validation split, over the tuning seeds (none reported), in the homogeneous scenario, by the
+ledger's rule (ledger_tta.tuning_score); DiLoCo's outer step size then from OUTER_GRID at its chosen
+inner step size (a coordinate search: the inner grid is searched at the paper's outer 0.7, Nesterov
+0.9). 256 workers use the 16-worker choice. The runtime's step sizes are tuned the same way on the
+light clock (the MLP's own messages; tuning_light.md).
+
+Reported (study.md, study.json): per scenario and algorithm the time to the target (test accuracy of
+the averaged model, virtual s) and to 95% of All-Reduce's final accuracy, each as a paired ratio over
+seeds against All-Reduce and against Smart GG (ripples_jax.verdict: 95% intervals, misses censored at
+the run's end), final accuracy, throughput, and the communication volume: model-sized messages sent per
+worker-step (ledger_tta.sent_models). winners.md: the fastest per scenario and Smart GG against it.
+
+Real-process part (runtime.md, runtime_runs.json): the asynchronous runtime, 16 worker processes and
+the coordinator under the local launcher, steps padded to 0.5 s, the first 80 steps of the 300-step
+schedule (ledger_runtime's setting), homogeneous and one worker 5x slower, each run beside the
+simulator's prediction fed with what it measured.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+
+from experiments import ledger_runtime
+from experiments.ledger_claims import numerics
+from experiments.ledger_tta import (
+  LR_GRID,
+  TUNE_SEEDS,
+  VALIDATION_EXAMPLES,
+  ends_of_training,
+  run_jobs,
+  run_key,
+  summarize,
+  tuning_score,
+  variant,
+)
+from ripples_jax import verdict
+from ripples_jax.runlog import write_json
+from ripples_jax.tables import Table
+
+# The algorithms (runs.json's names: ledger_tta.variant) and their names in the tables. DiLoCo's outer
+# step size is tuned (OUTER_GRID): the chosen variant's name holds it.
+ALGORITHMS = {
+  "allreduce": "All-Reduce",
+  "ripples_smart": "Smart GG",
+  "ripples_random": "Random GG",
+  "adpsgd": "AD-PSGD",
+  "diloco/inner_steps=4": "DiLoCo H=4",
+  "diloco/inner_steps=16": "DiLoCo H=16",
+  "diloco/inner_steps=64": "DiLoCo H=64",
+  "moshpit": "Moshpit",
+  "ps_sync": "sync PS",
+  "ps_async": "async PS",
+}
+OUTER_GRID = (0.35, 0.5, 0.7, 1.0)
+OUTER_FIRST = 0.7  # the inner grid's outer step size (Douillard et al.'s)
+
+STUDY_16 = (
+  "homogeneous, VGG-16 clock",
+  "2x straggler, VGG-16 clock",
+  "5x straggler, VGG-16 clock",
+  "moving 5x straggler, VGG-16 clock",
+  "random p=0.2, s=5, VGG-16 clock",
+  "worker killed and restarted, VGG-16 clock",
+)
+STUDY_256 = ("homogeneous, VGG-16 clock, 256 workers", "5x straggler, VGG-16 clock, 256 workers")
+TUNE_ON = {"heavy": "homogeneous, VGG-16 clock", "light": "homogeneous"}
+
+MODEL = "mlp"
+
+
+def _outer(name: str, outer_lr: float) -> str:
+  return f"{name}/outer_lr={outer_lr:g}"
+
+
+def tune(
+  out_dir, clock, steps, target, workers, grid=LR_GRID, outer_grid=OUTER_GRID, algorithms=tuple(ALGORITHMS)
+) -> dict:
+  """{algorithm: (variant, lr)} for `algorithms` on `clock` (TUNE_ON), written to tuning[_light].md/json
+  with every grid point's score (median validation time to the target, or never / final val acc)."""
+  scenario = TUNE_ON[clock]
+  first = {a: _outer(a, OUTER_FIRST) if a.startswith("diloco") else a for a in algorithms}
+  jobs = [
+    (scenario, v, lr, s, steps, MODEL, False) for v in first.values() for lr in grid for s in TUNE_SEEDS
+  ]
+  runs = run_jobs(out_dir, jobs, workers)
+
+  def score(v, lr):
+    return tuning_score([runs[run_key(scenario, v, lr, s, steps, MODEL, False)] for s in TUNE_SEEDS], target)
+
+  points = {a: {lr: score(v, lr) for lr in grid} for a, v in first.items()}
+  chosen = {a: (v, min(grid, key=lambda lr: points[a][lr])) for a, v in first.items()}
+  outer = {}
+  for a in [a for a in algorithms if a.startswith("diloco")]:  # the outer step size at the chosen lr
+    lr = chosen[a][1]
+    jobs = [(scenario, _outer(a, o), lr, s, steps, MODEL, False) for o in outer_grid for s in TUNE_SEEDS]
+    runs = run_jobs(out_dir, jobs, workers)
+    outer[a] = {o: score(_outer(a, o), lr) for o in outer_grid}
+    best = min(outer_grid, key=lambda o: outer[a][o])
+    chosen[a] = (_outer(a, best), lr)
+  cell = lambda p: f"{'never' if math.isinf(p[0]) else f'{p[0]:.3g}'} / {-p[1]:.3f}"  # noqa: E731
+  rows = [
+    [ALGORITHMS[a]]
+    + [cell(points[a][lr]) + (" *" if lr == chosen[a][1] else "") for lr in grid]
+    + [f"{chosen[a][1]:g}" + (" (grid edge)" if chosen[a][1] in (grid[0], grid[-1]) else "")]
+    for a in algorithms
+  ]
+  table = Table(
+    ["algorithm"] + [f"lr {lr:g}" for lr in grid] + ["chosen"],
+    rows,
+  )
+  orows = [
+    [ALGORITHMS[a], f"{chosen[a][1]:g}"]
+    + [cell(outer[a][o]) + (" *" if _outer(a, o) == chosen[a][0] else "") for o in outer_grid]
+    for a in outer
+  ]
+  otable = Table(["algorithm", "inner lr"] + [f"outer lr {o:g}" for o in outer_grid], orows)
+  name = "tuning" if clock == "heavy" else f"tuning_{clock}"
+  text = (
+    f"{numerics(MODEL)}; clock {clock}; {steps} steps; each cell: the "
+    f"median validation time to {100 * target:.0f}% over seeds {', '.join(map(str, TUNE_SEEDS))} (a run "
+    f"counts only if it also ends at or above it) / the mean final validation accuracy, on "
+    f"{VALIDATION_EXAMPLES} held-out training examples; * chosen (least time, ties by accuracy). DiLoCo's "
+    f"inner grid at outer lr {OUTER_FIRST:g} (Nesterov 0.9), then its outer step size at the chosen inner "
+    f"one:\n\n{table}\n\n{otable}"
+  )
+  with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+    f.write(text + "\n")
+  write_json(
+    os.path.join(out_dir, f"{name}.json"),
+    {
+      "clock": clock,
+      "grid": list(grid),
+      "outer_grid": list(outer_grid),
+      "seeds": list(TUNE_SEEDS),
+      "target": target,
+      "steps": steps,
+      "chosen": {a: list(c) for a, c in chosen.items()},
+    },
+  )
+  print(text, flush=True)
+  return chosen
+
+
+def run_study(out_dir, scenarios, seeds, steps, target, workers, chosen, own=True) -> dict:
+  """The reported runs of `scenarios` (seeds 0..seeds-1, every algorithm at its tuned variant and step
+  size): {scenario: {variant: ledger_tta.summarize's record + "sent" and "name"}}."""
+  jobs = [
+    (sc, v, lr, s, steps, MODEL, own) for sc in scenarios for v, lr in chosen.values() for s in range(seeds)
+  ]
+  runs = run_jobs(out_dir, jobs, workers)
+  out = {}
+  for sc in scenarios:
+    per = {}
+    for a, (v, lr) in chosen.items():
+      got = [runs[run_key(sc, v, lr, s, steps, MODEL, own)] for s in range(seeds)]
+      per[v] = summarize(got, lr, target)
+      per[v]["name"] = ALGORITHMS[a]
+      per[v]["sent"] = float(np.mean([r["sent"] for r in got]))
+    if own:
+      ends_of_training(per, runs, steps, MODEL, sc)
+    else:  # the tuning-style runs' keys (own=0): ends_of_training reads run_key(..., own=True) keys
+      ends_of_training(
+        per,
+        {
+          run_key(sc, v, lr, s, steps, MODEL): runs[run_key(sc, v, lr, s, steps, MODEL, False)]
+          for v, lr in chosen.values()
+          for s in range(seeds)
+        },
+        steps,
+        MODEL,
+        sc,
+      )
+    out[sc] = per
+  return out
+
+
+def _ratio(p, q, key="time") -> verdict.Estimate:
+  """q's time over p's, paired by seed (p faster: > 1), misses censored at each run's end."""
+  return verdict.paired(p[key], q[key], (p["end"], q["end"]))
+
+
+def study_table(out: dict, target: float) -> Table:
+  rows = []
+  for sc, per in out.items():
+    ar, smart = per["allreduce"], per["ripples_smart"]
+    for v, p in per.items():
+      seeds = len(p["time"])
+      reached = [t for t in p["time"] if t is not None]
+      end_hits = [t for t in p.get("end_time", []) if t is not None]
+      rows.append(
+        [
+          sc,
+          p["name"],
+          f"{p['lr']:g}" + (f", outer {v.split('outer_lr=')[1]}" if "outer_lr=" in v else ""),
+          f"{len(reached)}/{seeds}",
+          f"{np.mean(reached):.3g}" if reached else "-",
+          str(_ratio(p, ar)),
+          "-" if p is smart else str(_ratio(smart, p)),
+          f"{len(end_hits)}/{seeds}",
+          str(_ratio(p, ar, "end_time")) if "end_time" in p else "-",
+          f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final'], ddof=1 if seeds > 1 else 0):.1f}",
+          f"{np.mean(p['throughput']) / np.mean(ar['throughput']):.2f}x",
+          f"{p['sent']:.3g}",
+        ]
+      )
+  return Table(
+    [
+      "scenario",
+      "algorithm",
+      "step size",
+      f"reached {100 * target:.0f}%",
+      "mean time to it (virtual s)",
+      "speedup vs All-Reduce (95% interval)",
+      "Smart GG's speedup over it",
+      "reached 95% of All-Reduce's final",
+      "speedup to it vs All-Reduce",
+      "final test accuracy %",
+      "throughput vs All-Reduce",
+      "models sent per worker-step",
+    ],
+    rows,
+  )
+
+
+def winners_table(out: dict) -> Table:
+  """Per scenario and target: the fastest algorithm (the least geometric mean time over seeds, misses
+  at their run's end), Smart GG's paired ratio against it, and the reading of that interval."""
+  rows = []
+  for sc, per in out.items():
+    smart = per["ripples_smart"]
+    for key, label in (("time", "fixed target"), ("end_time", "95% of All-Reduce's final")):
+      if key not in smart:
+        continue
+
+      def gmean(p):
+        return float(np.exp(np.mean([math.log(t if t is not None else e) for t, e in zip(p[key], p["end"])])))
+
+      best = min(per, key=lambda v: gmean(per[v]))
+      runner = min((v for v in per if v != best), key=lambda v: gmean(per[v]))
+      other = runner if per[best] is smart else best
+      e = _ratio(smart, per[other], key)
+      reading = "Smart GG faster" if e.lo > 1 else "Smart GG slower" if e.hi < 1 else "no difference shown"
+      rows.append(
+        [
+          sc,
+          label,
+          per[best]["name"],
+          f"{gmean(per[best]):.3g}",
+          per[other]["name"],
+          str(e),
+          reading + (" (censored seeds)" if e.censored else ""),
+        ]
+      )
+  return Table(
+    [
+      "scenario",
+      "target",
+      "fastest (geometric mean time)",
+      "its time (virtual s)",
+      "Smart GG against",
+      "Smart GG's speedup over it (95% interval)",
+      "reading",
+    ],
+    rows,
+  )
+
+
+def figure(out: dict, path: str, title: str) -> None:
+  """Time to the target by scenario (one panel each) and algorithm: the geometric mean over seeds,
+  each seed's time as a dot, misses drawn hollow at their run's end."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(next(iter(out.values())))
+  fig, axes = plt.subplots(1, len(out), figsize=(3.2 * len(out), 4.4), sharey=True, squeeze=False)
+  for ax, (sc, per) in zip(axes[0], out.items()):
+    for i, v in enumerate(names):
+      p = per[v]
+      vals = [t if t is not None else e for t, e in zip(p["time"], p["end"])]
+      ax.bar(i, float(np.exp(np.mean(np.log(vals)))), color=f"C{i % 10}", alpha=0.6)
+      hit = [(i, t) for t in p["time"] if t is not None]
+      miss = [(i, e) for t, e in zip(p["time"], p["end"]) if t is None]
+      if hit:
+        ax.plot(*zip(*hit), "k.", markersize=3)
+      if miss:
+        ax.plot(*zip(*miss), "o", mfc="none", mec="k", markersize=4)
+    ax.set_xticks(range(len(names)), [per[v]["name"] for v in names], rotation=75, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_title(sc.replace(", VGG-16 clock", ""), fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+  axes[0][0].set_ylabel("time to target, virtual s (log; hollow: missed, at its end)")
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def publish(out_dir: str, name: str, out: dict, target: float, header: str) -> str:
+  """name.md (the header, the per-run table, the winners), name.json and name.png."""
+  text = (
+    f"{header}\n\n{study_table(out, target)}\n\nThe fastest per scenario and Smart GG against it:\n\n"
+    f"{winners_table(out)}"
+  )
+  with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+    f.write(text + "\n")
+  write_json(os.path.join(out_dir, f"{name}.json"), {"target": target, "scenarios": out})
+  figure(out, os.path.join(out_dir, f"{name}.png"), header.split(";")[0])
+  return text
+
+
+# --- Real processes ---------------------------------------------------------------------------
+
+RUNTIME_STUDY = ("homogeneous", "5x straggler")  # ledger_runtime.RUNTIME_SCENARIOS' names
+# Behind a 5x straggler a lockstep algorithm takes 2.5 s a step: its runs stop at 64 steps (a miss is
+# censored at its end, never counted as a hit).
+LOCKSTEP = ("allreduce", "ps_sync", "diloco")
+
+
+def runtime_study(out_dir, seeds, steps, schedule_steps, step_time, target, chosen, workdir) -> dict:
+  """Every (seed, scenario, algorithm) run on real processes, seed by seed (a seed's runs close in
+  time), each beside the simulator's prediction: runtime_runs.json (resumed from), runtime.md."""
+  path = os.path.join(out_dir, "runtime_runs.json")
+  held = json.load(open(path)) if os.path.exists(path) else {}
+  for seed in range(seeds):
+    for sc in RUNTIME_STUDY:
+      for a, (v, lr) in chosen.items():
+        key = f"{sc}|{v}|lr={lr:g}|seed={seed}"
+        if key in held:
+          continue
+        base, extra = variant(v)
+        keys = {
+          **ledger_runtime.overrides(sc, base, seed, lr, steps, schedule_steps, step_time, target),
+          **extra,
+        }
+        if sc != "homogeneous" and base in LOCKSTEP:
+          keys["num_steps"] = min(steps, 64)
+        slow = {ledger_runtime.SLOW} if sc != "homogeneous" else set()
+        r = ledger_runtime.measured_run(
+          os.path.join(workdir, key.replace(" ", "_").replace("|", "-").replace("/", "_")),
+          ledger_runtime.run_args(base, keys),
+        )
+        fed = ledger_runtime.fed_costs(r, slow)
+        held[key] = {
+          "algorithm": a,
+          "variant": v,
+          "time_to_target": r["time_to_target"],
+          "end": r["time"],
+          "final": r["final_test_accuracy"],
+          "throughput": r["window_throughput"],
+          "cpu_use": r["cpu_use"],
+          "exit_code": r["exit_code"],
+          "evals": r["evals"],
+          "lr": lr,
+          "fed": fed,
+          "predicted": ledger_runtime.predicted_run(base, keys, fed),
+        }
+        write_json(path, held, indent=None)
+        p = held[key]
+        print(
+          f"{key}: time to {target:g} {p['time_to_target']} (predicted {p['predicted']['time_to_target']}), "
+          f"end {p['end']:.1f} s, cpu {p['cpu_use']:.2f}",
+          flush=True,
+        )
+  text = runtime_text(held, chosen, seeds, target, steps, schedule_steps, step_time)
+  with open(os.path.join(out_dir, "runtime.md"), "w") as f:
+    f.write(text + "\n")
+  print(text)
+  return held
+
+
+def runtime_text(held, chosen, seeds, target, steps, schedule_steps, step_time) -> str:
+  rows = []
+  for sc in RUNTIME_STUDY:
+    rec = {a: [held[f"{sc}|{v}|lr={lr:g}|seed={s}"] for s in range(seeds)] for a, (v, lr) in chosen.items()}
+    times = lambda rs, pred=False: (  # noqa: E731
+      [(r["predicted"] if pred else r)["time_to_target"] for r in rs],
+      [(r["predicted"] if pred else r)["end"] for r in rs],
+    )
+    ar, smart = times(rec["allreduce"]), times(rec["ripples_smart"])
+    for a, rs in rec.items():
+      t, e = times(rs)
+      pt, pe = times(rs, True)
+      both = [(x, y) for x, y in zip(t, pt) if x and y]
+      err = [y / x - 1 for x, y in both]
+      rows.append(
+        [
+          sc,
+          ALGORITHMS[a],
+          f"{rs[0]['lr']:g}",
+          f"{sum(x is not None for x in t)}/{seeds}",
+          f"{np.mean([x for x in t if x]):.1f}" if any(t) else "-",
+          str(verdict.paired(t, ar[0], (e, ar[1]))),
+          "-" if a == "ripples_smart" else str(verdict.paired(smart[0], t, (smart[1], e))),
+          f"{100 * np.mean(err):+.1f}% (max |{100 * np.max(np.abs(err)):.1f}|%)" if err else "-",
+          f"{100 * np.mean([r['final'] for r in rs]):.1f}",
+          f"{np.mean([r['throughput'] for r in rs]):.1f}",
+          f"{np.mean([r['cpu_use'] for r in rs]):.2f}",
+        ]
+      )
+  table = Table(
+    [
+      "scenario",
+      "algorithm",
+      "step size",
+      "reached",
+      f"wall s to {100 * target:.0f}%",
+      "speedup vs All-Reduce (95% interval)",
+      "Smart GG's speedup over it",
+      "simulator's error on time to target",
+      "final %",
+      "worker-steps/s",
+      "CPU use",
+    ],
+    rows,
+  )
+  return (
+    f"numerics: MNIST-1D MLP, {ledger_runtime.N} worker processes and the coordinator, executor=async, one "
+    f"host's 2 cores; steps padded to {step_time:g} s; the first {steps} steps of a {schedule_steps}-step "
+    f"schedule (lockstep algorithms behind the straggler: 64); step sizes tuned on the light clock "
+    f"(tuning_light.md); wall time to {100 * target:.0f}% test accuracy of the averaged model (evaluated "
+    f"every {ledger_runtime.EVAL_EVERY} steps), {seeds} seeds paired, misses censored at the run's end; "
+    f"the simulator's prediction fed with each run's measured costs.\n\n{table}"
+  )
+
+
+def header(n: int, seeds: int, steps: int, target: float) -> str:
+  return (
+    f"numerics: MNIST-1D MLP (40-256-256-10), simulator, {n} workers, {steps} steps per worker, the "
+    f"VGG-16 clock (528e6-byte messages, 56 Gb/s, 0.3 s steps); {seeds} seeds paired; step sizes tuned at 16 "
+    f"workers (tuning.md); time to "
+    f"{100 * target:.0f}% test accuracy of the averaged model and to 95% of All-Reduce's mean final "
+    f"accuracy, virtual s; intervals by ripples_jax.verdict (95%, misses censored at the run's end); "
+    f"a lockstep algorithm (All-Reduce, sync PS, DiLoCo) with a killed worker restarts every worker "
+    f"from the newest checkpoint: its run stops at the death and resumes at the rejoin (no lost step, "
+    f"no start cost)"
+  )

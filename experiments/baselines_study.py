@@ -1,0 +1,91 @@
+r"""Ripples beside today's baselines: Smart GG, Random GG, AD-PSGD, All-Reduce, DiLoCo (H = 4, 16, 64),
+Moshpit SGD and both parameter servers, tuned one way, on the ledger's scenarios (experiments.baselines).
+
+  python -m experiments.baselines_study --out=results/baselines --workers=2        # hours on 2 cores
+  python -m experiments.baselines_study --out=results/baselines --parts=runtime    # real processes
+
+--parts: tune (the VGG-16 clock's step sizes: tuning.md), sim16 (6 scenarios at 16 workers:
+study16.md/png), sim256 (2 at 256: study256.md/png), tune_light and runtime (16 worker processes:
+tuning_light.md, runtime.md). Every part resumes from the runs --out holds (runs.json,
+runtime_runs.json); never two study processes on one --out.
+"""
+
+from absl import app, flags
+
+from experiments import baselines
+
+FLAGS = flags.FLAGS
+PARTS = ("tune", "sim16", "sim256", "tune_light", "runtime")
+
+
+def define_flags():
+  flags.DEFINE_string("out", "results/baselines", "Output folder.")
+  flags.DEFINE_list("parts", list(PARTS), f"Parts to run, of {', '.join(PARTS)} (in this order).")
+  flags.DEFINE_integer("seeds", 5, "Reported seeds at 16 workers (0..seeds-1).")
+  flags.DEFINE_integer("seeds_256", 3, "Reported seeds at 256 workers.")
+  flags.DEFINE_integer("workers", 1, "Simulated runs at once (one core each).")
+  flags.DEFINE_integer("steps", 300, "Steps per worker of each simulated run.")
+  flags.DEFINE_float("target", 0.55, "Target test accuracy.")
+  flags.DEFINE_list("algorithms", list(baselines.ALGORITHMS), "Algorithms (All-Reduce and Smart GG needed).")
+  flags.DEFINE_list("grid", None, "Step-size grid (default: the ledger's LR_GRID).")
+  flags.DEFINE_list("outer_grid", None, "DiLoCo's outer step-size grid (default: OUTER_GRID).")
+  flags.DEFINE_multi_string("scenario", None, "Only these scenarios of the sim parts (default: all).")
+  flags.DEFINE_integer("runtime_seeds", 3, "runtime: seeds.")
+  flags.DEFINE_integer("runtime_steps", 80, "runtime: steps per worker.")
+  flags.DEFINE_float("runtime_step_time", 0.5, "runtime: seconds every step is padded to.")
+  flags.DEFINE_string("runtime_workdir", "/tmp/baselines_runtime", "runtime: the runs' folders (traces).")
+
+
+def main(argv):
+  del argv
+  unknown = [p for p in FLAGS.parts if p not in PARTS] + [
+    a for a in FLAGS.algorithms if a not in baselines.ALGORITHMS
+  ]
+  if unknown or not {"allreduce", "ripples_smart"} <= set(FLAGS.algorithms):
+    raise app.UsageError(
+      f"--parts of {PARTS} and --algorithms of {list(baselines.ALGORITHMS)} with allreduce and "
+      f"ripples_smart; got {unknown or FLAGS.algorithms}"
+    )
+  grid = {} if FLAGS.grid is None else {"grid": tuple(float(x) for x in FLAGS.grid)}
+  if FLAGS.outer_grid is not None:
+    grid["outer_grid"] = tuple(float(x) for x in FLAGS.outer_grid)
+  import os
+
+  os.makedirs(FLAGS.out, exist_ok=True)
+  args = dict(algorithms=tuple(FLAGS.algorithms), **grid)
+  if {"tune", "sim16", "sim256"} & set(FLAGS.parts):
+    chosen = baselines.tune(FLAGS.out, "heavy", FLAGS.steps, FLAGS.target, FLAGS.workers, **args)
+    for part, scenarios, seeds, own in (
+      ("sim16", baselines.STUDY_16, FLAGS.seeds, True),
+      ("sim256", baselines.STUDY_256, FLAGS.seeds_256, False),  # the averaged model only (256 own: slow)
+    ):
+      scenarios = [s for s in scenarios if not FLAGS.scenario or s in FLAGS.scenario]
+      if part not in FLAGS.parts or not scenarios:
+        continue
+      out = baselines.run_study(
+        FLAGS.out, scenarios, seeds, FLAGS.steps, FLAGS.target, FLAGS.workers, chosen, own
+      )
+      n = 16 if part == "sim16" else 256
+      print(
+        baselines.publish(
+          FLAGS.out, f"study{n}", out, FLAGS.target, baselines.header(n, seeds, FLAGS.steps, FLAGS.target)
+        )
+      )
+  if {"tune_light", "runtime"} & set(FLAGS.parts):
+    chosen = baselines.tune(FLAGS.out, "light", FLAGS.steps, FLAGS.target, FLAGS.workers, **args)
+    if "runtime" in FLAGS.parts:
+      baselines.runtime_study(
+        FLAGS.out,
+        FLAGS.runtime_seeds,
+        FLAGS.runtime_steps,
+        FLAGS.steps,
+        FLAGS.runtime_step_time,
+        FLAGS.target,
+        chosen,
+        FLAGS.runtime_workdir,
+      )
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
