@@ -1,0 +1,136 @@
+"""The baselines study's parts: algorithm variants, the messages counted per worker-step, a lockstep
+algorithm's restart after a death, the tables' pairings; and one short run of the entry point."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import baselines, ledger_tta
+from ripples_jax.timeline import APPLY, AVG, JOIN, OUTER, PULL, START, Trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_variant_sets_its_keys_under_its_algorithm():
+  assert ledger_tta.variant("moshpit") == ("moshpit", {})
+  assert ledger_tta.variant("diloco/inner_steps=4/outer_lr=0.35") == (
+    "diloco",
+    {"diloco.inner_steps": 4, "diloco.outer_lr": 0.35},
+  )
+  assert isinstance(ledger_tta.variant("diloco/inner_steps=4")[1]["diloco.inner_steps"], int)
+
+
+def test_models_sent_count_each_collective_and_each_server_message():
+  tr = Trace(4)
+  tr.worker_steps[:] = (3, 2, 2, 3)  # 10 worker-steps
+  tr.events += [
+    (0.0, START, 0, None),  # no message
+    (1.0, APPLY, 0, 0),  # a local apply: none
+    (1.0, AVG, (0, 1, 2), None),  # a ring of 3: 2 * (3 - 1) = 4
+    (2.0, OUTER, (0, 1, 2, 3), None),  # 6
+    (2.0, AVG, (1, 3), None),  # an AD-PSGD pair: 2
+    (3.0, APPLY, 4, 2),  # a push to the server's slot: 1
+    (3.0, PULL, 2, 4),  # its pull: 1
+    (4.0, JOIN, 3, 0),  # a rejoin's copy: 1
+  ]
+  assert ledger_tta.sent_models(tr, "ripples_smart") == pytest.approx((4 + 6 + 2 + 1 + 1 + 1) / 10)
+  # Synchronous PS: a round of g is g pushes and g pulls, not a ring.
+  sync = Trace(4)
+  sync.worker_steps[:] = 2
+  sync.events += [(1.0, AVG, (0, 1, 2, 3), None)]
+  assert ledger_tta.sent_models(sync, "ps_sync") == pytest.approx(8 / 8)
+  assert ledger_tta.sent_models(sync, "allreduce") == pytest.approx(6 / 8)
+
+
+@pytest.mark.slow  # four short simulated trainings, in process
+def test_a_lockstep_run_with_a_death_is_the_run_without_it_stopped_for_the_outage():
+  t_leave, t_rejoin = ledger_tta.KILL[1:]
+  steps = 40  # about 19 virtual s on the VGG-16 clock: the death at 10 s and the rejoin at 40 s inside
+  kill, plain = "worker killed and restarted, VGG-16 clock", "homogeneous, VGG-16 clock"
+  a = ledger_tta.train_run(kill, "allreduce", 0.2, 0, steps, own=False)
+  b = ledger_tta.train_run(plain, "allreduce", 0.2, 0, steps, own=False)
+  assert a["outage"] == [t_leave, t_rejoin - t_leave]
+  assert a["curve"]["test"] == b["curve"]["test"] and a["curve"]["step"] == b["curve"]["step"]
+  shifted = [t + (t_rejoin - t_leave) if t > t_leave else t for t in b["curve"]["time"]]
+  assert a["curve"]["time"] == pytest.approx(shifted, abs=1e-6)
+  assert any(t > t_leave for t in b["curve"]["time"]) and any(t <= t_leave for t in b["curve"]["time"])
+  assert a["end"] == pytest.approx(b["end"] + t_rejoin - t_leave)
+  # All-Reduce's messages: one ring of 16 after every step but the last.
+  assert a["sent"] == pytest.approx(2 * 15 / 16 * (steps - 1) / steps)
+  # An elastic algorithm runs the death itself: its curve is not the homogeneous one.
+  c = ledger_tta.train_run(kill, "ripples_smart", 0.2, 0, steps, own=False)
+  d = ledger_tta.train_run(plain, "ripples_smart", 0.2, 0, steps, own=False)
+  assert "outage" not in c and c["curve"]["test"] != d["curve"]["test"]
+
+
+def _record(times, ends, name):
+  n = len(times)
+  return {
+    "time": times,
+    "end": ends,
+    "lr": 0.1,
+    "final": [0.6] * n,
+    "throughput": [1.0] * n,
+    "sent": 1.0,
+    "name": name,
+  }
+
+
+def test_the_winner_is_the_least_geometric_mean_and_smart_gg_is_paired_against_it():
+  per = {
+    "allreduce": _record([10.0, 12.0, 11.0], [50.0] * 3, "All-Reduce"),
+    "ripples_smart": _record([5.0, 6.0, None], [40.0] * 3, "Smart GG"),  # a miss: 40 at its end
+    "moshpit": _record([4.0, 5.0, 6.0], [30.0] * 3, "Moshpit"),
+  }
+  rows = baselines.winners_table({"s": per}).rows
+  assert [r[2] for r in rows] == ["Moshpit"] and rows[0][4] == "Moshpit"
+  ratios = [4.0 / 5.0, 5.0 / 6.0, 6.0 / 40.0]  # Moshpit's time over Smart GG's, the miss censored
+  assert rows[0][5].startswith(f"{math.exp(np.mean(np.log(ratios))):.2f}x")
+  # When Smart GG is the fastest it is paired against the runner-up.
+  per["moshpit"] = _record([40.0, 50.0, 60.0], [90.0] * 3, "Moshpit")
+  per["ripples_smart"] = _record([5.0, 6.0, 5.5], [40.0] * 3, "Smart GG")
+  rows = baselines.winners_table({"s": per}).rows
+  assert rows[0][2] == "Smart GG" and rows[0][4] == "All-Reduce"
+  assert rows[0][5].startswith(f"{math.exp(np.mean(np.log([10 / 5, 12 / 6, 11 / 5.5]))):.2f}x")
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+def test_the_study_runs_end_to_end(tmp_path):
+  out = tmp_path / "study"
+  algorithms = "allreduce,ripples_smart,diloco/inner_steps=4"
+  args = [
+    f"--out={out}",
+    "--parts=tune,sim16",
+    "--steps=6",
+    "--seeds=2",
+    "--grid=0.2",
+    "--outer_grid=0.7,1.0",
+    f"--algorithms={algorithms}",
+    "--target=0.2",
+    "--scenario=homogeneous, VGG-16 clock",
+  ]
+  env = dict(os.environ, RIPPLES_JAX_CACHE=str(tmp_path / "cache"))
+  got = subprocess.run(
+    [sys.executable, "-m", "experiments.baselines_study", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert got.returncode == 0, got.stderr[-3000:]
+  tuning = json.load(open(out / "tuning.json"))
+  assert set(tuning["chosen"]) == set(algorithms.split(","))
+  assert tuning["chosen"]["diloco/inner_steps=4"][0].startswith("diloco/inner_steps=4/outer_lr=")
+  study = json.load(open(out / "study16.json"))["scenarios"]["homogeneous, VGG-16 clock"]
+  assert study["allreduce"]["sent"] == pytest.approx(2 * 15 / 16 * 5 / 6)
+  assert len(study["ripples_smart"]["time"]) == 2 and (out / "study16.png").exists()
+  # The runs are the study's records: every reported run is in runs.json under its key.
+  runs = json.load(open(out / "runs.json"))
+  v, lr = tuning["chosen"]["diloco/inner_steps=4"]
+  assert ledger_tta.run_key("homogeneous, VGG-16 clock", v, lr, 1, 6) in runs
