@@ -62,6 +62,17 @@ ALGORITHMS = {
   "ps_sync": "sync PS",
   "ps_async": "async PS",
 }
+# At 256 workers a run costs ~2 core-minutes: DiLoCo at its middle H only, and no sync PS (All-Reduce's
+# lockstep with every message through one server link).
+ALGORITHMS_256 = (
+  "allreduce",
+  "ripples_smart",
+  "ripples_random",
+  "adpsgd",
+  "diloco/inner_steps=16",
+  "moshpit",
+  "ps_async",
+)
 OUTER_GRID = (0.35, 0.5, 0.7, 1.0)
 OUTER_FIRST = 0.7  # the inner grid's outer step size (Douillard et al.'s)
 

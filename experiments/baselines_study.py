@@ -27,6 +27,11 @@ def define_flags():
   flags.DEFINE_integer("steps", 300, "Steps per worker of each simulated run.")
   flags.DEFINE_float("target", 0.55, "Target test accuracy.")
   flags.DEFINE_list("algorithms", list(baselines.ALGORITHMS), "Algorithms (All-Reduce and Smart GG needed).")
+  flags.DEFINE_list(
+    "algorithms_256",
+    list(baselines.ALGORITHMS_256),
+    "sim256's algorithms (of --algorithms; at 256 a run is ~2 core-minutes).",
+  )
   flags.DEFINE_list("grid", None, "Step-size grid (default: the ledger's LR_GRID).")
   flags.DEFINE_list("outer_grid", None, "DiLoCo's outer step-size grid (default: OUTER_GRID).")
   flags.DEFINE_multi_string("scenario", None, "Only these scenarios of the sim parts (default: all).")
@@ -39,9 +44,10 @@ def define_flags():
 def main(argv):
   del argv
   unknown = [p for p in FLAGS.parts if p not in PARTS] + [
-    a for a in FLAGS.algorithms if a not in baselines.ALGORITHMS
+    a for a in FLAGS.algorithms + FLAGS.algorithms_256 if a not in baselines.ALGORITHMS
   ]
-  if unknown or not {"allreduce", "ripples_smart"} <= set(FLAGS.algorithms):
+  needed = {"allreduce", "ripples_smart"}
+  if unknown or not needed <= set(FLAGS.algorithms) or not needed <= set(FLAGS.algorithms_256):
     raise app.UsageError(
       f"--parts of {PARTS} and --algorithms of {list(baselines.ALGORITHMS)} with allreduce and "
       f"ripples_smart; got {unknown or FLAGS.algorithms}"
@@ -62,6 +68,8 @@ def main(argv):
       scenarios = [s for s in scenarios if not FLAGS.scenario or s in FLAGS.scenario]
       if part not in FLAGS.parts or not scenarios:
         continue
+      if part == "sim256":
+        chosen = {a: c for a, c in chosen.items() if a in FLAGS.algorithms_256}
       out = baselines.run_study(
         FLAGS.out, scenarios, seeds, FLAGS.steps, FLAGS.target, FLAGS.workers, chosen, own
       )
