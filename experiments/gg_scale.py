@@ -36,7 +36,7 @@ from ripples_jax import allocator
 from ripples_jax.runlog import write_json
 from ripples_jax.tables import markdown_table, spread
 
-ALGORITHMS = ("allreduce", "ripples_static", "ripples_random", "ripples_division", "ripples_smart")
+ALGORITHMS = ("allreduce", "ripples_static", "ripples_random", "ripples_division", "ripples_smart", "moshpit")
 FLAGS = flags.FLAGS
 
 

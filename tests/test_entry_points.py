@@ -682,13 +682,14 @@ def test_gg_scale_end_to_end(tmp_path):
     "--steps=4",
     "--eval_every=2",
     "--target=0.05",
-    "--algorithms=allreduce,ripples_smart",
+    "--algorithms=allreduce,ripples_smart,moshpit",
     f"--out_dir={out_dir}",
     tmp_path=tmp_path,
   )
   t = json.loads((out_dir / "table.json").read_text())["results"]
   assert t["n8_allreduce"]["speedup_vs_allreduce"]["median"] == 1.0
-  assert t["n8_ripples_smart"]["reached"] == 1 and 0 <= t["n8_ripples_smart"]["gap_per_sweep"]["median"] <= 1
+  for a in ("ripples_smart", "moshpit"):
+    assert t[f"n8_{a}"]["reached"] == 1 and 0 <= t[f"n8_{a}"]["gap_per_sweep"]["median"] <= 1
   assert (out_dir / "gg_scale.png").stat().st_size > 0
 
 
