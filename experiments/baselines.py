@@ -352,33 +352,9 @@ def runtime_study(out_dir, seeds, steps, schedule_steps, step_time, target, chos
         }
         if sc != "homogeneous" and base in LOCKSTEP:
           keys["num_steps"] = min(steps, 64)
-        slow = {ledger_runtime.SLOW} if sc != "homogeneous" else set()
-        r = ledger_runtime.measured_run(
-          os.path.join(workdir, key.replace(" ", "_").replace("|", "-").replace("/", "_")),
-          ledger_runtime.run_args(base, keys),
-        )
-        fed = ledger_runtime.fed_costs(r, slow)
-        held[key] = {
-          "algorithm": a,
-          "variant": v,
-          "time_to_target": r["time_to_target"],
-          "end": r["time"],
-          "final": r["final_test_accuracy"],
-          "throughput": r["window_throughput"],
-          "cpu_use": r["cpu_use"],
-          "exit_code": r["exit_code"],
-          "evals": r["evals"],
-          "lr": lr,
-          "fed": fed,
-          "predicted": ledger_runtime.predicted_run(base, keys, fed),
-        }
+        r = ledger_runtime.measure_and_predict(workdir, key, base, keys, sc != "homogeneous", lr, target)
+        held[key] = {"algorithm": a, "variant": v, **r}
         write_json(path, held, indent=None)
-        p = held[key]
-        print(
-          f"{key}: time to {target:g} {p['time_to_target']} (predicted {p['predicted']['time_to_target']}), "
-          f"end {p['end']:.1f} s, cpu {p['cpu_use']:.2f}",
-          flush=True,
-        )
   text = runtime_text(held, chosen, seeds, target, steps, schedule_steps, step_time)
   with open(os.path.join(out_dir, "runtime.md"), "w") as f:
     f.write(text + "\n")

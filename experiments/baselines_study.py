@@ -10,6 +10,8 @@ tuning_light.md, runtime.md). Every part resumes from the runs --out holds (runs
 runtime_runs.json); never two study processes on one --out.
 """
 
+import os
+
 from absl import app, flags
 
 from experiments import baselines
@@ -55,8 +57,6 @@ def main(argv):
   grid = {} if FLAGS.grid is None else {"grid": tuple(float(x) for x in FLAGS.grid)}
   if FLAGS.outer_grid is not None:
     grid["outer_grid"] = tuple(float(x) for x in FLAGS.outer_grid)
-  import os
-
   os.makedirs(FLAGS.out, exist_ok=True)
   args = dict(algorithms=tuple(FLAGS.algorithms), **grid)
   if {"tune", "sim16", "sim256"} & set(FLAGS.parts):

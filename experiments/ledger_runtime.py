@@ -165,6 +165,36 @@ def predicted_run(algorithm: str, keys: dict, fed: dict) -> dict:
   return {"time_to_target": summary.get("time_to_target"), "end": summary["time"]}
 
 
+def measure_and_predict(
+  workdir: str, key: str, algorithm: str, keys: dict, slow: bool, lr: float, target
+) -> dict:
+  """One run on real processes (its folder under workdir, named from key) and the simulator's prediction
+  of it fed with what it measured: the record runs.json keeps (printed in one line)."""
+  r = measured_run(
+    os.path.join(workdir, key.replace(" ", "_").replace("|", "-").replace("/", "_")),
+    run_args(algorithm, keys),
+  )
+  fed = fed_costs(r, {SLOW} if slow else set())
+  p = {
+    "time_to_target": r["time_to_target"],
+    "end": r["time"],
+    "final": r["final_test_accuracy"],
+    "throughput": r["window_throughput"],
+    "cpu_use": r["cpu_use"],
+    "exit_code": r["exit_code"],
+    "evals": r["evals"],
+    "lr": lr,
+    "fed": fed,
+    "predicted": predicted_run(algorithm, keys, fed),
+  }
+  print(
+    f"{key}: time to {target:g} {p['time_to_target']} (predicted {p['predicted']['time_to_target']})"
+    f", end {p['end']:.1f} s, cpu {p['cpu_use']:.2f}",
+    flush=True,
+  )
+  return p
+
+
 def runtime_ledger(
   out_dir: str,
   seeds: int,
@@ -190,27 +220,8 @@ def runtime_ledger(
         if key in held:
           continue
         keys = overrides(scenario, a, seed, lr[a], steps, schedule_steps, step_time, target)
-        r = measured_run(os.path.join(workdir, key.replace(" ", "_").replace("|", "-")), run_args(a, keys))
-        fed = fed_costs(r, {SLOW} if slowdown > 1 else set())
-        held[key] = {
-          "time_to_target": r["time_to_target"],
-          "end": r["time"],
-          "final": r["final_test_accuracy"],
-          "throughput": r["window_throughput"],
-          "cpu_use": r["cpu_use"],
-          "exit_code": r["exit_code"],
-          "evals": r["evals"],
-          "lr": lr[a],
-          "fed": fed,
-          "predicted": predicted_run(a, keys, fed),
-        }
+        held[key] = measure_and_predict(workdir, key, a, keys, slowdown > 1, lr[a], target)
         write_json(path, held, indent=None)
-        p = held[key]
-        print(
-          f"{key}: time to {target:g} {p['time_to_target']} (predicted {p['predicted']['time_to_target']})"
-          f", end {p['end']:.1f} s, cpu {p['cpu_use']:.2f}",
-          flush=True,
-        )
   meta = {
     "seeds": seeds,
     "steps": steps,
