@@ -62,7 +62,7 @@ class _Averager:
     self.devices_of = devices_of  # worker -> its devices, in local mesh order
     self.compiles = 0  # programs compiled (each first run also sets up its connection)
     self.setup_s = 0.0  # seconds in the first call of each program in the run: compile and connection
-    self.ahead_s = 0.0  # seconds compiling and connecting before the run (PairAverager)
+    self.ahead_s = 0.0  # seconds compiling and connecting before the run
 
   def _local(self, out, shape):
     """A collective's replicated output as a local array on this worker's devices."""
@@ -107,6 +107,19 @@ class GroupAverager(_Averager):
     if len(self.cache) > self.cache_size:
       self.cache.popitem(last=False)
     return self.cache[key], True
+
+  def connect(self, members: tuple, flat_D: jax.Array) -> float:
+    """Runs the group's program once, before the run, on every member (each must call it): its compile
+    and connection set-up leave the run, as PairAverager.connect_all's do. A group that meets with a
+    member far behind needs it: gloo's rendezvous at a context's first use waits 30 s for the others
+    (its store timeout, docs/design.md 3.8), and DiLoCo's first outer step meets a 5x straggler
+    H x 4 slow steps late (H=16 at 0.5 s a step: 32 s). Later calls wait on the collective timeout.
+    Returns the seconds it took."""
+    t0, setup = time.perf_counter(), self.setup_s
+    self.average(members, flat_D).block_until_ready()
+    self.setup_s = setup  # paid before the run: ahead, not in the run's first call
+    self.ahead_s += time.perf_counter() - t0
+    return time.perf_counter() - t0
 
   def average(self, members: tuple, flat_D: jax.Array) -> jax.Array:
     size = flat_D.shape[0]

@@ -130,6 +130,9 @@ def run(config, workdir: str) -> dict:
       compiled,
       connected,
     )
+  elif config.algorithm in ("allreduce", "diloco"):  # one fixed group, every worker: connected ahead
+    connected = worker.averager.connect(tuple(range(n)), worker.fresh()["flat"])
+    logging.info("worker %d: the %d-worker group connected ahead in %.2f s", me, n, connected)
   with worker.run_log(workdir) as log:
     loop = resume(worker, log, kv, workdir)
     if isinstance(loop, int):  # out at the marker the run resumes from
