@@ -85,6 +85,24 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop | int:
   return loop
 
 
+def fixed_layouts(c) -> list:
+  """The fixed schedule's layouts (an algorithm not in DYNAMIC): DiLoCo's All-Reduce after every H-th
+  step, All-Reduce's every step, Static GG's periodic ones."""
+  if c.algorithm == "diloco":  # the All-Reduce after every H-th step, and after the last one
+    return list(diloco.layouts(c))
+  return [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else list(static_layouts(c))
+
+
+def connect_fixed(worker: Worker) -> float:
+  """Connects every group of a fixed schedule that holds this worker, before the run (GroupAverager.
+  connect: gloo's 30 s set-up would end a run whose group first meets with a member far behind). The
+  groups go in the schedule's order, each once: every worker runs a subsequence of one global order,
+  and a layout's groups are disjoint, so no cycle of waits can form. Returns the seconds it took."""
+  groups = dict.fromkeys(g for layout in fixed_layouts(worker.config) for g in layout if worker.me in g)
+  flat = worker.fresh()["flat"]
+  return sum(worker.averager.connect(tuple(g), flat) for g in groups if len(g) > 1)
+
+
 def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
   """The queue this worker reads: the authority's (dynamic generators) or the fixed schedule's
   (inc, taken: a rejoined worker's incarnation and its new queue's first index)."""
@@ -93,10 +111,7 @@ def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
     ahead = asks_ahead(c)  # Random GG, Group Division: at a step's start; Smart GG: just before its end
     lead = bool(c.schedule.request_ahead) and not ahead
     return authority_lib.Feed(kv, me, worker.now, ahead, lead=lead, inc=inc, taken=taken)
-  if c.algorithm == "diloco":  # the All-Reduce after every H-th step, and after the last one
-    layouts = diloco.layouts(c)
-  else:
-    layouts = [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else static_layouts(c)
+  layouts = fixed_layouts(c)
   point = loop.syncs if loop.resumed_at is not None else 0
   return authority_lib.LocalFeed(
     layouts,
@@ -130,9 +145,10 @@ def run(config, workdir: str) -> dict:
       compiled,
       connected,
     )
-  elif config.algorithm in ("allreduce", "diloco"):  # one fixed group, every worker: connected ahead
-    connected = worker.averager.connect(tuple(range(n)), worker.fresh()["flat"])
-    logging.info("worker %d: the %d-worker group connected ahead in %.2f s", me, n, connected)
+  elif config.algorithm not in DYNAMIC:  # a fixed schedule: its groups are known before the run
+    logging.info(
+      "worker %d: the fixed schedule's groups connected ahead in %.2f s", me, connect_fixed(worker)
+    )
   with worker.run_log(workdir) as log:
     loop = resume(worker, log, kv, workdir)
     if isinstance(loop, int):  # out at the marker the run resumes from
