@@ -108,6 +108,28 @@ def get_config(arg=None):
   # fail_tick, once its newest checkpoint has committed
   c.runtime.fail_tick = 0  # fault injection: the tick before which fail_stage dies
 
+  # Ripples across pipelines (executor hybrid, ripples_jax/hybrid, docs/design.md 4.7): R replicas of
+  # this pipeline, simulated (the clock's virtual time, exact numerics), each stage's replicas
+  # averaging their stage in groups after every sync_every-th tick. count 0: the pipeline alone.
+  c.replicas = ml_collections.ConfigDict()
+  c.replicas.count = 0  # R (0: no replicas; 1: the hybrid executor on one replica, the pipeline's numerics)
+  c.replicas.algorithm = "ripples_smart"  # ripples_smart | ripples_random | ripples_static | allreduce
+  # (each stage all-reduced across the replicas after every tick, as data-parallel pipelines do) | none
+  c.replicas.group_size = 3  # ripples_smart, ripples_random: members of a group
+  c.replicas.smart_tolerance = 0.5  # ripples_smart: as schedule.smart_tolerance (configs/default.py)
+  c.replicas.smart_max_gap = 4  # ripples_smart: syncs a replica may skip in a row
+  c.replicas.workers_per_node = 4  # ripples_static: the node layout's replicas per node
+  c.replicas.sync_every = 1  # ticks between a replica's averages
+  c.replicas.slow = ()  # (replica, stage) of the slow device; () none
+  c.replicas.slowdown = 1.0  # the slow device's forward + backward take this many times longer
+  c.replicas.rotate_every = 0.0  # virtual seconds after which the slow device moves to the next replica
+  c.replicas.jitter = 0.05  # sigma of a lognormal factor on every device's tick (real ticks differ)
+  c.replicas.stage_s = ()  # seconds of each stage's forward + backward per tick; () measured here
+  c.replicas.stage_bytes = ()  # bytes of each stage's parameters for the averages' cost; () the model's
+  c.replicas.alpha = 5e-6  # seconds per message of an average
+  c.replicas.bandwidth = 1.25e9  # bytes/s of each device's link
+  c.replicas.target_accuracy = 0.0  # time_to_target: the first evaluation at or above it (0: none)
+
   c.num_epochs = arg.epochs  # passes over the training set
   c.log_every = 50  # batches
   c.eval_every = 500  # batches between evaluations

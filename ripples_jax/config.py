@@ -512,6 +512,43 @@ def _int_in(config, key, lo, hi, allowed):
     _fail(key, value, allowed)
 
 
+HYBRID_ALGORITHMS = ("ripples_smart", "ripples_random", "ripples_static", "allreduce", "none")
+
+
+def _check_replicas(config) -> None:
+  """replicas.*: the hybrid executor's keys (ripples_jax/hybrid); count 0 checks only count."""
+  _int_in(config, "replicas.count", 0, 4096, "an integer number of replicas in [0, 4096] (0: none)")
+  c = config.replicas
+  if not c.count:
+    return
+  if config.placement != "one_device":
+    _fail("placement", config.placement, "one_device with replicas.count > 0 (the hybrid is simulated)")
+  _one_of(config, "replicas.algorithm", HYBRID_ALGORITHMS)
+  _int_in(config, "replicas.group_size", 2, 4096, "an integer >= 2")
+  _number(config, "replicas.smart_tolerance", lambda v: v >= 0, "a number >= 0")
+  _int_in(config, "replicas.smart_max_gap", 0, 10**6, "an integer >= 0")
+  _positive_int(config, "replicas.workers_per_node")
+  _positive_int(config, "replicas.sync_every")
+  K, R = config.num_stages, c.count
+  slow = tuple(c.slow)
+  if slow and not (
+    len(slow) == 2 and all(isinstance(v, int) for v in slow) and 0 <= slow[0] < R and 0 <= slow[1] < K
+  ):
+    _fail(
+      "replicas.slow", slow, f"() or (replica, stage) with replica < count={R} and stage < num_stages={K}"
+    )
+  _number(config, "replicas.slowdown", lambda v: v >= 1, "a factor >= 1")
+  _number(config, "replicas.rotate_every", lambda v: v >= 0, "virtual seconds >= 0 (0: a fixed slow device)")
+  _number(config, "replicas.jitter", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+  for key in ("stage_s", "stage_bytes"):
+    v = tuple(c[key])
+    if v and (len(v) != K or not all(isinstance(x, (int, float)) and x > 0 for x in v)):
+      _fail(f"replicas.{key}", v, f"() (measured) or num_stages={K} positive numbers")
+  _number(config, "replicas.alpha", lambda v: v >= 0, "seconds >= 0")
+  _number(config, "replicas.bandwidth", lambda v: v > 0, "bytes/s > 0")
+  _number(config, "replicas.target_accuracy", lambda v: 0 <= v <= 1, "a number in [0, 1] (0: none)")
+
+
 def _check_dsp_placement(config, num_processes: int, local_devices: int | None = None) -> None:
   """validate_dsp_config's placement keys: per_process's own (process count, method, mode, chunks,
   runtime.*), or what the one-process placements refuse."""
@@ -703,3 +740,5 @@ def validate_dsp_config(config, num_processes: int = 1, local_devices: int | Non
   )
   _number(config, "straggler_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
   _int_in(config, "seed", 0, 2**32 - 1, "an integer in [0, 2**32)")
+  if "replicas" in config:
+    _check_replicas(config)

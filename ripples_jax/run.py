@@ -9,6 +9,8 @@
                         server), trains nothing else (runtime/coordinator.py)
   pipeline              DSP and its baselines in one process (pipeline/train.py)
   pipeline/per_process  one process per stage (pipeline/per_process.py)
+  hybrid                R replicas of a pipeline averaging stage by stage in groups, simulated
+                        (hybrid/sim.py; a pipeline config with replicas.count > 0)
 Executors are peers: none imports another; each writes its files through runlog.RunLog and builds its
 inputs with setup.py. A Ripples config (configs/default.py) names its executor; a pipeline config
 (configs/dsp.py) has a method and a placement.
@@ -34,6 +36,7 @@ EXECUTORS = {
   "async/coordinator": ("ripples_jax.runtime.coordinator", "run"),
   "pipeline": ("ripples_jax.pipeline.train", "run"),
   "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
+  "hybrid": ("ripples_jax.hybrid.sim", "run"),
 }
 
 
@@ -41,6 +44,8 @@ def executor_of(config) -> str:
   """The EXECUTORS key of a config's workers (an async run's process 0 is its coordinator:
   process_executor)."""
   if "method" in config:  # configs/dsp.py
+    if config.get("replicas") and config.replicas.count:
+      return "hybrid"
     return "pipeline/per_process" if config.placement == "per_process" else "pipeline"
   if config.executor == "async" and config.algorithm == "adpsgd":
     return "async/adpsgd"

@@ -1,0 +1,291 @@
+r"""The hybrid study: Ripples across DSP pipelines beside All-Reduce across replicas (simulated part).
+
+  python -m experiments.hybrid_study --out=results/hybrid --workers=2
+
+R replicas of DSP's K-stage MNIST-1D CNN1D pipeline (executor hybrid, docs/design.md 4.7) on the VGG-16
+clock split in K equal stages (ledger_claims.SETTINGS["heavy"]: 0.3 s and 528e6 bytes for the whole
+model, 56 Gb/s links; a stage 0.3/K s and 528e6/K bytes), at R x K = 4 x 2 and 64 x 4. Algorithms:
+Smart GG and Random GG (groups of 3), All-Reduce of every stage across the replicas after every tick
+(data-parallel pipelines as GPipe and MaxText run them), and no averaging (R independent pipelines, for
+reference). Scenarios: homogeneous, one device (replica 1's stage 0) 2x or 5x slower, and a 5x device
+moving to the next replica every 10 virtual seconds.
+
+Tuning (tuning_<study>.md): each algorithm's step size from one grid per study (STUDIES) on the
+validation split, seeds 100-101, homogeneous, by the ledger's rule (ledger_tta.tuning_score: the median
+validation time to the target, final validation accuracy as the tie-break). Reported (study_<study>.md
+and .json; every run's curve in runs.json): time to the target test accuracy (virtual s) as a paired
+ratio over seeds against All-Reduce (ripples_jax.verdict, 95% intervals, misses censored at the run's
+end), final accuracy with its paired difference, and the limit a perfect router of the slow device's
+load would reach (`router_limit`).
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+from absl import app, flags
+
+from configs import dsp as dsp_config
+from experiments.ledger_claims import SETTINGS
+from experiments.ledger_tta import crossing, final, tuning_score
+from experiments.pool import pinned_pool
+from ripples_jax import verdict
+from ripples_jax.runlog import write_json
+from ripples_jax.tables import Table
+
+TUNE_SEEDS = (100, 101)
+ALGORITHMS = {
+  "ripples_smart": "Smart GG",
+  "ripples_random": "Random GG",
+  "allreduce": "All-Reduce",
+  "none": "no averaging",
+}
+# name: (slow (replica, stage) or (), slowdown, rotate_every virtual s)
+SCENARIOS = {
+  "homogeneous": ((), 1.0, 0.0),
+  "2x device": ((1, 0), 2.0, 0.0),
+  "5x device": ((1, 0), 5.0, 0.0),
+  "moving 5x device": ((1, 0), 5.0, 10.0),
+}
+# name: (R, K, epochs, target test accuracy, step-size grid); epochs are passes over the training set
+# by all the replicas together. The grids are the ledger's kind (2x apart); K=4's stops lower, where
+# DSP's staleness at K=4 stays stable (configs/dsp.py: 0.05 diverges there).
+STUDIES = {
+  "4x2": (4, 2, 60, 0.85, (0.0125, 0.025, 0.05, 0.1, 0.2)),
+  "64x4": (64, 4, 1000, 0.80, (0.00625, 0.0125, 0.025)),
+}
+VALIDATION_EXAMPLES = 500
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string("out", "results/hybrid", "Output folder.")
+  flags.DEFINE_list("studies", list(STUDIES), f"Of {', '.join(STUDIES)}.")
+  flags.DEFINE_list("parts", ["tune", "study"], "tune, study (in this order).")
+  flags.DEFINE_integer("seeds", 3, "Reported seeds (0..seeds-1).")
+  flags.DEFINE_list("scenarios", list(SCENARIOS), "Scenarios of the study part.")
+  flags.DEFINE_list("algorithms", list(ALGORITHMS), "Algorithms.")
+  flags.DEFINE_integer("workers", 1, "Runs at once (one core each).")
+  flags.DEFINE_string("workdir", "", "Where the runs' folders go (default: OUT/runs; deleted after each).")
+
+
+def config_of(study: str, scenario: str, algorithm: str, lr: float, seed: int):
+  """The run's config: configs/dsp.py's DSP on MNIST-1D, the hybrid's keys for the study's setting."""
+  R, K, epochs, target, _ = STUDIES[study]
+  model_bytes, bandwidth, step_s = SETTINGS["heavy"]
+  c = dsp_config.get_config(f"method=dsp,num_stages={K},epochs={epochs}")
+  c.seed = seed
+  c.validation_examples = VALIDATION_EXAMPLES  # held out in tuning and reporting alike (same training set)
+  c.optimizer.update(lr=lr, lr_schedule="constant", warmup_steps=20)
+  c.log_every, c.eval_every, c.checkpoint_every = 5, 5, 0
+  slow, slowdown, rotate = SCENARIOS[scenario]
+  c.replicas.update(
+    count=R,
+    algorithm=algorithm,
+    group_size=3,
+    slow=slow,
+    slowdown=slowdown,
+    rotate_every=rotate,
+    stage_s=(step_s / K,) * K,
+    stage_bytes=(model_bytes / K,) * K,
+    bandwidth=bandwidth,
+  )
+  return c
+
+
+def run_key(study, scenario, algorithm, lr, seed) -> str:
+  return f"{study}|{scenario}|{algorithm}|lr={lr:g}|seed={seed}"
+
+
+def one_run(job) -> dict:
+  """A fresh run of the job in workdir; its curve (virtual time, test and validation accuracy) and
+  summary figures."""
+  from ripples_jax import run as run_lib
+  from ripples_jax.distributed.host import quiet_library_logs
+
+  quiet_library_logs()
+  study, scenario, algorithm, lr, seed, workdir = job
+  config = config_of(study, scenario, algorithm, lr, seed)
+  name = run_key(study, scenario, algorithm, lr, seed).replace("|", "-").replace(" ", "_")
+  summary, records = run_lib.run_fresh(config, workdir, name)
+  evals = [r for r in records if "test_accuracy" in r]
+  out = {
+    "curve": {
+      "time": [r["time"] for r in evals],
+      "step": [r["step"] for r in evals],
+      "test": [r["test_accuracy"] for r in evals],
+      "val": [r["val_accuracy"] for r in evals],
+    },
+    "end": summary.get("time"),
+    "diverged": bool(summary.get("diverged")),
+    "ticks": summary.get("worker_steps"),
+    "groups": summary.get("groups"),
+    "wait": summary.get("wait_time"),
+    "comm": summary.get("comm_time"),
+  }
+  shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+  return out
+
+
+def run_jobs(out_dir: str, jobs: list, workers: int) -> dict:
+  """Every job runs.json does not hold yet; only this process writes runs.json, after each run."""
+  path = os.path.join(out_dir, "runs.json")
+  runs = json.load(open(path)) if os.path.exists(path) else {}
+  todo = {run_key(*j[:5]): j for j in jobs if run_key(*j[:5]) not in runs}
+  print(f"runs: {len(jobs) - len(todo)} held in {path}, {len(todo)} to run", flush=True)
+
+  def done(key, r):
+    runs[key] = r
+    write_json(path, runs, indent=None)
+    last = r["curve"]["test"][-1] if r["curve"]["test"] else float("nan")
+    print(f"{key}: test {last:.4f} end {r['end']:.4g} s{' DIVERGED' if r['diverged'] else ''}", flush=True)
+
+  if workers <= 1:
+    for key, j in todo.items():
+      done(key, one_run(j))
+  else:
+    import concurrent.futures
+
+    with pinned_pool(workers) as ex:
+      futures = {ex.submit(one_run, j): key for key, j in todo.items()}
+      for fut in concurrent.futures.as_completed(futures):
+        done(futures[fut], fut.result())
+  return runs
+
+
+def tune(out_dir, study, algorithms, workers, workdir) -> dict:
+  """{algorithm: chosen lr}, and tuning.md's rows."""
+  target, grid = STUDIES[study][3:]
+  jobs = [(study, "homogeneous", a, lr, s, workdir) for a in algorithms for lr in grid for s in TUNE_SEEDS]
+  runs = run_jobs(out_dir, jobs, workers)
+  chosen, rows = {}, []
+  for a in algorithms:
+    scores = {}
+    for lr in grid:
+      got = [runs[run_key(study, "homogeneous", a, lr, s)] for s in TUNE_SEEDS]
+      scores[lr] = tuning_score(got, target)
+      rows.append([study, ALGORITHMS[a], f"{lr:g}", _fmt_time(scores[lr][0]), f"{-100 * scores[lr][1]:.1f}"])
+    chosen[a] = min(grid, key=lambda lr: scores[lr])
+    rows.append([study, ALGORITHMS[a], f"chosen {chosen[a]:g}", "", ""])
+  return chosen, rows
+
+
+def _fmt_time(t) -> str:
+  return "never" if not np.isfinite(t) else f"{t:.4g}"
+
+
+def study(out_dir, name, chosen, scenarios, algorithms, seeds, workers, workdir) -> dict:
+  """Per scenario and algorithm: the runs' times to the target, ends and final accuracies."""
+  target = STUDIES[name][3]
+  jobs = [(name, sc, a, chosen[a], s, workdir) for sc in scenarios for a in algorithms for s in range(seeds)]
+  runs = run_jobs(out_dir, jobs, workers)
+  out = {}
+  for sc in scenarios:
+    per = {}
+    for a in algorithms:
+      got = [runs[run_key(name, sc, a, chosen[a], s)] for s in range(seeds)]
+      hits = [crossing(r["curve"], target) for r in got]
+      per[a] = {
+        "lr": chosen[a],
+        "time": [h[0] if h else None for h in hits],
+        "end": [r["end"] for r in got],
+        "final": [final(r) for r in got],
+        "ticks": [sum(r["ticks"]) for r in got],
+        "wait": [float(np.mean(r["wait"])) for r in got],
+        "comm": [float(np.mean(r["comm"])) for r in got],
+      }
+    out[sc] = per
+  return out
+
+
+def router_limit(name: str, scenario: str) -> float:
+  """The speedup over All-Reduce a perfect router of the slow device's load would reach on the clock's
+  compute alone: All-Reduce ticks at the slow device's pace (slowdown x the stage time per tick, every
+  replica), a perfect router spreads the slow stage's work so that the R stage-k devices together
+  deliver R - 1 + 1/slowdown devices' worth, the replicas' ticks at full speed otherwise; ratio
+  slowdown x (R - 1 + 1/slowdown) / R. Communication, equal for both, is left out: a bound."""
+  R = STUDIES[name][0]
+  s = SCENARIOS[scenario][1]
+  return s * (R - 1 + 1 / s) / R
+
+
+def study_table(out: dict, name: str) -> Table:
+  target = STUDIES[name][3]
+  rows = []
+  for sc, per in out.items():
+    ar = per["allreduce"]
+    for a, p in per.items():
+      seeds = len(p["time"])
+      reached = [t for t in p["time"] if t is not None]
+      ratio = verdict.paired(p["time"], ar["time"], (p["end"], ar["end"]))
+      diff = 100 * (np.array(p["final"]) - np.array(ar["final"]))
+      mean, lo, hi = verdict.t_interval(diff)
+      rows.append(
+        [
+          sc,
+          ALGORITHMS[a],
+          f"{p['lr']:g}",
+          f"{len(reached)}/{seeds}",
+          f"{np.mean(reached):.3g}" if reached else "-",
+          "-" if a == "allreduce" else str(ratio),
+          f"{100 * np.mean(p['final']):.1f} ± {100 * np.std(p['final'], ddof=1 if seeds > 1 else 0):.1f}",
+          "-" if a == "allreduce" else f"{mean:+.1f} [{lo:+.1f}, {hi:+.1f}]",
+          f"{np.mean(p['ticks']) / np.mean(ar['ticks']):.2f}x",
+          f"{np.mean(p['wait']):.3g}",
+        ]
+      )
+  return Table(
+    [
+      "scenario",
+      "algorithm",
+      "step size",
+      f"reached {100 * target:.0f}%",
+      "mean time to it (virtual s)",
+      "speedup vs All-Reduce (95% interval)",
+      "final test accuracy %",
+      "final minus All-Reduce's (points, paired)",
+      "ticks vs All-Reduce",
+      "wait per replica (s)",
+    ],
+    rows,
+  )
+
+
+def main(argv):
+  del argv
+  bad = [s for s in FLAGS.studies if s not in STUDIES] + [a for a in FLAGS.algorithms if a not in ALGORITHMS]
+  bad += [s for s in FLAGS.scenarios if s not in SCENARIOS] + [
+    p for p in FLAGS.parts if p not in ("tune", "study")
+  ]
+  if bad:
+    raise SystemExit(
+      f"hybrid_study: {', '.join(bad)} not allowed (studies {list(STUDIES)}, algorithms "
+      f"{list(ALGORITHMS)}, scenarios {list(SCENARIOS)}, parts tune, study)"
+    )
+  os.makedirs(FLAGS.out, exist_ok=True)
+  workdir = FLAGS.workdir or os.path.join(FLAGS.out, "runs")
+  algorithms = list(dict.fromkeys(["allreduce", *FLAGS.algorithms]))  # the baseline of every ratio
+  for name in FLAGS.studies:
+    chosen, rows = tune(FLAGS.out, name, algorithms, FLAGS.workers, workdir)
+    with open(os.path.join(FLAGS.out, f"tuning_{name}.md"), "w") as f:
+      head = ["study", "algorithm", "step size", "median val time to target (s)", "final val %"]
+      f.write(f"{Table(head, rows)}\n")
+    if "study" not in FLAGS.parts:
+      continue
+    out = study(FLAGS.out, name, chosen, FLAGS.scenarios, algorithms, FLAGS.seeds, FLAGS.workers, workdir)
+    write_json(os.path.join(FLAGS.out, f"study_{name}.json"), {"chosen": chosen, "out": out})
+    limits = {sc: router_limit(name, sc) for sc in FLAGS.scenarios}
+    text = str(study_table(out, name))
+    text += "\n\nA perfect router's limit over All-Reduce (compute only): " + ", ".join(
+      f"{sc} {v:.2f}x" for sc, v in limits.items()
+    )
+    with open(os.path.join(FLAGS.out, f"study_{name}.md"), "w") as f:
+      f.write(text + "\n")
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,282 @@
+"""executor=hybrid: the hybrid's clock (hybrid/clock.py), then exact numerics of its events.
+
+Every replica holds its own K-stage pipeline state (the pipeline package's method: its ticks, rings and
+optimizer states), stacked on a leading replica axis R; replica r walks its own shard of the training
+set (data.batch_indices, worker r), so with R=1 its batches are the pipeline's. The clock's events are
+packed into rounds, each one masked tick of the ticking replicas (the method's step, vmapped) followed by
+the averages: stage k's parameters and model state averaged among each group's members' stage k, and
+nothing else (rings, FIFOs and optimizer states are each replica's own, as a Ripples worker's optimizer
+state is). A record's time is the clock's virtual time; its step is the replicas' ticks over R.
+
+Invariants (tests/test_hybrid.py): R=1 is the pipeline's run; K=1 is Ripples' numerics over the same
+events; the stages never mix; a resumed run equals an uninterrupted one.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from ripples_jax import collectives, profiling
+from ripples_jax import data as data_lib
+from ripples_jax import setup as setup_lib
+from ripples_jax.hybrid import clock as clock_lib
+from ripples_jax.pipeline import baselines, timing
+from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.schedule import group_gen
+from ripples_jax.schedule.static import allreduce_layouts, static_gg_layouts
+
+AVERAGED = ("params", "model_state")  # what a stage's average touches; every other key is local
+
+
+@dataclasses.dataclass
+class Loop:
+  """The loop state between rounds, the checkpoint's cursor (the clock is re-run on resume)."""
+
+  round: int = 0  # rounds executed
+  ticks: int = 0  # ticks executed, all replicas
+  next_log: int = 0  # the step (ticks // R) of the next record
+  next_eval: int = 0
+  evaluated_step: int | None = None
+  time_to_target: float | None = None
+
+
+def make_generator(config):
+  """replicas.algorithm's Group Generator over the R replicas (None: no averaging)."""
+  c, R = config.replicas, config.replicas.count
+  rng = np.random.default_rng([5, config.seed])
+  return {
+    "ripples_smart": lambda: group_gen.smart_gg(R, c.group_size, c.smart_tolerance, c.smart_max_gap),
+    "ripples_random": lambda: group_gen.random_gg(R, c.group_size, rng),
+    "ripples_static": lambda: group_gen.Fixed(static_gg_layouts(R, c.workers_per_node)),
+    "allreduce": lambda: group_gen.Fixed(allreduce_layouts(R)),
+    "none": lambda: None,
+  }[c.algorithm]()
+
+
+def clock_spec(config, stage_s, stage_bytes, total_ticks: int) -> clock_lib.Spec:
+  c = config.replicas
+  return clock_lib.Spec(
+    tuple(float(s) for s in stage_s),
+    tuple(float(b) for b in stage_bytes),
+    c.count,
+    total_ticks,
+    make_generator(config),
+    sync_every=c.sync_every,
+    slow=tuple(c.slow) if len(c.slow) else None,
+    slowdown=float(c.slowdown),
+    rotate_every=float(c.rotate_every),
+    jitter=float(c.jitter),
+    alpha=float(c.alpha),
+    bandwidth=float(c.bandwidth),
+    seed=config.seed,
+  )
+
+
+def stage_costs(config, stages, state_K, sample_x):
+  """Seconds of one tick's forward + backward of each stage and bytes of its parameters: the config's
+  (replicas.stage_s, stage_bytes), else measured here (timing.measure_stage_times; the parameters)."""
+  c = config.replicas
+  stage_s = tuple(c.stage_s)
+  if not stage_s:
+    fwd_K, bwd_K = timing.measure_stage_times(stages, state_K, sample_x)
+    stage_s = tuple(f + b for f, b in zip(fwd_K, bwd_K))
+  nbytes = lambda st: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(st["params"]))
+  stage_bytes = tuple(c.stage_bytes) or tuple(nbytes(st) for st in state_K)
+  return stage_s, stage_bytes
+
+
+def pack_rounds(events, R: int):
+  """Rounds of (tick mask [R], tick index [R], gid [R]) in event order: ticks first, then averages. A
+  round closes before a replica ticks twice, ticks after averaging, or averages twice in it (replica r's
+  own events keep their order; different replicas' events commute until an average joins them)."""
+  rounds, tick, idx, gid, averaged, t = [], np.zeros(R, bool), np.zeros(R, np.int64), np.arange(R), set(), 0.0
+
+  def flush():
+    nonlocal tick, idx, gid, averaged
+    if tick.any() or averaged:
+      rounds.append({"tick": tick, "t": idx, "gid": gid, "time": t})
+    tick, idx, gid, averaged = np.zeros(R, bool), np.zeros(R, np.int64), np.arange(R), set()
+
+  for ev in events:
+    if ev[1] == clock_lib.TICK:
+      _, _, r, i = ev
+      if tick[r] or r in averaged:
+        flush()
+      tick[r], idx[r] = True, i
+    else:
+      members = ev[2]
+      if averaged.intersection(members):
+        flush()
+      gid[list(members)] = members[0]
+      averaged.update(members)
+    t = ev[0]
+  flush()
+  return rounds
+
+
+def make_round_fn(step):
+  """(state_K, x_R, y_R, t_R, tick_R, gid_R) -> (state_K, loss_R): the ticking replicas' step, then every
+  stage's average by gid (gid[r] = r: no group)."""
+
+  def round_fn(state, x_R, y_R, t_R, tick_R, gid_R):
+    new, (loss_R, _) = jax.vmap(step)(state, x_R, y_R, t_R)
+    keep = lambda a, b: jnp.where(tick_R.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    state = jax.tree.map(keep, new, state)
+    out = []
+    for st in state:  # stage by stage: stage k's rows meet only stage k's rows
+      mixed = {
+        key: jax.tree.map(
+          lambda a: (
+            collectives.segment_mean(a.reshape(a.shape[0], -1), gid_R).reshape(a.shape).astype(a.dtype)
+          ),
+          st[key],
+        )
+        for key in AVERAGED
+      }
+      out.append(dict(st, **mixed))
+    return out, jnp.where(tick_R, loss_R, jnp.nan)
+
+  return jax.jit(round_fn, donate_argnums=0)
+
+
+def run(config, workdir: str | None = None) -> dict:
+  """executor=hybrid (run.EXECUTORS): the summary of simulate_and_train."""
+  return simulate_and_train(config, workdir)[0]
+
+
+def simulate_and_train(config, workdir: str | None = None):
+  """The clock, then the numerics, through RunLog; returns (summary, final state_K, the clock's trace)."""
+  R = config.replicas.count
+  workdir = make_workdir(workdir, config)
+  p = setup_lib.build_pipeline(config, workdir)
+  init_fn, step_fn = baselines.METHODS[config.method]
+  one = init_fn(
+    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
+  )
+  stage_s, stage_bytes = stage_costs(config, p.stages, one, p.feed.sample)
+  state = jax.tree.map(
+    lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one
+  )  # every replica starts equal
+  schedule = baselines.schedule_of(config)
+  drain = schedule.drain_ticks() if schedule else 0
+  # num_epochs passes over the training set by the replicas together (data parallel: each replica
+  # ceil(num_batches / R) batches and its drain, R=1 the pipeline's run); with a straggler the fast
+  # replicas take more of the R x that ticks, as Ripples' workers do. No replica's updates are masked
+  # as past the end (the step's num_batches is the run's ticks): a replica's stream of batches is its
+  # shard's endless walk, and what is in flight at the end is not applied.
+  per_replica = -(-p.num_batches // R) + drain
+  total = R * per_replica
+  trace = clock_lib.simulate(clock_spec(config, stage_s, stage_bytes, total))
+  logging.info(
+    "hybrid %s R=%d K=%d: %d events, %.1f virtual s; stage seconds %s, bytes %s",
+    config.replicas.algorithm,
+    R,
+    config.num_stages,
+    len(trace.events),
+    trace.end_time,
+    np.round(stage_s, 5),
+    stage_bytes,
+  )
+  shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
+  with RunLog(workdir, config, per_replica) as log:
+    cur = Loop(next_log=config.log_every, next_eval=config.eval_every)
+    got = log.restore(state)
+    if got is not None:
+      _, state, saved = got
+      cur = Loop(**saved)
+    with profiling.CompileCounter() as compiles:
+      round_fn = make_round_fn(step_fn(p.stages, p.optimizer, config, total))
+      state, cur = execute(config, p, shards, state, cur, trace, round_fn, log, schedule)
+    summary = log.finish(
+      time=trace.end_time,
+      worker_steps=trace.ticks.tolist(),
+      replicas=R,
+      num_stages=config.num_stages,
+      method=config.method,
+      algorithm=config.replicas.algorithm,
+      groups=int(trace.groups),
+      compute_time=trace.compute_s.tolist(),
+      wait_time=trace.wait_s.tolist(),
+      comm_time=trace.comm_s.tolist(),
+      stage_s=list(stage_s),
+      stage_bytes=list(stage_bytes),
+      time_to_target=cur.time_to_target,
+      target_accuracy=config.replicas.target_accuracy,
+      compiles=compiles.count,
+    )
+  return summary, state, trace
+
+
+def execute(config, p, shards, state, cur: Loop, trace, round_fn, log: RunLog, schedule):
+  """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
+  R = config.replicas.count
+  offset = schedule.offsets[-1] if schedule else 0  # the last stage's labels are of batch t - offset
+  evaluate = baselines.make_eval(p.stages)
+  test = jax.device_put((p.data["x_test"], p.data["y_test"]))
+  val = jax.device_put((p.data["x_val"], p.data["y_val"])) if "x_val" in p.data else None
+  every, losses = config.checkpoint_every, []
+  next_ckpt = (cur.ticks // R // every + 1) * every if every else None
+  rounds = pack_rounds(trace.events, R)
+  for i, r in enumerate(rounds):
+    if i < cur.round:
+      continue
+    x_R, y_R = batches(config, p.data, shards, r, offset)
+    state, loss_R = round_fn(state, x_R, y_R, r["t"], r["tick"], r["gid"])
+    if r["tick"].any():
+      losses.append(loss_R)
+    cur.round, cur.ticks = i + 1, cur.ticks + int(r["tick"].sum())
+    step, final = cur.ticks // R, i == len(rounds) - 1
+    if step >= cur.next_log or step >= cur.next_eval or final:
+      record(config, cur, log, evaluate, test, val, state, step, r["time"], losses, final)
+      losses = []
+      if next_ckpt is not None and (step >= next_ckpt or final):  # right after a record: no loss pending
+        next_ckpt = (step // every + 1) * every
+        log.checkpoint(step, state, dataclasses.asdict(cur), force=final)
+    else:
+      log.progress(step)
+  return state, cur
+
+
+def batches(config, data, shards, r: dict, offset: int):
+  """x of each ticking replica's tick t (batch t of its shard's walk) and the labels of batch t - offset
+  (negative: warm-up, any batch, its update masked); zeros elsewhere."""
+  R, B = len(shards), config.batch_size
+  x = np.zeros((R, B) + data["x_train"].shape[1:], data["x_train"].dtype)
+  y = np.zeros((R, B), data["y_train"].dtype)
+  rows = np.flatnonzero(r["tick"])
+  if len(rows):
+    pick = [shards[w] for w in rows]
+    t = r["t"][rows]
+    x[rows] = data["x_train"][data_lib.batch_indices(pick, B, config.seed, t, workers=rows)]
+    y[rows] = data["y_train"][
+      data_lib.batch_indices(pick, B, config.seed, np.maximum(t - offset, 0), workers=rows)
+    ]
+  return x, y
+
+
+def averaged_model(state):
+  """The run's model: every stage's parameters and model state averaged over the replicas."""
+  return [{key: jax.tree.map(lambda a: a.mean(0), st[key]) for key in AVERAGED} for st in state]
+
+
+def record(config, cur: Loop, log: RunLog, evaluate, test, val, state, step: int, t: float, losses, final):
+  """One metrics record at `step` (virtual time t), with an evaluation when one is due."""
+  cur.next_log = (step // config.log_every + 1) * config.log_every
+  scalars = {}
+  if losses:
+    scalars["train_loss"] = float(np.nanmean(np.asarray(jnp.stack(losses))))
+  if step >= cur.next_eval or final:
+    cur.next_eval = (step // config.eval_every + 1) * config.eval_every
+    cur.evaluated_step = step
+    model = averaged_model(state)
+    for split, xy in (("test", test), ("val", val)):
+      if xy is not None:
+        acc, loss = evaluate(model, *xy)
+        scalars.update({f"{split}_accuracy": float(acc), f"{split}_loss": float(loss)})
+    target = config.replicas.target_accuracy
+    if cur.time_to_target is None and target and scalars["test_accuracy"] >= target:
+      cur.time_to_target = t
+  log.record(step, t, **scalars)

@@ -1,0 +1,257 @@
+"""The hybrid (R pipeline replicas x K stages, averaging stage by stage in groups) against references:
+R=1 is the pipeline's tick, K=1 is Ripples' numerics over the clock's events, stages never mix, the
+clock's rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import dsp as dsp_config
+from ripples_jax import data as data_lib
+from ripples_jax import run as run_lib
+from ripples_jax import setup as setup_lib
+from ripples_jax.config import ConfigError, validate_dsp_config
+from ripples_jax.hybrid import clock as clock_lib
+from ripples_jax.hybrid import sim as hybrid
+from ripples_jax.pipeline import baselines
+from ripples_jax.schedule import group_gen
+from ripples_jax.schedule.static import allreduce_layouts
+
+
+def hybrid_config(method="dsp", stages=2, replicas=4, epochs=4, **kw):
+  """The synthetic set's 32 batches x `epochs` over the replicas together (4 replicas: ~34 ticks each)."""
+  c = dsp_config.get_config(
+    f"method={method},num_stages={stages},dataset=synthetic,model=mlp,epochs={epochs}"
+  )
+  c.batch_size, c.log_every, c.eval_every, c.checkpoint_every = 16, 8, 16, 0
+  c.optimizer.update(lr_schedule="constant", warmup_steps=0, lr=0.05)
+  c.replicas.update(**{"count": replicas, "stage_s": (0.01,) * stages, **kw})
+  return c
+
+
+def reference_replay(config, trace):
+  """The clock's events one at a time: replica r's own (unvmapped) step on its batch, then a group's
+  every stage averaged in numpy; what the hybrid's packed, vmapped rounds must equal."""
+  R = config.replicas.count
+  p = setup_lib.build_pipeline(config)
+  init_fn, step_fn = baselines.METHODS[config.method]
+  one = init_fn(
+    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
+  )
+  schedule = baselines.schedule_of(config)
+  drain = schedule.drain_ticks() if schedule else 0
+  step = step_fn(p.stages, p.optimizer, config, R * (-(-p.num_batches // R) + drain))
+  offset = schedule.offsets[-1] if schedule else 0
+  shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
+  states = [jax.tree.map(jnp.array, one) for _ in range(R)]
+  for ev in trace.events:
+    if ev[1] == clock_lib.TICK:
+      _, _, r, t = ev
+      idx = lambda i: data_lib.batch_indices([shards[r]], config.batch_size, config.seed, i, workers=[r])[0]
+      x, y = p.data["x_train"][idx(t)], p.data["y_train"][idx(max(t - offset, 0))]
+      states[r], _ = step(states[r], x, y, t)
+    else:
+      members = list(ev[2])
+      for k in range(config.num_stages):
+        for key in hybrid.AVERAGED:
+          mean = jax.tree.map(lambda *a: np.mean(np.stack(a), 0), *[states[m][k][key] for m in members])
+          for m in members:
+            states[m][k] = dict(states[m][k], **{key: mean})
+  return states
+
+
+def replica(state, r):
+  return jax.tree.map(lambda a: np.asarray(a[r]), state)
+
+
+def close(a, b, rtol=2e-5, atol=2e-6):
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), a, b)
+
+
+@pytest.mark.parametrize("method", ["dsp", pytest.param("ddg", marks=pytest.mark.nightly)])
+def test_one_replica_is_the_pipeline(tmp_path, method):
+  """R=1: the pipeline's tick over batch t of the one stream, tick after tick (no group ever forms)."""
+  config = hybrid_config(method, replicas=1, epochs=1)
+  summary, state, trace = hybrid.simulate_and_train(config, str(tmp_path / "h"))
+  assert summary["groups"] == 0 and len(trace.events) == trace.ticks[0]
+  # The reference walks the pipeline's own feed (setup.Feed: the whole set, one stream).
+  p = setup_lib.build_pipeline(config)
+  init_fn, step_fn = baselines.METHODS[method]
+  ref = init_fn(p.stages, p.optimizer, config, jax.random.key(0), p.feed.sample, p.data["num_classes"])
+  schedule = baselines.schedule_of(config)
+  n = p.num_batches + schedule.drain_ticks()
+  step = step_fn(p.stages, p.optimizer, config, n)
+  for t in range(n):
+    x = p.data["x_train"][p.feed.indices(t)]
+    ref, _ = step(ref, x, p.feed.labels(t - schedule.offsets[-1]), t)
+  close(replica(state, 0), jax.tree.map(np.asarray, ref))
+
+
+def test_one_stage_is_ripples_over_the_same_events(tmp_path):
+  """K=1: every replica is one worker's SGD step; the hybrid's packed rounds equal Ripples' worker
+  loop (step, then the group's average) replayed event by event; a 5x straggler makes the groups
+  uneven."""
+  config = hybrid_config(stages=1, algorithm="ripples_random", group_size=2, slow=(1, 0), slowdown=5.0)
+  _, state, trace = hybrid.simulate_and_train(config, str(tmp_path / "h"))
+  assert trace.groups > 10 and trace.ticks[1] < trace.ticks[0]  # groups formed; the slow one lagged
+  ref = reference_replay(config, trace)
+  for r in range(config.replicas.count):
+    close(replica(state, r)[0]["params"], ref[r][0]["params"])
+
+
+def test_two_stages_smart_replay(tmp_path):
+  """K=2 with Smart GG and a moving straggler: the packed rounds equal the event-by-event replay."""
+  config = hybrid_config(algorithm="ripples_smart", slow=(0, 1), slowdown=5.0, rotate_every=0.1)
+  _, state, trace = hybrid.simulate_and_train(config, str(tmp_path / "h"))
+  assert trace.groups > 10
+  ref = reference_replay(config, trace)
+  for r in range(config.replicas.count):
+    close([st["params"] for st in replica(state, r)], [st["params"] for st in ref[r]])
+
+
+def test_stages_never_mix():
+  """A round's averages: stage k's rows become their group's mean of stage k's rows; nothing else
+  (another stage's, a ring) moves."""
+  R = 4
+  rng = np.random.default_rng(0)
+  state = [
+    {
+      "params": {"w": jnp.asarray(rng.normal(size=(R, 3)))},
+      "model_state": {},
+      "in_ring": jnp.asarray(rng.normal(size=(R, 2))),
+    }
+    for _ in range(2)
+  ]
+  before = jax.tree.map(np.asarray, state)
+  idle = lambda st, x, y, t: (st, (jnp.float32(0), jnp.float32(0)))
+  gid = np.array([0, 3, 2, 3])  # {0}, {1, 3}, {2}
+  out, _ = hybrid.make_round_fn(idle)(
+    state, np.zeros((R, 1)), np.zeros((R, 1)), np.zeros(R, np.int32), np.zeros(R, bool), gid
+  )
+  for k in range(2):
+    w = before[k]["params"]["w"]
+    want = w.copy()
+    want[[1, 3]] = w[[1, 3]].mean(0)
+    np.testing.assert_allclose(out[k]["params"]["w"], want, rtol=1e-12)
+    np.testing.assert_array_equal(out[k]["in_ring"], before[k]["in_ring"])
+
+
+def test_pack_rounds_keeps_each_replicas_order():
+  """Ticks run before averages in a round: a replica that averaged ticks in the next round."""
+  events = [
+    (1.0, "tick", 0, 0),
+    (1.1, "tick", 1, 0),
+    (1.2, "avg", (0, 1)),
+    (1.3, "tick", 2, 0),
+    (2.0, "tick", 0, 1),
+  ]
+  rounds = hybrid.pack_rounds(events, 3)
+  assert [r["tick"].tolist() for r in rounds] == [[True, True, True], [True, False, False]]
+  assert rounds[0]["gid"].tolist() == [0, 0, 2] and rounds[1]["t"][0] == 1
+
+
+def spec(gen, R=4, **kw):
+  return clock_lib.Spec((0.1, 0.12), (4e6, 4e6), R, 400, gen, jitter=0.05, **kw)
+
+
+def test_clock_rules():
+  """All-Reduce: every replica every tick, so a 5x slow device paces all of them; no averaging: each
+  replica at its own pace; a group's members all finished the tick before it."""
+  ar = group_gen.Fixed(allreduce_layouts(4))
+  t = clock_lib.simulate(spec(ar, slow=(1, 0), slowdown=5.0))
+  assert t.ticks.max() - t.ticks.min() == 0 and t.groups == t.ticks.min() - (t.ticks.sum() == 400)
+  alone = clock_lib.simulate(spec(None, slow=(1, 0), slowdown=5.0))
+  assert alone.groups == 0 and alone.ticks[1] * 3 < alone.ticks[0]
+  assert alone.end_time * 2.5 < t.end_time  # the others did not wait
+  smart = clock_lib.simulate(spec(group_gen.smart_gg(4, 2), slow=(1, 0), slowdown=5.0))
+  done = np.zeros(4, int)  # each replica's ticks so far: a group may only hold replicas between ticks
+  last_avg = np.full(4, -1)
+  for ev in smart.events:
+    if ev[1] == clock_lib.TICK:
+      done[ev[2]] += 1
+    else:
+      for m in ev[2]:
+        assert done[m] > last_avg[m]  # at most one group per sync point
+        last_avg[m] = done[m]
+
+
+def test_config_errors_name_the_key():
+  c = hybrid_config(slow=(4, 0))
+  with pytest.raises(ConfigError, match=r"config.replicas.slow: \(4, 0\) is not allowed"):
+    validate_dsp_config(c)
+  c = hybrid_config(algorithm="gossip")
+  with pytest.raises(ConfigError, match="config.replicas.algorithm"):
+    validate_dsp_config(c)
+  c = hybrid_config(stage_s=(0.1,))
+  with pytest.raises(ConfigError, match="config.replicas.stage_s"):
+    validate_dsp_config(c)
+  assert run_lib.executor_of(hybrid_config()) == "hybrid"
+  assert run_lib.executor_of(hybrid_config(replicas=0)) == "pipeline"
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path):
+  """A hybrid run cut back to an early checkpoint and rerun: the clock is re-run, the executed rounds
+  skipped; the records come out byte for byte and the final state equal."""
+  import os
+  import shutil
+
+  config = hybrid_config(algorithm="ripples_smart", slow=(1, 0), slowdown=3.0)
+  config.checkpoint_every, config.checkpoint_keep = 16, 5
+  whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+  _, state, _ = hybrid.simulate_and_train(config, whole)
+  shutil.copytree(whole, cut)
+  later = [d for d in os.listdir(os.path.join(cut, "ckpt")) if d.isdigit() and int(d) > 16]
+  assert later
+  for d in later:
+    shutil.rmtree(os.path.join(cut, "ckpt", d))
+  _, resumed, _ = hybrid.simulate_and_train(config, cut)
+  assert (
+    open(os.path.join(cut, "metrics.jsonl"), "rb").read()
+    == open(os.path.join(whole, "metrics.jsonl"), "rb").read()
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal, jax.tree.map(np.asarray, resumed), jax.tree.map(np.asarray, state)
+  )
+
+
+@pytest.mark.slow
+def test_the_study_runs_end_to_end(tmp_path, monkeypatch):
+  """experiments.hybrid_study's main on a one-epoch study: tuning, the runs, the tables; every reported
+  run is in runs.json under its key, at the chosen step size."""
+  import json
+
+  from absl import flags
+
+  from experiments import hybrid_study
+
+  monkeypatch.setitem(hybrid_study.STUDIES, "4x2", (4, 2, 1, 0.2, (0.05, 0.1)))
+  if "studies" not in flags.FLAGS:
+    hybrid_study.define_flags()
+  out = tmp_path / "study"
+  flags.FLAGS(
+    [
+      "x",
+      f"--out={out}",
+      "--studies=4x2",
+      "--seeds=1",
+      "--scenarios=5x device",
+      "--algorithms=ripples_smart",
+      "--workers=1",
+    ]
+  )
+  try:
+    hybrid_study.main([])
+  finally:
+    flags.FLAGS.unparse_flags()
+  study = json.load(open(out / "study_4x2.json"))
+  runs = json.load(open(out / "runs.json"))
+  assert set(study["chosen"]) == {"allreduce", "ripples_smart"}
+  lr = study["chosen"]["ripples_smart"]
+  assert hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 0) in runs
+  got = study["out"]["5x device"]
+  # All-Reduce waits for the 5x device every tick; Smart GG's replicas do not: more ticks, same clock.
+  assert got["allreduce"]["ticks"] == got["ripples_smart"]["ticks"]  # the same budget of ticks
+  assert got["ripples_smart"]["end"][0] < got["allreduce"]["end"][0] / 2
+  assert "| 5x device | Smart GG |" in (out / "study_4x2.md").read_text()
+  assert hybrid_study.router_limit("4x2", "5x device") == pytest.approx(5 * 3.2 / 4)
