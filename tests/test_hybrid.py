@@ -255,3 +255,12 @@ def test_the_study_runs_end_to_end(tmp_path, monkeypatch):
   assert got["ripples_smart"]["end"][0] < got["allreduce"]["end"][0] / 2
   assert "| 5x device | Smart GG |" in (out / "study_4x2.md").read_text()
   assert hybrid_study.router_limit("4x2", "5x device") == pytest.approx(5 * 3.2 / 4)
+
+
+def test_no_averaging_evaluates_each_replica():
+  """algorithm=none: R independent pipelines, each evaluated on its own; otherwise the one averaged model."""
+  state = [{"params": {"w": jnp.arange(6.0).reshape(3, 2)}, "model_state": {}, "in_ring": jnp.zeros((3, 1))}]
+  models = hybrid.run_models(hybrid_config(stages=1, replicas=3, algorithm="none"), state)
+  assert [np.asarray(m[0]["params"]["w"]).tolist() for m in models] == [[0, 1], [2, 3], [4, 5]]
+  (avg,) = hybrid.run_models(hybrid_config(stages=1, replicas=3), state)
+  assert np.asarray(avg[0]["params"]["w"]).tolist() == [2, 3] and set(avg[0]) == {"params", "model_state"}

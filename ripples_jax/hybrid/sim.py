@@ -262,6 +262,16 @@ def averaged_model(state):
   return [{key: jax.tree.map(lambda a: a.mean(0), st[key]) for key in AVERAGED} for st in state]
 
 
+def run_models(config, state) -> list:
+  """The models a record evaluates (their metrics averaged): the replicas' average, or with no
+  averaging (replicas.algorithm=none: R independent pipelines, no one model; the average of
+  independently trained networks is no network) each replica's own."""
+  if config.replicas.algorithm != "none":
+    return [averaged_model(state)]
+  own = lambda r: [{key: jax.tree.map(lambda a: a[r], st[key]) for key in AVERAGED} for st in state]
+  return [own(r) for r in range(config.replicas.count)]
+
+
 def record(config, cur: Loop, log: RunLog, evaluate, test, val, state, step: int, t: float, losses, final):
   """One metrics record at `step` (virtual time t), with an evaluation when one is due."""
   cur.next_log = (step // config.log_every + 1) * config.log_every
@@ -271,10 +281,10 @@ def record(config, cur: Loop, log: RunLog, evaluate, test, val, state, step: int
   if step >= cur.next_eval or final:
     cur.next_eval = (step // config.eval_every + 1) * config.eval_every
     cur.evaluated_step = step
-    model = averaged_model(state)
+    models = run_models(config, state)
     for split, xy in (("test", test), ("val", val)):
       if xy is not None:
-        acc, loss = evaluate(model, *xy)
+        acc, loss = np.mean([jax.device_get(evaluate(m, *xy)) for m in models], 0)
         scalars.update({f"{split}_accuracy": float(acc), f"{split}_loss": float(loss)})
     target = config.replicas.target_accuracy
     if cur.time_to_target is None and target and scalars["test_accuracy"] >= target:
