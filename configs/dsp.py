@@ -5,6 +5,7 @@
   python -m experiments.train_dsp --config=configs/dsp.py:method=gpipe,num_stages=4
   python -m experiments.launch --num_processes=2 --module=experiments.train_dsp -- \
       --config=configs/dsp.py:mode=residuals --config.placement=per_process   # stage k in process k
+  python -m experiments.train_dsp --config=configs/dsp.py --config.replicas.count=4   # 4 replicas, simulated
 
 Expected (2-core CPU, ~15-25 s a run on MNIST-1D; measured, WORKSPACE.md sections 3 and 12):
 - Accuracy at this config's lr 0.02, one seed (`python -m experiments.reproduce_dsp

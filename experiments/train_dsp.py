@@ -29,7 +29,13 @@ def main(argv):
   if "stage" in s:  # a pipeline stage process other than the last (the run's lead) prints its own line
     print(f"method={s['method']} stage={s['stage']} done time={s['time']:.1f}s")
     return
-  print(runlog.pipeline_table([s]))  # the layout of experiments.train's table
+  if "replicas" in s:  # the hybrid (replicas.count > 0): virtual time, the groups it averaged
+    print(
+      f"hybrid {s['algorithm']} R={s['replicas']} K={s['num_stages']} {s['method']}: test accuracy "
+      f"{100 * s['final_test_accuracy']:.2f}%, {s['time']:.1f} virtual s, {s['groups']} groups"
+    )
+  else:
+    print(runlog.pipeline_table([s]))  # the layout of experiments.train's table
   print(f"run files: {os.path.abspath(s['workdir'])}")
 
 
