@@ -109,9 +109,10 @@ def get_config(arg=None):
   # fail_tick, once its newest checkpoint has committed
   c.runtime.fail_tick = 0  # fault injection: the tick before which fail_stage dies
 
-  # Ripples across pipelines (executor hybrid, ripples_jax/hybrid, docs/design.md 4.7): R replicas of
-  # this pipeline, simulated (the clock's virtual time, exact numerics), each stage's replicas
-  # averaging their stage in groups after every sync_every-th tick. count 0: the pipeline alone.
+  # Ripples across pipelines (ripples_jax/hybrid, docs/design.md 4.7): R replicas of this pipeline,
+  # each stage's replicas averaging their stage in groups after every sync_every-th tick; simulated
+  # with placement=one_device (virtual time, exact numerics), on R x K devices of this process with
+  # placement=devices (threads, the wall clock). count 0: the pipeline alone.
   c.replicas = ml_collections.ConfigDict()
   c.replicas.count = 0  # R (0: no replicas; 1: the hybrid executor on one replica, the pipeline's numerics)
   c.replicas.algorithm = "ripples_smart"  # ripples_smart | ripples_random | ripples_static | allreduce
@@ -130,6 +131,8 @@ def get_config(arg=None):
   c.replicas.alpha = 5e-6  # seconds per message of an average
   c.replicas.bandwidth = 1.25e9  # bytes/s of each device's link
   c.replicas.target_accuracy = 0.0  # time_to_target: the first evaluation at or above it (0: none)
+  c.replicas.pad_s = 0.0  # placement=devices: each tick padded to this many wall seconds (the slow
+  # device's replica: slowdown x it), so a run on few cores measures the protocol, not the cores
 
   c.num_epochs = arg.epochs  # passes over the training set
   c.log_every = 50  # batches

@@ -515,14 +515,30 @@ def _int_in(config, key, lo, hi, allowed):
 HYBRID_ALGORITHMS = ("ripples_smart", "ripples_random", "ripples_static", "allreduce", "none")
 
 
-def _check_replicas(config) -> None:
+def _check_replicas(config, local_devices: int | None = None) -> None:
   """replicas.*: the hybrid executor's keys (ripples_jax/hybrid); count 0 checks only count."""
   _int_in(config, "replicas.count", 0, 4096, "an integer number of replicas in [0, 4096] (0: none)")
   c = config.replicas
   if not c.count:
     return
-  if config.placement != "one_device":
-    _fail("placement", config.placement, "one_device with replicas.count > 0 (the hybrid is simulated)")
+  if config.placement not in ("one_device", "devices"):
+    _fail(
+      "placement",
+      config.placement,
+      "one_device (simulated) or devices (R x K devices of this process) with replicas.count > 0",
+    )
+  if config.placement == "devices":
+    import jax
+
+    have = jax.local_device_count() if local_devices is None else local_devices
+    if c.count * config.num_stages > have:
+      _fail(
+        "replicas.count",
+        c.count,
+        f"at most {have // config.num_stages} with placement=devices: replicas x num_stages="
+        f"{config.num_stages} devices, this process has {have}",
+      )
+  _number(config, "replicas.pad_s", lambda v: v >= 0, "seconds >= 0 (placement=devices: each tick's length)")
   _one_of(config, "replicas.algorithm", HYBRID_ALGORITHMS)
   _int_in(config, "replicas.group_size", 2, 4096, "an integer >= 2")
   _number(config, "replicas.smart_tolerance", lambda v: v >= 0, "a number >= 0")
@@ -741,4 +757,4 @@ def validate_dsp_config(config, num_processes: int = 1, local_devices: int | Non
   _number(config, "straggler_p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
   _int_in(config, "seed", 0, 2**32 - 1, "an integer in [0, 2**32)")
   if "replicas" in config:
-    _check_replicas(config)
+    _check_replicas(config, local_devices)

@@ -11,6 +11,7 @@
   pipeline/per_process  one process per stage (pipeline/per_process.py)
   hybrid                R replicas of a pipeline averaging stage by stage in groups, simulated
                         (hybrid/sim.py; a pipeline config with replicas.count > 0)
+  hybrid/devices        the same on R x K devices of this process, a thread per replica (hybrid/devices.py)
 Executors are peers: none imports another; each writes its files through runlog.RunLog and builds its
 inputs with setup.py. A Ripples config (configs/default.py) names its executor; a pipeline config
 (configs/dsp.py) has a method and a placement.
@@ -37,6 +38,7 @@ EXECUTORS = {
   "pipeline": ("ripples_jax.pipeline.train", "run"),
   "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
   "hybrid": ("ripples_jax.hybrid.sim", "run"),
+  "hybrid/devices": ("ripples_jax.hybrid.devices", "run"),
 }
 
 
@@ -45,7 +47,7 @@ def executor_of(config) -> str:
   process_executor)."""
   if "method" in config:  # configs/dsp.py
     if config.get("replicas") and config.replicas.count:
-      return "hybrid"
+      return "hybrid/devices" if config.placement == "devices" else "hybrid"
     return "pipeline/per_process" if config.placement == "per_process" else "pipeline"
   if config.executor == "async" and config.algorithm == "adpsgd":
     return "async/adpsgd"

@@ -264,3 +264,56 @@ def test_no_averaging_evaluates_each_replica():
   assert [np.asarray(m[0]["params"]["w"]).tolist() for m in models] == [[0, 1], [2, 3], [4, 5]]
   (avg,) = hybrid.run_models(hybrid_config(stages=1, replicas=3), state)
   assert np.asarray(avg[0]["params"]["w"]).tolist() == [2, 3] and set(avg[0]) == {"params", "model_state"}
+
+
+def replay(config, events):
+  """The simulator's numerics (packed rounds, vmapped one_device ticks) over an event log."""
+  R = config.replicas.count
+  p = setup_lib.build_pipeline(config)
+  init_fn, step_fn = baselines.METHODS[config.method]
+  one = init_fn(
+    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
+  )
+  schedule = baselines.schedule_of(config)
+  total = R * (-(-p.num_batches // R) + schedule.drain_ticks())
+  state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one)
+  round_fn = hybrid.make_round_fn(step_fn(p.stages, p.optimizer, config, total))
+  shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
+  for r in hybrid.pack_rounds(events, R):
+    x, y = hybrid.batches(config, p.data, shards, r, schedule.offsets[-1])
+    state, _ = round_fn(state, x, y, r["t"], r["tick"], r["gid"])
+  return state, total
+
+
+@pytest.mark.slow
+def test_devices_run_replays_to_its_parameters(tmp_path):
+  """placement=devices: 4 replicas x 2 stages on 8 devices, a thread per replica, Smart GG, a 5x slow
+  device; the run's event log, replayed through the simulator's numerics, gives the run's parameters
+  (the device ticks are one_device's bit for bit, the means in the members' order); the budget of
+  ticks is spent exactly and the slow replica ticked least."""
+  from ripples_jax.hybrid import devices as hybrid_devices
+
+  config = hybrid_config(algorithm="ripples_smart", slow=(1, 0), slowdown=5.0, pad_s=0.01)
+  config.placement = "devices"
+  validate_dsp_config(config)
+  summary, state, events = hybrid_devices.train(config, str(tmp_path / "d"))
+  ref, total = replay(config, events)
+  assert sum(summary["worker_steps"]) == total and summary["groups"] > 5
+  assert np.argmin(summary["worker_steps"]) == 1
+  close(
+    [st["params"] for st in state],
+    [st["params"] for st in jax.tree.map(np.asarray, ref)],
+    rtol=1e-6,
+    atol=1e-7,
+  )
+  assert summary["final_test_accuracy"] > 0.5
+
+
+def test_devices_placement_needs_a_device_per_stage_of_every_replica():
+  c = hybrid_config(replicas=5)
+  c.placement = "devices"
+  with pytest.raises(
+    ConfigError, match=r"config.replicas.count: 5 is not allowed: at most 4 with placement=devices"
+  ):
+    validate_dsp_config(c, local_devices=8)
+  assert run_lib.executor_of(c) == "hybrid/devices"

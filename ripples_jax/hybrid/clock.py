@@ -52,12 +52,18 @@ class Spec:
   seed: int = 0
 
   def slow_at(self, t: float) -> tuple | None:
-    if self.slow is None or self.slowdown == 1.0:
-      return None
-    r, k = self.slow
-    if self.rotate_every:
-      r = (r + int(t // self.rotate_every)) % self.replicas
-    return (r, k)
+    return slow_device(self.slow, self.slowdown, self.replicas, self.rotate_every, t)
+
+
+def slow_device(slow, slowdown: float, replicas: int, rotate_every: float, t: float) -> tuple | None:
+  """(replica, stage) of the slow device at time t (virtual in the clock, wall in hybrid/devices.py);
+  None without one."""
+  if not slow or slowdown == 1.0:
+    return None
+  r, k = slow
+  if rotate_every:
+    r = (r + int(t // rotate_every)) % replicas
+  return (r, k)
 
 
 @dataclasses.dataclass
@@ -75,13 +81,12 @@ class Trace:
   groups: int  # groups averaged (each one P-Reduce per stage)
 
 
-class _Space:
+class Space:
   """The Group Buffer and its generator."""
 
   def __init__(self, replicas: int, gen):
     self.gen, self.fixed = gen, isinstance(gen, group_gen.Fixed)
     self.buffer = group_gen.GroupBuffer(replicas)
-    self.arrived = {}  # gid -> {member: arrival time}
 
   def head(self, r: int, sync: int, view) -> group_gen.Group | None:
     """Replica r's group at its sync-th sync point (None: no group this time)."""
@@ -106,7 +111,7 @@ class _Clock:
     R, K = spec.replicas, len(spec.stage_s)
     self.spec, self.R, self.K = spec, R, K
     self.rng = np.random.default_rng([6, spec.seed])
-    self.space = _Space(R, spec.gen)
+    self.space = Space(R, spec.gen)
     self.heap, self.seq, self.events = [], 0, []
     self.ticks = np.zeros(R, np.int64)
     self.started_at = np.zeros(R)

@@ -1,0 +1,314 @@
+"""executor=hybrid/devices: R pipeline replicas x K stages on R*K devices of this process, on the wall
+clock (docs/design.md 4.7).
+
+Replica r's stage k lives on device r*K + k (pipeline/devices.py's per-stage programs, one device list
+per replica) and replica r runs in a thread of its own: it ticks its pipeline, waits for the tick's
+state, pads the tick to `replicas.pad_s` (times the slowdown when its slow device is in it: padded
+ticks, so the run measures the protocol rather than two CPU cores shared by R*K devices), and at every
+`sync_every`-th tick joins its group from the shared Group Buffer (hybrid/clock.py's Space, Ripples'
+protocol, one generator for every stage). The last member to arrive averages each stage k among the
+members, on the first member's stage-k device, and puts the mean back on every member's stage-k device;
+the others wait for it. A replica's stages average only with the same stage of the others.
+
+The ticks are a budget shared by the replicas (the simulator's R x (ceil(batches / R) + drain)): a tick
+is reserved before it starts; once none is left a replica that finishes its tick leaves instead of
+syncing, and a group one of whose members left is abandoned. Every tick and average is logged, under
+one lock, in the order it happened: each replica's own events in its order and an average after its
+members' ticks, so the log replays through the simulator's numerics (hybrid/sim.py) to the run's
+parameters (tests/test_hybrid.py). The run's model is sampled every eval_every steps (the replicas'
+ticks over R), the replicas' current states copied to the host, and evaluated after the run, so
+evaluation takes nothing from the clock.
+"""
+
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from ripples_jax import data as data_lib
+from ripples_jax import setup as setup_lib
+from ripples_jax.hybrid import clock as clock_lib
+from ripples_jax.hybrid import sim
+from ripples_jax.pipeline import baselines, devices
+from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.schedule import group_gen
+
+
+@dataclasses.dataclass
+class Shared:
+  """What the replica threads share, guarded by `cond`'s lock."""
+
+  cond: threading.Condition
+  space: clock_lib.Space
+  states: list  # each replica's newest state (the threads publish it after every tick)
+  left: int  # ticks not yet reserved
+  started_at: np.ndarray
+  estimates: np.ndarray
+  ticks: np.ndarray
+  reached: dict = dataclasses.field(default_factory=dict)  # group key -> members arrived
+  finished: set = dataclasses.field(default_factory=set)  # group keys averaged
+  gone: set = dataclasses.field(default_factory=set)  # replicas that left (no tick left for them)
+  events: list = dataclasses.field(default_factory=list)  # (wall s, TICK, r, i) | (wall s, AVG, members)
+  avg_s: list = dataclasses.field(default_factory=list)  # each average's own seconds
+  t0: float = 0.0
+
+
+def replica_devices(config) -> list[list]:
+  """Devices of replica r's stages: r*K .. r*K + K - 1 of this process."""
+  K, R = config.num_stages, config.replicas.count
+  devs = devices.stage_devices(R * K)
+  return [devs[r * K : (r + 1) * K] for r in range(R)]
+
+
+def make_tick(p, config, schedule, num_batches: int, devs: list):
+  """One replica's tick on its devices; no donation: the sampler reads a published state while the
+  thread ticks on."""
+  if config.method == "gpipe":
+    return devices.make_device_gpipe(p.stages, p.optimizer, config.microbatches, devs)
+  make = devices.make_fused_device_tick if devices.fusable(schedule) else devices.make_device_tick
+  return make(p.stages, p.optimizer, schedule, num_batches, devs, donate=False)
+
+
+def slowed(config, r: int, now: float) -> float:
+  """The factor replica r's tick is padded by at wall time `now` (its slow device; 1 otherwise)."""
+  c = config.replicas
+  slow = clock_lib.slow_device(tuple(c.slow), c.slowdown, c.count, c.rotate_every, now)
+  return float(c.slowdown) if slow is not None and slow[0] == r else 1.0
+
+
+def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> None:
+  """Replica r: reserve a tick, run and pad it, publish it, sync; until the budget is spent."""
+  B, seed, i = config.batch_size, config.seed, 0
+  idx = lambda j: data_lib.batch_indices([shard], B, seed, j, workers=[r])[0]
+  state = sh.states[r]
+  while True:
+    with sh.cond:
+      if sh.left <= 0:  # nothing left to reserve: leave; groups waiting on r are abandoned
+        sh.gone.add(r)
+        sh.cond.notify_all()
+        return
+      sh.left -= 1
+      start = time.perf_counter() - sh.t0
+      sh.started_at[r] = start
+    x, y = p.data["x_train"][idx(i)], p.data["y_train"][idx(max(i - offset, 0))]
+    state, metrics = tick(state, x, y, i)
+    jax.block_until_ready((state, metrics))
+    pad = config.replicas.pad_s * slowed(config, r, start)
+    rest = start + pad - (time.perf_counter() - sh.t0)
+    if rest > 0:
+      time.sleep(rest)
+    with sh.cond:
+      now = time.perf_counter() - sh.t0
+      sh.states[r], sh.estimates[r] = state, now - start
+      sh.ticks[r] += 1
+      sh.events.append((now, clock_lib.TICK, r, i))
+    i += 1
+    if i % config.replicas.sync_every == 0:
+      if not sync(r, i // config.replicas.sync_every - 1, sh):
+        with sh.cond:
+          sh.gone.add(r)
+          sh.cond.notify_all()
+        return
+      state = sh.states[r]
+
+
+def sync(r: int, count: int, sh: Shared) -> bool:
+  """Replica r at its count-th sync point: its group's averages (run by the last member to arrive);
+  False if the group was abandoned (a member left) or the budget ran out before r got here."""
+  with sh.cond:
+    if sh.left <= 0:
+      return False
+    now = time.perf_counter() - sh.t0
+    sh.started_at[r], sh.estimates[r] = now, 0.0  # ready now (Smart GG reads this)
+    view = group_gen.GGView(now, sh.space.buffer, sh.started_at.copy(), sh.estimates.copy(), None)
+    g = sh.space.head(r, count, view)
+    if g is None:
+      return True
+    key = g.gid if g.gid >= 0 else (g.request, g.members)
+    got = sh.reached.setdefault(key, set())
+    got.add(r)
+    if len(got) < len(g.members):
+      while key not in sh.finished:
+        if any(m in sh.gone and m not in got for m in g.members):
+          return False
+        sh.cond.wait()
+      return True
+    del sh.reached[key]
+  averaged = average(g, sh)  # outside the lock: the members wait on `finished`, the rest run on
+  with sh.cond:
+    for m, state in averaged.items():
+      sh.states[m] = state
+    sh.events.append((time.perf_counter() - sh.t0, clock_lib.AVG, g.members))
+    sh.finished.add(key)
+    if g.gid >= 0:
+      for m in g.members:
+        sh.space.buffer.done(m, g.gid)
+    sh.cond.notify_all()
+  return True
+
+
+@jax.jit
+def _mean(parts):
+  """The members' mean, leaf by leaf, in the members' order (one program per group size and device)."""
+  return jax.tree.map(lambda *a: sum(a[1:], a[0]) / len(a), *parts)
+
+
+def average(g, sh: Shared) -> dict:
+  """{member: its state with each stage's parameters and model state averaged among the members}: the
+  mean on the first member's device of that stage, put back on every member's device of that stage.
+  The members' states are not touched until the caller publishes these (the sampler reads them)."""
+  t = time.perf_counter()
+  members = list(g.members)
+  out = {m: list(sh.states[m]) for m in members}
+  for k in range(len(sh.states[members[0]])):
+    home = _device(sh.states[members[0]][k])
+    parts = [jax.device_put({key: sh.states[m][k][key] for key in sim.AVERAGED}, home) for m in members]
+    mean = _mean(parts)
+    for m in members:
+      out[m][k] = dict(out[m][k], **jax.device_put(mean, _device(sh.states[m][k])))
+  jax.block_until_ready(list(out.values()))
+  sh.avg_s.append(time.perf_counter() - t)
+  return out
+
+
+def _device(stage_state):
+  return jax.tree.leaves(stage_state["params"])[0].device
+
+
+def group_sizes(config) -> range:
+  """The sizes a group of replicas.algorithm can have (warm_up compiles the mean for each)."""
+  c = config.replicas
+  most = c.count if c.algorithm in ("allreduce", "ripples_static") else min(c.group_size, c.count)
+  return range(2, most + 1) if c.algorithm != "none" else range(0)
+
+
+def sample(sh: Shared) -> list:
+  """The replicas' published states (taken together under the lock: never half an average), copied to
+  the host (parameters and model state only)."""
+  with sh.cond:
+    states = list(sh.states)
+  return [[{k: jax.device_get(st[k]) for k in sim.AVERAGED} for st in state] for state in states]
+
+
+def run(config, workdir: str | None = None) -> dict:
+  """executor=hybrid/devices (run.EXECUTORS): the summary of train."""
+  return train(config, workdir)[0]
+
+
+def train(config, workdir: str | None = None):
+  """The replicas' threads on the wall clock, then the sampled models' evaluations, through RunLog.
+  Returns (summary, the final state stacked over replicas as the simulator holds it, the event log)."""
+  R, K = config.replicas.count, config.num_stages
+  workdir = make_workdir(workdir, config)
+  p = setup_lib.build_pipeline(config, workdir)
+  init_fn, _ = baselines.METHODS[config.method]
+  one = init_fn(
+    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
+  )
+  schedule = baselines.schedule_of(config)
+  drain = schedule.drain_ticks() if schedule else 0
+  per_replica = -(-p.num_batches // R) + drain  # the simulator's budget (hybrid/sim.py)
+  devs = replica_devices(config)
+  ticks = [make_tick(p, config, schedule, R * per_replica, d) for d in devs]
+  sh = Shared(
+    threading.Condition(),
+    clock_lib.Space(R, sim.make_generator(config)),
+    [devices.place(one, d) for d in devs],
+    R * per_replica,
+    np.zeros(R),
+    np.full(R, float(config.replicas.pad_s)),
+    np.zeros(R, np.int64),
+  )
+  warm_up(config, p, ticks, sh)
+  shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
+  offset = schedule.offsets[-1] if schedule else 0
+  threads = [
+    threading.Thread(target=replica_loop, args=(config, p, r, ticks[r], shards[r], offset, sh), daemon=True)
+    for r in range(R)
+  ]
+  sh.t0 = time.perf_counter()
+  for t in threads:
+    t.start()
+  samples = sampler(config, R, threads, sh)
+  end = max(e[0] for e in sh.events)
+  for r, tick in enumerate(ticks):  # the fused tick's pending arrivals into their FIFOs
+    sh.states[r] = getattr(tick, "settle", lambda s: s)(sh.states[r])
+  logging.info("hybrid/devices R=%d K=%d: %d events in %.2f s; ticks %s", R, K, len(sh.events), end, sh.ticks)
+  summary = write(config, workdir, p, samples, sh, end, per_replica)
+  stacked = jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *sh.states)
+  return summary, stacked, sh.events
+
+
+def warm_up(config, p, ticks, sh: Shared) -> None:
+  """Every program compiled before the clock starts: each replica's tick (on a copy, thrown away) and
+  the mean of every group size on every device (a group's first average would otherwise stop its
+  members for the compile: measured 0.5-1.8 s on the first groups of a 4 x 2 run)."""
+  x = np.zeros((config.batch_size,) + p.data["x_train"].shape[1:], p.data["x_train"].dtype)
+  y = np.zeros(config.batch_size, p.data["y_train"].dtype)
+  for r, tick in enumerate(ticks):
+    copy = jax.tree.map(lambda a: a.copy(), sh.states[r])
+    for t in range(3):  # the fused tick's first call has no arrivals yet: its steady program is the next
+      copy, metrics = tick(copy, x, y, t)
+    jax.block_until_ready((copy, metrics))
+    getattr(tick, "settle", lambda s: s)(copy)
+    for st in sh.states[r]:
+      one = {key: st[key] for key in sim.AVERAGED}
+      for size in group_sizes(config):
+        jax.block_until_ready(_mean([one] * size))
+
+
+def sampler(config, R: int, threads, sh: Shared) -> list:
+  """(wall s, step, states on the host) every eval_every steps until the threads are done."""
+  samples, nxt = [], config.eval_every
+  while any(t.is_alive() for t in threads):
+    done = int(sh.ticks.sum())
+    if done >= nxt * R:
+      samples.append((time.perf_counter() - sh.t0, done // R, sample(sh)))
+      nxt = (done // R // config.eval_every + 1) * config.eval_every
+    time.sleep(0.002)
+  for t in threads:
+    t.join()
+  final = int(sh.ticks.sum()) // R
+  if not samples or samples[-1][1] < final:  # the run's end is always sampled
+    samples.append((max(e[0] for e in sh.events), final, sample(sh)))
+  return samples
+
+
+def write(config, workdir, p, samples, sh: Shared, end: float, per_replica: int) -> dict:
+  """The records (one per sample, evaluated now) and the summary, through RunLog."""
+  evaluate = baselines.make_eval(p.stages)
+  splits = {"test": jax.device_put((p.data["x_test"], p.data["y_test"]))}
+  if "x_val" in p.data:
+    splits["val"] = jax.device_put((p.data["x_val"], p.data["y_val"]))
+  stack = lambda states: [
+    {k: jax.tree.map(lambda *a: np.stack(a), *[s[j][k] for s in states]) for k in sim.AVERAGED}
+    for j in range(config.num_stages)
+  ]
+  time_to_target, target = None, config.replicas.target_accuracy
+  with RunLog(workdir, config, per_replica, checkpoint_every=0) as log:
+    for t, step, states in samples:
+      scalars = {}
+      models = sim.run_models(config, stack(states))
+      for split, xy in splits.items():
+        acc, loss = np.mean([jax.device_get(evaluate(m, *xy)) for m in models], 0)
+        scalars.update({f"{split}_accuracy": float(acc), f"{split}_loss": float(loss)})
+      if time_to_target is None and target and scalars["test_accuracy"] >= target:
+        time_to_target = t
+      log.record(step, t, **scalars)
+    return log.finish(
+      time=end,
+      worker_steps=sh.ticks.tolist(),
+      replicas=config.replicas.count,
+      num_stages=config.num_stages,
+      method=config.method,
+      algorithm=config.replicas.algorithm,
+      placement="devices",
+      groups=sum(e[1] == clock_lib.AVG for e in sh.events),
+      average_s=float(np.mean(sh.avg_s)) if sh.avg_s else 0.0,
+      pad_s=config.replicas.pad_s,
+      time_to_target=time_to_target,
+      target_accuracy=target,
+    )
