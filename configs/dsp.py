@@ -130,6 +130,7 @@ def get_config(arg=None):
   c.replicas.stage_bytes = ()  # bytes of each stage's parameters for the averages' cost; () the model's
   c.replicas.alpha = 5e-6  # seconds per message of an average
   c.replicas.bandwidth = 1.25e9  # bytes/s of each device's link
+  c.replicas.avg_s = 0.0  # > 0: a group's averages take this many seconds (measured), not the ring model
   c.replicas.target_accuracy = 0.0  # time_to_target: the first evaluation at or above it (0: none)
   c.replicas.pad_s = 0.0  # placement=devices: each tick padded to this many wall seconds (the slow
   # device's replica: slowdown x it), so a run on few cores measures the protocol, not the cores

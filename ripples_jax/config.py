@@ -562,6 +562,7 @@ def _check_replicas(config, local_devices: int | None = None) -> None:
       _fail(f"replicas.{key}", v, f"() (measured) or num_stages={K} positive numbers")
   _number(config, "replicas.alpha", lambda v: v >= 0, "seconds >= 0")
   _number(config, "replicas.bandwidth", lambda v: v > 0, "bytes/s > 0")
+  _number(config, "replicas.avg_s", lambda v: v >= 0, "seconds >= 0 (0: the ring model)")
   _number(config, "replicas.target_accuracy", lambda v: 0 <= v <= 1, "a number in [0, 1] (0: none)")
 
 

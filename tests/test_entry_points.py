@@ -716,3 +716,18 @@ def test_bench_sim_profile_names_programs_and_counts_ops_once(tmp_path):
   assert all(k.split("/", 1)[0] in got["programs"] for k in got["xla"])
   assert not [k for k in got["xla"] if "ThunkExecutor" in k or "ThreadpoolListener" in k]
   assert sum(got["xla"].values()) == pytest.approx(sum(got["programs"].values()))
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+def test_bench_hybrid_devices(tmp_path):
+  """benchmarks.hybrid_devices, one seed of two runs: measured and predicted figures for each."""
+  out_json = tmp_path / "h.json"
+  args = ["--epochs=2", "--seeds=0", "--scenarios=5x device", "--pad_s=0.01", "--target=0.2"]
+  args += [f"--workdir={tmp_path / 'runs'}", f"--json_out={out_json}", "--chosen=none"]
+  run("benchmarks.hybrid_devices", *args, tmp_path=tmp_path)
+  got = json.loads(out_json.read_text())
+  assert {r["algorithm"] for r in got["runs"]} == {"ripples_smart", "allreduce"}
+  for r in got["runs"]:
+    assert r["end"] > 0 and r["predicted_end"] > 0 and r["tick_s"] >= 0.01
+  assert "5x device" in got["speedup"]

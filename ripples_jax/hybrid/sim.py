@@ -72,6 +72,7 @@ def clock_spec(config, stage_s, stage_bytes, total_ticks: int) -> clock_lib.Spec
     alpha=float(c.alpha),
     bandwidth=float(c.bandwidth),
     seed=config.seed,
+    avg_s=float(c.avg_s),
   )
 
 
