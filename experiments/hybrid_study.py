@@ -63,7 +63,7 @@ FLAGS = flags.FLAGS
 def define_flags():
   flags.DEFINE_string("out", "results/hybrid", "Output folder.")
   flags.DEFINE_list("studies", list(STUDIES), f"Of {', '.join(STUDIES)}.")
-  flags.DEFINE_list("parts", ["tune", "study"], "tune, study (in this order).")
+  flags.DEFINE_list("parts", ["tune", "study"], "tune, study, clock (the clock alone: throughput).")
   flags.DEFINE_integer("seeds", 3, "Reported seeds (0..seeds-1).")
   flags.DEFINE_list("scenarios", list(SCENARIOS), "Scenarios of the study part.")
   flags.DEFINE_list("algorithms", list(ALGORITHMS), "Algorithms.")
@@ -200,6 +200,51 @@ def study(out_dir, name, chosen, scenarios, algorithms, seeds, workers, workdir)
   return out
 
 
+def clock_part(name: str, scenarios, algorithms, seeds: int) -> tuple[dict, Table]:
+  """The clock alone (no numerics) of every run of the study: its end for the budget of ticks, the
+  groups, each replica's wait. At 64 x 4 the numerics learn too little to time a target (All-Reduce's
+  best tuning runs end at 62-66% validation accuracy, noisily), so this part compares throughput:
+  the same ticks sooner is the same work sooner, not the same accuracy sooner."""
+  from ripples_jax.hybrid import clock as clock_lib
+  from ripples_jax.hybrid import sim as hybrid_sim
+
+  R, K, epochs = STUDIES[name][:3]
+  batches = epochs * ((4000 - VALIDATION_EXAMPLES) // 64)  # MNIST-1D's training set, batch 64
+  total = R * (-(-batches // R) + 2 * (K - 1))  # DSP's drain: sum of the links' delays, up and down
+  out, rows = {}, []
+  for sc in scenarios:
+    for a in algorithms:
+      got = []
+      for seed in range(seeds):
+        c = config_of(name, sc, a, 0.01, seed)
+        got.append(
+          clock_lib.simulate(hybrid_sim.clock_spec(c, c.replicas.stage_s, c.replicas.stage_bytes, total))
+        )
+      out.setdefault(sc, {})[a] = {"end": [t.end_time for t in got], "groups": [t.groups for t in got]}
+  for sc, per in out.items():
+    ar = np.mean(per["allreduce"]["end"])
+    for a, p in per.items():
+      rows.append(
+        [
+          sc,
+          ALGORITHMS[a],
+          f"{np.mean(p['end']):.1f}",
+          f"{ar / np.mean(p['end']):.2f}x",
+          f"{router_limit(name, sc):.2f}x",
+          f"{np.mean(p['groups']):.0f}",
+        ]
+      )
+  head = [
+    "scenario",
+    "algorithm",
+    "end (virtual s)",
+    "throughput vs All-Reduce",
+    "perfect router (compute only)",
+    "groups",
+  ]
+  return out, Table(head, rows, f"{name}: the clock alone, {total} ticks, {seeds} seeds")
+
+
 def router_limit(name: str, scenario: str) -> float:
   """The speedup over All-Reduce a perfect router of the slow device's load would reach on the clock's
   compute alone: All-Reduce ticks at the slow device's pace (slowdown x the stage time per tick, every
@@ -256,18 +301,25 @@ def study_table(out: dict, name: str) -> Table:
 def main(argv):
   del argv
   bad = [s for s in FLAGS.studies if s not in STUDIES] + [a for a in FLAGS.algorithms if a not in ALGORITHMS]
-  bad += [s for s in FLAGS.scenarios if s not in SCENARIOS] + [
-    p for p in FLAGS.parts if p not in ("tune", "study")
-  ]
+  bad += [s for s in FLAGS.scenarios if s not in SCENARIOS]
+  bad += [p for p in FLAGS.parts if p not in ("tune", "study", "clock")]
   if bad:
     raise SystemExit(
       f"hybrid_study: {', '.join(bad)} not allowed (studies {list(STUDIES)}, algorithms "
-      f"{list(ALGORITHMS)}, scenarios {list(SCENARIOS)}, parts tune, study)"
+      f"{list(ALGORITHMS)}, scenarios {list(SCENARIOS)}, parts tune, study, clock)"
     )
   os.makedirs(FLAGS.out, exist_ok=True)
   workdir = FLAGS.workdir or os.path.join(FLAGS.out, "runs")
   algorithms = list(dict.fromkeys(["allreduce", *FLAGS.algorithms]))  # the baseline of every ratio
   for name in FLAGS.studies:
+    if "clock" in FLAGS.parts:
+      out, table = clock_part(name, FLAGS.scenarios, algorithms, FLAGS.seeds)
+      write_json(os.path.join(FLAGS.out, f"clock_{name}.json"), out)
+      with open(os.path.join(FLAGS.out, f"clock_{name}.md"), "w") as f:
+        f.write(f"{table}\n")
+      print(table, flush=True)
+    if "tune" not in FLAGS.parts and "study" not in FLAGS.parts:
+      continue
     chosen, rows = tune(FLAGS.out, name, algorithms, FLAGS.workers, workdir)
     with open(os.path.join(FLAGS.out, f"tuning_{name}.md"), "w") as f:
       head = ["study", "algorithm", "step size", "median val time to target (s)", "final val %"]
