@@ -45,8 +45,9 @@ class Shared:
   space: clock_lib.Space
   states: list  # each replica's newest state (the threads publish it after every tick)
   left: int  # ticks not yet reserved
-  started_at: np.ndarray
-  estimates: np.ndarray
+  started_at: np.ndarray  # when each replica's tick started (or it reached its sync point)
+  estimates: np.ndarray  # how long its current tick should take (0 at a sync point: ready now)
+  last: np.ndarray  # each replica's newest tick time: its next tick's estimate, as the clock's
   ticks: np.ndarray
   reached: dict = dataclasses.field(default_factory=dict)  # group key -> members arrived
   finished: set = dataclasses.field(default_factory=set)  # group keys averaged
@@ -92,7 +93,7 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
         return
       sh.left -= 1
       start = time.perf_counter() - sh.t0
-      sh.started_at[r] = start
+      sh.started_at[r], sh.estimates[r] = start, sh.last[r]
     x, y = p.data["x_train"][idx(i)], p.data["y_train"][idx(max(i - offset, 0))]
     state, metrics = tick(state, x, y, i)
     jax.block_until_ready((state, metrics))
@@ -102,7 +103,7 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
       time.sleep(rest)
     with sh.cond:
       now = time.perf_counter() - sh.t0
-      sh.states[r], sh.estimates[r] = state, now - start
+      sh.states[r], sh.last[r] = state, now - start
       sh.ticks[r] += 1
       sh.events.append((now, clock_lib.TICK, r, i))
     i += 1
@@ -219,6 +220,7 @@ def train(config, workdir: str | None = None):
     [devices.place(one, d) for d in devs],
     R * per_replica,
     np.zeros(R),
+    np.full(R, float(config.replicas.pad_s)),
     np.full(R, float(config.replicas.pad_s)),
     np.zeros(R, np.int64),
   )
