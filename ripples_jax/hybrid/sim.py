@@ -158,9 +158,8 @@ def simulate_and_train(config, workdir: str | None = None):
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
   )
   stage_s, stage_bytes = stage_costs(config, p.stages, one, p.feed.sample)
-  state = jax.tree.map(
-    lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one
-  )  # every replica starts equal
+  # Every replica starts from the same parameters, as Ripples' workers do.
+  state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one)
   schedule = baselines.schedule_of(config)
   drain = schedule.drain_ticks() if schedule else 0
   # num_epochs passes over the training set by the replicas together (data parallel: each replica
