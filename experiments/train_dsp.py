@@ -32,7 +32,8 @@ def main(argv):
   if "replicas" in s:  # the hybrid (replicas.count > 0): virtual time, the groups it averaged
     print(
       f"hybrid {s['algorithm']} R={s['replicas']} K={s['num_stages']} {s['method']}: test accuracy "
-      f"{100 * s['final_test_accuracy']:.2f}%, {s['time']:.1f} virtual s, {s['groups']} groups"
+      f"{100 * s['final_test_accuracy']:.2f}%, {s['time']:.1f} {'wall' if 'placement' in s else 'virtual'} s, "
+      f"{s['groups']} groups"
     )
   else:
     print(runlog.pipeline_table([s]))  # the layout of experiments.train's table
