@@ -30,10 +30,10 @@ def main(argv):
     print(f"method={s['method']} stage={s['stage']} done time={s['time']:.1f}s")
     return
   if "replicas" in s:  # the hybrid (replicas.count > 0): virtual time, the groups it averaged
+    clock = "wall" if "placement" in s else "virtual"  # placement=devices runs on the wall clock
     print(
       f"hybrid {s['algorithm']} R={s['replicas']} K={s['num_stages']} {s['method']}: test accuracy "
-      f"{100 * s['final_test_accuracy']:.2f}%, {s['time']:.1f} {'wall' if 'placement' in s else 'virtual'} s, "
-      f"{s['groups']} groups"
+      f"{100 * s['final_test_accuracy']:.2f}%, {s['time']:.1f} {clock} s, {s['groups']} groups"
     )
   else:
     print(runlog.pipeline_table([s]))  # the layout of experiments.train's table
