@@ -89,6 +89,28 @@ class Space:
     self.gen, self.fixed = gen, isinstance(gen, group_gen.Fixed)
     self.buffer = group_gen.GroupBuffer(replicas)
 
+  def state(self) -> dict:
+    """The buffer's pending queues and the generator's hidden state, as JSON (a consistent cut of
+    hybrid/devices.py: no group is half reached then)."""
+    b = self.buffer
+    return {
+      "count": b.count,
+      "requests": b.requests,
+      "conflicts": b.conflicts.tolist(),
+      "queues": [[[g.gid, list(g.members), g.request] for g in q] for q in b.queues],
+      "gen": self.gen.state() if hasattr(self.gen, "state") else None,
+    }
+
+  def load(self, state: dict) -> None:
+    b, groups = self.buffer, {}
+    b.first, b.groups, b.requests = state["count"], [], state["requests"]
+    b.conflicts[:] = state["conflicts"]
+    for w, q in enumerate(state["queues"]):
+      b.queues[w] = [groups.setdefault(gid, group_gen.Group(gid, tuple(m), 0.0, req)) for gid, m, req in q]
+      b.npending[w] = len(q)
+    if state["gen"] is not None:
+      self.gen.load(state["gen"])
+
   def head(self, r: int, sync: int, view) -> group_gen.Group | None:
     """Replica r's group at its sync-th sync point (None: no group this time)."""
     if self.gen is None:

@@ -16,8 +16,8 @@ syncing, and a group one of whose members left is abandoned. Every tick and aver
 one lock, in the order it happened: each replica's own events in its order and an average after its
 members' ticks, so the log replays through the simulator's numerics (hybrid/sim.py) to the run's
 parameters (tests/test_hybrid.py). The run's model is sampled every eval_every steps (the replicas'
-ticks over R), the replicas' current states copied to the host, and evaluated after the run, so
-evaluation takes nothing from the clock.
+ticks over R), the replicas' current states copied to the host, and evaluated at the next consistent
+cut (every checkpoint_every steps: `cut`, which the clock does not count) or after the run.
 """
 
 import dataclasses
@@ -54,7 +54,10 @@ class Shared:
   gone: set = dataclasses.field(default_factory=set)  # replicas that left (no tick left for them)
   events: list = dataclasses.field(default_factory=list)  # (wall s, TICK, r, i) | (wall s, AVG, members)
   avg_s: list = dataclasses.field(default_factory=list)  # each average's own seconds
-  t0: float = 0.0
+  t0: float = 0.0  # the clock's origin: the wall clock less the cuts (a cut takes nothing from it)
+  pause: bool = False  # a cut is being taken: no replica starts a tick
+  paused: set = dataclasses.field(default_factory=set)  # replicas waiting for the cut to end
+  waiting: dict = dataclasses.field(default_factory=dict)  # replica -> (group key, members) it waits in
 
 
 def replica_devices(config) -> list[list]:
@@ -81,12 +84,26 @@ def slowed(config, r: int, now: float) -> float:
 
 
 def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> None:
-  """Replica r: reserve a tick, run and pad it, publish it, sync; until the budget is spent."""
-  B, seed, i = config.batch_size, config.seed, 0
+  """Replica r: reserve a tick, run and pad it, publish it, sync; until the budget is spent. A cut
+  holds it only here, before a tick, or waiting in a group (wait_for): a group that needs a member
+  held before its tick is part of the cut, half reached, and resumed as such."""
+  B, seed, i = config.batch_size, config.seed, int(sh.ticks[r])  # resumed: its next batch
   idx = lambda j: data_lib.batch_indices([shard], B, seed, j, workers=[r])[0]
-  state = sh.states[r]
+  with sh.cond:
+    if r in sh.waiting:  # resumed inside a group: it waits there again
+      key, members = sh.waiting[r]
+      if not wait_for(r, key, members, sh.reached[key], sh):
+        sh.gone.add(r)
+        sh.cond.notify_all()
+        return
   while True:
     with sh.cond:
+      while sh.pause:
+        sh.paused.add(r)
+        sh.cond.notify_all()
+        sh.cond.wait()
+      sh.paused.discard(r)
+      state = sh.states[r]  # a cut may have settled it
       if sh.left <= 0:  # nothing left to reserve: leave; groups waiting on r are abandoned
         sh.gone.add(r)
         sh.cond.notify_all()
@@ -113,7 +130,6 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
           sh.gone.add(r)
           sh.cond.notify_all()
         return
-      state = sh.states[r]
 
 
 def sync(r: int, count: int, sh: Shared) -> bool:
@@ -132,11 +148,7 @@ def sync(r: int, count: int, sh: Shared) -> bool:
     got = sh.reached.setdefault(key, set())
     got.add(r)
     if len(got) < len(g.members):
-      while key not in sh.finished:
-        if any(m in sh.gone and m not in got for m in g.members):
-          return False
-        sh.cond.wait()
-      return True
+      return wait_for(r, key, g.members, got, sh)
     del sh.reached[key]
   averaged = average(g, sh)  # outside the lock: the members wait on `finished`, the rest run on
   with sh.cond:
@@ -149,6 +161,22 @@ def sync(r: int, count: int, sh: Shared) -> bool:
         sh.space.buffer.done(m, g.gid)
     sh.cond.notify_all()
   return True
+
+
+def wait_for(r: int, key, members, got: set, sh: Shared) -> bool:
+  """(With the lock.) Replica r, arrived at its group, waits for the last member's averages; False if
+  a member left before reaching it. A waiting replica counts as stopped for a cut (its tick is done
+  and published; the group may need a member that the cut holds before its tick)."""
+  sh.waiting[r] = (key, tuple(members))
+  sh.cond.notify_all()
+  try:
+    while key not in sh.finished:
+      if any(m in sh.gone and m not in got for m in members):
+        return False
+      sh.cond.wait()
+    return True
+  finally:
+    del sh.waiting[r]
 
 
 @jax.jit
@@ -199,9 +227,21 @@ def run(config, workdir: str | None = None) -> dict:
   return train(config, workdir)[0]
 
 
+@dataclasses.dataclass
+class Monitor:
+  """The main thread's loop state: samples not yet evaluated, the next sample's and cut's steps."""
+
+  pending: list
+  next_eval: int
+  next_cut: int | None
+  time_to_target: float | None = None
+
+
 def train(config, workdir: str | None = None):
-  """The replicas' threads on the wall clock, then the sampled models' evaluations, through RunLog.
-  Returns (summary, the final state stacked over replicas as the simulator holds it, the event log)."""
+  """The replicas' threads on the wall clock, the main thread sampling the run's model every eval_every
+  steps and taking a consistent cut every checkpoint_every (records of the samples, then a checkpoint;
+  resumed from); returns (summary, the final state stacked over replicas as the simulator holds it,
+  the run's event log, resumed runs' included)."""
   R, K = config.replicas.count, config.num_stages
   workdir = make_workdir(workdir, config)
   p = setup_lib.build_pipeline(config, workdir)
@@ -214,34 +254,107 @@ def train(config, workdir: str | None = None):
   per_replica = -(-p.num_batches // R) + drain  # the simulator's budget (hybrid/sim.py)
   devs = replica_devices(config)
   ticks = [make_tick(p, config, schedule, R * per_replica, d) for d in devs]
+  pad = float(config.replicas.pad_s)
   sh = Shared(
     threading.Condition(),
     clock_lib.Space(R, sim.make_generator(config)),
     [devices.place(one, d) for d in devs],
     R * per_replica,
     np.zeros(R),
-    np.full(R, float(config.replicas.pad_s)),
-    np.full(R, float(config.replicas.pad_s)),
+    np.full(R, pad),
+    np.full(R, pad),
     np.zeros(R, np.int64),
   )
-  warm_up(config, p, ticks, sh)
-  shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
-  offset = schedule.offsets[-1] if schedule else 0
-  threads = [
-    threading.Thread(target=replica_loop, args=(config, p, r, ticks[r], shards[r], offset, sh), daemon=True)
-    for r in range(R)
+  every = config.checkpoint_every
+  with RunLog(workdir, config, per_replica) as log:
+    mon = Monitor([], config.eval_every, every or None)
+    got = log.restore(stacked(sh.states))
+    if got is not None:
+      resume(config, sh, mon, devs, got)
+    warm_up(config, p, ticks, sh)
+    shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
+    offset = schedule.offsets[-1] if schedule else 0
+    threads = [
+      threading.Thread(target=replica_loop, args=(config, p, r, ticks[r], shards[r], offset, sh), daemon=True)
+      for r in range(R)
+    ]
+    sh.t0 = time.perf_counter() - sh.t0  # resumed: the clock goes on from the cut's time
+    for t in threads:
+      t.start()
+    evaluator = make_evaluator(config, p)
+    monitor(config, threads, ticks, sh, log, evaluator, mon)
+    end = max(e[0] for e in sh.events)
+    for r, tick in enumerate(ticks):  # the fused tick's pending arrivals into their FIFOs
+      sh.states[r] = getattr(tick, "settle", lambda s: s)(sh.states[r])
+    logging.info(
+      "hybrid/devices R=%d K=%d: %d events in %.2f s; ticks %s", R, K, len(sh.events), end, sh.ticks
+    )
+    flush(log, evaluator, mon, config.replicas.target_accuracy)
+    summary = log.finish(
+      time=end,
+      worker_steps=sh.ticks.tolist(),
+      replicas=R,
+      num_stages=K,
+      method=config.method,
+      algorithm=config.replicas.algorithm,
+      placement="devices",
+      groups=sum(e[1] == clock_lib.AVG for e in sh.events),
+      average_s=float(np.mean(sh.avg_s)) if sh.avg_s else 0.0,
+      pad_s=pad,
+      time_to_target=mon.time_to_target,
+      target_accuracy=config.replicas.target_accuracy,
+    )
+  return summary, stacked(sh.states), sh.events
+
+
+def stacked(states: list):
+  """The replicas' states stacked on a leading axis, on the host (what a checkpoint holds)."""
+  return jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *states)
+
+
+def cursor(sh: Shared, mon: Monitor) -> dict:
+  """A cut's metadata: where every replica stands, the buffer, the events so far, the clock."""
+  return {
+    "ticks": sh.ticks.tolist(),
+    "left": int(sh.left),
+    "gone": sorted(sh.gone),
+    "last": sh.last.tolist(),
+    "space": sh.space.state(),
+    "reached": [[_key_json(k), sorted(v)] for k, v in sh.reached.items()],
+    "waiting": [[r, _key_json(k), list(m)] for r, (k, m) in sh.waiting.items()],
+    "events": [[t, kind, x if kind == clock_lib.AVG else [x, y[0]]] for t, kind, x, *y in sh.events],
+    "avg_s": list(sh.avg_s),
+    "time": time.perf_counter() - sh.t0,
+    "next_eval": mon.next_eval,
+    "time_to_target": mon.time_to_target,
+  }
+
+
+def _key_json(key):
+  return key if isinstance(key, int) else [key[0], list(key[1])]
+
+
+def _key(j):
+  """A group's key back from JSON: a buffer group's gid, or a fixed schedule's (request, members)."""
+  return j if isinstance(j, int) else (j[0], tuple(j[1]))
+
+
+def resume(config, sh: Shared, mon: Monitor, devs, got) -> None:
+  """The run from its newest cut: states placed back on their devices, the buffer, the events."""
+  _, state, c = got
+  R = config.replicas.count
+  sh.states = [devices.place(jax.tree.map(lambda a: a[r], state), devs[r]) for r in range(R)]
+  sh.ticks[:], sh.left, sh.gone, sh.last[:] = c["ticks"], c["left"], set(c["gone"]), c["last"]
+  sh.space.load(c["space"])
+  sh.reached = {_key(k): set(v) for k, v in c["reached"]}
+  sh.waiting = {r: (_key(k), tuple(m)) for r, k, m in c["waiting"]}
+  sh.events = [
+    (t, kind, tuple(x)) if kind == clock_lib.AVG else (t, kind, x[0], x[1]) for t, kind, x in c["events"]
   ]
-  sh.t0 = time.perf_counter()
-  for t in threads:
-    t.start()
-  samples = sampler(config, R, threads, sh)
-  end = max(e[0] for e in sh.events)
-  for r, tick in enumerate(ticks):  # the fused tick's pending arrivals into their FIFOs
-    sh.states[r] = getattr(tick, "settle", lambda s: s)(sh.states[r])
-  logging.info("hybrid/devices R=%d K=%d: %d events in %.2f s; ticks %s", R, K, len(sh.events), end, sh.ticks)
-  summary = write(config, workdir, p, samples, sh, end, per_replica)
-  stacked = jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *sh.states)
-  return summary, stacked, sh.events
+  sh.avg_s, sh.t0 = list(c["avg_s"]), c["time"]
+  mon.next_eval, mon.time_to_target = c["next_eval"], c["time_to_target"]
+  every = config.checkpoint_every
+  mon.next_cut = (int(sh.ticks.sum()) // R // every + 1) * every
 
 
 def warm_up(config, p, ticks, sh: Shared) -> None:
@@ -262,55 +375,76 @@ def warm_up(config, p, ticks, sh: Shared) -> None:
         jax.block_until_ready(_mean([one] * size))
 
 
-def sampler(config, R: int, threads, sh: Shared) -> list:
-  """(wall s, step, states on the host) every eval_every steps until the threads are done."""
-  samples, nxt = [], config.eval_every
+def monitor(config, threads, ticks, sh: Shared, log: RunLog, evaluator, mon: Monitor) -> None:
+  """Samples every eval_every steps and cuts every checkpoint_every until the threads are done; the
+  run's end is always sampled."""
+  R = config.replicas.count
   while any(t.is_alive() for t in threads):
-    done = int(sh.ticks.sum())
-    if done >= nxt * R:
-      samples.append((time.perf_counter() - sh.t0, done // R, sample(sh)))
-      nxt = (done // R // config.eval_every + 1) * config.eval_every
+    done = int(sh.ticks.sum()) // R
+    if done >= mon.next_eval:
+      mon.pending.append((time.perf_counter() - sh.t0, done, sample(sh)))
+      mon.next_eval = (done // config.eval_every + 1) * config.eval_every
+    if mon.next_cut is not None and done >= mon.next_cut and sh.left > 0:
+      cut(config, ticks, sh, log, evaluator, mon)
+      mon.next_cut = (int(sh.ticks.sum()) // R // config.checkpoint_every + 1) * config.checkpoint_every
     time.sleep(0.002)
   for t in threads:
     t.join()
   final = int(sh.ticks.sum()) // R
-  if not samples or samples[-1][1] < final:  # the run's end is always sampled
-    samples.append((max(e[0] for e in sh.events), final, sample(sh)))
-  return samples
+  last = max(e[0] for e in sh.events)
+  if final > log.last.get("step", -1) and (not mon.pending or mon.pending[-1][1] < final):
+    mon.pending.append((last, final, sample(sh)))
 
 
-def write(config, workdir, p, samples, sh: Shared, end: float, per_replica: int) -> dict:
-  """The records (one per sample, evaluated now) and the summary, through RunLog."""
+def cut(config, ticks, sh: Shared, log: RunLog, evaluator, mon: Monitor) -> None:
+  """A consistent cut: every replica stopped before its next tick or waiting in its group, the
+  fused ticks' pending arrivals settled, the samples so far and one at the cut recorded, the state and
+  the cursor checkpointed; the clock does not count it."""
+  with sh.cond:
+    sh.pause = True
+    while len(sh.paused | sh.gone | set(sh.waiting)) < len(sh.states):
+      sh.cond.wait()
+    began = time.perf_counter()
+    for r, tick in enumerate(ticks):
+      sh.states[r] = getattr(tick, "settle", lambda s: s)(sh.states[r])
+    step = int(sh.ticks.sum()) // config.replicas.count
+    states = list(sh.states)
+    mon.pending.append(
+      (began - sh.t0, step, [[{k: jax.device_get(st[k]) for k in sim.AVERAGED} for st in s] for s in states])
+    )
+    flush(log, evaluator, mon, config.replicas.target_accuracy)
+    log.checkpoint(step, stacked(states), cursor(sh, mon), force=True)
+    sh.t0 += time.perf_counter() - began
+    sh.pause = False
+    sh.cond.notify_all()
+
+
+def make_evaluator(config, p):
+  """(host states of every replica) -> the record's scalars: the run's model (sim.run_models) on the
+  test split and, when held out, the validation split."""
   evaluate = baselines.make_eval(p.stages)
   splits = {"test": jax.device_put((p.data["x_test"], p.data["y_test"]))}
   if "x_val" in p.data:
     splits["val"] = jax.device_put((p.data["x_val"], p.data["y_val"]))
-  stack = lambda states: [
-    {k: jax.tree.map(lambda *a: np.stack(a), *[s[j][k] for s in states]) for k in sim.AVERAGED}
-    for j in range(config.num_stages)
-  ]
-  time_to_target, target = None, config.replicas.target_accuracy
-  with RunLog(workdir, config, per_replica, checkpoint_every=0) as log:
-    for t, step, states in samples:
-      scalars = {}
-      models = sim.run_models(config, stack(states))
-      for split, xy in splits.items():
-        acc, loss = np.mean([jax.device_get(evaluate(m, *xy)) for m in models], 0)
-        scalars.update({f"{split}_accuracy": float(acc), f"{split}_loss": float(loss)})
-      if time_to_target is None and target and scalars["test_accuracy"] >= target:
-        time_to_target = t
-      log.record(step, t, **scalars)
-    return log.finish(
-      time=end,
-      worker_steps=sh.ticks.tolist(),
-      replicas=config.replicas.count,
-      num_stages=config.num_stages,
-      method=config.method,
-      algorithm=config.replicas.algorithm,
-      placement="devices",
-      groups=sum(e[1] == clock_lib.AVG for e in sh.events),
-      average_s=float(np.mean(sh.avg_s)) if sh.avg_s else 0.0,
-      pad_s=config.replicas.pad_s,
-      time_to_target=time_to_target,
-      target_accuracy=target,
-    )
+
+  def scalars(states) -> dict:
+    out = {}
+    models = sim.run_models(config, stacked(states))
+    for split, xy in splits.items():
+      acc, loss = np.mean([jax.device_get(evaluate(m, *xy)) for m in models], 0)
+      out.update({f"{split}_accuracy": float(acc), f"{split}_loss": float(loss)})
+    return out
+
+  return scalars
+
+
+def flush(log: RunLog, evaluator, mon: Monitor, target: float) -> None:
+  """The pending samples evaluated and recorded, in order."""
+  for t, step, states in mon.pending:
+    if step <= log.last.get("step", -1):
+      continue  # a cut's own sample at a step already recorded
+    scalars = evaluator(states)
+    if mon.time_to_target is None and target and scalars["test_accuracy"] >= target:
+      mon.time_to_target = t
+    log.record(step, t, **scalars)
+  mon.pending = []
