@@ -35,15 +35,9 @@ def hybrid_config(method="dsp", stages=2, replicas=4, epochs=4, **kw):
 def reference_replay(config, trace):
   """The clock's events one at a time: replica r's own (unvmapped) step on its batch, then a group's
   every stage averaged in numpy; what the hybrid's packed, vmapped rounds must equal."""
-  R = config.replicas.count
-  p = setup_lib.build_pipeline(config)
-  init_fn, step_fn = baselines.METHODS[config.method]
-  one = init_fn(
-    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
-  )
-  schedule = baselines.schedule_of(config)
-  drain = schedule.drain_ticks() if schedule else 0
-  step = step_fn(p.stages, p.optimizer, config, R * (-(-p.num_batches // R) + drain))
+  R, h = config.replicas.count, hybrid.build(config)
+  p, one, schedule = h.p, h.one, h.schedule
+  step = h.step_fn(p.stages, p.optimizer, config, h.total)
   offset = schedule.offsets[-1] if schedule else 0
   shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
   states = [jax.tree.map(jnp.array, one) for _ in range(R)]
@@ -273,16 +267,10 @@ def test_no_averaging_evaluates_each_replica():
 
 def replay(config, events):
   """The simulator's numerics (packed rounds, vmapped one_device ticks) over an event log."""
-  R = config.replicas.count
-  p = setup_lib.build_pipeline(config)
-  init_fn, step_fn = baselines.METHODS[config.method]
-  one = init_fn(
-    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
-  )
-  schedule = baselines.schedule_of(config)
-  total = R * (-(-p.num_batches // R) + schedule.drain_ticks())
-  state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one)
-  round_fn = hybrid.make_round_fn(step_fn(p.stages, p.optimizer, config, total))
+  R, h = config.replicas.count, hybrid.build(config)
+  p, schedule, total = h.p, h.schedule, h.total
+  state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), h.one)
+  round_fn = hybrid.make_round_fn(h.step_fn(p.stages, p.optimizer, config, total))
   shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
   for r in hybrid.pack_rounds(events, R):
     x, y = hybrid.batches(config, p.data, shards, r, schedule.offsets[-1])

@@ -29,7 +29,6 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import data as data_lib
-from ripples_jax import setup as setup_lib
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.hybrid import sim
 from ripples_jax.pipeline import baselines, devices
@@ -244,14 +243,8 @@ def train(config, workdir: str | None = None):
   the run's event log, resumed runs' included)."""
   R, K = config.replicas.count, config.num_stages
   workdir = make_workdir(workdir, config)
-  p = setup_lib.build_pipeline(config, workdir)
-  init_fn, _ = baselines.METHODS[config.method]
-  one = init_fn(
-    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
-  )
-  schedule = baselines.schedule_of(config)
-  drain = schedule.drain_ticks() if schedule else 0
-  per_replica = -(-p.num_batches // R) + drain  # the simulator's budget (hybrid/sim.py)
+  h = sim.build(config, workdir)  # the simulator's setup and budget of ticks
+  p, one, schedule, per_replica = h.p, h.one, h.schedule, h.per_replica
   devs = replica_devices(config)
   ticks = [make_tick(p, config, schedule, R * per_replica, d) for d in devs]
   pad = float(config.replicas.pad_s)

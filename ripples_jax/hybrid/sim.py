@@ -143,6 +143,36 @@ def make_round_fn(step):
   return jax.jit(round_fn, donate_argnums=0)
 
 
+@dataclasses.dataclass
+class Hybrid:
+  """What both hybrid executors build first: the pipeline's setup, one replica's initial state, the
+  method's step maker and schedule, and the budget of ticks (per replica and in all)."""
+
+  p: setup_lib.PipelineSetup
+  one: list
+  step_fn: object
+  schedule: object
+  per_replica: int
+  total: int
+
+
+def build(config, workdir: str | None = None) -> Hybrid:
+  """num_epochs are passes over the training set by the replicas together (data parallel: each replica
+  ceil(num_batches / R) batches and its drain, R=1 the pipeline's run); with a straggler the fast
+  replicas take more of the R x that ticks, as Ripples' workers do. No replica's updates are masked as
+  past the end (the step's num_batches is the run's ticks): a replica's stream of batches is its
+  shard's endless walk, and what is in flight at the end is not applied."""
+  R = config.replicas.count
+  p = setup_lib.build_pipeline(config, workdir)
+  init_fn, step_fn = baselines.METHODS[config.method]
+  one = init_fn(
+    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
+  )
+  schedule = baselines.schedule_of(config)
+  per_replica = -(-p.num_batches // R) + (schedule.drain_ticks() if schedule else 0)
+  return Hybrid(p, one, step_fn, schedule, per_replica, R * per_replica)
+
+
 def run(config, workdir: str | None = None) -> dict:
   """executor=hybrid (run.EXECUTORS): the summary of simulate_and_train."""
   return simulate_and_train(config, workdir)[0]
@@ -152,23 +182,11 @@ def simulate_and_train(config, workdir: str | None = None):
   """The clock, then the numerics, through RunLog; returns (summary, final state_K, the clock's trace)."""
   R = config.replicas.count
   workdir = make_workdir(workdir, config)
-  p = setup_lib.build_pipeline(config, workdir)
-  init_fn, step_fn = baselines.METHODS[config.method]
-  one = init_fn(
-    p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
-  )
+  h = build(config, workdir)
+  p, one, schedule, per_replica, total = h.p, h.one, h.schedule, h.per_replica, h.total
   stage_s, stage_bytes = stage_costs(config, p.stages, one, p.feed.sample)
   # Every replica starts from the same parameters, as Ripples' workers do.
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one)
-  schedule = baselines.schedule_of(config)
-  drain = schedule.drain_ticks() if schedule else 0
-  # num_epochs passes over the training set by the replicas together (data parallel: each replica
-  # ceil(num_batches / R) batches and its drain, R=1 the pipeline's run); with a straggler the fast
-  # replicas take more of the R x that ticks, as Ripples' workers do. No replica's updates are masked
-  # as past the end (the step's num_batches is the run's ticks): a replica's stream of batches is its
-  # shard's endless walk, and what is in flight at the end is not applied.
-  per_replica = -(-p.num_batches // R) + drain
-  total = R * per_replica
   trace = clock_lib.simulate(clock_spec(config, stage_s, stage_bytes, total))
   logging.info(
     "hybrid %s R=%d K=%d: %d events, %.1f virtual s; stage seconds %s, bytes %s",
@@ -188,7 +206,7 @@ def simulate_and_train(config, workdir: str | None = None):
       _, state, saved = got
       cur = Loop(**saved)
     with profiling.CompileCounter() as compiles:
-      round_fn = make_round_fn(step_fn(p.stages, p.optimizer, config, total))
+      round_fn = make_round_fn(h.step_fn(p.stages, p.optimizer, config, total))
       state, cur = execute(config, p, shards, state, cur, trace, round_fn, log, schedule)
     summary = log.finish(
       time=trace.end_time,
