@@ -71,6 +71,31 @@ def test_watchdog_reports_a_run_where_nothing_moves():
   assert exits and "no progress for 8 s" in logs[0]
 
 
+def test_watchdog_counts_the_last_worker_finishing_as_progress():
+  """DiLoCo behind a straggler: the fast workers wait 128 s in the outer all-reduce while the slow one
+  steps; it joins, finishes and beats `done` a beat before the others' beats show them out of the
+  collective. That finish is progress: nobody is reported stalled until stall_timeout after it."""
+  kv, logs, exits = FakeKV(), [], []
+  state = {0: [64, 1, False], 1: [64, 1, False], 2: [0, 0, False]}
+  dogs = [
+    coord.Watchdog(kv, w, 3, lambda w=w: tuple(state[w]), 1.0, 5.0, 40.0, logs.append, exits.append)
+    for w in range(3)
+  ]
+  for t in range(160):  # workers 0 and 1 blocked in the collective; worker 2 steps
+    state[2][:2] = [t // 2, t // 2]
+    for d in dogs:
+      d.check(float(t))
+  state[2][2] = True  # worker 2 done (beating at the end barrier); 0 and 1 still show the collective
+  for t in range(160, 199):
+    for d in dogs:
+      d.check(float(t))
+  assert not exits
+  for t in range(199, 203):  # nothing moves 40 s after the last finish: stalled
+    for d in dogs:
+      d.check(float(t))
+  assert exits and "no progress for 40 s" in logs[0]
+
+
 # -- trace merge ----------------------------------------------------------------------------------
 
 

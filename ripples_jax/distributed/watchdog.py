@@ -185,8 +185,10 @@ class Watchdog:
       self.steps[w], e, self.done[w], life = read_beat(value)
       if self.on_lost is None:
         self.incarnations[w] = life
-      if e != self.moved[w][0]:
-        self.moved[w] = (e, now)
+      # A worker finishing is progress too: the last worker out of a long collective (DiLoCo's outer
+      # all-reduce behind a straggler) is done a beat before its peers' beats show them leaving it.
+      if (e, self.done[w]) != self.moved[w][0]:
+        self.moved[w] = ((e, self.done[w]), now)
     if self._stop.is_set():
       return
     if self.incarnation is not None:
@@ -223,7 +225,9 @@ class Watchdog:
         )
       return
     self._all_gone_since = None
-    if running and all(now - self.moved[w][1] > self.stall_timeout for w in running):
+    # Stalled: nobody still in the run (done or running) completed anything for stall_timeout.
+    members = [w for w in range(self.n) if w not in self.gone]
+    if running and all(now - self.moved[w][1] > self.stall_timeout for w in members):
       stalled = min(running, key=lambda w: self.moved[w][1])
       self._lost(
         f"no progress for {self.stall_timeout:.0f} s; {self.role} {stalled} stalled first "
