@@ -1,8 +1,11 @@
-r"""The hybrid on the devices of one process (placement=devices, docs/design.md 4.7) against All-Reduce
-across replicas, measured on the wall clock, each run beside the simulator's prediction fed with what it
-measured.
+r"""The hybrid on the wall clock (docs/design.md 4.7) against All-Reduce across replicas: on the devices of
+one process (placement=devices) or with a process per (replica, stage) under the launcher
+(placement=per_process: R x K stage processes and the coordinator), each run beside the simulator's
+prediction fed with what it measured.
 
   python -m benchmarks.hybrid_devices --json_out=results/hybrid/devices.json
+  python -m benchmarks.hybrid_devices --placement=per_process --pad_s=0.05 \
+      --json_out=results/hybrid/processes.json
 
 R x K devices (forced CPU devices here, set below before jax loads; a GPU host's GPUs there), DSP's
 MNIST-1D pipeline at the step sizes results/hybrid's 4 x 2 study chose, ticks padded to --pad_s (x5 on
@@ -26,11 +29,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   ).strip()
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+flags.DEFINE_enum("placement", "devices", ["devices", "per_process"], "Where the replicas' stages run.")
 flags.DEFINE_integer("replicas", 4, "R.")
 flags.DEFINE_integer("stages", 2, "K.")
 flags.DEFINE_float("pad_s", 0.03, "Each tick's wall seconds (x5 on the slow device's replica).")
@@ -85,15 +90,61 @@ def tick_seconds(config, events) -> float:
   return float(np.median(ticks))
 
 
+def config_args(config) -> list[str]:
+  """experiments.train_dsp's flags for `config`: the config file and every key that differs from it."""
+  from configs import dsp as dsp_config
+
+  spec = f"method={config.method},num_stages={config.num_stages},epochs={config.num_epochs}"
+  base = dsp_config.get_config(spec)
+  fmt = lambda v: (
+    "(" + ",".join(repr(x) for x in v) + ("," if len(v) == 1 else "") + ")" if isinstance(v, tuple) else v
+  )  # noqa: E731
+  want, have = flatten(config.to_dict()), flatten(base.to_dict())
+  return [f"--config=configs/dsp.py:{spec}"] + [
+    f"--config.{k}={fmt(v)}" for k, v in want.items() if have.get(k) != v
+  ]
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+  return out
+
+
+def launched(config, workdir: str) -> tuple:
+  """One placement=per_process run under the launcher: (summary, the run's events)."""
+  from ripples_jax.distributed.launcher import launch
+  from ripples_jax.hybrid import processes
+
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.makedirs(workdir)
+  n = config.replicas.count * config.num_stages
+  with open(os.path.join(workdir + ".launch.log"), "w") as log:
+    code = launch(n, [*config_args(config), f"--workdir={workdir}"], module="experiments.train_dsp", out=log,
+                  grace_s=10, coordinator=True)  # fmt: skip
+  if code:
+    raise RuntimeError(f"{workdir} failed with exit code {code}: see {workdir}.launch.log")
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  traces = processes.read_traces(workdir, config.replicas.count, config.num_stages)
+  return summary, processes.events_of(traces, config.replicas.count)
+
+
 def one(scenario, algorithm, lr, seed) -> dict:
   from ripples_jax import run as run_lib
   from ripples_jax.hybrid import devices as hybrid_devices
 
-  config = config_for(scenario, algorithm, lr, seed, "devices")
-  run_lib.validate(config)
+  config = config_for(scenario, algorithm, lr, seed, FLAGS.placement)
   name = f"{scenario}-{algorithm}-{seed}".replace(" ", "_")
   t = time.perf_counter()
-  summary, _, events = hybrid_devices.train(config, os.path.join(FLAGS.workdir, name))
+  if FLAGS.placement == "per_process":
+    summary, events = launched(config, os.path.join(FLAGS.workdir, name))
+  else:
+    run_lib.validate(config)
+    summary, _, events = hybrid_devices.train(config, os.path.join(FLAGS.workdir, name))
   wall = time.perf_counter() - t
   records = [json.loads(line) for line in open(os.path.join(summary["workdir"], "metrics.jsonl"))]
   tick_s = tick_seconds(config, events)

@@ -6,6 +6,9 @@
   python -m experiments.launch --num_processes=2 --module=experiments.train_dsp -- \
       --config=configs/dsp.py:mode=residuals --config.placement=per_process   # stage k in process k
   python -m experiments.train_dsp --config=configs/dsp.py --config.replicas.count=4   # 4 replicas, simulated
+  python -m experiments.launch --num_processes=8 --module=experiments.train_dsp -- \
+      --config=configs/dsp.py:num_stages=2 --config.placement=per_process --config.replicas.count=4 \
+      --config.replicas.pad_s=0.05   # 4 x 2 stage processes and the coordinator
 
 Expected (2-core CPU, ~15-25 s a run on MNIST-1D; measured, WORKSPACE.md sections 3 and 12):
 - Accuracy at this config's lr 0.02, one seed (`python -m experiments.reproduce_dsp
@@ -112,7 +115,9 @@ def get_config(arg=None):
   # Ripples across pipelines (ripples_jax/hybrid, docs/design.md 4.7): R replicas of this pipeline,
   # each stage's replicas averaging their stage in groups after every sync_every-th tick; simulated
   # with placement=one_device (virtual time, exact numerics), on R x K devices of this process with
-  # placement=devices (threads, the wall clock). count 0: the pipeline alone.
+  # placement=devices (threads, the wall clock), a process per (replica, stage) with
+  # placement=per_process (hybrid/processes.py; replica 0's stage runtime.fail_stage is the one fault
+  # injection kills). count 0: the pipeline alone.
   c.replicas = ml_collections.ConfigDict()
   c.replicas.count = 0  # R (0: no replicas; 1: the hybrid executor on one replica, the pipeline's numerics)
   c.replicas.algorithm = "ripples_smart"  # ripples_smart | ripples_random | ripples_static | allreduce
@@ -132,8 +137,8 @@ def get_config(arg=None):
   c.replicas.bandwidth = 1.25e9  # bytes/s of each device's link
   c.replicas.avg_s = 0.0  # > 0: a group's averages take this many seconds (measured), not the ring model
   c.replicas.target_accuracy = 0.0  # time_to_target: the first evaluation at or above it (0: none)
-  c.replicas.pad_s = 0.0  # placement=devices: each tick padded to this many wall seconds (the slow
-  # device's replica: slowdown x it), so a run on few cores measures the protocol, not the cores
+  c.replicas.pad_s = 0.0  # placement=devices, per_process: each tick padded to this many wall seconds
+  # (the slow device: slowdown x it), so a run on few cores measures the protocol, not the cores
 
   c.num_epochs = arg.epochs  # passes over the training set
   c.log_every = 50  # batches

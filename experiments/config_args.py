@@ -83,6 +83,30 @@ def runs_async(module: str, args) -> bool:
     return False
 
 
+def runs_hybrid_processes(module: str, args) -> bool:
+  """Whether `python -m module args` is a hybrid run of experiments.train_dsp with a process per
+  (replica, stage): placement=per_process and replicas.count > 0 (its coordinator is process 0)."""
+  if module.rsplit(".", 2)[-2:] != ["experiments", "train_dsp"]:
+    return False
+  given = dict(overrides(args))
+  spec = config_spec(shipped_configs(list(args)), "configs/dsp.py")
+  if not os.path.isabs(spec.split(":", 1)[0]) and not os.path.exists(spec.split(":", 1)[0]):
+    spec = os.path.join(_ROOT, spec)
+  try:
+    config = load_config(spec)
+    placement = given.get("placement", config.placement).strip("'\"")
+    count = int(given.get("replicas.count", config.replicas.count))
+  except Exception:  # noqa: BLE001  the child says what is wrong with its config
+    return False
+  return placement == "per_process" and count > 0
+
+
+def needs_coordinator(module: str, args) -> bool:
+  """Whether the launcher starts a coordinator (process 0, which trains nothing) besides the workers:
+  an executor=async run, or a hybrid run with a process per (replica, stage)."""
+  return runs_async(module, args) or runs_hybrid_processes(module, args)
+
+
 def runs_elastic(module: str, args) -> bool:
   """Whether `python -m module args` is an elastic executor=async run (runtime.elastic): the launcher
   then restarts a dead worker alone (--max_restarts) and the others go on, instead of stopping them."""

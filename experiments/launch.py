@@ -140,7 +140,7 @@ def main(argv):
       _PLATFORM.value,
       _GRACE.value,
       port=_PORT.value,
-      coordinator=config_args.runs_async(_MODULE.value, argv[1:]),
+      coordinator=config_args.needs_coordinator(_MODULE.value, argv[1:]),
       max_restarts=_MAX_RESTARTS.value,
       elastic=config_args.runs_elastic(_MODULE.value, argv[1:]),
       node=Node(_NNODES.value, _NODE_RANK.value, _COORDINATOR_ADDRESS.value, _NODE_ADDRESS.value),

@@ -521,11 +521,12 @@ def _check_replicas(config, local_devices: int | None = None) -> None:
   c = config.replicas
   if not c.count:
     return
-  if config.placement not in ("one_device", "devices"):
+  if config.placement not in ("one_device", "devices", "per_process"):
     _fail(
       "placement",
       config.placement,
-      "one_device (simulated) or devices (R x K devices of this process) with replicas.count > 0",
+      "one_device (simulated), devices (R x K devices of this process) or per_process (a process per "
+      "replica and stage) with replicas.count > 0",
     )
   if config.placement == "devices":
     import jax
@@ -538,7 +539,12 @@ def _check_replicas(config, local_devices: int | None = None) -> None:
         f"at most {have // config.num_stages} with placement=devices: replicas x num_stages="
         f"{config.num_stages} devices, this process has {have}",
       )
-  _number(config, "replicas.pad_s", lambda v: v >= 0, "seconds >= 0 (placement=devices: each tick's length)")
+  _number(
+    config,
+    "replicas.pad_s",
+    lambda v: v >= 0,
+    "seconds >= 0 (placement=devices, per_process: each tick's length)",
+  )
   _one_of(config, "replicas.algorithm", HYBRID_ALGORITHMS)
   _int_in(config, "replicas.group_size", 2, 4096, "an integer >= 2")
   _number(config, "replicas.smart_tolerance", lambda v: v >= 0, "a number >= 0")
@@ -572,7 +578,10 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
   from ripples_jax.pipeline.tick import PROCESS_MODES
 
   _one_of(config, "placement", PLACEMENTS)
-  if config.placement == "per_process":
+  hybrid = bool(config.get("replicas") and config.replicas.get("count", 0))
+  if config.placement == "per_process" and hybrid:
+    _check_hybrid_processes(config, num_processes, PROCESS_MODES)
+  elif config.placement == "per_process":
     _check_per_process(config, num_processes, PROCESS_MODES)
   elif num_processes > 1:
     raise ConfigError(
@@ -655,6 +664,29 @@ def _has_model_state(model: str) -> bool:
 
   x = jnp.zeros((1,) + tuple(DEFAULT_SAMPLE_SHAPES[model]))
   return bool(jax.eval_shape(lambda: init_model(build_model(model, 10), jax.random.key(0), x))[1])
+
+
+def _check_hybrid_processes(config, num_processes: int, process_modes) -> None:
+  """placement=per_process with replicas.count = R > 0 (hybrid/processes.py): R x K stage processes
+  and the coordinator, a tick method."""
+  R, K = config.replicas.count, config.num_stages
+  if num_processes != R * K + 1:
+    _fail(
+      "placement",
+      "per_process",
+      f"one process per (replica, stage) and the coordinator: replicas.count x num_stages + 1 = {R * K + 1} "
+      f"processes (python -m experiments.launch --num_processes={R * K} --module=experiments.train_dsp "
+      f"-- ...: the launcher adds the coordinator), this job has {num_processes}",
+    )
+  if config.method in ("gpipe", "dni", "bp"):
+    _fail(
+      "method",
+      config.method,
+      "one of ddg, pipedream, pipemare, fr, dsp with placement=per_process and replicas.count > 0 (a "
+      "replica's stages tick together between its sync points; gpipe's flush and the whole-model steps "
+      "run simulated or with placement=devices)",
+    )
+  _check_per_process(config, K, process_modes)
 
 
 def _check_per_process(config, num_processes: int, process_modes) -> None:

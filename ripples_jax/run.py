@@ -12,6 +12,8 @@
   hybrid                R replicas of a pipeline averaging stage by stage in groups, simulated
                         (hybrid/sim.py; a pipeline config with replicas.count > 0)
   hybrid/devices        the same on R x K devices of this process, a thread per replica (hybrid/devices.py)
+  hybrid/per_process    the same with a process per (replica, stage) and the coordinator, process 0
+                        (hybrid/processes.py)
 Executors are peers: none imports another; each writes its files through runlog.RunLog and builds its
 inputs with setup.py. A Ripples config (configs/default.py) names its executor; a pipeline config
 (configs/dsp.py) has a method and a placement.
@@ -39,6 +41,7 @@ EXECUTORS = {
   "pipeline/per_process": ("ripples_jax.pipeline.per_process", "run"),
   "hybrid": ("ripples_jax.hybrid.sim", "run"),
   "hybrid/devices": ("ripples_jax.hybrid.devices", "run"),
+  "hybrid/per_process": ("ripples_jax.hybrid.processes", "run"),
 }
 
 
@@ -47,7 +50,9 @@ def executor_of(config) -> str:
   process_executor)."""
   if "method" in config:  # configs/dsp.py
     if config.get("replicas") and config.replicas.count:
-      return "hybrid/devices" if config.placement == "devices" else "hybrid"
+      return {"devices": "hybrid/devices", "per_process": "hybrid/per_process"}.get(
+        config.placement, "hybrid"
+      )
     return "pipeline/per_process" if config.placement == "per_process" else "pipeline"
   if config.executor == "async" and config.algorithm == "adpsgd":
     return "async/adpsgd"

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from experiments.config_args import runs_async
+from experiments.config_args import needs_coordinator
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.launcher import describe, launch
 from tests.fakes import FakeKV, exited
@@ -91,7 +91,7 @@ def launch_thread(n, args, timeout_s=60, **kwargs):
     started.set()
 
   kwargs.setdefault("cwd", ROOT)
-  kwargs.setdefault("coordinator", runs_async(kwargs.get("module", "experiments.train"), args))
+  kwargs.setdefault("coordinator", needs_coordinator(kwargs.get("module", "experiments.train"), args))
   t = threading.Thread(
     target=lambda: result.setdefault("code", launch(n, args, out=out, on_start=on_start, **kwargs)),
     daemon=True,

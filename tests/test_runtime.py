@@ -14,7 +14,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from configs import default as default_config
-from experiments.config_args import runs_async, runs_elastic
+from experiments.config_args import needs_coordinator, runs_elastic
 from ripples_jax import timeline
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.launcher import launch
@@ -192,7 +192,7 @@ def launch_bounded(
         on_start=started,
         cwd=ROOT,
         grace_s=grace_s,
-        coordinator=runs_async(module, args),  # as experiments.launch does
+        coordinator=needs_coordinator(module, args),  # as experiments.launch does
         max_restarts=max_restarts,
         elastic=runs_elastic(module, args),
       ),

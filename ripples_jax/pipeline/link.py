@@ -44,14 +44,15 @@ def stage_device(k: int):
 class Link:
   """Transfers over link j; call them from stage j and from stage j + 1 in one order."""
 
-  def __init__(self, j: int, me: int, shape, dtype):
+  def __init__(self, j: int, me: int, shape, dtype, base: int = 0):
     if me not in (j, j + 1):
       raise ValueError(f"stage {me} is not on link {j}")
     self.j, self.side = j, me - j  # side 0: the stage below, 1: the stage above
     self.shape, self.dtype = tuple(shape), jnp.dtype(dtype)
-    self.mesh = Mesh(np.array([stage_device(j), stage_device(j + 1)]), (AXIS,))
+    # base: the process of stage 0 (a hybrid replica's pipeline starts at process 1 + r * K)
+    self.mesh = Mesh(np.array([stage_device(base + j), stage_device(base + j + 1)]), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
-    self.device = stage_device(me)
+    self.device = stage_device(base + me)
     self.zeros = jax.device_put(jnp.zeros(self.shape, self.dtype), self.device)
     self._fns = {}
 

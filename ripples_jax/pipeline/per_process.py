@@ -163,11 +163,11 @@ class Links:
   links' transfers run on threads of their own (slack: a FIFO slot holds the transfer that fills it, a
   future, until a tick reads it); the others are called directly. `clock` times every wait ("link")."""
 
-  def __init__(self, k: int, schedule, slack: bool, clock: Clock, shapes: tuple[list, list, list]):
+  def __init__(self, k: int, schedule, slack: bool, clock: Clock, shapes: tuple[list, list, list], base=0):
     self.k, self.schedule, self.slack, self.clock = k, schedule, slack, clock
     K = len(shapes[0])
     self.last = k == K - 1
-    link = lambda j, like: Link(j, k, like[j + 1].shape, like[j + 1].dtype) if 0 <= j < K - 1 else None
+    link = lambda j, like: Link(j, k, like[j + 1].shape, like[j + 1].dtype, base) if 0 <= j < K - 1 else None
     ins, micro, test_in = shapes
     self.lower, self.upper = link(k - 1, ins), link(k, ins)
     self.lower_mb, self.upper_mb = link(k - 1, micro), link(k, micro)
@@ -265,11 +265,14 @@ class Stage:
   """This process's stage: its state and residual ring, its programs (a tick's, GPipe's, evaluation's),
   its links, its clock."""
 
-  def __init__(self, config, stages, optimizer, num_batches: int, sample_x, test_x):
-    self.k, self.K = jax.process_index(), config.num_stages
-    self.config, self.n, self.last = config, num_batches, jax.process_index() == config.num_stages - 1
+  def __init__(self, config, stages, optimizer, num_batches: int, sample_x, test_x, base: int = 0):
+    """base: the process of stage 0; this process is stage process_index - base (the hybrid's replica
+    r holds processes 1 + r * K .. r * K + K: hybrid/processes.py)."""
+    self.k, self.K = jax.process_index() - base, config.num_stages
+    self.config, self.n, self.last = config, num_batches, self.k == config.num_stages - 1
     self.schedule = schedule_of(config)  # None: gpipe, its own loop
-    self.device = stage_device(self.k)
+    self.device = stage_device(base + self.k)
+    self.pad = None  # the hybrid's padded ticks: called at a tick's end, before its transfers leave
     self.clock = Clock()
     self.boundary_bytes = 0  # gpipe: the micro-batch boundary inputs it keeps during an iteration
     k, stage, sch = self.k, stages[self.k], self.schedule
@@ -287,7 +290,7 @@ class Stage:
       )
     self.state = jax.device_put(st, self.device)
     shapes = boundary_shapes(config, stages, full, test_x)
-    self.links = Links(k, sch, config.runtime.slack, self.clock, shapes)
+    self.links = Links(k, sch, config.runtime.slack, self.clock, shapes, base)
     self.progs = tick_programs(stage, optimizer, sch, k, num_batches) if sch is not None else {}
     self.gp = gpipe.stage_programs(stage, optimizer, k == 0, self.last, config.microbatches)
     self.ev_fwd = jax.jit(lambda p, ms, x: apply_model(stage, p, ms, x, train=False)[0])
@@ -339,6 +342,8 @@ class Stage:
         st, g_x, metrics = c.run("backward", P["backward"], st, cot, y_t, t)
       if k > 0 and tick_lib.cotangent_source(sch, k - 1) == tick_lib.NOW:  # the stage below waits for it
         L.post(L.lower_t, "down", g_x)
+    if self.pad is not None:
+      self.pad()
     L.advance(y, g_x)
     return st, metrics
 
