@@ -57,6 +57,7 @@ class Shared:
   pause: bool = False  # a cut is being taken: no replica starts a tick
   paused: set = dataclasses.field(default_factory=set)  # replicas waiting for the cut to end
   waiting: dict = dataclasses.field(default_factory=dict)  # replica -> (group key, members) it waits in
+  errors: list = dataclasses.field(default_factory=list)  # (replica, exception) of a thread that raised
 
 
 def replica_devices(config) -> list[list]:
@@ -129,6 +130,27 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
           sh.gone.add(r)
           sh.cond.notify_all()
         return
+
+
+def replica_thread(config, p, r: int, tick, shard, offset: int, sh: Shared) -> None:
+  """replica_loop, whose error ends the run (monitor raises it) instead of leaving the replicas that wait
+  in its groups waiting on a thread that is gone: it leaves, and no tick is reserved after it."""
+  try:
+    replica_loop(config, p, r, tick, shard, offset, sh)
+  except BaseException as e:  # noqa: BLE001  (re-raised by monitor, in the main thread)
+    with sh.cond:
+      sh.errors.append((r, e))
+      sh.gone.add(r)
+      sh.left = 0
+      sh.cond.notify_all()
+
+
+def stopped(sh: Shared) -> set:
+  """(With the lock.) The replicas a cut may be taken around: held before a tick, gone, or waiting in a
+  group not yet averaged. A member whose group has finished is not stopped until it holds itself: its
+  published state is already the average, and the group (out of `reached` since its last member
+  arrived) could not be waited in again on resume."""
+  return sh.paused | sh.gone | {r for r, (key, _) in sh.waiting.items() if key not in sh.finished}
 
 
 def sync(r: int, count: int, sh: Shared) -> bool:
@@ -268,7 +290,9 @@ def train(config, workdir: str | None = None):
     shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
     offset = schedule.offsets[-1] if schedule else 0
     threads = [
-      threading.Thread(target=replica_loop, args=(config, p, r, ticks[r], shards[r], offset, sh), daemon=True)
+      threading.Thread(
+        target=replica_thread, args=(config, p, r, ticks[r], shards[r], offset, sh), daemon=True
+      )
       for r in range(R)
     ]
     sh.t0 = time.perf_counter() - sh.t0  # resumed: the clock goes on from the cut's time
@@ -383,6 +407,9 @@ def monitor(config, threads, ticks, sh: Shared, log: RunLog, evaluator, mon: Mon
     time.sleep(0.002)
   for t in threads:
     t.join()
+  if sh.errors:
+    r, e = sh.errors[0]
+    raise RuntimeError(f"hybrid/devices: replica {r}'s thread failed ({type(e).__name__}: {e})") from e
   final = int(sh.ticks.sum()) // R
   last = max(e[0] for e in sh.events)
   if final > log.last.get("step", -1) and (not mon.pending or mon.pending[-1][1] < final):
@@ -395,7 +422,7 @@ def cut(config, ticks, sh: Shared, log: RunLog, evaluator, mon: Monitor) -> None
   the cursor checkpointed; the clock does not count it."""
   with sh.cond:
     sh.pause = True
-    while len(sh.paused | sh.gone | set(sh.waiting)) < len(sh.states):
+    while len(stopped(sh)) < len(sh.states):
       sh.cond.wait()
     began = time.perf_counter()
     for r, tick in enumerate(ticks):
