@@ -310,6 +310,33 @@ def test_a_cut_waits_for_a_member_woken_from_a_finished_group():
   assert hybrid_devices.stopped(sh) == {0, 3}
 
 
+def test_a_resumed_replica_rejoins_a_group_whose_last_member_came_first():
+  """Resumed inside group 16 with replica 0: 0's thread may arrive (and take the group out of `reached`)
+  before 3's thread starts; 3 then waits for the averages and goes on (its KeyError there hung the
+  devices cut test). A group a member left is abandoned: 3 leaves too."""
+  import threading
+  import time
+
+  from ripples_jax.hybrid import devices as hybrid_devices
+
+  sh = hybrid_devices.Shared(
+    threading.Condition(), None, [None] * 4, 10, *(np.zeros(4),) * 3, np.zeros(4, int)
+  )
+  sh.waiting = {3: (16, (0, 3))}
+  out = []
+  t = threading.Thread(target=lambda: out.append(hybrid_devices.rejoin(3, sh)), daemon=True)
+  t.start()
+  time.sleep(0.05)
+  assert t.is_alive() and not out  # 0's averages are not done yet
+  with sh.cond:
+    sh.finished.add(16)
+    sh.cond.notify_all()
+  t.join(10)
+  assert out == [True] and sh.waiting == {}
+  sh.waiting, sh.reached, sh.gone = {3: (17, (1, 3))}, {17: {3}}, {1}
+  assert not hybrid_devices.rejoin(3, sh) and 3 in sh.gone
+
+
 @pytest.mark.slow
 def test_a_replica_thread_that_raises_ends_the_run(tmp_path, monkeypatch):
   """placement=devices: a replica's tick raising at its third tick ends the run with that error (the

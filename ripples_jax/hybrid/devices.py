@@ -89,13 +89,8 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
   held before its tick is part of the cut, half reached, and resumed as such."""
   B, seed, i = config.batch_size, config.seed, int(sh.ticks[r])  # resumed: its next batch
   idx = lambda j: data_lib.batch_indices([shard], B, seed, j, workers=[r])[0]
-  with sh.cond:
-    if r in sh.waiting:  # resumed inside a group: it waits there again
-      key, members = sh.waiting[r]
-      if not wait_for(r, key, members, sh.reached[key], sh):
-        sh.gone.add(r)
-        sh.cond.notify_all()
-        return
+  if not rejoin(r, sh):
+    return
   while True:
     with sh.cond:
       while sh.pause:
@@ -130,6 +125,21 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
           sh.gone.add(r)
           sh.cond.notify_all()
         return
+
+
+def rejoin(r: int, sh: Shared) -> bool:
+  """Replica r, resumed inside a group, waits there again; False if the group was abandoned. Its last
+  member may have arrived before r's thread started (threads start in no set order): the group is then
+  out of `reached`, complete, and r waits only for its averages."""
+  with sh.cond:
+    if r not in sh.waiting:
+      return True
+    key, members = sh.waiting[r]
+    if wait_for(r, key, members, sh.reached.get(key, set(members)), sh):
+      return True
+    sh.gone.add(r)
+    sh.cond.notify_all()
+    return False
 
 
 def replica_thread(config, p, r: int, tick, shard, offset: int, sh: Shared) -> None:
