@@ -374,10 +374,7 @@ def test_devices_placement_needs_a_device_per_stage_of_every_replica():
   assert run_lib.executor_of(c) == "hybrid/devices"
 
 
-# Nightly: hung once in three runs of this file on 2 cores (a race in the cut, not yet found: WORKSPACE.md
-# section 39); the README's command must not wait on it.
 @pytest.mark.slow
-@pytest.mark.nightly
 def test_devices_cut_and_resume(tmp_path):
   """placement=devices with a consistent cut every 8 steps: the run cut back to its first cut and rerun
   goes on from it (each replica at its own tick, the buffer's pending groups, the clock's time); its
