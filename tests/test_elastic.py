@@ -913,7 +913,10 @@ def process_of(workdir, worker, besides=()):
   return None
 
 
+# Nightly for the README command's 15 minutes (119 s): rejoins stay in its tier through the permanent-loss
+# resume and the AD-PSGD rejoin; this one adds two at once and a second death (WORKSPACE.md section 41).
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_restarted_workers_rejoin_at_once_and_again_with_weight_0_and_train(tmp_path):
   """Workers 0 and 1 SIGKILLed at once, both restarted: both rejoin (a life runs on a CPU device of its
   own, so no pair runs out of connections) with weight 0 and train; worker 1, killed again once its

@@ -34,6 +34,7 @@ def run_engine(model, data, batches, layouts, optimizer, impl="auto", n=N, mesh=
   return jax.tree.map(np.asarray, state)
 
 
+@pytest.mark.slow  # 4-7 s: the fast tier's 2 minutes (WORKSPACE.md section 41)
 def test_allreduce_equals_single_model_sgd_on_the_concatenated_batch(setup):
   model, data, batches = setup
   opt = optax.sgd(0.1, momentum=0.9)  # momentum is linear, so averaging params = averaging gradients

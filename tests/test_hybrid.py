@@ -186,6 +186,7 @@ def test_config_errors_name_the_key():
   assert run_lib.executor_of(hybrid_config(replicas=0)) == "pipeline"
 
 
+@pytest.mark.slow  # 4-7 s: the fast tier's 2 minutes (WORKSPACE.md section 41)
 def test_resume_equals_the_uninterrupted_run(tmp_path):
   """A hybrid run cut back to an early checkpoint and rerun: the clock is re-run, the executed rounds
   skipped; the records come out byte for byte and the final state equal."""

@@ -957,7 +957,9 @@ def test_sigterm_to_a_worker_is_one_line_and_stops_the_job(tmp_path):
   assert all(exited(p) for p in pids)
 
 
+# Nightly (23 s): the launcher naming a lost worker stays in the README's tier; this is the path without it.
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_without_the_launcher_the_survivors_name_the_lost_worker(tmp_path):
   """As on a cluster (one process per host, nobody stopping the others): worker 2 dies mid-run; each
   survivor's watchdog names it within runtime.heartbeat_timeout (5 s), the coordinator (process 0)

@@ -228,7 +228,10 @@ def start_stages_directly(args):
   return start_directly(2, "experiments.train_dsp", args)
 
 
+# Nightly (36 s): a killed stage process and its resume stay in the README's tier through
+# tests/test_hybrid_processes.py's killed run, whose stages are this runtime's Stage.
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_killed_stage_is_named_and_the_rerun_resumes_the_same_numerics(tmp_path):
   workdir = str(tmp_path / "run")
   args = pipeline_config("dsp", "recompute", 1, epochs=2, extra=["--config.checkpoint_every=31"]) + [

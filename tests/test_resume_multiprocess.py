@@ -77,6 +77,7 @@ def test_async_rerun_with_another_config_is_refused_and_keeps_every_file(killed_
   assert kept(workdir) == before
 
 
+@pytest.mark.nightly  # 34 s, for the README command's 15 minutes (WORKSPACE.md section 41)
 def test_a_read_only_ckpt_ends_every_worker_with_74_and_keeps_every_file(killed_async_run):
   workdir, args = killed_async_run
   ckpt = os.path.join(workdir, "ckpt")
@@ -111,6 +112,9 @@ def newest_marker(workdir, worker):
   return max(int(d) for d in os.listdir(os.path.join(workdir, "ckpt", str(worker))) if d.isdigit())
 
 
+# Nightly for the README command's 15 minutes (68 s): a corrupt checkpoint's fallback stays in its tier
+# through test_resume.py's simulation (WORKSPACE.md section 41).
+@pytest.mark.nightly
 def test_a_killed_worker_stops_the_run_and_a_corrupt_newest_marker_falls_back_deleting_nothing_else(
   tmp_path,
 ):
@@ -185,6 +189,8 @@ def test_a_killed_worker_stops_the_run_and_a_corrupt_newest_marker_falls_back_de
   assert_tensorboard_once(workdir)  # the coordinator's records past each marker, written twice, show once
 
 
+# Nightly (21 s): refusing another config stays in the README's tier through the async rerun above.
+@pytest.mark.nightly
 def test_pipeline_rerun_with_other_stages_or_lr_is_refused_and_a_finished_rerun_rewrites_nothing(tmp_path):
   workdir = str(tmp_path / "run")
   args = pipeline_config("dsp", "recompute", 1, extra=["--config.checkpoint_every=31"]) + [

@@ -282,6 +282,7 @@ def test_stop_at_target_ends_at_the_first_evaluation_that_reaches_it(tmp_path):
   assert got["time_to_target"] == first["time"]
 
 
+@pytest.mark.slow  # 4-7 s: the fast tier's 2 minutes (WORKSPACE.md section 41)
 def test_eval_workers_off_drops_only_the_workers_own_accuracy(tmp_path):
   """The ledger's tuning runs skip the workers' own evaluation (its cost): every other field of every
   record is the same, and validation accuracy is the averaged model's in both."""
@@ -297,6 +298,7 @@ def test_eval_workers_off_drops_only_the_workers_own_accuracy(tmp_path):
   assert [{k: v for k, v in r.items() if k != "worker_test_accuracy"} for r in on] == off
 
 
+@pytest.mark.slow  # 4-7 s: the fast tier's 2 minutes (WORKSPACE.md section 41)
 def test_schedule_steps_makes_a_short_run_the_start_of_a_longer_ones_schedule(tmp_path):
   """optimizer.schedule_steps: a 4-step run on an 8-step schedule is the 8-step run's first 4 steps,
   record for record (the ledger's runtime rows are the start of its simulated runs); on its own
