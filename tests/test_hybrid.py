@@ -293,17 +293,25 @@ def test_devices_run_replays_to_its_parameters(tmp_path):
   assert summary["final_test_accuracy"] > 0.5
 
 
-def test_a_cut_waits_for_a_member_woken_from_a_finished_group():
-  """A replica still listed as waiting in a group its last member has averaged is not stopped for a cut
-  (the cut would record it waiting in a group that no longer exists, and on resume its thread would
-  wait for what never comes: the hang of the devices cut test); one waiting in an unfinished group is."""
+def bare_shared(R: int = 4):
+  """hybrid/devices' shared state of R replicas without states or a buffer: for the lock's rules."""
   import threading
 
   from ripples_jax.hybrid import devices as hybrid_devices
 
-  sh = hybrid_devices.Shared(
-    threading.Condition(), None, [None] * 4, 10, *(np.zeros(4),) * 3, np.zeros(4, int)
+  return hybrid_devices.Shared(
+    threading.Condition(), None, [None] * R, 10, *(np.zeros(R),) * 3, np.zeros(R, int)
   )
+
+
+def test_a_cut_waits_for_a_member_woken_from_a_finished_group():
+  """A replica still listed as waiting in a group its last member has averaged is not stopped for a cut
+  (the cut would record it waiting in a group that no longer exists, and on resume its thread would
+  wait for what never comes: the hang of the devices cut test); one waiting in an unfinished group is."""
+
+  from ripples_jax.hybrid import devices as hybrid_devices
+
+  sh = bare_shared()
   sh.paused, sh.gone, sh.waiting = {0}, {3}, {1: (7, (1, 2)), 2: (7, (1, 2))}
   assert hybrid_devices.stopped(sh) == {0, 1, 2, 3}
   sh.finished.add(7)  # 2 arrived last and averaged; 1 has not woken yet
@@ -320,9 +328,7 @@ def test_a_resumed_replica_rejoins_a_group_whose_last_member_came_first():
 
   from ripples_jax.hybrid import devices as hybrid_devices
 
-  sh = hybrid_devices.Shared(
-    threading.Condition(), None, [None] * 4, 10, *(np.zeros(4),) * 3, np.zeros(4, int)
-  )
+  sh = bare_shared()
   sh.waiting = {3: (16, (0, 3))}
   out = []
   t = threading.Thread(target=lambda: out.append(hybrid_devices.rejoin(3, sh)), daemon=True)
