@@ -194,7 +194,7 @@ def load(workdir: str) -> dict:
     r = json.load(f)
   r["workdir"] = workdir
   r["traces"] = trace_lib.load_traces(workdir)
-  r["starts"] = [json.loads(line) for line in open(os.path.join(workdir, "clock.jsonl"))]
+  r["starts"] = trace_lib.load_starts(workdir)
   r["records"] = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   path = os.path.join(workdir, "kills.json")
   r["kills"] = json.load(open(path)) if os.path.exists(path) else []

@@ -91,7 +91,7 @@ def load(workdir: str) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     r = json.load(f)
   r["traces"] = trace_lib.load_traces(workdir)
-  r["starts"] = [json.loads(line) for line in open(os.path.join(workdir, "clock.jsonl"))]
+  r["starts"] = trace_lib.load_starts(workdir)
   r["records"] = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   return r
 
@@ -191,9 +191,7 @@ def restart_part(r, step_time: float) -> dict:
 
 def wall_of(r, t: float) -> float:
   """Wall-clock seconds since the run's first start of run time t (clock.jsonl)."""
-  starts = r["starts"]
-  k = max(i for i, s in enumerate(starts) if s["run"] <= t + 1e-9) if t >= starts[0]["run"] else 0
-  return starts[k]["wall"] + (t - starts[k]["run"]) - starts[0]["wall"]
+  return trace_lib.wall_clock(r["starts"], t)
 
 
 def time_to(r, target: float) -> float | None:

@@ -46,6 +46,7 @@ from experiments.ledger_tta import (
 )
 from ripples_jax import verdict
 from ripples_jax.runlog import write_json
+from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.tables import Table
 
 # The algorithms (runs.json's names: ledger_tta.variant) and their names in the tables. DiLoCo's outer
@@ -79,7 +80,12 @@ STUDY_16 = (
   "worker killed and restarted, VGG-16 clock",
 )
 STUDY_256 = ("homogeneous, VGG-16 clock, 256 workers", "5x straggler, VGG-16 clock, 256 workers")
-TUNE_ON = {"heavy": "homogeneous, VGG-16 clock", "light": "homogeneous"}
+TUNE_ON = {
+  "heavy": "homogeneous, VGG-16 clock",
+  "light": "homogeneous",
+  "heavy256": "homogeneous, VGG-16 clock, 256 workers",  # sim256's own tuning (tuning_256.md)
+}
+TUNED_FILE = {"heavy": "tuning", "light": "tuning_light", "heavy256": "tuning_256"}
 
 MODEL = "mlp"
 
@@ -91,7 +97,7 @@ def _outer(name: str, outer_lr: float) -> str:
 def tune(
   out_dir, clock, steps, target, workers, grid=LR_GRID, outer_grid=OUTER_GRID, algorithms=tuple(ALGORITHMS)
 ) -> dict:
-  """{algorithm: (variant, lr)} for `algorithms` on `clock` (TUNE_ON), written to tuning[_light].md/json
+  """{algorithm: (variant, lr)} for `algorithms` on `clock` (TUNE_ON), written to TUNED_FILE[clock].md/json
   with every grid point's score (median validation time to the target, or never / final val acc)."""
   scenario = TUNE_ON[clock]
   first = {a: _outer(a, OUTER_FIRST) if a.startswith("diloco") else a for a in algorithms}
@@ -130,7 +136,7 @@ def tune(
     for a in outer
   ]
   otable = Table(["algorithm", "inner lr"] + [f"outer lr {o:g}" for o in outer_grid], orows)
-  name = "tuning" if clock == "heavy" else f"tuning_{clock}"
+  name = TUNED_FILE[clock]
   text = (
     f"{numerics(MODEL)}; clock {clock}; {steps} steps; each cell: the "
     f"median validation time to {100 * target:.0f}% over seeds {', '.join(map(str, TUNE_SEEDS))} (a run "
@@ -328,43 +334,156 @@ def publish(out_dir: str, name: str, out: dict, target: float, header: str) -> s
 
 # --- Real processes ---------------------------------------------------------------------------
 
-RUNTIME_STUDY = ("homogeneous", "5x straggler")  # ledger_runtime.RUNTIME_SCENARIOS' names
+RUNTIME_STUDY = ("homogeneous", "5x straggler", "killed and restarted")  # ledger_runtime's names, then ours
+KILLED = RUNTIME_STUDY[2]
 # Behind a 5x straggler a lockstep algorithm takes 2.5 s a step: its runs stop at 64 steps (a miss is
 # censored at its end, never counted as a hit).
 LOCKSTEP = ("allreduce", "ps_sync", "diloco")
+# The killed scenario on real processes: worker SLOW is SIGKILLed before its local step KILL_STEP (about
+# 10 s in, before any run reaches 55%; the simulated study's death is at 10 s too) and the launcher
+# restarts it (--max_restarts=1). An elastic algorithm's worker is restarted alone and rejoins while the
+# others go on (runtime.elastic; docs/design.md 3.12); the algorithms the runtime cannot run elastic
+# (config.NO_ELASTIC: All-Reduce, DiLoCo, both parameter servers) take the restart every process takes,
+# torchrun's: the whole job again from the newest checkpoint marker (every KILL_CKPT steps, for every
+# algorithm alike; the servers keep no mid-run checkpoint, runtime/ps.py, so theirs is a start over).
+# Heartbeats every 0.5 s, a death noticed after 3 s (the default 15 s is half a run to 55%). Times are
+# wall time from the run's first start (clock.jsonl: the redone steps and the restart count).
+KILL_STEP, KILL_CKPT = 20, 8
+RESTART_ALL = ("allreduce", "diloco", "ps_sync", "ps_async")
+KILL_KEYS = {
+  "runtime.fail_worker": ledger_runtime.SLOW,
+  "runtime.fail_step": KILL_STEP,
+  "runtime.checkpoint_every": KILL_CKPT,
+  "runtime.heartbeat_s": 0.5,
+  "runtime.heartbeat_timeout": 3.0,
+}
 
 
-def runtime_study(out_dir, seeds, steps, schedule_steps, step_time, target, chosen, workdir) -> dict:
+def runtime_keys(sc, base, seed, lr, steps, schedule_steps, step_time, target) -> dict:
+  """One real-process run's config keys (ledger_runtime.overrides, and the killed scenario's)."""
+  keys = ledger_runtime.overrides(
+    "homogeneous" if sc == KILLED else sc, base, seed, lr, steps, schedule_steps, step_time, target
+  )
+  if sc == KILLED:
+    keys.update(KILL_KEYS)
+    if base not in RESTART_ALL:
+      keys["runtime.elastic"] = True
+  elif sc != "homogeneous" and base in LOCKSTEP:
+    keys["num_steps"] = min(steps, 64)
+  return keys
+
+
+def runtime_study(
+  out_dir, seeds, steps, schedule_steps, step_time, target, chosen, workdir, killed_seeds=None
+) -> dict:
   """Every (seed, scenario, algorithm) run on real processes, seed by seed (a seed's runs close in
-  time), each beside the simulator's prediction: runtime_runs.json (resumed from), runtime.md."""
+  time), each beside the simulator's prediction: runtime_runs.json (resumed from), runtime.md.
+  killed_seeds: the killed scenario's seeds (default `seeds`)."""
   path = os.path.join(out_dir, "runtime_runs.json")
   held = json.load(open(path)) if os.path.exists(path) else {}
-  for seed in range(seeds):
-    for sc in RUNTIME_STUDY:
+  seeds_of = {sc: seeds for sc in RUNTIME_STUDY}
+  seeds_of[KILLED] = seeds if killed_seeds is None else killed_seeds
+  for seed in range(max(seeds_of.values())):
+    for sc in [sc for sc in RUNTIME_STUDY if seed < seeds_of[sc]]:
       for a, (v, lr) in chosen.items():
         key = f"{sc}|{v}|lr={lr:g}|seed={seed}"
         if key in held:
           continue
         base, extra = variant(v)
-        keys = {
-          **ledger_runtime.overrides(sc, base, seed, lr, steps, schedule_steps, step_time, target),
-          **extra,
-        }
-        if sc != "homogeneous" and base in LOCKSTEP:
-          keys["num_steps"] = min(steps, 64)
-        r = ledger_runtime.measure_and_predict(workdir, key, base, keys, sc != "homogeneous", lr, target)
+        keys = {**runtime_keys(sc, base, seed, lr, steps, schedule_steps, step_time, target), **extra}
+        if sc == KILLED:
+          r = killed_and_predicted(workdir, key, base, keys, lr, target)
+        else:
+          r = ledger_runtime.measure_and_predict(workdir, key, base, keys, sc != "homogeneous", lr, target)
         held[key] = {"algorithm": a, "variant": v, **r}
         write_json(path, held, indent=None)
-  text = runtime_text(held, chosen, seeds, target, steps, schedule_steps, step_time)
+  text = runtime_text(held, chosen, seeds_of, target, steps, schedule_steps, step_time)
   with open(os.path.join(out_dir, "runtime.md"), "w") as f:
     f.write(text + "\n")
   print(text)
   return held
 
 
-def runtime_text(held, chosen, seeds, target, steps, schedule_steps, step_time) -> str:
+def death_time(traces: dict, worker: int) -> float:
+  """The end of the worker's last recorded event of its first life (it died right after)."""
+  first = []
+  for e in traces[worker]:
+    if e["k"] == "rejoin":
+      break
+    first.append(e.get("t1", e.get("t", 0.0)))
+  return max(first)
+
+
+def killed_and_predicted(workdir: str, key: str, base: str, keys: dict, lr: float, target) -> dict:
+  """A killed-and-restarted run on real processes (KILL_KEYS; restarted once by the launcher) and the
+  simulator's prediction of it: measure_and_predict's record with wall times from the first start.
+
+  The prediction is fed with the run's measured costs and its measured membership. Elastic: the
+  death (the killed worker's last event), its removal (the coordinator's leave: timeline.detect_s;
+  AD-PSGD's exchanges with a dead peer fail at once, so 0) and its rejoin (hetero.leave). Restart-all:
+  the simulator's run without the death, every time after the resumed marker's run time moved by the
+  outage the two starts measured (ledger_tta's restart model, fed: no step lost beyond the marker's)."""
+  elastic = bool(keys.get("runtime.elastic"))
+  r = ledger_runtime.measured_run(
+    os.path.join(workdir, key.replace(" ", "_").replace("|", "-").replace("/", "_")),
+    ledger_runtime.run_args(base, keys),
+    max_restarts=1,
+    elastic=elastic,
+  )
+  starts, slow = r["starts"], ledger_runtime.SLOW
+  wall = lambda t: None if t is None else trace_lib.wall_clock(starts, t)  # noqa: E731
+  fed = ledger_runtime.fed_costs(r, set())
+  kill = {"starts": starts}
+  if elastic:
+    when = {
+      k: next((t for t, w, k2 in r.get("membership", []) if w == slow and k2 == k), None)
+      for k in ("leave", "rejoin")
+    }
+    kill.update(t_kill=death_time(r["traces"], slow), t_leave=when["leave"], t_rejoin=when["rejoin"])
+    detect = 0.0 if base == "adpsgd" or when["leave"] is None else when["leave"] - kill["t_kill"]
+    rejoin = -1.0 if when["rejoin"] is None else when["rejoin"]
+    predicted = ledger_runtime.predicted_run(
+      base, keys, fed, {"hetero.leave": ((slow, kill["t_kill"], rejoin),), "timeline.detect_s": detect}
+    )
+  else:
+    marker, down = (
+      (starts[-1]["run"], starts[-1]["wall"] - starts[0]["wall"] - starts[-1]["run"])
+      if len(starts) > 1
+      else (0.0, 0.0)
+    )
+    kill.update(t_marker=marker, outage=down)
+    shift = lambda t: None if t is None else (t + down if t > marker else t)  # noqa: E731
+    p = ledger_runtime.predicted_run(base, keys, fed)
+    predicted = {k: shift(v) for k, v in p.items()}
+  out = {
+    "time_to_target": wall(r["time_to_target"]),
+    "end": wall(r["time"]),
+    "run_time_to_target": r["time_to_target"],
+    "final": r["final_test_accuracy"],
+    "throughput": r["window_throughput"],
+    "cpu_use": r["cpu_use"],
+    "exit_code": r["exit_code"],
+    "evals": [[wall(t), a] for t, a in r["evals"]],
+    "lr": lr,
+    "fed": fed,
+    "kill": kill,
+    "predicted": predicted,
+  }
+  print(
+    f"{key}: time to {target:g} {out['time_to_target']} (predicted {predicted['time_to_target']}), end "
+    f"{out['end']:.1f} s, cpu {out['cpu_use']:.2f}, starts {len(starts)}",
+    flush=True,
+  )
+  return out
+
+
+def runtime_text(held, chosen, seeds_of, target, steps, schedule_steps, step_time) -> str:
+  """runtime.md: seeds_of is {scenario: seeds} (an int: every scenario's)."""
+  if isinstance(seeds_of, int):
+    seeds_of = {sc: seeds_of for sc in RUNTIME_STUDY}
   rows = []
-  for sc in RUNTIME_STUDY:
+  for sc in [sc for sc in RUNTIME_STUDY if seeds_of.get(sc)]:
+    seeds = seeds_of[sc]
     rec = {a: [held[f"{sc}|{v}|lr={lr:g}|seed={s}"] for s in range(seeds)] for a, (v, lr) in chosen.items()}
     times = lambda rs, pred=False: (  # noqa: E731
       [(r["predicted"] if pred else r)["time_to_target"] for r in rs],
@@ -412,16 +531,21 @@ def runtime_text(held, chosen, seeds, target, steps, schedule_steps, step_time) 
     f"host's 2 cores; steps padded to {step_time:g} s; the first {steps} steps of a {schedule_steps}-step "
     f"schedule (lockstep algorithms behind the straggler: 64); step sizes tuned on the light clock "
     f"(tuning_light.md); wall time to {100 * target:.0f}% test accuracy of the averaged model (evaluated "
-    f"every {ledger_runtime.EVAL_EVERY} steps), {seeds} seeds paired, misses censored at the run's end; "
-    f"the simulator's prediction fed with each run's measured costs.\n\n{table}"
+    f"every {ledger_runtime.EVAL_EVERY} steps), seeds paired ("
+    + ", ".join(f"{sc}: {n}" for sc, n in seeds_of.items() if n)
+    + "), misses censored at the run's end; the simulator's prediction fed with each run's measured "
+    f"costs. {KILLED}: worker {ledger_runtime.SLOW} SIGKILLed before its local step {KILL_STEP}, restarted "
+    f"once by the launcher (alone with runtime.elastic; All-Reduce, DiLoCo and the servers: every "
+    f"process, from the newest checkpoint marker, every {KILL_CKPT} steps), "
+    f"times wall-clock from the run's first start.\n\n{table}"
   )
 
 
-def header(n: int, seeds: int, steps: int, target: float) -> str:
+def header(n: int, seeds: int, steps: int, target: float, tuned: str = "at 16 workers (tuning.md)") -> str:
   return (
     f"numerics: MNIST-1D MLP (40-256-256-10), simulator, {n} workers, {steps} steps per worker, the "
-    f"VGG-16 clock (528e6-byte messages, 56 Gb/s, 0.3 s steps); {seeds} seeds paired; step sizes tuned at 16 "
-    f"workers (tuning.md); time to "
+    f"VGG-16 clock (528e6-byte messages, 56 Gb/s, 0.3 s steps); {seeds} seeds paired; step sizes tuned "
+    f"{tuned}; time to "
     f"{100 * target:.0f}% test accuracy of the averaged model and to 95% of All-Reduce's mean final "
     f"accuracy, virtual s; intervals by ripples_jax.verdict (95%, misses censored at the run's end); "
     f"a lockstep algorithm (All-Reduce, sync PS, DiLoCo) with a killed worker restarts every worker "

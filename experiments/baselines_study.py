@@ -5,9 +5,10 @@ Moshpit SGD and both parameter servers, tuned one way, on the ledger's scenarios
   python -m experiments.baselines_study --out=results/baselines --parts=runtime    # real processes
 
 --parts: tune (the VGG-16 clock's step sizes: tuning.md), sim16 (6 scenarios at 16 workers:
-study16.md/png), sim256 (2 at 256: study256.md/png), tune_light and runtime (16 worker processes:
-tuning_light.md, runtime.md). Every part resumes from the runs --out holds (runs.json,
-runtime_runs.json); never two study processes on one --out.
+study16.md/png), sim256 (2 at 256, step sizes tuned there: tuning_256.md, study256.md/png),
+tune_light and runtime (16 worker processes: tuning_light.md, runtime.md; the killed scenario on
+--runtime_killed_seeds). Every part resumes from the runs --out holds (runs.json, runtime_runs.json);
+never two study processes on one --out.
 """
 
 import os
@@ -24,7 +25,7 @@ def define_flags():
   flags.DEFINE_string("out", "results/baselines", "Output folder.")
   flags.DEFINE_list("parts", list(PARTS), f"Parts to run, of {', '.join(PARTS)} (in this order).")
   flags.DEFINE_integer("seeds", 5, "Reported seeds at 16 workers (0..seeds-1).")
-  flags.DEFINE_integer("seeds_256", 3, "Reported seeds at 256 workers.")
+  flags.DEFINE_integer("seeds_256", 5, "Reported seeds at 256 workers.")
   flags.DEFINE_integer("workers", 1, "Simulated runs at once (one core each).")
   flags.DEFINE_integer("steps", 300, "Steps per worker of each simulated run.")
   flags.DEFINE_float("target", 0.55, "Target test accuracy.")
@@ -35,9 +36,14 @@ def define_flags():
     "sim256's algorithms (of --algorithms; at 256 a run is ~2 core-minutes).",
   )
   flags.DEFINE_list("grid", None, "Step-size grid (default: the ledger's LR_GRID).")
+  flags.DEFINE_bool(
+    "tune_256", True, "sim256: tune its algorithms at 256 workers (tuning_256.md); else the 16-worker choice."
+  )
+  flags.DEFINE_list("grid_256", None, "sim256's own tuning grid (default: --grid's).")
   flags.DEFINE_list("outer_grid", None, "DiLoCo's outer step-size grid (default: OUTER_GRID).")
   flags.DEFINE_multi_string("scenario", None, "Only these scenarios of the sim parts (default: all).")
-  flags.DEFINE_integer("runtime_seeds", 3, "runtime: seeds.")
+  flags.DEFINE_integer("runtime_seeds", 5, "runtime: seeds.")
+  flags.DEFINE_integer("runtime_killed_seeds", 3, "runtime: the killed scenario's seeds.")
   flags.DEFINE_integer("runtime_steps", 80, "runtime: steps per worker.")
   flags.DEFINE_float("runtime_step_time", 0.5, "runtime: seconds every step is padded to.")
   flags.DEFINE_string("runtime_workdir", "/tmp/baselines_runtime", "runtime: the runs' folders (traces).")
@@ -70,15 +76,18 @@ def main(argv):
         continue
       if part == "sim256":
         chosen = {a: c for a, c in chosen.items() if a in FLAGS.algorithms_256}
+        tuned = "at 16 workers (tuning.md)"
+        if FLAGS.tune_256:  # one grid for every algorithm at 256, by the same rule (tuning_256.md)
+          own_grid = grid if FLAGS.grid_256 is None else {"grid": tuple(float(x) for x in FLAGS.grid_256)}
+          args256 = {**args, **own_grid, "algorithms": tuple(FLAGS.algorithms_256)}
+          chosen = baselines.tune(FLAGS.out, "heavy256", FLAGS.steps, FLAGS.target, FLAGS.workers, **args256)
+          tuned = "at 256 workers (tuning_256.md)"
       out = baselines.run_study(
         FLAGS.out, scenarios, seeds, FLAGS.steps, FLAGS.target, FLAGS.workers, chosen, own
       )
       n = 16 if part == "sim16" else 256
-      print(
-        baselines.publish(
-          FLAGS.out, f"study{n}", out, FLAGS.target, baselines.header(n, seeds, FLAGS.steps, FLAGS.target)
-        )
-      )
+      head = baselines.header(n, seeds, FLAGS.steps, FLAGS.target, *([tuned] if n == 256 else []))
+      print(baselines.publish(FLAGS.out, f"study{n}", out, FLAGS.target, head))
   if {"tune_light", "runtime"} & set(FLAGS.parts):
     chosen = baselines.tune(FLAGS.out, "light", FLAGS.steps, FLAGS.target, FLAGS.workers, **args)
     if "runtime" in FLAGS.parts:
@@ -91,6 +100,7 @@ def main(argv):
         FLAGS.target,
         chosen,
         FLAGS.runtime_workdir,
+        killed_seeds=FLAGS.runtime_killed_seeds,
       )
 
 

@@ -93,16 +93,25 @@ def run_args(algorithm: str, keys: dict) -> list[str]:
 EVAL_EVERY = 4  # steps between the markers the averaged model is evaluated at
 
 
-def measured_run(workdir: str, args: list[str]) -> dict:
+def measured_run(workdir: str, args: list[str], max_restarts: int = 0, elastic: bool = False) -> dict:
   """One run under the launcher (resumed from its summary.json when it has one): summary.json with
-  its traces, CPU use and the evaluation records."""
+  its traces, its starts (clock.jsonl), CPU use and the evaluation records. max_restarts, elastic: the
+  launcher's (a killed worker restarted alone, or the whole job from the newest checkpoint)."""
   done = os.path.join(workdir, "summary.json")
   if not os.path.exists(done):
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
     before, t0 = os.times(), time.monotonic()
     with open(os.path.join(workdir, "launch.log"), "w") as log:
-      code = launch(N, [*args, f"--workdir={workdir}"], out=log, grace_s=10, coordinator=True)
+      code = launch(
+        N,
+        [*args, f"--workdir={workdir}"],
+        out=log,
+        grace_s=10,
+        coordinator=True,
+        max_restarts=max_restarts,
+        elastic=elastic,
+      )
     wall, after = time.monotonic() - t0, os.times()
     ended = all(any(e["k"] == "end" for e in ev) for ev in trace_lib.load_traces(workdir).values())
     if code and not (ended and os.path.exists(done)):
@@ -119,6 +128,9 @@ def measured_run(workdir: str, args: list[str]) -> dict:
   with open(os.path.join(workdir, "cpu.json")) as f:
     r.update(json.load(f))
   r["traces"] = trace_lib.load_traces(workdir)
+  # A job restarted from scratch archived its first life's clock.jsonl; this folder is this job's alone
+  # (cleared before its first launch), so every archived start is one of its lives.
+  r["starts"] = trace_lib.load_starts(workdir, earlier=True)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     r["evals"] = [[e["time"], e["test_accuracy"]] for e in map(json.loads, f) if "test_accuracy" in e]
   return r
@@ -146,10 +158,12 @@ def fed_costs(r: dict, slow: set) -> dict:
   }
 
 
-def predicted_run(algorithm: str, keys: dict, fed: dict) -> dict:
-  """The simulator's run of the same config, its clock fed with `fed`: time to target and end."""
+def predicted_run(algorithm: str, keys: dict, fed: dict, sim_keys: dict | None = None) -> dict:
+  """The simulator's run of the same config, its clock fed with `fed` (and `sim_keys`, the simulator's
+  own keys: a measured death and rejoin): time to target and end."""
   config = default_config.get_config(base_config(algorithm, "sim"))
   config.update_from_flattened_dict({k: v for k, v in keys.items() if not k.startswith("runtime.")})
+  config.update_from_flattened_dict(sim_keys or {})
   tl = config.timeline
   tl.compute_time, tl.alpha, tl.request_rtt, tl.authority_service = (
     fed["base_s"],

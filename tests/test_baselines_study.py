@@ -134,3 +134,98 @@ def test_the_study_runs_end_to_end(tmp_path):
   runs = json.load(open(out / "runs.json"))
   v, lr = tuning["chosen"]["diloco/inner_steps=4"]
   assert ledger_tta.run_key("homogeneous, VGG-16 clock", v, lr, 1, 6) in runs
+
+
+def test_wall_clock_puts_a_resumed_runs_times_after_its_outage():
+  from ripples_jax.runtime import trace as trace_lib
+
+  # The first start at wall 100 (run 0); the job died and resumed at marker run time 4.0, its second
+  # start at wall 130: run time 6 of the second life is wall 132, i.e. 32 s after the first start.
+  starts = [{"wall": 100.0, "run": 0.0}, {"wall": 130.0, "run": 4.0}]
+  assert trace_lib.wall_clock(starts, 3.0) == pytest.approx(3.0)
+  assert trace_lib.wall_clock(starts, 6.0) == pytest.approx(32.0)
+  # A start over from scratch (no checkpoint: both starts at run 0) puts every time in the second life.
+  assert trace_lib.wall_clock([{"wall": 100.0, "run": 0.0}, {"wall": 150.0, "run": 0.0}], 2.0) == 52.0
+
+
+def test_the_killed_scenarios_keys_restart_lockstep_jobs_and_rejoin_elastic_workers():
+  args = (0, 0.5, 80, 300, 0.5, 0.55)
+  for base in ("ripples_smart", "ripples_random", "adpsgd", "moshpit"):
+    keys = baselines.runtime_keys(baselines.KILLED, base, *args)
+    assert keys["runtime.elastic"] is True and keys["runtime.fail_step"] == baselines.KILL_STEP
+  for base in baselines.RESTART_ALL:
+    keys = baselines.runtime_keys(baselines.KILLED, base, *args)
+    assert "runtime.elastic" not in keys and keys["runtime.checkpoint_every"] == baselines.KILL_CKPT
+    assert keys["num_steps"] == 80  # no straggler: the lockstep cut at 64 steps is the 5x scenario's
+  assert baselines.runtime_keys("5x straggler", "allreduce", *args)["num_steps"] == 64
+  assert "runtime.fail_worker" not in baselines.runtime_keys("homogeneous", "ripples_smart", *args)
+
+
+def _killed(monkeypatch, starts, membership=()):
+  """killed_and_predicted on a stubbed launch: its record and what the simulator was given."""
+  from experiments import ledger_runtime
+
+  slow = ledger_runtime.SLOW
+  traces = {w: [{"k": "step", "t0": 0.0, "t1": 9.5 if w == slow else 30.0}] for w in range(ledger_runtime.N)}
+  traces[slow] += [{"k": "rejoin", "t": 20.0}, {"k": "step", "t0": 21.0, "t1": 30.0}]
+  run = {
+    "time_to_target": 12.0,
+    "time": 30.0,
+    "final_test_accuracy": 0.6,
+    "window_throughput": 30.0,
+    "cpu_use": 0.5,
+    "exit_code": 0,
+    "evals": [[2.0, 0.3], [12.0, 0.56]],
+    "traces": traces,
+    "starts": starts,
+    "membership": list(membership),
+  }
+  given = {}
+
+  def predicted(base, keys, fed, sim_keys=None):
+    given.update(sim_keys or {})
+    return {"time_to_target": 10.0, "end": 28.0}
+
+  monkeypatch.setattr(ledger_runtime, "measured_run", lambda *a, **k: run)
+  monkeypatch.setattr(ledger_runtime, "fed_costs", lambda r, slow: {})
+  monkeypatch.setattr(ledger_runtime, "predicted_run", predicted)
+  return given
+
+
+def test_a_restarted_jobs_times_count_its_outage_measured_and_predicted(monkeypatch):
+  starts = [{"wall": 100.0, "run": 0.0}, {"wall": 130.0, "run": 4.0}]
+  given = _killed(monkeypatch, starts)
+  keys = baselines.runtime_keys(baselines.KILLED, "allreduce", 0, 1.0, 80, 300, 0.5, 0.55)
+  r = baselines.killed_and_predicted("/nonexistent", "k", "allreduce", keys, 1.0, 0.55)
+  assert given == {}  # the simulator runs the job without the death (lockstep: NO_LEAVE) ...
+  down = 130.0 - 100.0 - 4.0
+  assert r["kill"]["outage"] == down and r["kill"]["t_marker"] == 4.0
+  # ... and every time after the resumed marker moves by the outage the starts measured.
+  assert r["predicted"] == {"time_to_target": 10.0 + down, "end": 28.0 + down}
+  assert r["time_to_target"] == 12.0 + down and r["end"] == 30.0 + down
+  assert r["evals"] == [[2.0, 0.3], [12.0 + down, 0.56]] and r["run_time_to_target"] == 12.0
+
+
+def test_an_elastic_runs_prediction_takes_its_measured_death_removal_and_rejoin(monkeypatch):
+  slow = baselines.ledger_runtime.SLOW
+  given = _killed(monkeypatch, [{"wall": 100.0, "run": 0.0}], [(12.5, slow, "leave"), (20.0, slow, "rejoin")])
+  keys = baselines.runtime_keys(baselines.KILLED, "ripples_smart", 0, 0.5, 80, 300, 0.5, 0.55)
+  r = baselines.killed_and_predicted("/nonexistent", "k", "ripples_smart", keys, 0.5, 0.55)
+  assert given == {"hetero.leave": ((slow, 9.5, 20.0),), "timeline.detect_s": 3.0}
+  assert r["time_to_target"] == 12.0 and r["predicted"]["time_to_target"] == 10.0
+  # AD-PSGD's exchanges with a dead peer fail at once: removed at its death in the simulator.
+  given = _killed(monkeypatch, [{"wall": 100.0, "run": 0.0}], [(12.5, slow, "leave")])
+  baselines.killed_and_predicted("/nonexistent", "k", "adpsgd", keys, 0.5, 0.55)
+  assert given == {"hetero.leave": ((slow, 9.5, -1.0),), "timeline.detect_s": 0.0}
+
+
+def test_a_job_started_over_keeps_its_first_lives_start(tmp_path):
+  from ripples_jax.runlog.records import archive
+  from ripples_jax.runtime import trace as trace_lib
+
+  (tmp_path / "clock.jsonl").write_text(json.dumps({"wall": 100.0, "run": 0.0}) + "\n")
+  assert archive(str(tmp_path)) == 1  # what a fresh start over the first life's records does
+  (tmp_path / "clock.jsonl").write_text(json.dumps({"wall": 150.0, "run": 0.0}) + "\n")
+  starts = trace_lib.load_starts(str(tmp_path), earlier=True)
+  assert starts == [{"wall": 100.0, "run": 0.0}, {"wall": 150.0, "run": 0.0}]
+  assert trace_lib.load_starts(str(tmp_path)) == starts[1:]

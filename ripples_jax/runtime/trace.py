@@ -88,6 +88,28 @@ def load_traces(workdir: str) -> dict:
   return dict(sorted(out.items()))
 
 
+def load_starts(workdir: str, earlier: bool = False) -> list[dict]:
+  """clock.jsonl's starts of the run (coordinator.record_start): [{"wall", "run"}], first start first.
+  earlier: the archived clock.<k>.jsonl first, in k's order (a job restarted from scratch, with no
+  checkpoint to resume, moved its first life's records aside: runlog.records.archive)."""
+  k, paths = 1, []
+  while earlier and os.path.exists(path := os.path.join(workdir, f"clock.{k}.jsonl")):
+    paths, k = paths + [path], k + 1
+  out = []
+  for path in paths + [os.path.join(workdir, "clock.jsonl")]:
+    with open(path) as f:
+      out += [json.loads(line) for line in f if line.strip()]
+  return out
+
+
+def wall_clock(starts: list[dict], t: float) -> float:
+  """Wall-clock seconds since the run's first start of run time t: the start t belongs to is the last
+  whose run clock is at or before t (a resumed run's clock continues from its marker, so the work redone
+  and the restart, in no trace, are in the gap between two starts' wall times)."""
+  k = max(i for i, s in enumerate(starts) if s["run"] <= t + 1e-9) if t >= starts[0]["run"] else 0
+  return starts[k]["wall"] + (t - starts[k]["run"]) - starts[0]["wall"]
+
+
 def ring_latency(*runs: dict) -> float:
   """The ring all-reduce latency per message that explains the group times of one or more runs
   (each a {worker: events} dict): each group's communication (its last member's arrival to its end)
