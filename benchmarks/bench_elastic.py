@@ -115,13 +115,7 @@ def rate(ends: np.ndarray, t0: float, t1: float) -> float:
 
 
 def death_time(traces, worker: int) -> float:
-  """The end of the worker's last recorded event of its first life (it died right after)."""
-  first = []
-  for e in traces[worker]:
-    if e["k"] == "rejoin":
-      break
-    first.append(e.get("t1", e.get("t", 0.0)))
-  return max(first)
+  return trace_lib.death_time(traces, worker)
 
 
 def recovered_after(

@@ -63,7 +63,7 @@ ALGORITHMS = {
   "ps_sync": "sync PS",
   "ps_async": "async PS",
 }
-# At 256 workers a run costs ~2 core-minutes: the two Ripples rows' reference (All-Reduce), Smart GG,
+# At 256 workers a run costs 2-3 core-minutes: the two Ripples rows' reference (All-Reduce), Smart GG,
 # AD-PSGD, DiLoCo at its middle H and Moshpit; not Random GG (Smart GG's generator without its
 # speeds), sync PS (All-Reduce's lockstep with every message through one server link) or async PS
 # (one server link for 256 workers' pushes).
@@ -404,16 +404,6 @@ def runtime_study(
   return held
 
 
-def death_time(traces: dict, worker: int) -> float:
-  """The end of the worker's last recorded event of its first life (it died right after)."""
-  first = []
-  for e in traces[worker]:
-    if e["k"] == "rejoin":
-      break
-    first.append(e.get("t1", e.get("t", 0.0)))
-  return max(first)
-
-
 def killed_and_predicted(workdir: str, key: str, base: str, keys: dict, lr: float, target) -> dict:
   """A killed-and-restarted run on real processes (KILL_KEYS; restarted once by the launcher) and the
   simulator's prediction of it: measure_and_predict's record with wall times from the first start.
@@ -439,7 +429,9 @@ def killed_and_predicted(workdir: str, key: str, base: str, keys: dict, lr: floa
       k: next((t for t, w, k2 in r.get("membership", []) if w == slow and k2 == k), None)
       for k in ("leave", "rejoin")
     }
-    kill.update(t_kill=death_time(r["traces"], slow), t_leave=when["leave"], t_rejoin=when["rejoin"])
+    kill.update(
+      t_kill=trace_lib.death_time(r["traces"], slow), t_leave=when["leave"], t_rejoin=when["rejoin"]
+    )
     detect = 0.0 if base == "adpsgd" or when["leave"] is None else when["leave"] - kill["t_kill"]
     rejoin = -1.0 if when["rejoin"] is None else when["rejoin"]
     predicted = ledger_runtime.predicted_run(

@@ -33,7 +33,7 @@ def define_flags():
   flags.DEFINE_list(
     "algorithms_256",
     list(baselines.ALGORITHMS_256),
-    "sim256's algorithms (of --algorithms; at 256 a run is ~2 core-minutes).",
+    "sim256's algorithms (of --algorithms; at 256 a run is 2-3 core-minutes).",
   )
   flags.DEFINE_list("grid", None, "Step-size grid (default: the ledger's LR_GRID).")
   flags.DEFINE_bool(

@@ -110,6 +110,17 @@ def wall_clock(starts: list[dict], t: float) -> float:
   return starts[k]["wall"] + (t - starts[k]["run"]) - starts[0]["wall"]
 
 
+def death_time(traces: dict, worker: int) -> float:
+  """The end of a killed worker's last recorded event of its first life (it died right after: an
+  elastic worker's trace is written through, so its last state shared is there)."""
+  first = []
+  for e in traces[worker]:
+    if e["k"] == "rejoin":
+      break
+    first.append(e.get("t1", e.get("t", 0.0)))
+  return max(first)
+
+
 def ring_latency(*runs: dict) -> float:
   """The ring all-reduce latency per message that explains the group times of one or more runs
   (each a {worker: events} dict): each group's communication (its last member's arrival to its end)
