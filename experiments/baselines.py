@@ -40,6 +40,7 @@ from experiments.ledger_tta import (
   ends_of_training,
   run_jobs,
   run_key,
+  scenario_workers,
   summarize,
   tuning_score,
   variant,
@@ -137,13 +138,15 @@ def tune(
   ]
   otable = Table(["algorithm", "inner lr"] + [f"outer lr {o:g}" for o in outer_grid], orows)
   name = TUNED_FILE[clock]
+  workers = scenario_workers(scenario)
   text = (
-    f"{numerics(MODEL)}; clock {clock}; {steps} steps; each cell: the "
+    f"{numerics(MODEL).replace('16 workers', f'{workers} workers')}; clock {clock.removesuffix('256')}; "
+    f"{steps} steps; each cell: the "
     f"median validation time to {100 * target:.0f}% over seeds {', '.join(map(str, TUNE_SEEDS))} (a run "
     f"counts only if it also ends at or above it) / the mean final validation accuracy, on "
     f"{VALIDATION_EXAMPLES} held-out training examples; * chosen (least time, ties by accuracy). DiLoCo's "
     f"inner grid at outer lr {OUTER_FIRST:g} (Nesterov 0.9), then its outer step size at the chosen inner "
-    f"one:\n\n{table}\n\n{otable}"
+    f"one:\n\n{table}" + (f"\n\n{otable}" if orows else "")
   )
   with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
     f.write(text + "\n")
