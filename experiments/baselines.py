@@ -28,6 +28,7 @@ simulator's prediction fed with what it measured.
 import json
 import math
 import os
+import textwrap
 
 import numpy as np
 
@@ -316,7 +317,8 @@ def figure(out: dict, path: str, title: str) -> None:
     ax.set_title(sc.replace(", VGG-16 clock", ""), fontsize=8)
     ax.grid(alpha=0.3, axis="y")
   axes[0][0].set_ylabel("time to target, virtual s (log; hollow: missed, at its end)")
-  fig.suptitle(title, fontsize=9)
+  # Wrapped to the figure's width (~14 characters an inch at 9 pt): a two-panel figure cut it off.
+  fig.suptitle(textwrap.fill(title, max(40, int(14 * 3.2 * len(out)))), fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -377,11 +379,21 @@ def runtime_keys(sc, base, seed, lr, steps, schedule_steps, step_time, target) -
 
 
 def runtime_study(
-  out_dir, seeds, steps, schedule_steps, step_time, target, chosen, workdir, killed_seeds=None
+  out_dir,
+  seeds,
+  steps,
+  schedule_steps,
+  step_time,
+  target,
+  chosen,
+  workdir,
+  killed_seeds=None,
+  repredict=False,
 ) -> dict:
   """Every (seed, scenario, algorithm) run on real processes, seed by seed (a seed's runs close in
   time), each beside the simulator's prediction: runtime_runs.json (resumed from), runtime.md.
-  killed_seeds: the killed scenario's seeds (default `seeds`)."""
+  killed_seeds: the killed scenario's seeds (default `seeds`); repredict: the held killed runs are
+  predicted again from what they measured (their earlier prediction kept as predicted_earlier)."""
   path = os.path.join(out_dir, "runtime_runs.json")
   held = json.load(open(path)) if os.path.exists(path) else {}
   seeds_of = {sc: seeds for sc in RUNTIME_STUDY}
@@ -390,10 +402,16 @@ def runtime_study(
     for sc in [sc for sc in RUNTIME_STUDY if seed < seeds_of[sc]]:
       for a, (v, lr) in chosen.items():
         key = f"{sc}|{v}|lr={lr:g}|seed={seed}"
-        if key in held:
-          continue
         base, extra = variant(v)
         keys = {**runtime_keys(sc, base, seed, lr, steps, schedule_steps, step_time, target), **extra}
+        if key in held:
+          if repredict and sc == KILLED:
+            r = held[key]
+            r.setdefault("predicted_earlier", r["predicted"])
+            r["predicted"] = killed_prediction(base, keys, r["fed"], r["kill"])
+            print(f"{key}: predicted {r['predicted']} (earlier {r['predicted_earlier']})", flush=True)
+            write_json(path, held, indent=None)
+          continue
         if sc == KILLED:
           r = killed_and_predicted(workdir, key, base, keys, lr, target)
         else:
@@ -435,11 +453,6 @@ def killed_and_predicted(workdir: str, key: str, base: str, keys: dict, lr: floa
     kill.update(
       t_kill=trace_lib.death_time(r["traces"], slow), t_leave=when["leave"], t_rejoin=when["rejoin"]
     )
-    detect = 0.0 if base == "adpsgd" or when["leave"] is None else when["leave"] - kill["t_kill"]
-    rejoin = -1.0 if when["rejoin"] is None else when["rejoin"]
-    predicted = ledger_runtime.predicted_run(
-      base, keys, fed, {"hetero.leave": ((slow, kill["t_kill"], rejoin),), "timeline.detect_s": detect}
-    )
   else:
     marker, down = (
       (starts[-1]["run"], starts[-1]["wall"] - starts[0]["wall"] - starts[-1]["run"])
@@ -447,9 +460,7 @@ def killed_and_predicted(workdir: str, key: str, base: str, keys: dict, lr: floa
       else (0.0, 0.0)
     )
     kill.update(t_marker=marker, outage=down)
-    shift = lambda t: None if t is None else (t + down if t > marker else t)  # noqa: E731
-    p = ledger_runtime.predicted_run(base, keys, fed)
-    predicted = {k: shift(v) for k, v in p.items()}
+  predicted = killed_prediction(base, keys, fed, kill)
   out = {
     "time_to_target": wall(r["time_to_target"]),
     "end": wall(r["time"]),
@@ -470,6 +481,20 @@ def killed_and_predicted(workdir: str, key: str, base: str, keys: dict, lr: floa
     flush=True,
   )
   return out
+
+
+def killed_prediction(base: str, keys: dict, fed: dict, kill: dict) -> dict:
+  """The simulator's prediction of a killed run from what it measured (`fed`, killed_and_predicted's
+  `kill`): held records are predicted again with this when the simulator changes (repredict_killed)."""
+  if keys.get("runtime.elastic"):
+    t_leave = kill["t_leave"]
+    detect = 0.0 if base == "adpsgd" or t_leave is None else t_leave - kill["t_kill"]
+    rejoin = -1.0 if kill["t_rejoin"] is None else kill["t_rejoin"]
+    leave = ((ledger_runtime.SLOW, kill["t_kill"], rejoin),)
+    return ledger_runtime.predicted_run(base, keys, fed, {"hetero.leave": leave, "timeline.detect_s": detect})
+  marker, down = kill["t_marker"], kill["outage"]
+  p = ledger_runtime.predicted_run(base, keys, fed)
+  return {k: None if v is None else (v + down if v > marker else v) for k, v in p.items()}
 
 
 def runtime_text(held, chosen, seeds_of, target, steps, schedule_steps, step_time) -> str:

@@ -43,7 +43,10 @@ def define_flags():
   flags.DEFINE_list("outer_grid", None, "DiLoCo's outer step-size grid (default: OUTER_GRID).")
   flags.DEFINE_multi_string("scenario", None, "Only these scenarios of the sim parts (default: all).")
   flags.DEFINE_integer("runtime_seeds", 5, "runtime: seeds.")
-  flags.DEFINE_integer("runtime_killed_seeds", 3, "runtime: the killed scenario's seeds.")
+  flags.DEFINE_integer("runtime_killed_seeds", 5, "runtime: the killed scenario's seeds.")
+  flags.DEFINE_bool(
+    "runtime_repredict", False, "runtime: predict the held killed runs again (after a simulator change)."
+  )
   flags.DEFINE_integer("runtime_steps", 80, "runtime: steps per worker.")
   flags.DEFINE_float("runtime_step_time", 0.5, "runtime: seconds every step is padded to.")
   flags.DEFINE_string("runtime_workdir", "/tmp/baselines_runtime", "runtime: the runs' folders (traces).")
@@ -101,6 +104,7 @@ def main(argv):
         chosen,
         FLAGS.runtime_workdir,
         killed_seeds=FLAGS.runtime_killed_seeds,
+        repredict=FLAGS.runtime_repredict,
       )
 
 

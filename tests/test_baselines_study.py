@@ -219,6 +219,31 @@ def test_an_elastic_runs_prediction_takes_its_measured_death_removal_and_rejoin(
   assert given == {"hetero.leave": ((slow, 9.5, -1.0),), "timeline.detect_s": 0.0}
 
 
+def test_held_killed_runs_are_predicted_again_from_what_they_measured(monkeypatch, tmp_path):
+  slow = baselines.ledger_runtime.SLOW
+  given = _killed(monkeypatch, [{"wall": 100.0, "run": 0.0}], [(12.5, slow, "leave"), (20.0, slow, "rejoin")])
+  keys = baselines.runtime_keys(baselines.KILLED, "ripples_smart", 0, 0.5, 80, 300, 0.5, 0.55)
+  r = baselines.killed_and_predicted("/nonexistent", "k", "ripples_smart", keys, 0.5, 0.55)
+  key = f"{baselines.KILLED}|ripples_smart|lr=0.5|seed=0"
+  earlier = {"time_to_target": 99.0, "end": 99.0}  # an earlier simulator's
+  held = {key: {"algorithm": "ripples_smart", "variant": "ripples_smart", **r, "predicted": earlier}}
+  (tmp_path / "runtime_runs.json").write_text(json.dumps(held))
+  given.clear()
+  monkeypatch.setattr(baselines, "runtime_text", lambda *a: "")
+  monkeypatch.setattr(baselines, "killed_and_predicted", None)  # nothing is run again
+  chosen = {"ripples_smart": ("ripples_smart", 0.5)}
+  args = (str(tmp_path), 0, 80, 300, 0.5, 0.55, chosen, "/nonexistent")
+  baselines.runtime_study(*args, killed_seeds=1, repredict=True)
+  assert given == {"hetero.leave": ((slow, 9.5, 20.0),), "timeline.detect_s": 3.0}
+  again = json.loads((tmp_path / "runtime_runs.json").read_text())[key]
+  assert again["predicted"] == {"time_to_target": 10.0, "end": 28.0} and again["predicted_earlier"] == earlier
+  assert {k: v for k, v in again.items() if not k.startswith("predicted")} == {
+    k: v for k, v in held[key].items() if not k.startswith("predicted")
+  }
+  baselines.runtime_study(*args, killed_seeds=1, repredict=True)  # a second time keeps the first's
+  assert json.loads((tmp_path / "runtime_runs.json").read_text())[key]["predicted_earlier"] == earlier
+
+
 def test_a_job_started_over_keeps_its_first_lives_start(tmp_path):
   from ripples_jax.runlog.records import archive
   from ripples_jax.runtime import trace as trace_lib

@@ -36,6 +36,7 @@ class _BufferState:
   last_gid: list  # each worker's newest group, for its start report to the generator
   met: set  # member sets (or pairs) whose set-up has been paid
   busy_until: float = 0.0  # the authority serves one request at a time: when it is free
+  failed_with: set = dataclasses.field(default_factory=set)  # (live, dead) pairs: a group failed on them
 
   @classmethod
   def fresh(cls, n: int) -> "_BufferState":
@@ -170,7 +171,12 @@ class _GroupBuffer:
 
   def fail_if_dead(self, gid: int) -> None:
     """A group with a dead, unnoticed member, once its live members have all arrived: they exchange
-    among themselves (the runtime's pairs), find the dead one gone, and go on without the average."""
+    among themselves (the runtime's pairs), find the dead one gone, and go on without the average.
+
+    Only the first time a live member meets that dead one: the failure moves the pair to a fresh
+    connection (runtime/preduce.py), met through the handshake, which waits until the dead worker is
+    removed (runtime/membership.py). So a later group holding the pair stays pending; the removal
+    (_BufferMembership.leave, `detect` after the death) fails it and its members go on then."""
     clock, st = self.clock, self.st
     members, arrived, times = st.groups[gid]
     live = [m for m in members if m not in clock.unnoticed]
@@ -180,6 +186,11 @@ class _GroupBuffer:
       return
     if not set(live) <= arrived or gid in st.released:
       return
+    pairs = {(m, d) for m in live for d in members if d in clock.unnoticed}
+    waits = {(m, d) for m, d in pairs if d not in arrived}  # not one in flight at its death: it fails
+    if not waits.isdisjoint(st.failed_with):  # the handshake waits for the removal
+      return
+    st.failed_with |= pairs
     d = self.net.allreduce(len(live)) if len(live) > 1 else 0.0
     for m in live:
       clock.interval(m, WAIT, times[m], clock.now)
@@ -238,11 +249,14 @@ class _BufferMembership:
         continue
       del st.groups[gid]  # the others waiting at it go on now
       for m in sorted(arrived):
+        if m in clock.unnoticed:  # another dead one, arrived before its death: its life has ended
+          continue
         clock.interval(m, WAIT, times[m], clock.now)
         if m != w:
           self.go_on(m)
     for live in st.released.values():
       live.discard(w)
+    st.failed_with = {p for p in st.failed_with if w not in p}  # its next life meets afresh
     if st.blocked[w] is not None:
       clock.interval(w, WAIT, st.blocked[w], clock.now)
     st.blocked[w] = st.asked[w] = None
