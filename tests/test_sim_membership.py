@@ -287,6 +287,40 @@ def test_a_pair_that_failed_once_waits_for_the_removal():
     assert any(k == timeline.APPLY and a == w and 0.1 < t < t0 for t, k, a, _ in trace.events), w
 
 
+def test_a_held_member_holds_those_it_reaches_after_its_wait():
+  """The runtime's members exchange in rank order: 4, whose pair with the dead 15 failed before, waits
+  at 15 in the handshake, after its exchange with 10; 10 reaches 15 once (a first failure: at once)."""
+  from ripples_jax.timeline.group_buffer import held_members
+
+  assert held_members([4, 10], [15], {(4, 15)}) == {4}
+  # 3 waits at the dead 5 before its exchange with 9, so 9 waits for 3; 9 then reaches 12 late.
+  assert held_members([3, 9, 12], [5], {(3, 5)}) == {3, 9, 12}
+  # 3 reaches 4 before its wait, but 4 then waits for 9, held at 3.
+  assert held_members([3, 4, 9], [5], {(3, 5)}) == {3, 4, 9}
+  assert held_members([3, 4], [5], {(3, 5)}) == {3}
+  assert held_members([3, 9], [5], {(9, 5)}) == {9}  # 9 reaches 3 before 5
+  assert held_members([3, 9], [5], set()) == set()  # first meetings: everyone fails at once
+
+
+def test_only_the_held_members_of_a_group_wait_for_the_removal():
+  """Random GG, 8 workers, worker 7 dead at 0.1 s and removed at 0.2 s: its group (4, 5, 7) comes after
+  4 met 7 once already, so 4 waits in the handshake until the removal, while 5 (its first meeting,
+  and 4 reached it before 7) fails at once and steps on."""
+  config = config_of("ripples_random", n=8, leave=((7, 0.1, -1),), jitter=0.0)
+  config.seed = 2
+  speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
+  gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))
+  trace = timeline.simulate(
+    timeline.ClockSpec("ripples_random", speed, net, 40 * 8, gg=gg, leave=sim.leave_plan(config), detect=0.1)
+  )
+  group = [g for g in trace.buffer.groups if g.members == (4, 5, 7) and g.created > 0.1][-1]
+  until_removal = {w: t0 for w, kind, t0, t1 in trace.intervals if kind == timeline.WAIT and t1 == 0.2}
+  assert 5 not in until_removal and until_removal[4] >= group.created - 0.01
+  steps = lambda w: [t for t, k, a, _ in trace.events if k == timeline.APPLY and a == w]  # noqa: E731
+  assert not [t for t in steps(4) if until_removal[4] < t < 0.2]
+  assert [t for t in steps(5) if until_removal[4] < t < 0.2]
+
+
 @pytest.mark.parametrize("algorithm", ["ripples_random", "ripples_division", "ripples_smart"])
 def test_a_death_noticed_late_fails_its_groups_until_it_is_removed(algorithm):
   """timeline.ClockSpec(detect=d), the runtime's heartbeat timeout: worker 5 dies at 0.1 s and is removed

@@ -43,6 +43,25 @@ class _BufferState:
     return cls([0] * n, [None] * n, [None] * n, {}, set(), {}, [-1] * n, set())
 
 
+def held_members(live: list, dead: list, failed_with: set) -> set:
+  """The live members of a group that wait until a dead member's removal. Each member exchanges with
+  the others in rank order (runtime/preduce.py); one whose pair with a dead member failed before waits
+  at that member in the handshake, and every member it reaches after its wait (a higher rank) waits
+  for it, and so on; a first failure with a dead member is at once."""
+  wait_at = {
+    m: min(w for w in dead if (m, w) in failed_with) for m in live if any((m, w) in failed_with for w in dead)
+  }
+  while True:
+    more = {
+      x: min(h for h in wait_at if x > wait_at[h])
+      for x in live
+      if x not in wait_at and any(x > wait_at[h] for h in wait_at)
+    }
+    if not more:
+      return set(wait_at)
+    wait_at.update(more)
+
+
 class _GroupBuffer:
   """The Group Buffer protocol of `_group_buffer`: each method below handles one clock event."""
 
@@ -175,8 +194,9 @@ class _GroupBuffer:
 
     Only the first time a live member meets that dead one: the failure moves the pair to a fresh
     connection (runtime/preduce.py), met through the handshake, which waits until the dead worker is
-    removed (runtime/membership.py). So a later group holding the pair stays pending; the removal
-    (_BufferMembership.leave, `detect` after the death) fails it and its members go on then."""
+    removed (runtime/membership.py). Such a member, and those its wait holds up (held_members), stay
+    in the group; the removal (_BufferMembership.leave, `detect` after the death) fails it and they go
+    on then. The others go on now."""
     clock, st = self.clock, self.st
     members, arrived, times = st.groups[gid]
     live = [m for m in members if m not in clock.unnoticed]
@@ -186,17 +206,21 @@ class _GroupBuffer:
       return
     if not set(live) <= arrived or gid in st.released:
       return
-    pairs = {(m, d) for m in live for d in members if d in clock.unnoticed}
-    waits = {(m, d) for m, d in pairs if d not in arrived}  # not one in flight at its death: it fails
-    if not waits.isdisjoint(st.failed_with):  # the handshake waits for the removal
-      return
-    st.failed_with |= pairs
+    dead = [m for m in members if m in clock.unnoticed]
+    held = held_members(live, [w for w in dead if w not in arrived], st.failed_with)  # dead in flight: fails
+    st.failed_with |= {(m, w) for m in live for w in dead}
+    go = [m for m in live if m not in held]
     d = self.net.allreduce(len(live)) if len(live) > 1 else 0.0
-    for m in live:
+    for m in go:
       clock.interval(m, WAIT, times[m], clock.now)
       clock.interval(m, COMM, clock.now, clock.now + d)
-    st.released[gid] = set(live)  # group_end: the live members go on, no average
-    clock.at(clock.now + d, self.group_end, gid)
+    if not held:
+      st.released[gid] = set(live)  # group_end: the live members go on, no average
+      clock.at(clock.now + d, self.group_end, gid)
+      return
+    for m in go:  # out of the group: the removal releases the held ones only
+      arrived.discard(m)
+      clock.at_w(clock.now + d, m, self.go_on, m)
 
   def group_end(self, gid: int) -> None:
     st = self.st
