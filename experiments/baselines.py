@@ -250,7 +250,9 @@ def study_table(out: dict, target: float) -> Table:
 
 def winners_table(out: dict) -> Table:
   """Per scenario and target: the fastest algorithm (the least geometric mean time over seeds, misses
-  at their run's end), Smart GG's paired ratio against it, and the reading of that interval."""
+  at their run's end, of those that reached the target in some seed), Smart GG's paired ratio against
+  it (or the runner-up, by the same rule), and the reading of that interval. A method that never
+  reached the target is ranked last: censored at an early end (a fast clock), it would be fastest."""
   rows = []
   for sc, per in out.items():
     smart = per["ripples_smart"]
@@ -261,8 +263,11 @@ def winners_table(out: dict) -> Table:
       def gmean(p):
         return float(np.exp(np.mean([math.log(t if t is not None else e) for t, e in zip(p[key], p["end"])])))
 
-      best = min(per, key=lambda v: gmean(per[v]))
-      runner = min((v for v in per if v != best), key=lambda v: gmean(per[v]))
+      def rank(v):
+        return (all(t is None for t in per[v][key]), gmean(per[v]))
+
+      best = min(per, key=rank)
+      runner = min((v for v in per if v != best), key=rank)
       other = runner if per[best] is smart else best
       e = _ratio(smart, per[other], key)
       reading = "Smart GG faster" if e.lo > 1 else "Smart GG slower" if e.hi < 1 else "no difference shown"

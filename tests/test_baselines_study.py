@@ -97,6 +97,13 @@ def test_the_winner_is_the_least_geometric_mean_and_smart_gg_is_paired_against_i
   rows = baselines.winners_table({"s": per}).rows
   assert rows[0][2] == "Smart GG" and rows[0][4] == "All-Reduce"
   assert rows[0][5].startswith(f"{math.exp(np.mean(np.log([10 / 5, 12 / 6, 11 / 5.5]))):.2f}x")
+  # A method that missed in every seed, its run ending early, is neither the fastest nor the
+  # runner-up; one seed's miss (Smart GG's, censored at its end) does not rank it last.
+  per["adpsgd"] = _record([None] * 3, [3.0] * 3, "AD-PSGD")
+  rows = baselines.winners_table({"s": per}).rows
+  assert rows[0][2] == "Smart GG" and rows[0][4] == "All-Reduce"
+  per["ripples_smart"] = _record([5.0, 6.0, None], [40.0] * 3, "Smart GG")
+  assert baselines.winners_table({"s": per}).rows[0][2] == "Smart GG"
 
 
 @pytest.mark.slow
