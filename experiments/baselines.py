@@ -490,7 +490,8 @@ def killed_and_predicted(workdir: str, key: str, base: str, keys: dict, lr: floa
 
 def killed_prediction(base: str, keys: dict, fed: dict, kill: dict) -> dict:
   """The simulator's prediction of a killed run from what it measured (`fed`, killed_and_predicted's
-  `kill`): held records are predicted again with this when the simulator changes (repredict_killed)."""
+  `kill`): held records are predicted again with this when the simulator changes (runtime_study
+  with repredict)."""
   if keys.get("runtime.elastic"):
     t_leave = kill["t_leave"]
     detect = 0.0 if base == "adpsgd" or t_leave is None else t_leave - kill["t_kill"]
