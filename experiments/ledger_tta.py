@@ -174,16 +174,11 @@ def run_key(
   return f"{scenario}|{algorithm}|lr={lr:g}|seed={seed}|steps={steps}{tail}"
 
 
-def train_run(
+def scenario_config(
   scenario: str, algorithm: str, lr: float, seed: int, steps: int, model: str = "mlp", own: bool = True
-) -> dict:
-  """One simulated training run of `scenario` with `model` (in a temporary folder), evaluated after
-  every step: its curve (CURVE_KEYS, one list per column; own=False: without the workers' own models,
-  a tuning run's), throughput (worker-steps per virtual s) and end (virtual s). A run that diverges
-  (its loss not finite: the run log stops it) is kept as far as it got, marked "diverged": it reaches
-  no later target, and a step size that diverges is never chosen over one that reaches the target."""
-  import tempfile
-
+):
+  """One run's simulator config of `scenario` (train_run's): (config, the algorithm's base name, the
+  lockstep restart's (t_leave, outage) or None)."""
   from ripples_jax.timeline import NO_LEAVE
 
   setting, overrides = SCENARIOS[scenario]
@@ -216,6 +211,21 @@ def train_run(
   config.log_every = config.eval_every = 1
   config.checkpoint_every = 0
   config.update_from_flattened_dict(overrides)
+  return config, base, outage
+
+
+def train_run(
+  scenario: str, algorithm: str, lr: float, seed: int, steps: int, model: str = "mlp", own: bool = True
+) -> dict:
+  """One simulated training run of `scenario` with `model` (in a temporary folder), evaluated after
+  every step: its curve (CURVE_KEYS, one list per column; own=False: without the workers' own models,
+  a tuning run's), throughput (worker-steps per virtual s) and end (virtual s). A run that diverges
+  (its loss not finite: the run log stops it) is kept as far as it got, marked "diverged": it reaches
+  no later target, and a step size that diverges is never chosen over one that reaches the target."""
+  import tempfile
+
+  config, base, outage = scenario_config(scenario, algorithm, lr, seed, steps, model, own)
+  n = config.num_workers
   with tempfile.TemporaryDirectory() as d:
     try:
       summary, trace = sim.simulate_and_train(config, d)

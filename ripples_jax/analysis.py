@@ -254,6 +254,46 @@ def spectral_gap_figure(table: dict, path: str, n: int) -> None:
   )
 
 
+# -- how a run's groups mix, window by window (experiments/group_mix.py) -----------------------------
+
+
+def group_windows(groups, windows, num_workers: int) -> list[dict]:
+  """groups: [(t, members)], a run's averages in order (its trace's AVG events); windows: [(lo, hi)]
+  in the same seconds. Per window: the groups that start in [lo, hi), how many distinct member sets
+  they are, the most repeated set and its count, and the connected components of the graph they draw
+  over the workers (1: every model can reach every other within the window; a worker in no group is
+  a component of its own). A generator that locks into a fixed partition shows few distinct sets and
+  as many components as the partition has groups."""
+  from collections import Counter
+
+  out = []
+  for lo, hi in windows:
+    sets = [tuple(sorted(int(m) for m in g)) for t, g in groups if lo <= t < hi]
+    parent = list(range(num_workers))
+
+    def root(x):
+      while parent[x] != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+      return x
+
+    for members in sets:
+      for m in members[1:]:
+        parent[root(m)] = root(members[0])
+    top, top_n = Counter(sets).most_common(1)[0] if sets else ((), 0)
+    out.append(
+      {
+        "window": (lo, hi),
+        "groups": len(sets),
+        "distinct": len(set(sets)),
+        "top": top,
+        "top_count": top_n,
+        "components": len({root(w) for w in range(num_workers)}),
+      }
+    )
+  return out
+
+
 # -- comparing runs (experiments/compare.py) --------------------------------------------------------
 
 

@@ -731,3 +731,44 @@ def test_bench_hybrid_devices(tmp_path):
   for r in got["runs"]:
     assert r["end"] > 0 and r["predicted_end"] > 0 and r["tick_s"] >= 0.01
   assert "5x device" in got["speedup"]
+
+
+def test_group_windows_counts_sets_repeats_and_components():
+  from ripples_jax.analysis import group_windows
+
+  groups = [(1.0, [0, 1, 2]), (2.0, (2, 1, 0)), (3.0, [3, 4]), (12.0, [0, 5]), (25.0, [1, 2])]
+  first, second, empty = group_windows(groups, [(0, 10), (10, 20), (20, 25)], 6)
+  # {0, 1, 2} twice (members in any order are one set), {3, 4}; worker 5 in no group: 3 components.
+  assert first == {
+    "window": (0, 10),
+    "groups": 3,
+    "distinct": 2,
+    "top": (0, 1, 2),
+    "top_count": 2,
+    "components": 3,
+  }
+  assert (second["groups"], second["distinct"], second["top"], second["components"]) == (1, 1, (0, 5), 5)
+  assert (empty["groups"], empty["top_count"], empty["components"]) == (0, 0, 6)  # [lo, hi): 25 is out
+
+
+@pytest.mark.slow
+def test_group_mix_shows_smart_gg_locking_while_a_worker_is_away(tmp_path):
+  """One short run of the entry point on the killed scenario (worker 15 away from 10 s): before the
+  death nearly every Smart GG group is new; with 15 live workers its groups repeat (the lock
+  results/baselines/README.md names)."""
+  out = run(
+    "experiments.group_mix",
+    "--scenario=worker killed and restarted, VGG-16 clock",
+    "--steps=50",
+    "--windows=0-10,14-20",
+    tmp_path=tmp_path,
+  )
+  assert "leave 15 at 10.0 s" in out
+  cells = [
+    [c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("|")
+  ]
+  rows = {c[0]: c for c in cells}
+  before, during = rows["0-10"], rows["14-20"]
+  assert int(before[2]) >= 0.8 * int(before[1])  # distinct sets against groups
+  assert int(during[2]) <= 0.4 * int(during[1]) and int(during[4]) >= 10  # one set 10+ times
+  assert before[5] == "1" and int(during[5]) > 2  # connected before; parted while worker 15 is away
