@@ -66,6 +66,7 @@ def get_config(arg=None):
   c.schedule.group_size = min(3, arg.num_workers)  # Random GG, Group Division, Smart GG
   c.schedule.smart_tolerance = 0.5  # Smart GG: sync with workers ready within this x own step time
   c.schedule.smart_max_gap = 4  # Smart GG: at most this many skipped syncs in a row
+  c.schedule.smart_fresh = False  # Smart GG: rank its last group's members after the others ready in time
   c.schedule.request_ahead = True  # online GG: request the next group when a step starts (Random,
   # Division), or one measured round trip before it ends (Smart GG, in the runtime)
   c.diloco = ml_collections.ConfigDict()  # algorithm=diloco (Douillard et al., 2023; executor=sim)

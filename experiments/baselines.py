@@ -56,6 +56,7 @@ from ripples_jax.tables import Table
 ALGORITHMS = {
   "allreduce": "All-Reduce",
   "ripples_smart": "Smart GG",
+  "ripples_smart/schedule.smart_fresh=True": "Smart GG (fresh)",
   "ripples_random": "Random GG",
   "adpsgd": "AD-PSGD",
   "diloco/inner_steps=4": "DiLoCo H=4",

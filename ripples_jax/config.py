@@ -349,6 +349,7 @@ def _check_schedule_keys(config, n):
   if config.algorithm == "ripples_smart":
     _number(config, "schedule.smart_tolerance", lambda v: v > 0, "a number > 0 (a fraction of a step time)")
     _int_in(config, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0")
+    _bool(config, "schedule.smart_fresh")
   if config.algorithm in ("adpsgd", "ps_async") and n < 2:
     _fail("num_workers", n, f"at least 2 for {config.algorithm}")
   if config.algorithm == "diloco":

@@ -23,6 +23,11 @@ def test_a_variant_sets_its_keys_under_its_algorithm():
     {"diloco.inner_steps": 4, "diloco.outer_lr": 0.35},
   )
   assert isinstance(ledger_tta.variant("diloco/inner_steps=4")[1]["diloco.inner_steps"], int)
+  # A dotted key is the config's own, and it reaches the run's config.
+  name = "ripples_smart/schedule.smart_fresh=True"
+  assert ledger_tta.variant(name) == ("ripples_smart", {"schedule.smart_fresh": True})
+  config, base, _ = ledger_tta.scenario_config("homogeneous, VGG-16 clock", name, 0.5, 0, 10)
+  assert base == "ripples_smart" and config.schedule.smart_fresh is True
 
 
 def test_models_sent_count_each_collective_and_each_server_message():

@@ -1,6 +1,7 @@
 """The online Group Generator protocol: the authority and the workers' queues, in-process, under random
 speeds and arrival orders (real threads on the runtime's code, the coordination service faked)."""
 
+import json
 import random
 import threading
 import time
@@ -438,3 +439,32 @@ def test_a_request_sent_as_a_step_starts_carries_that_steps_report():
   finally:
     feed.close()
     authority.stop()
+
+
+def test_fresh_smart_gg_ranks_its_last_group_after_the_others_ready_in_time():
+  """schedule.smart_fresh: the asker's last group's members rank after the other workers expected
+  within the tolerance (that is what breaks the lock of 15 live workers in groups of 3:
+  results/baselines/README.md), never after the workers outside it; the default picks the soonest
+  again. The last groups are the generator's state (a resumed authority picks the same)."""
+
+  def pick(gen, ready, asker=0):
+    buffer = group_gen.GroupBuffer(6)  # expected ready at `ready`: started at ready - 1, 1 s steps
+    view = group_gen.GGView(0.0, buffer, np.asarray(ready, np.float64) - 1, np.ones(6), lambda w: 0)
+    gen(asker, view)
+    return buffer.groups[0].members
+
+  near = [0.0, 0.1, 0.2, 0.3, 0.4, 0.45]  # everyone within 0.5 of worker 0's step
+  base, fresh = group_gen.smart_gg(6, 3), group_gen.smart_gg(6, 3, fresh=True)
+  assert pick(base, near) == pick(fresh, near) == (0, 1, 2)
+  assert pick(base, near) == (0, 1, 2)  # the default: the soonest again
+  resumed = group_gen.smart_gg(6, 3, fresh=True)
+  resumed.load(json.loads(json.dumps(fresh.state())))
+  assert pick(fresh, near) == (0, 3, 4) and pick(resumed, near) == (0, 3, 4)
+  assert pick(fresh, near) == (0, 1, 2)  # (0, 3, 4) is now the last group
+  # Only 1 and 2 within the tolerance: fresh takes them rather than someone outside it.
+  fresh2 = group_gen.smart_gg(6, 3, fresh=True)
+  far = [0.0, 0.1, 0.2, 0.9, 1.0, 1.1]
+  assert pick(fresh2, far) == pick(fresh2, far) == (0, 1, 2)
+  # A group is the last group of each of its members: worker 1 now ranks 0 and 2 after 3 and 4.
+  assert pick(fresh2, [0.0, 0.0, 0.1, 0.2, 0.25, 0.4], asker=1) == (1, 3, 4)
+  assert pick(base, [0.0, 0.0, 0.1, 0.2, 0.25, 0.4], asker=1) == (0, 1, 2)

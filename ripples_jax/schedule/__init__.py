@@ -78,7 +78,9 @@ def make_group_generator(config, rng: np.random.Generator):
   if config.algorithm == "ripples_division":
     return group_gen.division_gg(n, s.group_size, rng)
   if config.algorithm == "ripples_smart":
-    return group_gen.smart_gg(n, s.group_size, s.smart_tolerance, s.smart_max_gap)
+    return group_gen.smart_gg(
+      n, s.group_size, s.smart_tolerance, s.smart_max_gap, s.get("smart_fresh", False)
+    )
   if config.algorithm == "moshpit":
     return group_gen.moshpit_gg(grid_layouts(config.moshpit.grid))
   return None

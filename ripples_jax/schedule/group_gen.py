@@ -201,15 +201,26 @@ class smart_gg:
 
   ask_ahead = False  # its groups are about who is ready together: asked when the worker is ready
 
-  def __init__(self, num_workers: int, group_size: int, tolerance: float = 0.5, max_gap: int = 4):
+  def __init__(
+    self, num_workers: int, group_size: int, tolerance: float = 0.5, max_gap: int = 4, fresh: bool = False
+  ):
     self.n, self.k, self.tolerance, self.max_gap = num_workers, group_size - 1, tolerance, max_gap
     self.skipped = np.zeros(num_workers, np.int64)
+    # fresh: each worker's last group (-1 padded), whose members rank after the other workers ready
+    # within the tolerance.
+    self.fresh = fresh
+    self.last = np.full((num_workers, group_size), -1, np.int64) if fresh else None
 
   def state(self):
+    if self.fresh:
+      return {"skipped": self.skipped.tolist(), "last": self.last.tolist()}
     return self.skipped.tolist()
 
   def load(self, state) -> None:
-    self.skipped[:] = state
+    if self.fresh:
+      self.skipped[:], self.last[:] = state["skipped"], state["last"]
+    else:
+      self.skipped[:] = state
 
   def __call__(self, worker: int, view: GGView) -> None:
     # Vectorised over workers: this runs once per step of every worker, with n up to hundreds.
@@ -219,8 +230,9 @@ class smart_gg:
     if view.alive is not None:
       ready[~view.alive] = np.inf  # nor a dead one
     ready[worker] = np.inf
-    soonest = np.argpartition(ready, k)[:k] if k < self.n else np.arange(self.n)
-    soonest = soonest[np.argsort(ready[soonest], kind="stable")]
+    key = ready if not self.fresh else self._fresh_key(worker, ready, view)
+    soonest = np.argpartition(key, k)[:k] if k < self.n else np.arange(self.n)
+    soonest = soonest[np.argsort(key[soonest], kind="stable")]
     soonest = soonest[np.isfinite(ready[soonest])]
     near = soonest[ready[soonest] <= view.now + self.tolerance * view.estimates[worker]]
     if not len(near) and self.skipped[worker] < self.max_gap:
@@ -229,4 +241,20 @@ class smart_gg:
     if not len(near):
       near = soonest
     self.skipped[worker] = 0
-    view.buffer.append([worker, *near.tolist()], view.now)
+    members = [worker, *near.tolist()]
+    if self.fresh:
+      row = np.full(self.k + 1, -1, np.int64)
+      row[: len(members)] = members
+      self.last[members] = row
+    view.buffer.append(members, view.now)
+
+  def _fresh_key(self, worker: int, ready: np.ndarray, view: GGView) -> np.ndarray:
+    """The order in which fresh picks: the workers expected within the tolerance that were not in the
+    asker's last group (soonest first), then those that were, then the rest by expected readiness."""
+    within = ready <= view.now + self.tolerance * view.estimates[worker]
+    last = np.zeros(self.n, bool)
+    mates = self.last[worker]
+    last[mates[mates >= 0]] = True
+    tier = np.where(within, last.astype(np.float64), 2.0)
+    finite = np.isfinite(ready)
+    return np.where(finite, tier * 1e12 + np.where(finite, ready, 0.0), np.inf)
