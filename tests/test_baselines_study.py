@@ -109,6 +109,16 @@ def test_the_winner_is_the_least_geometric_mean_and_smart_gg_is_paired_against_i
   assert rows[0][2] == "Smart GG" and rows[0][4] == "All-Reduce"
   per["ripples_smart"] = _record([5.0, 6.0, None], [40.0] * 3, "Smart GG")
   assert baselines.winners_table({"s": per}).rows[0][2] == "Smart GG"
+  # A variant of Smart GG is Smart GG: the fastest, it is not what Smart GG is paired against, and
+  # it gets its own ratio against the same method.
+  per["ripples_smart/schedule.smart_fresh=True"] = _record([2.0, 3.0, 2.5], [40.0] * 3, "Smart GG (fresh)")
+  table = baselines.winners_table({"s": per})
+  row = table.rows[0]
+  assert row[2] == "Smart GG (fresh)" and row[4] == "All-Reduce" and len(row) == 9
+  assert table.header[7] == "Smart GG (fresh)'s speedup over it (95% interval)"
+  assert (
+    row[7].startswith(f"{math.exp(np.mean(np.log([10 / 2, 12 / 3, 11 / 2.5]))):.2f}x") and row[8] == "faster"
+  )
 
 
 @pytest.mark.slow
