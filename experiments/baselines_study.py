@@ -39,7 +39,7 @@ def define_flags():
   flags.DEFINE_bool(
     "tune_256", True, "sim256: tune its algorithms at 256 workers (tuning_256.md); else the 16-worker choice."
   )
-  flags.DEFINE_list("grid_256", None, "sim256's own tuning grid (default: --grid's).")
+  flags.DEFINE_list("grid_256", list(map(str, baselines.GRID_256)), "sim256's own tuning grid.")
   flags.DEFINE_list("outer_grid", None, "DiLoCo's outer step-size grid (default: OUTER_GRID).")
   flags.DEFINE_multi_string("scenario", None, "Only these scenarios of the sim parts (default: all).")
   flags.DEFINE_integer("runtime_seeds", 5, "runtime: seeds.")
@@ -81,8 +81,11 @@ def main(argv):
         chosen = {a: c for a, c in chosen.items() if a in FLAGS.algorithms_256}
         tuned = "at 16 workers (tuning.md)"
         if FLAGS.tune_256:  # one grid for every algorithm at 256, by the same rule (tuning_256.md)
-          own_grid = grid if FLAGS.grid_256 is None else {"grid": tuple(float(x) for x in FLAGS.grid_256)}
-          args256 = {**args, **own_grid, "algorithms": tuple(FLAGS.algorithms_256)}
+          args256 = {
+            **args,
+            "grid": tuple(float(x) for x in FLAGS.grid_256),
+            "algorithms": tuple(FLAGS.algorithms_256),
+          }
           chosen = baselines.tune(FLAGS.out, "heavy256", FLAGS.steps, FLAGS.target, FLAGS.workers, **args256)
           tuned = "at 256 workers (tuning_256.md)"
       out = baselines.run_study(
