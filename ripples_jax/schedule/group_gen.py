@@ -255,6 +255,8 @@ class smart_gg:
     last = np.zeros(self.n, bool)
     mates = self.last[worker]
     last[mates[mates >= 0]] = True
-    tier = np.where(within, last.astype(np.float64), 2.0)
-    finite = np.isfinite(ready)
-    return np.where(finite, tier * 1e12 + np.where(finite, ready, 0.0), np.inf)
+    tier = np.where(within, last.astype(np.int64), 2)
+    order = np.lexsort((ready, tier))  # by tier, then by readiness (no sum of the two: no rounding)
+    rank = np.empty(self.n)
+    rank[order] = np.arange(self.n)
+    return np.where(np.isfinite(ready), rank, np.inf)
