@@ -468,3 +468,11 @@ def test_fresh_smart_gg_ranks_its_last_group_after_the_others_ready_in_time():
   # A group is the last group of each of its members: worker 1 now ranks 0 and 2 after 3 and 4.
   assert pick(fresh2, [0.0, 0.0, 0.1, 0.2, 0.25, 0.4], asker=1) == (1, 3, 4)
   assert pick(base, [0.0, 0.0, 0.1, 0.2, 0.25, 0.4], asker=1) == (0, 1, 2)
+  # Ranks are exact: 4 is ready 3e-5 s before 3, both outside the tolerance (nobody near, no skip
+  # left), and fresh takes 4 as the default does (a sum of tier x 1e12 and the time rounded them equal).
+  times = [0.0, 5.0, 5.0, 2.00003, 2.0, 5.0]
+  assert (
+    pick(group_gen.smart_gg(6, 2, max_gap=0, fresh=True), times)
+    == pick(group_gen.smart_gg(6, 2, max_gap=0), times)
+    == (0, 4)
+  )
