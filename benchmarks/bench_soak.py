@@ -47,14 +47,14 @@ SOAK_JOB = [
 REPRO = r"""
 import sys, time
 import jax, numpy as np
-from ripples_jax import engine, schedule as schedule_lib, setup as setup_lib
+from ripples_jax import engine, schedule as schedule_lib, workload
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.distributed.collective_guard import CollectiveGuard
 from ripples_jax.distributed.host import use_cpu_devices
 from configs import default
 use_cpu_devices(8)
 c = default.get_config("model=mlp")
-s = setup_lib.build(c)
+s = workload.build(c)
 mesh = make_worker_mesh(8)
 schedule = schedule_lib.make_schedule(c)
 state = engine.init_state(s.model, s.optimizer, jax.random.key(0), s.data["x_train"][:1], 8, mesh)

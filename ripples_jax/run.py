@@ -15,7 +15,7 @@
   hybrid/per_process    the same with a process per (replica, stage) and the coordinator, process 0
                         (hybrid/processes.py)
 Executors are peers: none imports another; each writes its files through runlog.RunLog and builds its
-inputs with setup.py. A Ripples config (configs/default.py) names its executor; a pipeline config
+inputs with workload.py. A Ripples config (configs/default.py) names its executor; a pipeline config
 (configs/dsp.py) has a method and a placement.
 """
 
@@ -239,12 +239,12 @@ def _load_async(config, workdir: str, step) -> dict:
   import numpy as np
   from jax.flatten_util import ravel_pytree
 
-  from ripples_jax import setup as setup_lib
+  from ripples_jax import workload
   from ripples_jax.models import init_model
 
   if step is not None:
     raise ValueError(f"load(step={step}): an executor=async run gives back its final state only (step=None)")
-  s_ = setup_lib.build(config)
+  s_ = workload.build(config)
   params, model_state = init_model(s_.model, jax.random.key(config.seed), s_.data["x_train"][:1])
   _, unravel = ravel_pytree({"params": params, "model_state": model_state})
   paths = [os.path.join(workdir, "snapshots", f"final-{w}.npy") for w in range(config.num_workers)]

@@ -12,9 +12,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from ripples_jax import allocator, engine, profiling, timeline
+from ripples_jax import allocator, engine, profiling, timeline, workload
 from ripples_jax import data as data_lib
-from ripples_jax import setup as setup_lib
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import num_params
 from ripples_jax.runlog import RunLog, make_workdir
@@ -81,7 +80,7 @@ def simulate_and_train(config, workdir: str | None = None):
   Returns (summary, the clock's trace).
   """
   n = config.num_workers
-  s = setup_lib.build(config)
+  s = workload.build(config)
   workdir = make_workdir(workdir, config)
   has_server = config.algorithm == "ps_async"
   slots = n + has_server  # the parameter server is one more slot
@@ -242,7 +241,7 @@ class Rounds:
   programs: set = dataclasses.field(default_factory=set)
 
 
-def execute(config, s: setup_lib.Setup, state, cur: Loop, trace, mesh, log: RunLog):
+def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLog):
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   n, has_server = config.num_workers, config.algorithm == "ps_async"
   slots = n + has_server
@@ -348,7 +347,7 @@ def batches(config, s, workers, starts):
   return s.data["x_train"][idx], s.data["y_train"][idx]
 
 
-def make_evaluate(s: setup_lib.Setup, slots: slice, membership: list | None = None, workers: bool = True):
+def make_evaluate(s: workload.Setup, slots: slice, membership: list | None = None, workers: bool = True):
   """(state, t) -> the evaluation scalars of the model held in `slots` (averaged over them; workers:
   and the mean of their own models' accuracies, config.eval_workers). With
   `membership` (trace.membership), over those of them live at virtual time t (3.10): a dead worker's

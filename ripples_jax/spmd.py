@@ -16,9 +16,8 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import data as data_lib
-from ripples_jax import engine
+from ripples_jax import engine, workload
 from ripples_jax import schedule as schedule_lib
-from ripples_jax import setup as setup_lib
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.distributed.collective_guard import CollectiveGuard
 from ripples_jax.models import num_params
@@ -38,7 +37,7 @@ class Loop:
 def train(config, workdir: str | None = None) -> dict:
   """Runs config.num_steps rounds; returns the summary."""
   n = config.num_workers
-  s = setup_lib.build(config)
+  s = workload.build(config)
   mesh = make_worker_mesh(n)
   schedule = schedule_lib.make_schedule(config)
   workdir = make_workdir(workdir, config)

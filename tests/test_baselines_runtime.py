@@ -155,12 +155,12 @@ def ps_reference(config):
   from jax.sharding import Mesh
 
   from ripples_jax import data as data_lib
-  from ripples_jax import setup as setup_lib
+  from ripples_jax import workload
   from ripples_jax.distributed.arrays import LOCAL
   from ripples_jax.models import init_model
   from ripples_jax.runtime.process import make_step_fns
 
-  s = setup_lib.build(config)
+  s = workload.build(config)
   params, ms = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
   flat0, unravel = ravel_pytree({"params": params, "model_state": ms})
   grad_fn, apply_fn, rep, batch_sharding = make_step_fns(

@@ -365,13 +365,13 @@ def test_batches_deterministic_and_resumable():
 def test_config_mnist1d_samples_sizes_the_generated_set(tmp_path, monkeypatch):
   """configs/default.py's mnist1d_samples reaches the generator: a large run gets a large set."""
   from configs import default as default_config
-  from ripples_jax import setup
+  from ripples_jax import workload
 
   monkeypatch.setattr(m1d, "_generate", _fake_generate)
   monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path))
   config = default_config.get_config("num_workers=16,model=mlp")
   config.mnist1d_samples = 2000
-  s = setup.build(config)
+  s = workload.build(config)
   assert s.data["x_train"].shape == (1600, 40, 1) and sum(len(i) for i in s.shards) == 1600
   assert {len(i) for i in s.shards} == {100}  # 100 examples a worker, indices into one array
 

@@ -12,7 +12,7 @@ import pytest
 from configs import dsp as dsp_config
 from ripples_jax import data as data_lib
 from ripples_jax import run as run_lib
-from ripples_jax import setup as setup_lib
+from ripples_jax import workload
 from ripples_jax.config import ConfigError, validate_dsp_config
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.hybrid import sim as hybrid
@@ -72,7 +72,7 @@ def test_one_replica_is_the_pipeline(tmp_path, method):
   summary, state, trace = hybrid.simulate_and_train(config, str(tmp_path / "h"))
   assert summary["groups"] == 0 and len(trace.events) == trace.ticks[0]
   # The reference walks the pipeline's own feed (setup.Feed: the whole set, one stream).
-  p = setup_lib.build_pipeline(config)
+  p = workload.build_pipeline(config)
   init_fn, step_fn = baselines.METHODS[method]
   ref = init_fn(p.stages, p.optimizer, config, jax.random.key(0), p.feed.sample, p.data["num_classes"])
   schedule = baselines.schedule_of(config)

@@ -594,12 +594,12 @@ def test_overlap_hides_at_most_its_share_of_a_step_from_every_algorithm():
 def test_validation_examples_are_held_out_of_every_shard_and_scored(tmp_path):
   """validation_examples moves a fixed set of training examples out of the workers' shards; every
   evaluation record scores the averaged model on them (val_accuracy) beside the test set."""
-  from ripples_jax import setup as setup_lib
+  from ripples_jax import workload
 
   config = default_config.get_config("algorithm=ripples_smart,executor=sim,num_workers=4,model=mlp,steps=3")
-  full = setup_lib.build(config)
+  full = workload.build(config)
   config.validation_examples = 200
-  s = setup_lib.build(config)
+  s = workload.build(config)
   assert len(s.data["y_val"]) == 200 and len(s.data["y_train"]) == len(full.data["y_train"]) - 200
   assert sum(len(sh) for sh in s.shards) == len(s.data["y_train"])
   held = {x.tobytes() for x in s.data["x_val"]}

@@ -291,9 +291,9 @@ def test_in_process_run_learns_and_writes_metrics(tmp_path):
   # The trained model back: the averaged params evaluate to the run's final accuracy, on one device.
   model = run.load(str(tmp_path))
   assert model["step"] == 60 and model["executor"] == "spmd"
-  from ripples_jax import setup
+  from ripples_jax import workload
 
-  s = setup.build(model["config"])
+  s = workload.build(model["config"])
   logits = s.model.apply({"params": model["params_avg"], **model["model_state_avg"]}, s.data["x_test"])
   acc = float((logits.argmax(-1) == s.data["y_test"]).mean())
   assert abs(acc - summary["final_test_accuracy"]) < 1e-6

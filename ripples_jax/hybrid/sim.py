@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ripples_jax import collectives, profiling
+from ripples_jax import collectives, profiling, workload
 from ripples_jax import data as data_lib
-from ripples_jax import setup as setup_lib
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.pipeline import baselines, timing
 from ripples_jax.runlog import RunLog, make_workdir
@@ -148,7 +147,7 @@ class Hybrid:
   """What both hybrid executors build first: the pipeline's setup, one replica's initial state, the
   method's step maker and schedule, and the budget of ticks (per replica and in all)."""
 
-  p: setup_lib.PipelineSetup
+  p: workload.PipelineSetup
   one: list
   step_fn: object
   schedule: object
@@ -163,7 +162,7 @@ def build(config, workdir: str | None = None) -> Hybrid:
   past the end (the step's num_batches is the run's ticks): a replica's stream of batches is its
   shard's endless walk, and what is in flight at the end is not applied."""
   R = config.replicas.count
-  p = setup_lib.build_pipeline(config, workdir)
+  p = workload.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
   one = init_fn(
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]

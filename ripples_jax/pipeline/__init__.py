@@ -1,6 +1,6 @@
 """DSP and its baselines: model-parallel pipelines with layer-wise staleness (docs/design.md 4).
 
-(models/split.py splits a model into K depth-wise stages; setup.build_pipeline builds the inputs)
+(models/split.py splits a model into K depth-wise stages; workload.build_pipeline builds the inputs)
 tick.py       the tick (bp, dsp, ddg, fr through link delays), the staleness ring buffers
 baselines.py  whole-model steps (bp, gpipe, dni), evaluation, METHODS: every method's (init, step)
 timing.py     iteration-time model of every method, stragglers

@@ -51,7 +51,7 @@ from absl import logging
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from ripples_jax import setup as setup_lib
+from ripples_jax import workload
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
@@ -464,7 +464,7 @@ def _resume(sp: Stage, log: RunLog, kv) -> Loop:
   return loop
 
 
-def _record(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, clock, loop: Loop, done: int, losses: list):
+def _record(sp: Stage, log: RunLog, p: workload.PipelineSetup, clock, loop: Loop, done: int, losses: list):
   """At a logged batch: the evaluation (every stage, at eval points), the lead's record."""
   config, n = sp.config, p.num_batches
   scalars = {"epoch": done / p.batches_per_epoch}
@@ -479,7 +479,7 @@ def _record(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, clock, loop: Loo
   log.record(done, clock(), **scalars)
 
 
-def _loop(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, progress: dict) -> None:
+def _loop(sp: Stage, log: RunLog, p: workload.PipelineSetup, loop: Loop, progress: dict) -> None:
   """Ticks (gpipe: batches) from loop.tick to the end of the drain."""
   config, n, feed = sp.config, p.num_batches, p.feed
   sch = sp.schedule
@@ -568,7 +568,7 @@ def run(config, workdir: str) -> dict:
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this stage: one line, coord.EXIT_TERM
   _pin(config, k)  # first: a stage measuring the split's unit times does so on its own core
   workdir = make_workdir(workdir, config)
-  p = setup_lib.build_pipeline(config, workdir)  # every stage reads the one split.json
+  p = workload.build_pipeline(config, workdir)  # every stage reads the one split.json
   kv = coord.client()
   sp = Stage(config, p.stages, p.optimizer, p.num_batches, p.feed.sample, p.data["x_test"])
   rt = config.runtime
@@ -632,7 +632,7 @@ def _exchange_timings(sp: Stage, kv, mine: dict, workdir: str, progress: dict) -
   return timings
 
 
-def _summary(sp: Stage, log: RunLog, p: setup_lib.PipelineSetup, loop: Loop, timings: list, workdir: str):
+def _summary(sp: Stage, log: RunLog, p: workload.PipelineSetup, loop: Loop, timings: list, workdir: str):
   config = sp.config
   if not sp.last:
     return {"method": config.method, "stage": sp.k, "workdir": workdir, "time": loop.time}

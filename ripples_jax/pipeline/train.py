@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ripples_jax import setup as setup_lib
+from ripples_jax import workload
 from ripples_jax.pipeline import baselines, devices, tick, timing
 from ripples_jax.runlog import RunLog, make_workdir
 
@@ -130,8 +130,8 @@ def _loop(log, config, run, state, cursor: Loop):
 
 def _setup(config, workdir: str | None = None):
   """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile (with a workdir,
-  the split the run first used: setup.split_stages)."""
-  p = setup_lib.build_pipeline(config, workdir)
+  the split the run first used: workload.split_stages)."""
+  p = workload.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
   if config.placement == "devices":  # validated: a tick method or gpipe
     step_fn = devices.device_gpipe_step if config.method == "gpipe" else devices.device_tick_step

@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from jax.flatten_util import ravel_pytree
 
-from ripples_jax import setup as setup_lib
+from ripples_jax import workload
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import init_model
@@ -166,7 +166,7 @@ def run(config, workdir: str) -> dict:
   """The coordinator of an executor=async run; returns the run's summary."""
   rt, n = config.runtime, config.num_workers
   sigterm = coord.SigtermStop(name=coord.COORDINATOR).install()
-  s = setup_lib.build(config)
+  s = workload.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
   params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])

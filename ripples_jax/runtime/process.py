@@ -21,8 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ripples_jax import data as data_lib
-from ripples_jax import engine, optim
-from ripples_jax import setup as setup_lib
+from ripples_jax import engine, optim, workload
 from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
@@ -93,7 +92,7 @@ class Worker:
   alone (membership.life_device), so a restarted process's collectives use device ids no earlier life
   connected with; otherwise the worker is all its process's devices (data parallel inside it)."""
 
-  def __init__(self, config, s: setup_lib.Setup, life: int = 0, kv=None):
+  def __init__(self, config, s: workload.Setup, life: int = 0, kv=None):
     self.config, self.s, self.rt, self.kv = config, s, config.runtime, kv
     n, self.me = config.num_workers, coord.worker_of(jax.process_index())
     # Devices per worker, in the global order every process sees the same way (the coordinator's
@@ -248,7 +247,7 @@ def open_worker(config, workdir: str):
   on its first life's devices (elastic: a restart warms up on its life's device). Returns (sigterm,
   workdir, kv, worker)."""
   sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
-  s = setup_lib.build(config)
+  s = workload.build(config)
   workdir = make_workdir(workdir, config)
   kv = coord.client()
   return sigterm, workdir, kv, Worker(config, s, first_life(config, kv), kv)

@@ -12,7 +12,7 @@ model is the run's model, which the coordinator evaluates anyway. On GPU it shar
             mean of the models after every step; with plain SGD the mean gradient's step).
   ps_async  each worker computes a gradient on the model it pulled last, pushes it and pulls the
             server's model with that gradient applied; the server serves one request at a time in
-            arrival order, each gradient applied by its own optimizer (setup.build: lr / n, as the
+            arrival order, each gradient applied by its own optimizer (workload.build: lr / n, as the
             simulator's server), so no update is lost and none is averaged away.
 Transport: the engine's collectives, one pair program per worker and server (PairAverager's
 all_gather over the pair's devices). A push and a pull are one exchange each; an all_gather moves a
@@ -38,7 +38,7 @@ from absl import logging
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
-from ripples_jax import setup as setup_lib
+from ripples_jax import workload
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.arrays import LOCAL
@@ -191,7 +191,7 @@ class Server:
   serve() runs the run's rounds (ps_sync) or requests (ps_async) to the end; `error` holds what
   stopped it early (the coordinator raises it after the watchdog's verdict)."""
 
-  def __init__(self, config, s: setup_lib.Setup, kv, workdir: str, params, model_state):
+  def __init__(self, config, s: workload.Setup, kv, workdir: str, params, model_state):
     """params, model_state: the run's initial model (the coordinator's init_model)."""
     self.config, self.kv, self.workdir, self.n = config, kv, workdir, config.num_workers
     self.link = Link(self.n, self.n)

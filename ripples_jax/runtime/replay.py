@@ -10,8 +10,7 @@ import jax
 import numpy as np
 
 from ripples_jax import data as data_lib
-from ripples_jax import engine, timeline
-from ripples_jax import setup as setup_lib
+from ripples_jax import engine, timeline, workload
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.runtime import trace as trace_lib
 
@@ -216,7 +215,7 @@ def replay(config, workdir: str, on_round=None) -> dict:
   step numbers and the losses at those starts (benchmarks/replay_drift.py compares them with the
   traces')."""
   n = config.num_workers
-  s = setup_lib.build(config)
+  s = workload.build(config)
   data, shards, model, optimizer = s.data, s.shards, s.model, s.optimizer
   traces = trace_lib.load_traces(workdir)
   slots = 2 * n if scratch_slots(traces) else n
