@@ -25,8 +25,8 @@ def _bp_steps(config):
   """Single-process BP's step on the whole batch and on M accumulated micro-batches (one update: GPipe's
   numerics without the pipeline), each a function of the state that blocks on its result."""
   import jax.numpy as jnp
-  import optax
 
+  from ripples_jax import losses
   from ripples_jax.pipeline import baselines
 
   stages, state, run = pipeline_train._setup(config)
@@ -40,7 +40,7 @@ def _bp_steps(config):
 
   def loss_fn(params_K, ms_K, x, y):
     logits, _ = baselines.compose(stages, params_K, ms_K, x, train=True)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return losses.cross_entropy(logits, y)
 
   grad = jax.jit(jax.grad(loss_fn))
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ripples_jax import collectives, optim
+from ripples_jax import collectives, losses, optim
 from ripples_jax.collectives import WORKER_AXIS, Layout
 from ripples_jax.models import apply_model, init_model
 
@@ -67,8 +67,7 @@ def resolve_preduce_impl(impl: str, num_workers: int, mesh: Mesh) -> str:
 
 def cross_entropy_loss(model, params, model_state, x_BxI, y_B, train: bool = True):
   logits_BxC, new_model_state = apply_model(model, params, model_state, x_BxI, train=train)
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, y_B).mean()
-  return loss, new_model_state
+  return losses.cross_entropy(logits_BxC, y_B), new_model_state
 
 
 def make_round_fn(
@@ -162,9 +161,7 @@ def make_eval_fn(model) -> Callable:
 
   def scores(params, model_state, x, y):
     logits, _ = apply_model(model, params, model_state, x, train=False)
-    return jnp.mean(jnp.argmax(logits, -1) == y), optax.softmax_cross_entropy_with_integer_labels(
-      logits, y
-    ).mean()
+    return losses.accuracy(logits, y), losses.cross_entropy(logits, y)
 
   averaged = jax.jit(scores)
 

@@ -206,14 +206,11 @@ def _model(config, step, params, model_state) -> dict:
 
   def evaluate(x, y, worker: int | None = None) -> dict:
     """{"accuracy", "loss"} of that model on (x, y)."""
-    import optax
+    from ripples_jax import losses
 
     logits = apply(x, worker)
     y = jax.numpy.asarray(y)
-    return {
-      "accuracy": float(jax.numpy.mean(jax.numpy.argmax(logits, -1) == y)),
-      "loss": float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()),
-    }
+    return {"accuracy": float(losses.accuracy(logits, y)), "loss": float(losses.cross_entropy(logits, y))}
 
   return {
     "config": config,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ripples_jax import losses
 from ripples_jax.models import apply_model
 from ripples_jax.pipeline.tick import Schedule, init_pipeline, make_tick, method_schedule
 
@@ -57,8 +58,7 @@ def make_bp_step(stages, optimizer):
 
   def loss_fn(params_K, model_state_K, x, y):
     logits, new_ms = compose(stages, params_K, model_state_K, x, train=True)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return loss, (new_ms, jnp.mean(jnp.argmax(logits, -1) == y))
+    return losses.cross_entropy(logits, y), (new_ms, losses.accuracy(logits, y))
 
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, x, y):
@@ -81,8 +81,7 @@ def make_gpipe_step(stages, optimizer, microbatches: int):
       # Rematerialisation: keep only stage boundaries; recompute the inside in the backward.
       h, ms = jax.checkpoint(lambda p, ms, h, stage=stage: apply_model(stage, p, ms, h, train=True))(p, ms, h)
       new_ms.append(ms)
-    loss = optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
-    return loss, (new_ms, jnp.mean(jnp.argmax(h, -1) == y))
+    return losses.cross_entropy(h, y), (new_ms, losses.accuracy(h, y))
 
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, x, y):
@@ -110,10 +109,7 @@ def make_eval(stages):
     logits, _ = compose(
       stages, [st["params"] for st in state], [st["model_state"] for st in state], x, train=False
     )
-    return (
-      jnp.mean(jnp.argmax(logits, -1) == y),
-      optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
-    )
+    return losses.accuracy(logits, y), losses.cross_entropy(logits, y)
 
   return evaluate
 
@@ -177,8 +173,7 @@ def make_dni_step(stages, optimizer, predictor_opt):
 
     def loss_fn(p, x_in):
       logits, ms = apply_model(stages[K - 1], p, top["model_state"], x_in, train=True)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == y))
+      return losses.cross_entropy(logits, y), (ms, losses.accuracy(logits, y))
 
     (loss, (ms, acc)), (g_p, down) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
       top["params"], ins[K - 1]

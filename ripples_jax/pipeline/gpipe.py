@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ripples_jax import losses
 from ripples_jax.models import apply_model
 
 
@@ -55,8 +56,7 @@ def stage_programs(stage, optimizer, first: bool, last: bool, microbatches: int)
   def loss_grad(p, ms, x, y):
     def loss_fn(p, x):
       logits, new_ms = apply_model(stage, p, ms, x, train=True)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      return loss, (new_ms, jnp.mean(jnp.argmax(logits, -1) == y))
+      return losses.cross_entropy(logits, y), (new_ms, losses.accuracy(logits, y))
 
     (loss, (new_ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(p, x)
     return g_p, g_x, new_ms, loss, acc

@@ -46,11 +46,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from ripples_jax import losses as losses_lib  # 'losses' names the stage's loss lists here
 from ripples_jax import workload
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
@@ -401,10 +401,7 @@ class Stage:
       L.eval_upper.up(h)
       return None
     y = jax.device_put(y_test, self.device)
-    return (
-      float(jnp.mean(jnp.argmax(h, -1) == y)),
-      float(optax.softmax_cross_entropy_with_integer_labels(h, y).mean()),
-    )
+    return float(losses_lib.accuracy(h, y)), float(losses_lib.cross_entropy(h, y))
 
   # -- what a checkpoint holds ----------------------------------------------------------------------------
 

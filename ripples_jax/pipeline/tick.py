@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ripples_jax import losses
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model, init_model
 from ripples_jax.pipeline import pipemare
@@ -281,8 +282,7 @@ def _loss_grads(fwd, params, x, labels, chunks: int):
   def grads(x, y):
     def loss_fn(p, x):
       logits, ms = fwd(p, x)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() / chunks
-      return loss, (ms, jnp.mean(jnp.argmax(logits, -1) == y) / chunks)
+      return losses.cross_entropy(logits, y) / chunks, (ms, losses.accuracy(logits, y) / chunks)
 
     (loss, (ms, acc)), (g_p, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, x)
     return g_p, g_x, ((loss, acc), ms)
