@@ -8,7 +8,7 @@ process writes it).
 
 Tuning (tuning.md): each algorithm's step size from the ledger's one grid (LR_GRID, sqrt(2) apart) on
 its validation split, over the tuning seeds (none reported), in the homogeneous scenario, by the
-ledger's rule (ledger_tta.tuning_score); DiLoCo's outer step size then from OUTER_GRID at its chosen
+ledger's rule (study.tuning_score); DiLoCo's outer step size then from OUTER_GRID at its chosen
 inner step size (a coordinate search: the inner grid is searched at the paper's outer 0.7, Nesterov
 0.9). 256 workers use the 16-worker choice. The runtime's step sizes are tuned the same way on the
 light clock (the MLP's own messages; tuning_light.md).
@@ -40,13 +40,13 @@ from experiments.ledger_tta import (
   TUNE_SEEDS,
   VALIDATION_EXAMPLES,
   ends_of_training,
-  run_jobs,
   run_key,
   scenario_workers,
   summarize,
-  tuning_score,
+  train_runs,
   variant,
 )
+from experiments.study import tuning_score
 from ripples_jax import verdict
 from ripples_jax.runlog import write_json
 from ripples_jax.runtime import trace as trace_lib
@@ -108,7 +108,7 @@ def tune(
   jobs = [
     (scenario, v, lr, s, steps, MODEL, False) for v in first.values() for lr in grid for s in TUNE_SEEDS
   ]
-  runs = run_jobs(out_dir, jobs, workers)
+  runs = train_runs(out_dir, jobs, workers)
 
   def score(v, lr):
     return tuning_score([runs[run_key(scenario, v, lr, s, steps, MODEL, False)] for s in TUNE_SEEDS], target)
@@ -119,7 +119,7 @@ def tune(
   for a in [a for a in algorithms if a.startswith("diloco")]:  # the outer step size at the chosen lr
     lr = chosen[a][1]
     jobs = [(scenario, _outer(a, o), lr, s, steps, MODEL, False) for o in outer_grid for s in TUNE_SEEDS]
-    runs = run_jobs(out_dir, jobs, workers)
+    runs = train_runs(out_dir, jobs, workers)
     outer[a] = {o: score(_outer(a, o), lr) for o in outer_grid}
     best = min(outer_grid, key=lambda o: outer[a][o])
     chosen[a] = (_outer(a, best), lr)
@@ -175,7 +175,7 @@ def run_study(out_dir, scenarios, seeds, steps, target, workers, chosen, own=Tru
   jobs = [
     (sc, v, lr, s, steps, MODEL, own) for sc in scenarios for v, lr in chosen.values() for s in range(seeds)
   ]
-  runs = run_jobs(out_dir, jobs, workers)
+  runs = train_runs(out_dir, jobs, workers)
   out = {}
   for sc in scenarios:
     per = {}

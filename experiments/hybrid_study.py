@@ -15,7 +15,7 @@ reference). Scenarios: homogeneous, one device (replica 1's stage 0) 2x or 5x sl
 moving to the next replica every 10 virtual seconds.
 
 Tuning (tuning_<study>.md): each algorithm's step size from one grid per study (STUDIES) on the
-validation split, seeds 100-101, homogeneous, by the ledger's rule (ledger_tta.tuning_score: the median
+validation split, seeds 100-101, homogeneous, by the ledger's rule (study.py's tuning_score: the median
 validation time to the target, final validation accuracy as the tie-break). Reported (study_<study>.md
 and .json; every run's curve in runs.json): time to the target test accuracy (virtual s) as a paired
 ratio over seeds against All-Reduce (ripples_jax.verdict, 95% intervals, misses censored at the run's
@@ -23,7 +23,6 @@ end), final accuracy with its paired difference, and the limit a perfect router 
 load would reach (`router_limit`).
 """
 
-import json
 import os
 import shutil
 
@@ -31,9 +30,9 @@ import numpy as np
 from absl import app, flags
 
 from configs import dsp as dsp_config
+from experiments import study as study_lib
 from experiments.ledger_claims import SETTINGS
-from experiments.ledger_tta import crossing, final, tuning_score
-from experiments.pool import pinned_pool
+from experiments.study import crossing, final, tuning_score
 from ripples_jax import verdict
 from ripples_jax.runlog import write_json
 from ripples_jax.tables import Table
@@ -136,37 +135,16 @@ def one_run(job) -> dict:
   return out
 
 
-def run_jobs(out_dir: str, jobs: list, workers: int) -> dict:
-  """Every job runs.json does not hold yet; only this process writes runs.json, after each run."""
-  path = os.path.join(out_dir, "runs.json")
-  runs = json.load(open(path)) if os.path.exists(path) else {}
-  todo = {run_key(*j[:5]): j for j in jobs if run_key(*j[:5]) not in runs}
-  print(f"runs: {len(jobs) - len(todo)} held in {path}, {len(todo)} to run", flush=True)
-
-  def done(key, r):
-    runs[key] = r
-    write_json(path, runs, indent=None)
-    last = r["curve"]["test"][-1] if r["curve"]["test"] else float("nan")
-    print(f"{key}: test {last:.4f} end {r['end']:.4g} s{' DIVERGED' if r['diverged'] else ''}", flush=True)
-
-  if workers <= 1:
-    for key, j in todo.items():
-      done(key, one_run(j))
-  else:
-    import concurrent.futures
-
-    with pinned_pool(workers) as ex:
-      futures = {ex.submit(one_run, j): key for key, j in todo.items()}
-      for fut in concurrent.futures.as_completed(futures):
-        done(futures[fut], fut.result())
-  return runs
+def job_key(job) -> str:
+  """A job's run_key (its workdir is no part of it)."""
+  return run_key(*job[:5])
 
 
 def tune(out_dir, study, algorithms, workers, workdir) -> dict:
   """{algorithm: chosen lr}, and tuning.md's rows."""
   target, grid = STUDIES[study][3:5]
   jobs = [(study, "homogeneous", a, lr, s, workdir) for a in algorithms for lr in grid for s in TUNE_SEEDS]
-  runs = run_jobs(out_dir, jobs, workers)
+  runs = study_lib.run_jobs(out_dir, jobs, workers, run=one_run, key=job_key)
   chosen, rows = {}, []
   for a in algorithms:
     scores = {}
@@ -187,7 +165,7 @@ def study(out_dir, name, chosen, scenarios, algorithms, seeds, workers, workdir)
   """Per scenario and algorithm: the runs' times to the target, ends and final accuracies."""
   target = STUDIES[name][3]
   jobs = [(name, sc, a, chosen[a], s, workdir) for sc in scenarios for a in algorithms for s in range(seeds)]
-  runs = run_jobs(out_dir, jobs, workers)
+  runs = study_lib.run_jobs(out_dir, jobs, workers, run=one_run, key=job_key)
   out = {}
   for sc in scenarios:
     per = {}

@@ -5,7 +5,8 @@ time to accuracy."""
 import numpy as np
 
 from experiments.ledger_claims import fmt
-from experiments.ledger_tta import accuracy_at, run_key, tta_ratios
+from experiments.ledger_tta import run_key, tta_ratios
+from experiments.study import accuracy_at
 from ripples_jax import verdict
 from ripples_jax.tables import Table
 

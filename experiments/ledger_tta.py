@@ -1,20 +1,20 @@
 """The ledger's time-to-accuracy runs: the scenarios (TTA_SCENARIOS) and their algorithms, one
 simulated training run evaluated after every step (train_run) and many at once, resumable from
-runs.json (run_jobs); the step size tuned per clock on a validation split (tune: tuning.md); each
-scenario's records (summarize, tta: tta.json, tta.md, a figure per scenario; tta_table) and their
-readings (crossing, final, accuracy_at, tta_ratios)."""
+runs.json (train_runs: experiments.study.run_jobs); the step size tuned per clock on a validation
+split (tune: tuning.md); each scenario's records (summarize, tta: tta.json, tta.md, a figure per
+scenario; tta_table) and their readings (tta_ratios; a curve's own, crossing, final and accuracy_at,
+are experiments.study's)."""
 
-import concurrent.futures
 import json
 import os
 
 import numpy as np
 
 from configs import default as default_config
+from experiments import study
 from experiments.ledger_claims import SETTINGS, TUNED_ON, fmt, numerics, publish, set_clock
-from experiments.pool import pinned_pool
+from experiments.study import accuracy_at, crossing, final, tuning_score
 from ripples_jax import analysis, sim, verdict
-from ripples_jax.runlog import write_json
 from ripples_jax.tables import Table
 
 TTA_SCENARIOS = {  # name: (setting, config overrides); 16 workers unless num_workers is overridden
@@ -253,68 +253,15 @@ def train_run(
   return out
 
 
-def _quiet_run(args) -> dict:
-  from ripples_jax.distributed.host import quiet_library_logs
-
-  quiet_library_logs()
-  return train_run(*args)
+def train_job(job: tuple) -> dict:
+  """train_run(*job), at module level: the study's pool pickles it."""
+  return train_run(*job)
 
 
-def run_jobs(out_dir: str, jobs: list, workers: int = 1) -> dict:
-  """Every (scenario, algorithm, lr, seed, steps, model, own) job (train_run's arguments) whose run
-  out_dir/runs.json does not hold yet,
-  `workers` at once (one core each); returns runs.json's {run_key: run}. Only this process writes
-  runs.json, after each run, so an interrupted study resumes where it stopped. Every curve of every
-  run stays there."""
-  path = os.path.join(out_dir, "runs.json")
-  runs = json.load(open(path)) if os.path.exists(path) else {}
-  todo = {run_key(*j): j for j in jobs if run_key(*j) not in runs}
-  print(f"runs: {len(jobs) - len(todo)} held in {path}, {len(todo)} to run", flush=True)
-
-  def done(key, r):
-    runs[key] = r
-    write_json(path, runs, indent=None)  # every curve of every run: compact
-    curve = r["curve"]
-    last = f"test {curve['test'][-1]:.4f} val {curve['val'][-1]:.4f}" if curve["test"] else "no evaluation"
-    print(f"{key}: {last} end {r['end']:.4g} s{' DIVERGED' if r.get('diverged') else ''}", flush=True)
-
-  if workers <= 1:
-    for key, j in todo.items():
-      done(key, train_run(*j))
-  else:
-    with pinned_pool(workers) as ex:
-      futures = {ex.submit(_quiet_run, j): key for key, j in todo.items()}
-      for fut in concurrent.futures.as_completed(futures):
-        done(futures[fut], fut.result())
-  return runs
-
-
-def crossing(curve: dict, target: float, key: str = "test"):
-  """(time, step) of the first evaluation of curve[key] at or above target, or None."""
-  i = next((i for i, a in enumerate(curve[key]) if a >= target), None)
-  return None if i is None else (curve["time"][i], curve["step"][i])
-
-
-def final(run: dict, key: str = "test") -> float:
-  """A run's last accuracy; 0.0 for a run that diverged (it ends with no model worth the name)."""
-  return 0.0 if run.get("diverged") or not run["curve"][key] else run["curve"][key][-1]
-
-
-def accuracy_at(curve: dict, t: float, key: str = "test") -> float:
-  """curve[key] at the last evaluation at or before virtual time t (0.0 before the first)."""
-  i = int(np.searchsorted(curve["time"], t, side="right"))
-  return curve[key][i - 1] if i else 0.0
-
-
-def tuning_score(got: list, target: float) -> tuple[float, float]:
-  """One grid point's score over its tuning runs, least best: (the median validation time to the
-  target, inf for a miss; minus the mean final validation accuracy, the tie-break)."""
-  # A run reaches only if it also ends at or above the target: a step size whose run crosses it and
-  # then collapses (CNN1D's All-Reduce at 0.5657 on one tuning seed) is not a step size a user would
-  # keep, and the reported seeds would inherit its collapse.
-  hit = [crossing(r["curve"], target, "val") if final(r, "val") >= target else None for r in got]
-  vt = float(np.median([h[0] if h else np.inf for h in hit]))
-  return vt, -float(np.mean([final(r, "val") for r in got]))
+def train_runs(out_dir: str, jobs: list, workers: int = 1) -> dict:
+  """experiments.study.run_jobs of train_run's jobs, (scenario, algorithm, lr, seed, steps, model,
+  own) each, under run_key: runs.json's {run_key: run}."""
+  return study.run_jobs(out_dir, jobs, workers, run=train_job, key=lambda j: run_key(*j))
 
 
 def tune(
@@ -359,7 +306,7 @@ def tune(
     for lr in grid
     for seed in TUNE_SEEDS
   ]
-  runs = run_jobs(out_dir, jobs, workers)
+  runs = train_runs(out_dir, jobs, workers)
   out = {
     "grid": list(grid),
     "seeds": list(TUNE_SEEDS),
@@ -479,7 +426,7 @@ def tta(
     for a in algs
     for seed in range(seeds)
   ]
-  runs = run_jobs(out_dir, jobs, workers)
+  runs = train_runs(out_dir, jobs, workers)
   for name, algs in plan.items():
     per = out.setdefault(name, {})
     for a in algs:

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import ledger_claims, ledger_tables, ledger_tta, ledger_verdicts
+from experiments import ledger_claims, ledger_tables, ledger_tta, ledger_verdicts, study
 from ripples_jax import verdict
 
 
@@ -23,11 +23,11 @@ def curve(times, test, worker=None, val=None):
 
 def test_crossing_and_accuracy_at_read_the_first_evaluation_at_or_above():
   c = curve([1.0, 2.0, 3.0, 4.0], [0.2, 0.5, 0.4, 0.6], worker=[0.1, 0.2, 0.5, 0.7])
-  assert ledger_tta.crossing(c, 0.5) == (2.0, 2) and ledger_tta.crossing(c, 0.55) == (4.0, 4)
-  assert ledger_tta.crossing(c, 0.5, "worker") == (3.0, 3) and ledger_tta.crossing(c, 0.8) is None
-  assert ledger_tta.accuracy_at(c, 0.5) == 0.0  # before the first evaluation
-  assert ledger_tta.accuracy_at(c, 2.0) == 0.5 and ledger_tta.accuracy_at(c, 2.9) == 0.5
-  assert ledger_tta.accuracy_at(c, 3.0) == 0.4 and ledger_tta.accuracy_at(c, 99.0) == 0.6
+  assert study.crossing(c, 0.5) == (2.0, 2) and study.crossing(c, 0.55) == (4.0, 4)
+  assert study.crossing(c, 0.5, "worker") == (3.0, 3) and study.crossing(c, 0.8) is None
+  assert study.accuracy_at(c, 0.5) == 0.0  # before the first evaluation
+  assert study.accuracy_at(c, 2.0) == 0.5 and study.accuracy_at(c, 2.9) == 0.5
+  assert study.accuracy_at(c, 3.0) == 0.4 and study.accuracy_at(c, 99.0) == 0.6
 
 
 def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_accuracy(
@@ -60,7 +60,7 @@ def test_tune_takes_the_least_median_validation_time_and_breaks_misses_by_final_
       for j in jobs
     }
 
-  monkeypatch.setattr(ledger_tta, "run_jobs", fake_jobs)
+  monkeypatch.setattr(ledger_tta, "train_runs", fake_jobs)
   monkeypatch.setitem(ledger_tta.TTA_ALGORITHMS_OF, "homogeneous", ("allreduce", "adpsgd"))
   got = ledger_tta.tune(str(tmp_path), ["light"], steps=4, target=0.55, grid=(0.05, 0.1, 0.2))
   assert got == {"light": {"allreduce": 0.1, "adpsgd": 0.2}}
@@ -150,7 +150,7 @@ def test_fixed_time_is_each_algorithms_accuracy_at_fractions_of_the_shortest_run
   for a, p in per.items():
     want = [
       100
-      * ledger_tta.accuracy_at(
+      * study.accuracy_at(
         runs[ledger_tta.run_key(ledger_tables.FIXED_TIME_SCENARIO, a, p["lr"], s, steps)]["curve"],
         0.5 * shortest,
       )
@@ -185,7 +185,7 @@ def test_a_clock_variant_is_run_at_its_base_clocks_step_size_and_judged_beside_i
       }
     return out
 
-  monkeypatch.setattr(ledger_tta, "run_jobs", fake_jobs)
+  monkeypatch.setattr(ledger_tta, "train_runs", fake_jobs)
   monkeypatch.setattr(ledger_tta.analysis, "accuracy_vs_time", lambda *a, **k: None)
   got = ledger_tta.tta(
     str(tmp_path),
@@ -228,7 +228,7 @@ def test_a_diverged_run_is_kept_as_far_as_it_got_and_counts_zero():
   """A step size far too large: the run log stops the run at its first non-finite loss; the ledger
   keeps its records, marks it diverged and scores its final accuracy 0 (a real 10-step run)."""
   r = ledger_tta.train_run("homogeneous", "allreduce", 1e4, 0, 10)
-  assert r["diverged"] and ledger_tta.final(r) == 0.0 and ledger_tta.final(r, "val") == 0.0
+  assert r["diverged"] and study.final(r) == 0.0 and study.final(r, "val") == 0.0
   assert 0 < len(r["curve"]["time"]) < 10 and r["end"] == r["curve"]["time"][-1]
   assert ledger_tta.summarize([r], 1e4, 0.55)["diverged"] == 1
 
