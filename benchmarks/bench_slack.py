@@ -49,9 +49,9 @@ def rows() -> dict:
       for strag in (False, True):
         name = f"dsp_d{delay}_{'slack' if slack else 'lockstep'}{'_stragglers' if strag else ''}"
         out[name] = dict(method="dsp", mode="recompute", delay=delay, slack=slack, stragglers=strag)
-  for method in ("bp", "gpipe"):
+  for method, row in (("bp", "bp_model_parallel"), ("gpipe", "gpipe")):  # the ledger's row names
     for strag in (False, True):
-      name = f"{'bp_model_parallel' if method == 'bp' else method}{'_stragglers' if strag else ''}"
+      name = f"{row}{'_stragglers' if strag else ''}"
       out[name] = dict(method=method, mode="recompute", delay=1, slack=True, stragglers=strag)
   return out
 

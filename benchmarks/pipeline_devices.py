@@ -76,7 +76,7 @@ class Method:
   def __init__(self, base, name: str):
     from ripples_jax import workload
     from ripples_jax.config import validate_dsp_config
-    from ripples_jax.pipeline import baselines, devices
+    from ripples_jax.pipeline import baselines, devices, methods
 
     self.config = c = variant_config(base, name)
     validate_dsp_config(c)
@@ -87,9 +87,11 @@ class Method:
     self.schedule = baselines.schedule_of(c)
     self.devices = devices.stage_devices(c.num_stages)
     self.state = devices.place(state, self.devices)
+    # A tick method's stage programs, else GPipe's (the one other method placement=devices runs).
+    self.ticks = methods.get(c.method).runs_tick("devices")
     # DSP's schedule runs fused (one program per stage a tick), as the training loop runs it.
-    self.fused = c.method != "gpipe" and devices.fusable(self.schedule) and name != "dsp_unfused"
-    if c.method == "gpipe":
+    self.fused = self.ticks and devices.fusable(self.schedule) and name != "dsp_unfused"
+    if not self.ticks:
       self.tick = devices.make_device_gpipe(self.stages, self.optimizer, c.microbatches, self.devices)
     else:
       make = devices.make_fused_device_tick if self.fused else devices.make_device_tick
@@ -309,13 +311,15 @@ def row(name: str, per_tick: list, best_bp: list, costs: dict, schedule, cores: 
 def reprice(out: dict) -> dict:
   """The ceiling fields of every row of a stored result recomputed from its stored stage costs (for a
   result measured before a change of ceiling_s; the measurements are untouched)."""
+  from ripples_jax.pipeline import methods
+
   cores = out["setting"]["cores"]
   bp = np.asarray(out["bp_variants_ms"][out["best_bp"]["variant"]]) / 1e3
   for r in out.values():
     if not isinstance(r, dict) or "label" not in r:
       continue
     costs = {k: r[f"stage_{k}"] for k in ("forward_s", "backward_s", "forward_all_s", "backward_all_s")}
-    if r["method"] == "gpipe":
+    if methods.get(r["method"]).microbatched:  # its bound counts M + K - 1 micro-batch slots
       costs["microbatches"] = out["setting"]["microbatches"]
     its, ceiling = np.asarray(r["measured_tick_s"]["all"]), ceiling_s(costs, cores)
     gap = r["gap_s"]
@@ -368,8 +372,7 @@ def run(base, names, reps: int, ticks: int, bp_reps: int, cost_reps: int = 7) ->
     },
   }
   for name, m in methods.items():
-    gpipe = m.config.method == "gpipe"
-    costs = (gpipe_costs if gpipe else stage_costs)(m, cost_reps, core)
+    costs = (stage_costs if m.ticks else gpipe_costs)(m, cost_reps, core)
     out[name] = row(name, per_tick[name], best_bp, costs, m.schedule, cores, m.fused)
   out["setting"]["loadavg_end"] = os.getloadavg()
   # Each stage device's peak memory over the whole run, where the platform reports it (GPUs; the

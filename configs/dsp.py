@@ -45,7 +45,7 @@ def get_config(arg=None):
     microbatches=4,
   )
   c = ml_collections.ConfigDict()
-  c.method = arg.method  # bp | gpipe | ddg | pipedream | pipemare | fr | dni | dsp
+  c.method = arg.method  # a pipeline method: its record in ripples_jax/pipeline/methods.py says what it is
   c.num_stages = arg.num_stages  # K
   c.mode = arg.mode  # recompute (DSP) | stash (the version the forward used); per_process
   # also: fused (one forward call over the new and the replayed batch),

@@ -31,10 +31,11 @@ from configs import dsp as dsp_config
 from experiments.pool import pinned_pool
 from ripples_jax import run as run_lib
 from ripples_jax.distributed.host import quiet_library_logs
+from ripples_jax.pipeline import methods
 from ripples_jax.runlog import write_json
 from ripples_jax.tables import markdown_table
 
-METHODS = ("bp", "gpipe", "ddg", "pipedream", "pipemare", "fr", "dni", "dsp", "dsp_weight_stash")
+METHODS = methods.names() + ("dsp_weight_stash",)  # every method, and DSP's schedule with stashing
 LRS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.1, 0.2, 0.3)  # the one shared step-size grid
 VALIDATION_EXAMPLES = 500  # of MNIST-1D's 4,000 training examples (3,500 left to train on)
 TRAIN_LOSS_RECORDS = 5  # final train loss: the mean of the last 5 records (each the mean of 50 batches)

@@ -27,6 +27,7 @@ import numpy as np
 from absl import app, flags
 
 from ripples_jax import verdict
+from ripples_jax.pipeline import methods
 from ripples_jax.tables import Table
 
 FLAGS = flags.FLAGS
@@ -39,15 +40,12 @@ CLAIMS = {
   "memory": "(4) recomputation overlapped with the forward: not all intermediate activations stored "
   "(less memory than DDG-style stashing)",
 }
-NAMES = {
-  "bp": "BP",
+# Each method's label (pipeline/methods.py), then the rows whose label says more: a variant or a setting.
+NAMES = {m.name: m.label for m in methods.REGISTRY} | {
   "bp_single_process": "BP, one process on both cores",
   "bp_model_parallel": "model-parallel BP (no pipelining)",
   "gpipe": "GPipe (M=4)",
-  "ddg": "DDG",
   "pipedream": "PipeDream-1F1B (DDG's updates, WORKSPACE.md 18)",
-  "pipemare": "PipeMare",
-  "fr": "Features Replay",
   "dsp": "DSP as published",
   "dsp_weight_stash": "weight stashing on DSP's schedule (not DSP as published)",
   "dsp_residuals": "weight stashing on DSP's schedule (old name dsp_residuals)",

@@ -18,8 +18,9 @@ from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError  # noqa: F401  (re-
 from ripples_jax.models import MODEL_NAMES
 from ripples_jax.models.split import SPLIT_COSTS
 from ripples_jax.optim import LR_SCHEDULES, OPTIMIZERS
-from ripples_jax.pipeline.tick import MODES, PLACEMENTS
-from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
+from ripples_jax.pipeline import methods
+from ripples_jax.pipeline.methods import PLACEMENTS
+from ripples_jax.pipeline.tick import MODES
 from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
 from ripples_jax.schedule.online import ADPSGD_PASSIVE, PREDUCE_MODES, RUNTIME_ALGORITHMS
 from ripples_jax.timeline import NO_LEAVE
@@ -605,17 +606,17 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
 
 
 def _check_devices(config, local_devices: int | None) -> None:
-  """placement=devices: a tick method or gpipe, and a device of this process per stage."""
+  """placement=devices: a method that runs there (a tick method or gpipe), and a device of this process
+  per stage."""
   import jax
 
-  from ripples_jax.pipeline.baselines import TICK_METHODS
-
-  if config.method not in TICK_METHODS + ("gpipe",):
+  if "devices" not in methods.get(config.method).placements:
+    whole = " and ".join(m for m in methods.names() if m not in methods.names("devices"))
     _fail(
       "method",
       config.method,
-      f"one of {', '.join(TICK_METHODS)}, gpipe with placement=devices (its stages are programs of "
-      "their own, one device each); bp and dni are whole-model steps: placement=one_device",
+      f"one of {', '.join(methods.names('devices'))} with placement=devices (its stages are programs of "
+      f"their own, one device each); {whole} are whole-model steps: placement=one_device",
     )
   n = jax.local_device_count() if local_devices is None else local_devices
   if config.num_stages > n:
@@ -637,14 +638,14 @@ def _check_chunks(config) -> None:
     _fail("chunks", config.chunks, f"a divisor of batch_size={config.batch_size}")
   if config.chunks == 1:
     return
-  if config.method in ("gpipe", "dni") or (config.method == "bp" and config.placement != "per_process"):
+  if not methods.get(config.method).runs_tick(config.placement):
     _fail(
       "chunks",
       config.chunks,
       f"1 with method={config.method} and placement={config.placement} (a whole-model step; GPipe's "
       "micro-batches are config.microbatches)",
     )
-  if config.mode == "fused" and config.method == "dsp":
+  if config.mode == "fused" and methods.get(config.method).config_mode:
     _fail("chunks", config.chunks, "1 with mode=fused (its one call runs two batches)")
   if _has_model_state(config.model):
     _fail(
@@ -679,13 +680,13 @@ def _check_hybrid_processes(config, num_processes: int, process_modes) -> None:
       f"processes (python -m experiments.launch --num_processes={R * K} --module=experiments.train_dsp "
       f"-- ...: the launcher adds the coordinator), this job has {num_processes}",
     )
-  if config.method in ("gpipe", "dni", "bp"):
+  if methods.get(config.method).step != methods.TICK:
     _fail(
       "method",
       config.method,
-      "one of ddg, pipedream, pipemare, fr, dsp with placement=per_process and replicas.count > 0 (a "
-      "replica's stages tick together between its sync points; gpipe's flush and the whole-model steps "
-      "run simulated or with placement=devices)",
+      f"one of {', '.join(methods.names(step=methods.TICK))} with placement=per_process and replicas.count "
+      "> 0 (a replica's stages tick together between its sync points; gpipe's flush and the whole-model "
+      "steps run simulated or with placement=devices)",
     )
   _check_per_process(config, K, process_modes)
 
@@ -699,21 +700,24 @@ def _check_per_process(config, num_processes: int, process_modes) -> None:
       f"(python -m experiments.launch --num_processes={config.num_stages} "
       f"--module=experiments.train_dsp -- ...), this job has {num_processes}",
     )
-  if config.method == "dni":
-    # DNI's predictors train on the true gradient one iteration late and update every stage at once
-    # from a synthetic one: a step over the whole model (baselines.make_dni_step), not a tick.
+  m = methods.get(config.method)
+  if "per_process" not in m.placements:
+    # e.g. DNI: its predictors train on the true gradient one iteration late and update every stage at
+    # once from a synthetic one: a step over the whole model (baselines.make_dni_step), not a tick.
     _fail(
       "method",
-      "dni",
-      "one of bp, gpipe, ddg, pipedream, pipemare, fr, dsp with placement=per_process (DNI runs in "
-      "one process: its synthetic-gradient step is a whole-model step, not a pipeline tick)",
+      config.method,
+      f"one of {', '.join(methods.names('per_process'))} with placement=per_process ({m.label} runs in "
+      "one process: its step is a whole-model step, not a pipeline tick)",
     )
-  if config.mode in process_modes and config.method != "dsp":
+  if config.mode in process_modes and not m.config_mode:
+    ring = methods.ring(config.method, "per_process", config.mode)
+    picked = f"the {ring} ring" if ring else f"{m.label}'s own programs"
     _fail(
       "mode",
       config.mode,
-      f"recompute or stash for method={config.method} (the runtime picks its "
-      "mode: bp, ddg and pipedream keep residuals, fr recomputes, pipemare corrects)",
+      f"recompute or stash for method={config.method} (the runtime picks its mode: {picked}; "
+      f"{' and '.join(process_modes)} are for {', '.join(methods.names(config_mode=True))})",
     )
   if config.mode == "fused" and config.delay < 1:
     _fail("mode", "fused", "recompute, stash or residuals with delay=0 (fusing needs a stored batch)")
@@ -737,8 +741,8 @@ def validate_dsp_config(config, num_processes: int = 1, local_devices: int | Non
   this process's devices, for placement=devices; default: jax.local_device_count())."""
   from ripples_jax.models.split import max_stages
 
+  _one_of(config, "method", methods.names())  # first: the placement's checks read its record
   _check_dsp_placement(config, num_processes, local_devices)
-  _one_of(config, "method", DSP_METHODS)
   _one_of(config, "mode", MODES)
   if "split" in config:
     _one_of(config, "split", SPLIT_COSTS)
@@ -768,7 +772,7 @@ def validate_dsp_config(config, num_processes: int = 1, local_devices: int | Non
   most = max_stages(config.model)
   if config.num_stages > most:
     _fail("num_stages", config.num_stages, f"{config.model} splits into at most {most} stages")
-  if config.method == "gpipe" and config.batch_size % config.microbatches:
+  if methods.get(config.method).microbatched and config.batch_size % config.microbatches:
     _fail("microbatches", config.microbatches, f"a divisor of batch_size={config.batch_size}")
   _int_in(config, "delay", 0, 64, "an integer number of ticks in [0, 64]")
   if config.dataset == "cifar10" and not config.data_dir:

@@ -19,9 +19,8 @@ import tokenize
 import ml_collections
 
 from ripples_jax import config as config_lib
-from ripples_jax.pipeline.baselines import TICK_METHODS
-from ripples_jax.pipeline.tick import PLACEMENTS
-from ripples_jax.pipeline.timing import METHODS as DSP_METHODS
+from ripples_jax.pipeline import methods
+from ripples_jax.pipeline.methods import PLACEMENTS
 
 
 def _train_variants():
@@ -37,11 +36,7 @@ def _train_variants():
 
 def _dsp_variants():
   for placement in PLACEMENTS:
-    for method in DSP_METHODS:
-      if placement == "per_process" and method == "dni":
-        continue
-      if placement == "devices" and method not in TICK_METHODS:
-        continue
+    for method in methods.names(placement):
       arg = f"method={method}"
       kwargs = {"num_processes": 2 if placement == "per_process" else 1}
       if placement == "devices":

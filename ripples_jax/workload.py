@@ -126,12 +126,9 @@ def recomputes(config) -> bool:
   """Whether the config's method runs each stage's forward again in its backward (below the last
   stage): DSP's recompute and fused modes, stash, GPipe's remat; not the residual modes (the vjp
   kept), PipeMare's kept activations, nor a whole-model step (bp in one process, dni)."""
-  from ripples_jax.pipeline.baselines import schedule_of  # the pipeline package builds on this module
+  from ripples_jax.pipeline import methods  # the pipeline package builds on this module
 
-  if config.method == "gpipe":
-    return True
-  schedule = schedule_of(config)
-  return schedule is not None and config.method != "bp" and schedule.mode in ("recompute", "stash", "fused")
+  return methods.recomputes(config.method, config.placement, config.mode)
 
 
 def split_stages(config, num_classes: int, sample_shape, workdir: str | None = None) -> list:

@@ -147,7 +147,7 @@ def dsp_config(**kw):
 
 def test_devices_refuses_a_whole_model_method_and_more_stages_than_devices():
   with pytest.raises(
-    ConfigError, match=r"config.method: 'bp' is not allowed: one of ddg, .*, gpipe with placement=devices"
+    ConfigError, match=r"config.method: 'bp' is not allowed: one of gpipe, ddg, .* with placement=devices"
   ):
     validate_dsp_config(dsp_config(placement="devices", method="bp"))
   validate_dsp_config(dsp_config(placement="devices", method="gpipe"))

@@ -121,14 +121,12 @@ PER_PROCESS_BAD = [
   (
     {"method": "dni"},
     "config.method: 'dni' is not allowed: one of bp, gpipe, ddg, pipedream, pipemare, fr, dsp with "
-    "placement=per_process (DNI runs in one process: its synthetic-gradient step is a whole-model step, "
-    "not a pipeline tick)",
+    "placement=per_process (DNI runs in one process: its step is a whole-model step, not a pipeline tick)",
   ),
   (
     {"method": "fr", "mode": "residuals"},
-    "config.mode: 'residuals' is not allowed: recompute or stash for "
-    "method=fr (the runtime picks its mode: bp, ddg and pipedream keep residuals, fr recomputes, "
-    "pipemare corrects)",
+    "config.mode: 'residuals' is not allowed: recompute or stash for method=fr (the runtime picks its "
+    "mode: the recompute ring; fused and residuals are for dsp)",
   ),
   (
     {"mode": "fused", "chunks": 4},

@@ -31,7 +31,7 @@ from absl import logging
 from ripples_jax import data as data_lib
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.hybrid import sim
-from ripples_jax.pipeline import baselines, devices
+from ripples_jax.pipeline import baselines, devices, methods
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.schedule import group_gen
 
@@ -70,7 +70,7 @@ def replica_devices(config) -> list[list]:
 def make_tick(p, config, schedule, num_batches: int, devs: list):
   """One replica's tick on its devices; no donation: the sampler reads a published state while the
   thread ticks on."""
-  if config.method == "gpipe":
+  if not methods.get(config.method).runs_tick("devices"):  # validated: gpipe, the one other there
     return devices.make_device_gpipe(p.stages, p.optimizer, config.microbatches, devs)
   make = devices.make_fused_device_tick if devices.fusable(schedule) else devices.make_device_tick
   return make(p.stages, p.optimizer, schedule, num_batches, devs, donate=False)

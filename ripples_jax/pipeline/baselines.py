@@ -1,13 +1,13 @@
-"""The methods DSP is compared with, as whole-model steps, and the table of every method.
+"""The methods DSP is compared with, as whole-model steps, and the table of every method's steps.
 
   bp     plain backprop of the composed stages, every stage's update after it
   gpipe  micro-batches, rematerialised stage boundaries, one update per stage after the flush
   dni    decoupled neural interfaces: a locked forward, updates from synthetic gradients
   make_eval  the composed stages' test accuracy and loss
 
-`METHODS[name] = (init_fn, step_fn)` with one signature for all of them, the tick's methods (dsp, ddg,
-pipedream, pipemare, fr; bp too could run as a tick with zero delays, but its whole-model step is the
-reference):
+`METHODS[name] = (init_fn, step_fn)` with one signature for all of them: `STEPS[record.step]` of each
+record in pipeline/methods.py, the tick's for a method on DSP's tick (bp too could run as a tick with
+zero delays, but its whole-model step is the reference):
 
   state = init_fn(stages, optimizer, config, rng, sample_x, num_classes)
   step = step_fn(stages, optimizer, config, num_batches)
@@ -27,6 +27,7 @@ import optax
 
 from ripples_jax import losses
 from ripples_jax.models import apply_model
+from ripples_jax.pipeline import methods
 from ripples_jax.pipeline.tick import Schedule, init_pipeline, make_tick, method_schedule
 
 # ----------------------------------------------------------------------------------------------------
@@ -228,21 +229,16 @@ def make_dni_step(stages, optimizer, predictor_opt):
 # ----------------------------------------------------------------------------------------------------
 # The table of every method: one signature over the config (see the module docstring).
 
-TICK_METHODS = ("ddg", "pipedream", "pipemare", "fr", "dsp")
-
 
 def schedule_of(config) -> Schedule | None:
   """The link schedule a config's method runs with in its placement; None for a whole-model step
-  (gpipe, dni, and bp in one process). The one table of methods to schedules (tick.method_schedule)
-  for every placement: per_process runs bp too (model parallel, zero delays), and there bp, ddg and
-  pipedream keep the forward's vjp residuals (the stored graph: no recompute) where the one-process
-  placements recompute the stage at the stashed weights (the same gradients)."""
-  per_process = config.placement == "per_process"
-  if config.method not in TICK_METHODS and not (per_process and config.method == "bp"):
+  (gpipe, dni, and bp in one process). Its ring is methods.ring's: per_process runs bp too (model
+  parallel, zero delays), and there bp, ddg and pipedream keep the forward's vjp residuals (the stored
+  graph: no recompute) where the one-process placements recompute the stage at the stashed weights
+  (the same gradients)."""
+  mode = methods.ring(config.method, config.placement, config.mode)
+  if mode is None:
     return None
-  mode = config.mode if config.method == "dsp" else None
-  if per_process and config.method in ("bp", "ddg", "pipedream"):
-    mode = "residuals"
   pm = config.pipemare
   return method_schedule(
     config.method, config.num_stages, config.delay, mode, pm.lr_anneal, pm.ema_decay, config.chunks
@@ -283,14 +279,12 @@ def _tick_step(stages, optimizer, config, num_batches):
   return make_tick(stages, optimizer, schedule_of(config), num_batches)
 
 
-# name: (init_fn, step_fn), in the order of config.DSP_METHODS and timing.METHODS.
-METHODS = {
+# A record's step: (init_fn, step_fn).
+STEPS = {
+  methods.TICK: (_init_tick, _tick_step),
   "bp": (_init_whole, _bp_step),
   "gpipe": (_init_whole, _gpipe_step),
-  "ddg": (_init_tick, _tick_step),
-  "pipedream": (_init_tick, _tick_step),
-  "pipemare": (_init_tick, _tick_step),
-  "fr": (_init_tick, _tick_step),
   "dni": (_init_dni, _dni_step),
-  "dsp": (_init_tick, _tick_step),
 }
+# name: (init_fn, step_fn) in one process, in the registry's order.
+METHODS = {m.name: STEPS[m.step] for m in methods.REGISTRY}

@@ -27,7 +27,7 @@ jax.block_until_ready(state), as for one_device.
 import jax
 import jax.numpy as jnp
 
-from ripples_jax.pipeline import gpipe
+from ripples_jax.pipeline import gpipe, methods
 from ripples_jax.pipeline.baselines import schedule_of
 from ripples_jax.pipeline.tick import (
   BATCH,
@@ -264,3 +264,7 @@ def device_tick_step(stages, optimizer, config, num_batches):
   devices, schedule = stage_devices(config.num_stages), schedule_of(config)
   make = make_fused_device_tick if fusable(schedule) else make_device_tick
   return make(stages, optimizer, schedule, num_batches, devices)
+
+
+# A record's step on devices (methods.Method.step_in("devices")): its step_fn, baselines.STEPS' signature.
+STEPS = {methods.TICK: device_tick_step, "gpipe": device_gpipe_step}

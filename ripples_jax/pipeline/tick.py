@@ -39,7 +39,7 @@ stage k's backward of batch i follow its forward by K-1-k of its own updates, wh
 both take the gradient at the version the forward used; their updates are equal
 (tests/test_pipeline_dsp.py checks both against a 1F1B reference).
 GPipe (micro-batches, flush, rematerialisation), BP as one model and DNI are whole-model steps
-(baselines.py, which also holds the table of every method).
+(baselines.py); every method's record is in methods.py.
 """
 
 import dataclasses
@@ -53,7 +53,7 @@ import optax
 from ripples_jax import losses
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model, init_model
-from ripples_jax.pipeline import pipemare
+from ripples_jax.pipeline import methods, pipemare
 
 # recompute / stash: the ring buffers above. fused: recompute, with the new batch's forward and the
 # replayed input's recompute as one forward call over both (per_process only). residuals: the forward's
@@ -63,9 +63,7 @@ MODES = ("recompute", "stash", "fused", "residuals")
 PROCESS_MODES = ("fused", "residuals")
 # Not a config value: the mode pipemare's schedule carries (method_schedule).
 CORRECTED = "corrected"
-# one_device: every stage in this process, one jitted tick; devices: stage k on device k of this process
-# (pipeline/devices.py); per_process: stage k in process k (pipeline/per_process.py, under the launcher).
-PLACEMENTS = ("one_device", "devices", "per_process")
+PLACEMENTS = methods.PLACEMENTS  # (where they are described)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,19 +121,17 @@ def method_schedule(
   ema_decay=0.9,
   chunks: int = 1,
 ) -> Schedule:
-  """The link delays of bp, dsp, ddg, pipedream, pipemare and fr (gpipe and dni have their own steps)."""
+  """The schedule of a method with link delays (its record in pipeline/methods.py; gpipe and dni have
+  their own steps): `mode` where given, else the record's ring. A corrected ring is the method itself
+  (its backward has no other form): no mode replaces it, and only it reads lr_anneal and ema_decay."""
+  m = methods.BY_NAME.get(method)
+  if m is None or m.delays is None:
+    raise ValueError(f"method: {method!r} has no link schedule")
   k, c = num_stages - 1, int(chunks)
-  if method == "bp":
-    return Schedule((0,) * k, (0,) * k, mode or "recompute", chunks=c)
-  if method == "dsp":
-    return Schedule((delay,) * k, (delay,) * k, mode or "recompute", chunks=c)
-  if method in ("ddg", "pipedream"):
-    return Schedule((0,) * k, (1,) * k, mode or "stash", chunks=c)
-  if method == "pipemare":
-    return Schedule((0,) * k, (1,) * k, CORRECTED, int(lr_anneal), float(ema_decay), c)
-  if method == "fr":
-    return Schedule((0,) * k, (1,) * k, mode or "recompute", chunks=c)
-  raise ValueError(f"method: {method!r} has no link schedule")
+  f, b = (delay if d == methods.DELAY else d for d in m.delays)
+  if m.ring == CORRECTED:
+    return Schedule((f,) * k, (b,) * k, CORRECTED, int(lr_anneal), float(ema_decay), c)
+  return Schedule((f,) * k, (b,) * k, mode or m.ring, chunks=c)
 
 
 def init_pipeline(stages, optimizer, schedule: Schedule, rng, sample_x) -> list[dict]:

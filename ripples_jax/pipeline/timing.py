@@ -39,11 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ripples_jax.models import apply_model
+from ripples_jax.pipeline import methods as methods_lib
+from ripples_jax.pipeline.methods import FLUSH, ONE_F_ONE_B, SEQUENTIAL, UNLOCKED
 
-METHODS = ("bp", "gpipe", "ddg", "pipedream", "pipemare", "fr", "dni", "dsp")
-# The methods whose runtime execution is 1F1B (a locked forward link, a backward link of one tick, no
-# global step): pipedream and pipemare as published, and ddg and fr as the per-process runtime runs them.
-ONE_F_ONE_B = ("ddg", "pipedream", "pipemare", "fr")
+# Each method's shape is its record's (pipeline/methods.py): `iteration` as published, `runtime` as the
+# per-process runtime runs it, `backward` the work of its decoupled backward.
+METHODS = methods_lib.names()
+# The runtime's variants the model names apart from their method: DSP with the residual ring.
+RUNTIME_VARIANTS = {"dsp_residuals": ("dsp", "residuals")}
 
 
 def _stages(fwd_K, bwd_K, predictor_K=None):
@@ -58,9 +61,11 @@ def _stages(fwd_K, bwd_K, predictor_K=None):
   return f, b, p
 
 
-def _check_method(method):
+def _record(method) -> methods_lib.Method:
+  """The record of `method` (ValueError: unknown)."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+  return methods_lib.get(method)
 
 
 def backward_work(method, f, b, p, fused=False):
@@ -70,14 +75,15 @@ def backward_work(method, f, b, p, fused=False):
   over both batches and charges it F_k (the optimistic end: the pass is bound by the stage's weights
   and launches, not by the batch); unfused, the recompute is a second forward: 2 F_k + B_k.
   """
-  if method in ("ddg", "pipedream", "pipemare"):
+  m = _record(method)
+  if m.backward == methods_lib.KEPT:
     return b  # the stored graph (activations kept; pipemare: no weight versions): no recompute
-  if method == "fr":
+  if m.backward == methods_lib.RECOMPUTE and m.iteration == UNLOCKED:
+    return f + b if fused else 2 * f + b  # the new batch's forward, the recompute, the backward
+  if m.backward == methods_lib.RECOMPUTE:
     return f + b  # inputs only: recompute the forward, then the backward
-  if method == "dni":
+  if m.backward == methods_lib.SYNTHETIC:
     return b + p  # backward from the synthetic gradient, plus the predictor's own step
-  if method == "dsp":
-    return f + b if fused else 2 * f + b
   raise ValueError(f"{method!r} has no decoupled backward")
 
 
@@ -111,17 +117,17 @@ def gpipe_iteration(f, b, microbatches=4, remat=True):
 
 def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True, predictor_K=None) -> float:
   """Seconds per batch in steady state, equal or unequal stages."""
-  _check_method(method)
+  shape = _record(method).iteration
   f, b, p = _stages(fwd_K, bwd_K, predictor_K)
-  if method == "bp":
+  if shape == SEQUENTIAL:
     return float((f + b).sum())
-  if method == "gpipe":
+  if shape == FLUSH:
     return gpipe_iteration(f, b, microbatches, remat)
-  if method == "dsp":
-    return float(backward_work("dsp", f, b, p, fused).max())
-  if method in ("pipedream", "pipemare"):
+  if shape == UNLOCKED:
+    return float(backward_work(method, f, b, p, fused).max())
+  if shape == ONE_F_ONE_B:
     return float((f + backward_work(method, f, b, p)).max())
-  return float(f.sum() + backward_work(method, f, b, p).max())
+  return float(f.sum() + backward_work(method, f, b, p).max())  # GLOBAL_STEP
 
 
 def speedup_vs_bp(method, fwd_K, bwd_K, **kw) -> float:
@@ -176,22 +182,23 @@ def simulate(
     pipedream, pipemare  1F1B (`one_f_one_b`): a stage's forward follows its previous tick and stage
               k-1's forward of the tick, its backward follows that and stage k+1's previous tick
   Every stage's work is a full tick from t = 0 (no cheaper fill ticks): only the steady state is meant.
+  The recurrence is the method's record's `iteration` shape (pipeline/methods.py).
   """
-  _check_method(method)
+  shape = _record(method).iteration
   f, b, p = _stages(fwd_K, bwd_K, predictor_K)
   k_count, n = f.size, int(num_iters)
   fac = slowdown_factors(k_count, n, straggler_stage, slowdown, random_p, seed)
   out = np.empty(n)
-  if method == "bp":
+  if shape == SEQUENTIAL:
     return np.cumsum(fac @ (f + b))
-  if method == "gpipe":
+  if shape == FLUSH:
     end = 0.0
     for t in range(n):
       end += gpipe_iteration(f * fac[t], b * fac[t], microbatches, remat)
       out[t] = end
     return out
-  if method == "dsp":
-    w = backward_work("dsp", f, b, p, fused)
+  if shape == UNLOCKED:
+    w = backward_work(method, f, b, p, fused)
     tick = np.zeros(k_count)
     pad = np.full(1, -np.inf)  # stage 0 reads the data, stage K-1 makes the loss: local
     for t in range(n):
@@ -200,9 +207,9 @@ def simulate(
       tick = np.maximum(np.maximum(tick, up), down) + w * fac[t]
       out[t] = tick[-1]
     return out
-  if method in ("pipedream", "pipemare"):
+  if shape == ONE_F_ONE_B:
     return one_f_one_b(f[None] * fac, backward_work(method, f, b, p)[None] * fac)[:, -1]
-  w = backward_work(method, f, b, p)
+  w = backward_work(method, f, b, p)  # GLOBAL_STEP
   done = np.zeros(k_count)  # when each stage finished its previous backward
   for t in range(n):
     start = done.max()  # one batch in flight: the global step
@@ -343,9 +350,14 @@ def tick_efficiency(summary: dict) -> float:
   return max(stage_busy(s) for s in summary["stages"]) / summary["iteration_s"]
 
 
-# What each method's calls cost in model-parallel BP's (residual) calls: `calls_from_bp`.
-RESIDUAL_CALLS = ("bp", "ddg", "pipedream", "pipemare", "dsp_residuals")
-RECOMPUTE_CALLS = ("fr", "dsp")
+def _runtime_record(method: str) -> tuple:
+  """(record, ring mode in the per-process runtime) of a method or a RUNTIME_VARIANTS name; ValueError:
+  unknown, or it does not run in the runtime."""
+  name, mode = RUNTIME_VARIANTS.get(method, (method, "recompute"))
+  m = _record(name)
+  if m.runtime is None:
+    raise ValueError(f"{method!r} does not run in the pipeline runtime")
+  return m, methods_lib.ring(name, "per_process", mode)
 
 
 def calls_from_bp(method: str, bp_stages: list[dict], microbatches: int = 4) -> list[dict]:
@@ -356,19 +368,21 @@ def calls_from_bp(method: str, bp_stages: list[dict], microbatches: int = 4) -> 
   runs the forward again (BP's forward + backward); GPipe makes M calls of 1/M of the batch each
   (charged 1/M of BP's, the remat backward as the recompute's) and an update (charged nothing). The
   last stage's calls (the loss and its backward at once) are BP's for every method."""
+  try:
+    m, ring = _runtime_record(method)
+  except ValueError:
+    raise ValueError(f"{method!r}: no prediction from BP's calls") from None
   K, out = len(bp_stages), []
   for k, st in enumerate(bp_stages):
     f, b = (float(st["median_s"].get(kind, 0.0)) for kind in ("forward", "backward"))
     last = k == K - 1
-    if method in RESIDUAL_CALLS or last and method != "gpipe":
-      calls = {"forward": f, "backward": b}
-    elif method in RECOMPUTE_CALLS:
-      calls = {"forward": f, "backward": f + b}
-    elif method == "gpipe":
+    if m.runtime == FLUSH:
       M = int(microbatches)
       calls = {"forward": 0.0, "backward": b / M} if last else {"forward": f / M, "backward": (f + b) / M}
+    elif last or ring not in methods_lib.RECOMPUTING:
+      calls = {"forward": f, "backward": b}
     else:
-      raise ValueError(f"{method!r}: no prediction from BP's calls")
+      calls = {"forward": f, "backward": f + b}
     out.append({"median_s": calls, "transfer_s": dict(st.get("transfer_s", {}))})
   return out
 
@@ -393,15 +407,17 @@ def runtime_with_stragglers(
               its links (both ends' tick t-d, plus a transfer); lockstep, a tick ends with a swap
               both ends meet at
     pipedream, pipemare, ddg, fr   `one_f_one_b` with the scaled calls
-    bp        the stages one after the other; gpipe: a flushed iteration per batch"""
+    bp        the stages one after the other; gpipe: a flushed iteration per batch
+  (the record's `runtime` shape)."""
+  shape = _runtime_record(method)[0].runtime
   fac = np.asarray(factors_TK, np.float64)
   n, K = fac.shape
   call = lambda kind: np.array([float(s["median_s"].get(kind, 0.0)) for s in stages])
   f, b, fused = call("forward"), call("backward"), call("fused")
   up = np.array([float(stages[k]["transfer_s"].get("upper", 0.0)) for k in range(K - 1)])
-  if method == "bp":
+  if shape == SEQUENTIAL:
     ends = np.cumsum(fac @ (f + b) + 2 * up.sum())
-  elif method == "gpipe":
+  elif shape == FLUSH:
     M = int(microbatches)
     update = max(float(s["median_s"].get("update", 0.0)) for s in stages)
     b = b + call("accumulate")  # each micro-batch's gradient summed after its backward
@@ -409,9 +425,9 @@ def runtime_with_stragglers(
     ends = np.cumsum(
       [gpipe_iteration(M * f_up * fac[t], M * b_down * fac[t], M, remat=False) + update for t in range(n)]
     )
-  elif method in ONE_F_ONE_B:
+  elif shape == ONE_F_ONE_B:
     ends = one_f_one_b(f[None] * fac, b[None] * fac, up).max(axis=1)
-  elif method in ("dsp", "dsp_residuals"):
+  else:  # UNLOCKED
     work = (fused + f + b)[None] * fac
     link = lambda k: (up[k - 1] if k > 0 else 0.0, up[k] if k < K - 1 else 0.0)
     end = np.zeros((n + 1, K))
@@ -435,8 +451,6 @@ def runtime_with_stragglers(
           meet = [done[k]] + ([done[k - 1]] if k > 0 else []) + ([done[k + 1]] if k < K - 1 else [])
           end[t + 1, k] = max(meet) + max(lo, hi)
     ends = end[1:].max(axis=1)
-  else:
-    raise ValueError(f"{method!r} does not run in the pipeline runtime")
   return steady_spacing(ends, warmup=min(max(n // 4, 1), n - 1))
 
 
@@ -463,23 +477,22 @@ def runtime_iteration(
   once a tick, 1F1B on each call of its critical path, GPipe on each micro-batch call.
   """
   o = float(overhead_s)
-  method = "dsp" if method == "dsp_residuals" else method
-  _check_method(method)
+  shape = _runtime_record(method)[0].runtime
   K = len(stages)
   call = lambda k, kind: float(stages[k]["median_s"].get(kind, 0.0))
   up = [float(stages[k]["transfer_s"].get("upper", 0.0)) for k in range(K - 1)]  # link k
   link = lambda k: (up[k - 1] if k > 0 else 0.0) + (up[k] if k < K - 1 else 0.0)  # stage k's links
   f = np.array([call(k, "forward") for k in range(K)]) + o / 2
   b = np.array([call(k, "backward") for k in range(K)]) + o / 2
-  if method == "bp":
+  if shape == SEQUENTIAL:
     return float(f.sum() + b.sum() + 2 * sum(up))
-  if method in ONE_F_ONE_B:
+  if shape == ONE_F_ONE_B:
     n = 64
     ends = one_f_one_b(np.tile(f, (n, 1)), np.tile(b, (n, 1)), up)
     return steady_spacing(ends.max(axis=1))
-  if method == "dsp":  # f + b hold the tick's overhead (a fused stage's are 0 + o / 2 each)
+  if shape == UNLOCKED:  # f + b hold the tick's overhead (a fused stage's are 0 + o / 2 each)
     return float(max(call(k, "fused") + f[k] + b[k] + link(k) for k in range(K)))
-  if method == "gpipe":
+  if shape == FLUSH:
     M = int(microbatches)
     b = b + np.array([call(k, "accumulate") for k in range(K)])  # each micro-batch's gradient summed
     f_up = f + np.array(up + [0.0]) / M  # a micro-batch forward, then its activation up

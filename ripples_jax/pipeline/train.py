@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 
 from ripples_jax import workload
-from ripples_jax.pipeline import baselines, devices, tick, timing
+from ripples_jax.pipeline import baselines, devices, methods, tick, timing
 from ripples_jax.runlog import RunLog, make_workdir
 
 
@@ -35,7 +35,7 @@ def _model_times(config, stages, state, sample):
   # What this process runs: the recompute is its own forward call (fused exists only per_process), DNI's
   # predictors cost what they measure.
   kw = dict(microbatches=config.microbatches, fused=False)
-  if config.method == "dni":
+  if methods.get(config.method).backward == methods.SYNTHETIC:
     kw["predictor_K"] = timing.measure_predictor_times(state)
   out = {
     "fwd_K": fwd_K,
@@ -133,8 +133,8 @@ def _setup(config, workdir: str | None = None):
   the split the run first used: workload.split_stages)."""
   p = workload.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
-  if config.placement == "devices":  # validated: a tick method or gpipe
-    step_fn = devices.device_gpipe_step if config.method == "gpipe" else devices.device_tick_step
+  if config.placement == "devices":  # validated: the method runs there
+    step_fn = devices.STEPS[methods.get(config.method).step_in("devices")]
   state = init_fn(
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]
   )
@@ -168,6 +168,8 @@ def run(config, workdir: str | None = None) -> dict:
       cursor = Loop(**saved)
     state, seconds = _loop(log, config, run, state, cursor)
     schedule = baselines.schedule_of(config)
+    # A synthetic gradient's predictors are no kind of the tick's stored state: not counted.
+    counted = methods.get(config.method).backward != methods.SYNTHETIC
     return log.finish(
       time=seconds,
       worker_steps=[n],
@@ -182,6 +184,6 @@ def run(config, workdir: str | None = None) -> dict:
       stage_forward_s=times["fwd_K"],
       stage_backward_s=times["bwd_K"],
       staleness=list(schedule.staleness) if schedule else None,
-      stored_bytes=tick.stored_bytes(state) if config.method != "dni" else None,
+      stored_bytes=tick.stored_bytes(state) if counted else None,
       straggler=_straggler(config, times),
     )
