@@ -47,7 +47,7 @@ class CountingKV:
 
 def _service(n: int, steps: int, algorithm: str):
   from configs import default as default_config
-  from ripples_jax.schedule import make_group_generator
+  from ripples_jax.algorithms import make_group_generator
   from ripples_jax.schedule.online import Cadence, Service
 
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")

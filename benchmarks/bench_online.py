@@ -23,8 +23,7 @@ from absl import app, flags
 
 from benchmarks.timing import Table
 from configs import default as default_config
-from ripples_jax import analysis, sim, timeline
-from ripples_jax import schedule as schedule_lib
+from ripples_jax import algorithms, analysis, sim, timeline
 from ripples_jax.distributed.launcher import launch
 from ripples_jax.runtime import ps
 from ripples_jax.runtime import trace as trace_lib
@@ -88,7 +87,7 @@ def predict(n, algorithm, slowdown, slow, step_time, jitter, rtt, alpha, rotate=
   config.schedule.workers_per_node = max(1, n // 2)
   config.timeline.alpha = alpha
   speed, net = sim.build_clock(config, model_bytes=0.0, base_time=step_time)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
+  gg = algorithms.make_group_generator(config, np.random.default_rng(0))
   trace = timeline.simulate(
     timeline.ClockSpec(algorithm, speed, net, 4000 * n, time_budget=60.0, gg=gg, rtt=rtt)
   )

@@ -82,8 +82,7 @@ def fed_simulation(
   timeline.Trace, what it was fed)."""
   from benchmarks.bench_online import fit_alpha
   from configs import default as default_config
-  from ripples_jax import schedule as schedule_lib
-  from ripples_jax import sim, timeline
+  from ripples_jax import algorithms, sim, timeline
 
   slow_ids = set(slow)
   t = np.array(
@@ -109,7 +108,7 @@ def fed_simulation(
   speed, net = sim.build_clock(config, model_bytes=model_bytes, base_time=base)
   latency = ps_latency_s(r) if algorithm == "ps_async" else 0.0
   net = dataclasses.replace(net, ps_latency=latency)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
+  gg = algorithms.make_group_generator(config, np.random.default_rng(0))
   cost = timeline.AuthorityCost(service=service)
   trace = timeline.simulate(
     timeline.ClockSpec(

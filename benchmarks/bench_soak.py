@@ -47,7 +47,7 @@ SOAK_JOB = [
 REPRO = r"""
 import sys, time
 import jax, numpy as np
-from ripples_jax import engine, schedule as schedule_lib, workload
+from ripples_jax import algorithms, engine, workload
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.distributed.collective_guard import CollectiveGuard
 from ripples_jax.distributed.host import use_cpu_devices
@@ -56,7 +56,7 @@ use_cpu_devices(8)
 c = default.get_config("model=mlp")
 s = workload.build(c)
 mesh = make_worker_mesh(8)
-schedule = schedule_lib.make_schedule(c)
+schedule = algorithms.make_schedule(c)
 state = engine.init_state(s.model, s.optimizer, jax.random.key(0), s.data["x_train"][:1], 8, mesh)
 round_fn = engine.make_round_fn(s.model, s.optimizer, mesh, schedule.layouts)
 put = lambda a: jax.device_put(a, engine.worker_sharding(mesh))

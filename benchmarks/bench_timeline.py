@@ -14,7 +14,7 @@ from absl import app, flags
 from benchmarks.timing import Table, write_table
 from configs import default as default_config
 from ripples_jax import sim, timeline
-from ripples_jax.schedule import ALGORITHMS
+from ripples_jax.algorithms import names
 
 FLAGS = flags.FLAGS
 
@@ -35,7 +35,7 @@ def run(workers=(16, 256), steps: int = 2000, config_fn=make_config) -> Table:
   """config_fn(algorithm, n) -> a sim config; one row per (worker count, algorithm)."""
   rows = []
   for n in workers:
-    for algorithm in ALGORITHMS:
+    for algorithm in names():
       config = config_fn(algorithm, n)
       speed, net = sim.build_clock(config, model_bytes=4.8e4, base_time=0.01)
       gg = sim.make_group_generator(config, np.random.default_rng(0))

@@ -29,9 +29,7 @@ def get_config(arg=None):
     steps=4000,
   )
   c = ml_collections.ConfigDict()
-  # spmd: allreduce | ripples_static; sim: those and ps_sync | ps_async | adpsgd | dpsgd | ripples_random |
-  # ripples_division | ripples_smart | diloco | moshpit; async: allreduce | ripples_static | ripples_random |
-  # ripples_division | ripples_smart | adpsgd | moshpit | diloco | ps_sync | ps_async (the coordinator serves)
+  # the algorithm registry's names (ripples_jax/algorithms.py; which executor runs each: "Allowed")
   c.algorithm = arg.algorithm
   c.executor = arg.executor  # spmd: lockstep on the device mesh | sim: event-driven, virtual time
   # | async: one process per worker (experiments.launch, --jax_distributed)

@@ -120,12 +120,15 @@ def get_config(arg=None):
   # injection kills). count 0: the pipeline alone.
   c.replicas = ml_collections.ConfigDict()
   c.replicas.count = 0  # R (0: no replicas; 1: the hybrid executor on one replica, the pipeline's numerics)
-  c.replicas.algorithm = "ripples_smart"  # ripples_smart | ripples_random | ripples_static | allreduce
-  # (each stage all-reduced across the replicas after every tick, as data-parallel pipelines do) | none
+  c.replicas.algorithm = "ripples_smart"  # every algorithm with groups (algorithms.hybrid_names), as
+  # the simulator runs it over R workers; allreduce: each stage all-reduced across the replicas after every
+  # tick, as data-parallel pipelines do; none: no averaging
   c.replicas.group_size = 3  # ripples_smart, ripples_random: members of a group
   c.replicas.smart_tolerance = 0.5  # ripples_smart: as schedule.smart_tolerance (configs/default.py)
   c.replicas.smart_max_gap = 4  # ripples_smart: syncs a replica may skip in a row
+  c.replicas.smart_fresh = False  # ripples_smart: as schedule.smart_fresh (configs/default.py)
   c.replicas.workers_per_node = 4  # ripples_static: the node layout's replicas per node
+  c.replicas.grid = ()  # moshpit: the replicas' grid; () the squarest (schedule.static.default_grid)
   c.replicas.sync_every = 1  # ticks between a replica's averages
   c.replicas.slow = ()  # (replica, stage) of the slow device; () none
   c.replicas.slowdown = 1.0  # the slow device's forward + backward take this many times longer

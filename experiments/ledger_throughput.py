@@ -20,8 +20,7 @@ from experiments.ledger_claims import (
   publish,
   set_clock,
 )
-from ripples_jax import analysis, sim, timeline, verdict
-from ripples_jax import schedule as schedule_lib
+from ripples_jax import algorithms, analysis, sim, timeline, verdict
 from ripples_jax.tables import Table
 
 
@@ -34,7 +33,7 @@ def throughput(algorithm, setting, slowdown=1.0, n=16, seed=0, steps=300, cost=N
   config.schedule.group_size = group_size
   nbytes, step = set_clock(config, SETTINGS[setting] if isinstance(setting, str) else setting)
   speed, net = sim.build_clock(config, model_bytes=nbytes, base_time=step)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, seed]))
+  gg = algorithms.make_group_generator(config, np.random.default_rng([4, seed]))
   trace = timeline.simulate(
     timeline.ClockSpec(algorithm, speed, net, steps * n, gg=gg, seed=seed, adpsgd_cost=cost)
   )

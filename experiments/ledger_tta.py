@@ -180,18 +180,18 @@ def scenario_config(
 ):
   """One run's simulator config of `scenario` (train_run's): (config, the algorithm's base name, the
   lockstep restart's (t_leave, outage) or None)."""
-  from ripples_jax.timeline import NO_LEAVE
+  from ripples_jax import algorithms
 
   setting, overrides = SCENARIOS[scenario]
   n = int(overrides.get("num_workers", 16))
   base, extra = variant(algorithm)
-  # A lockstep algorithm cannot go on without a member (NO_LEAVE): its elastic form is the restart of
+  # A lockstep algorithm cannot go on without a member (no_leave): its elastic form is the restart of
   # every worker from the newest checkpoint. Modelled as the run stopping at the death and resuming at
   # the rejoin where it stopped: its curve after t_leave shifts by the outage, no step lost and no
   # restart cost (both waived, as the elastic algorithms' rejoin pays no process start either).
   leave = overrides.get("hetero.leave", ())
   outage = None
-  if leave and base in NO_LEAVE:
+  if leave and algorithms.get(base).no_leave:
     (_, t_leave, t_rejoin), *more = leave
     if more or t_rejoin < 0:
       raise ValueError(f"{scenario}: a lockstep algorithm's restart model takes one death and its rejoin")

@@ -20,8 +20,10 @@ from absl import app, flags
 
 from configs import default as default_config
 from ripples_jax import analysis, sim
-from ripples_jax.schedule import ALGORITHMS
+from ripples_jax.algorithms import names
 from ripples_jax.tables import markdown_table
+
+ALGORITHMS = names()
 
 SCENARIOS = {"homogeneous": 1.0, "one worker 2x slower": 2.0, "one worker 5x slower": 5.0}
 SLOW_WORKER = 3

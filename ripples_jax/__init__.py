@@ -30,7 +30,7 @@ _EXPORTS = {
   "random_gg": "ripples_jax.schedule.group_gen",
   "division_gg": "ripples_jax.schedule.group_gen",
   "smart_gg": "ripples_jax.schedule.group_gen",
-  "make_group_generator": "ripples_jax.schedule",
+  "make_group_generator": "ripples_jax.algorithms",
   "simulate": "ripples_jax.timeline",
   "ClockSpec": "ripples_jax.timeline",
   "simulate_and_train": "ripples_jax.sim",

@@ -11,6 +11,8 @@ import math
 
 import ml_collections
 
+from ripples_jax import algorithms
+from ripples_jax.algorithms import STATIC_LAYOUTS
 from ripples_jax.data import DATASET_NAMES as DATASETS
 from ripples_jax.data import SHARD_MODES as DATA_SHARDINGS
 from ripples_jax.engine import PREDUCE_IMPLS
@@ -21,9 +23,7 @@ from ripples_jax.optim import LR_SCHEDULES, OPTIMIZERS
 from ripples_jax.pipeline import methods
 from ripples_jax.pipeline.methods import PLACEMENTS
 from ripples_jax.pipeline.tick import MODES
-from ripples_jax.schedule import ALGORITHMS, LOCKSTEP_ALGORITHMS, STATIC_LAYOUTS
-from ripples_jax.schedule.online import ADPSGD_PASSIVE, PREDUCE_MODES, RUNTIME_ALGORITHMS
-from ripples_jax.timeline import NO_LEAVE
+from ripples_jax.schedule.online import ADPSGD_PASSIVE, PREDUCE_MODES
 
 EXECUTORS = ("spmd", "sim", "async")  # a Ripples config's executor (run.EXECUTORS holds them all)
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
@@ -187,7 +187,7 @@ def validate_train_config(
 
 
 # Which executors run which algorithm: an algorithm another executor runs is named with that executor.
-ALGORITHMS_OF = {"sim": ALGORITHMS, "spmd": LOCKSTEP_ALGORITHMS, "async": RUNTIME_ALGORITHMS}
+ALGORITHMS_OF = {e: algorithms.names(e) for e in ("sim", "spmd", "async")}
 
 
 def _check_algorithm(config):
@@ -258,18 +258,6 @@ ELASTIC_CPU_ONLY = (
   "with JAX_PLATFORMS=cpu, or use the launcher's --max_restarts without elastic"
 )
 FAIL_WHERE = ("step", "preduce", "slow")
-# Why an algorithm cannot run elastic (runtime.elastic; docs/design.md 3.12).
-NO_ELASTIC = {
-  "allreduce": "every step averages over all workers, so no step can exclude a dead one (its elastic "
-  "form is the restart of every worker from the newest checkpoint: experiments.launch --max_restarts)",
-  "ripples_static": "its groups are fixed in advance and cannot exclude a member",
-  "diloco": "its outer step all-reduces over every worker (its elastic form is the restart of every "
-  "worker from the newest checkpoint: experiments.launch --max_restarts)",
-  "ps_sync": "its step waits for every worker's push, and its server is the coordinator, whose loss "
-  "ends the run (runtime/ps.py)",
-  "ps_async": "its server is the coordinator, whose loss ends the run, and a dead worker's request "
-  "would hold the server in its exchange (runtime/ps.py)",
-}
 
 
 def _check_elastic(config):
@@ -289,8 +277,9 @@ def _check_elastic(config):
     _fail(
       "runtime.fail_where", "slow", "step or preduce with algorithm=adpsgd (slow: the authority's groups)"
     )
-  if config.algorithm in NO_ELASTIC:
-    _fail("runtime.elastic", True, f"False with algorithm={config.algorithm}: {NO_ELASTIC[config.algorithm]}")
+  why = algorithms.get(config.algorithm).no_elastic  # docs/design.md 3.12
+  if why:
+    _fail("runtime.elastic", True, f"False with algorithm={config.algorithm}: {why}")
   if rt.preduce == "group":
     _fail(
       "runtime.preduce",
@@ -330,35 +319,48 @@ def _check_schedule(config, n):
 def _check_schedule_keys(config, n):
   """Raises ConfigError for a bad schedule.* key of the configured algorithm (the group layout or
   size, the smart schedule's bounds), or too few workers for adpsgd / ps_async."""
+  a = algorithms.get(config.algorithm)
+  for key in a.keys:  # the keys the algorithm's record says it reads
+    _KEY_CHECKS[key](config, n)
+  if n < a.min_workers:
+    _fail("num_workers", n, f"at least {a.min_workers} for {config.algorithm}")
+
+
+def _check_layout(config, n):
   s = config.schedule
-  if config.algorithm == "ripples_static":
-    _one_of(config, "schedule.layout", STATIC_LAYOUTS)
-    if s.layout == "node":
-      _int_in(config, "schedule.workers_per_node", 1, n, f"an integer group size in [1, num_workers={n}]")
-    else:
-      g = s.hypercube_group_size
-      _int_in(config, "schedule.hypercube_group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
-      m = 1
-      while m < n:
-        m *= g
-      if m != n:
-        _fail("num_workers", n, f"a power of schedule.hypercube_group_size={g} for the hypercube layout")
-  if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
-    _int_in(config, "schedule.group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
-  if config.algorithm in ("ripples_random", "ripples_division", "ripples_smart"):
-    _bool(config, "schedule.request_ahead")
-  if config.algorithm == "ripples_smart":
-    _number(config, "schedule.smart_tolerance", lambda v: v > 0, "a number > 0 (a fraction of a step time)")
-    _int_in(config, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0")
-    _bool(config, "schedule.smart_fresh")
-  if config.algorithm in ("adpsgd", "ps_async") and n < 2:
-    _fail("num_workers", n, f"at least 2 for {config.algorithm}")
-  if config.algorithm == "diloco":
-    _positive_int(config, "diloco.inner_steps")
-    _number(config, "diloco.outer_lr", lambda v: v > 0, "a finite number > 0")
-    _number(config, "diloco.outer_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
-  if config.algorithm == "moshpit":
-    _check_grid(config, n)
+  _one_of(config, "schedule.layout", STATIC_LAYOUTS)
+  if s.layout == "node":
+    _int_in(config, "schedule.workers_per_node", 1, n, f"an integer group size in [1, num_workers={n}]")
+    return
+  g = s.hypercube_group_size
+  _int_in(config, "schedule.hypercube_group_size", 2, n, f"an integer group size in [2, num_workers={n}]")
+  m = 1
+  while m < n:
+    m *= g
+  if m != n:
+    _fail("num_workers", n, f"a power of schedule.hypercube_group_size={g} for the hypercube layout")
+
+
+_TOLERANCE = "a number > 0 (a fraction of a step time)"
+# How each key an algorithm's record names is checked, (config, num_workers) -> None or ConfigError.
+_KEY_CHECKS = {
+  "schedule.layout": _check_layout,
+  "schedule.group_size": lambda c, n: _int_in(
+    c, "schedule.group_size", 2, n, f"an integer group size in [2, num_workers={n}]"
+  ),
+  "schedule.request_ahead": lambda c, n: _bool(c, "schedule.request_ahead"),
+  "schedule.smart_tolerance": lambda c, n: _number(
+    c, "schedule.smart_tolerance", lambda v: v > 0, _TOLERANCE
+  ),
+  "schedule.smart_max_gap": lambda c, n: _int_in(c, "schedule.smart_max_gap", 0, 10**9, "an integer >= 0"),
+  "schedule.smart_fresh": lambda c, n: _bool(c, "schedule.smart_fresh"),
+  "diloco.inner_steps": lambda c, n: _positive_int(c, "diloco.inner_steps"),
+  "diloco.outer_lr": lambda c, n: _number(c, "diloco.outer_lr", lambda v: v > 0, "a finite number > 0"),
+  "diloco.outer_momentum": lambda c, n: _number(
+    c, "diloco.outer_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"
+  ),
+  "moshpit.grid": lambda c, n: _check_grid(c, n),
+}
 
 
 def _check_grid(config, n):
@@ -470,10 +472,11 @@ def _check_leave(config, n):
         f"() with executor={config.executor}: leaving and joining are clock events of executor=sim",
       )
     return
-  if config.algorithm in NO_LEAVE:
+  why = algorithms.get(config.algorithm).no_leave
+  if why:
     _note("hetero.leave", "() (off: the algorithm cannot exclude a worker)")
     if value:
-      _fail("hetero.leave", value, f"() with algorithm={config.algorithm}: {NO_LEAVE[config.algorithm]}")
+      _fail("hetero.leave", value, f"() with algorithm={config.algorithm}: {why}")
     return
   _note("hetero.leave", _LEAVE)
   if not isinstance(value, (tuple, list)):
@@ -514,7 +517,7 @@ def _int_in(config, key, lo, hi, allowed):
     _fail(key, value, allowed)
 
 
-HYBRID_ALGORITHMS = ("ripples_smart", "ripples_random", "ripples_static", "allreduce", "none")
+HYBRID_ALGORITHMS = algorithms.hybrid_names()  # every algorithm with groups, and none
 
 
 def _check_replicas(config, local_devices: int | None = None) -> None:
@@ -551,6 +554,10 @@ def _check_replicas(config, local_devices: int | None = None) -> None:
   _int_in(config, "replicas.group_size", 2, 4096, "an integer >= 2")
   _number(config, "replicas.smart_tolerance", lambda v: v >= 0, "a number >= 0")
   _int_in(config, "replicas.smart_max_gap", 0, 10**6, "an integer >= 0")
+  _bool(config, "replicas.smart_fresh")
+  grid = tuple(c.grid)
+  if grid and (not all(isinstance(g, int) and g >= 2 for g in grid) or math.prod(grid) != c.count):
+    _fail("replicas.grid", grid, f"() or a tuple of integers >= 2 whose product is replicas.count={c.count}")
   _positive_int(config, "replicas.workers_per_node")
   _positive_int(config, "replicas.sync_every")
   K, R = config.num_stages, c.count

@@ -27,6 +27,7 @@ import shutil
 
 import jax
 
+from ripples_jax import algorithms
 from ripples_jax.errors import ConfigError
 
 # executor -> (module, function(config, workdir) -> summary), imported when a run uses it.
@@ -54,10 +55,9 @@ def executor_of(config) -> str:
         config.placement, "hybrid"
       )
     return "pipeline/per_process" if config.placement == "per_process" else "pipeline"
-  if config.executor == "async" and config.algorithm == "adpsgd":
-    return "async/adpsgd"
-  if config.executor == "async" and config.algorithm in ("ps_sync", "ps_async"):
-    return "async/ps"
+  role = algorithms.get(config.algorithm).runtime
+  if config.executor == "async" and role != algorithms.GROUPS:
+    return {algorithms.PAIRS: "async/adpsgd", algorithms.SERVER: "async/ps"}[role]
   return config.executor
 
 
@@ -178,7 +178,8 @@ def load(workdir: str, step: int | None = None) -> dict:
         raise
   mgr.close()
   n = config.num_workers
-  rows = slice(n, n + 1) if config.algorithm == "ps_async" else slice(0, n)
+  has_server = algorithms.get(config.algorithm).clock == algorithms.PS_ASYNC  # the server's slot, n
+  rows = slice(n, n + 1) if has_server else slice(0, n)
   params = jax.tree.map(lambda a: a[rows], state["params"])
   model_state = jax.tree.map(lambda a: a[rows], state["model_state"])
   return _model(config, s, params, model_state)

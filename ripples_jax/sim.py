@@ -12,12 +12,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from ripples_jax import allocator, engine, profiling, timeline, workload
+from ripples_jax import algorithms, allocator, engine, profiling, timeline, workload
 from ripples_jax import data as data_lib
+from ripples_jax.algorithms import make_group_generator
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import num_params
 from ripples_jax.runlog import RunLog, make_workdir
-from ripples_jax.schedule import make_group_generator
 
 
 def measure_step_time(model, optimizer, sample_x, sample_y, reps: int = 20) -> float:
@@ -82,7 +82,7 @@ def simulate_and_train(config, workdir: str | None = None):
   n = config.num_workers
   s = workload.build(config)
   workdir = make_workdir(workdir, config)
-  has_server = config.algorithm == "ps_async"
+  has_server = algorithms.get(config.algorithm).clock == algorithms.PS_ASYNC
   slots = n + has_server  # the parameter server is one more slot
   if slots >= LARGE and not allocator.tuned():
     logging.warning(
@@ -98,7 +98,7 @@ def simulate_and_train(config, workdir: str | None = None):
   state = engine.init_sim_state(
     s.model, s.optimizer, jax.random.key(config.seed), s.data["x_train"][:1], slots, mesh
   )
-  if config.algorithm == "diloco":  # the global model and the outer momentum
+  if algorithms.get(config.algorithm).clock == algorithms.DILOCO:  # the global model, the outer momentum
     state["outer"] = engine.init_outer_state(state["params"])
   model_bytes = config.timeline.model_bytes or 4 * num_params(jax.tree.map(lambda a: a[0], state["params"]))
   base_time = config.timeline.compute_time or measure_step_time(
@@ -139,7 +139,7 @@ def simulate_and_train(config, workdir: str | None = None):
 
 def diloco_outer(config) -> tuple[float, float] | None:
   """DiLoCo's outer optimizer, (lr, Nesterov momentum); None for every other algorithm."""
-  if config.algorithm != "diloco":
+  if algorithms.get(config.algorithm).clock != algorithms.DILOCO:
     return None
   return float(config.diloco.outer_lr), float(config.diloco.outer_momentum)
 
@@ -173,7 +173,7 @@ def run_clock(config, model_bytes: float, base_time: float) -> timeline.Trace:
     time_budget=config.time_budget,
     gg=gg,
     seed=config.seed,
-    inner_steps=config.diloco.inner_steps if config.algorithm == "diloco" else 1,
+    inner_steps=config.diloco.inner_steps if diloco_outer(config) else 1,
     rtt=tl.request_rtt,
     ahead=config.schedule.request_ahead,
     adpsgd_cost=adpsgd_cost(config),
@@ -243,7 +243,7 @@ class Rounds:
 
 def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLog):
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
-  n, has_server = config.num_workers, config.algorithm == "ps_async"
+  n, has_server = config.num_workers, algorithms.get(config.algorithm).clock == algorithms.PS_ASYNC
   slots = n + has_server
   leaving = bool(leave_plan(config))
   rounds = Rounds(
@@ -260,7 +260,7 @@ def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLo
     ),
     engine.make_compact_round_fn(s.model, s.optimizer, mesh, slots),
     leaving,
-    config.algorithm == "diloco",
+    diloco_outer(config) is not None,
   )
   # PS: the server's model; with leave/join, the live workers' (3.10)
   evaluate = make_evaluate(

@@ -15,9 +15,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from ripples_jax import algorithms, engine, workload
 from ripples_jax import data as data_lib
-from ripples_jax import engine, workload
-from ripples_jax import schedule as schedule_lib
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.distributed.collective_guard import CollectiveGuard
 from ripples_jax.models import num_params
@@ -39,7 +38,7 @@ def train(config, workdir: str | None = None) -> dict:
   n = config.num_workers
   s = workload.build(config)
   mesh = make_worker_mesh(n)
-  schedule = schedule_lib.make_schedule(config)
+  schedule = algorithms.make_schedule(config)
   workdir = make_workdir(workdir, config)
   state = engine.init_state(s.model, s.optimizer, jax.random.key(config.seed), s.data["x_train"][:1], n, mesh)
   round_fn = engine.make_round_fn(s.model, s.optimizer, mesh, schedule.layouts, config.preduce_impl)

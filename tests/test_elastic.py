@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from configs import default as default_config
+from ripples_jax import algorithms, timeline
 from ripples_jax import config as config_lib
-from ripples_jax import schedule as schedule_lib
-from ripples_jax import timeline
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import watchdog as watchdog_lib
 from ripples_jax.errors import ConfigError
@@ -28,7 +27,7 @@ from tests.fakes import FakeKV
 def service_for(algorithm="ripples_random", n=4, seed=0):
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
   config.schedule.group_size = 3
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng(seed))
+  gg = algorithms.make_group_generator(config, np.random.default_rng(seed))
   service = Service(n, gg, Cadence(10**6), estimate=1.0)
   service.view.alive = np.ones(n, bool)
   return service

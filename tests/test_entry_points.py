@@ -57,10 +57,10 @@ def test_bench_engine():
 
 def test_bench_timeline():
   from benchmarks import bench_timeline
-  from ripples_jax.schedule import ALGORITHMS
+  from ripples_jax.algorithms import names
 
   table = bench_timeline.run(workers=(4,), steps=20)
-  assert table.column("algorithm") == list(ALGORITHMS) and set(table.column("workers")) == {4}
+  assert table.column("algorithm") == list(names()) and set(table.column("workers")) == {4}
   assert all(e >= 4 * 20 for e in table.column("events"))  # at least one event per step
   assert positive(table.column("clock events/s")) and positive(table.column("packing events/s"))
 
@@ -772,3 +772,24 @@ def test_group_mix_shows_smart_gg_locking_while_a_worker_is_away(tmp_path):
   assert int(before[2]) >= 0.8 * int(before[1])  # distinct sets against groups
   assert int(during[2]) <= 0.4 * int(during[1]) and int(during[4]) >= 10  # one set 10+ times
   assert before[5] == "1" and int(during[5]) > 2  # connected before; parted while worker 15 is away
+
+
+def test_the_results_index_keeps_its_hand_written_columns(tmp_path):
+  """experiments.reproduce --index_only: every column from provenance.json but each folder's status and
+  how it was made, which a rewrite keeps (the repository's own index rewrites to itself); a new folder
+  is current."""
+  import json
+  import shutil
+
+  from experiments import reproduce
+
+  shutil.copytree("results", tmp_path / "results", ignore=shutil.ignore_patterns("*.png", "*.npz", "*.jsonl"))
+  before = (tmp_path / "results" / "index.md").read_text()
+  reproduce.write_index(str(tmp_path / "results"))
+  assert (tmp_path / "results" / "index.md").read_text() == before
+  (tmp_path / "results" / "zz_new").mkdir()
+  (tmp_path / "results" / "zz_new" / "provenance.json").write_text(json.dumps({"command": "python -m x"}))
+  reproduce.write_index(str(tmp_path / "results"))
+  _, rows = reproduce.read_index(str(tmp_path / "results" / "index.md"))
+  assert rows["zz_new"]["status"] == "current" and rows["zz_new"]["command"] == "`python -m x`"
+  assert rows["ledger"]["status"].startswith("superseded by ledger4")

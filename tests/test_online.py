@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from configs import default as default_config
+from ripples_jax import algorithms, sim, timeline
 from ripples_jax import schedule as schedule_lib
-from ripples_jax import sim, timeline
 from ripples_jax.runtime.authority import Authority, Durations, Feed, LocalFeed, percentiles
 from ripples_jax.schedule import group_gen
 from ripples_jax.schedule.online import GROUP, MARK, MEMBER, NONE, STOP, Cadence, Service, fixed_entry
@@ -30,7 +30,7 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
   """n worker threads against one authority: random step times, random delays before each request;
   a group is a barrier of its members (a collective). Returns (service, executed gids, steps)."""
   kv, rng = FakeKV(), random.Random(seed)
-  gg = schedule_lib.make_group_generator(config_for(algorithm, n, group_size), np.random.default_rng(seed))
+  gg = algorithms.make_group_generator(config_for(algorithm, n, group_size), np.random.default_rng(seed))
   t0 = time.perf_counter()
   service = Service(n, gg, Cadence(steps * n, eval_every=3 * n, checkpoint_every=5 * n), estimate=1e-3)
   made, append = [], service.buffer.append  # every group, though the authority trims its list
@@ -260,7 +260,7 @@ def test_smart_gg_follows_a_moving_straggler_in_every_window():
     config.hetero.slow_workers, config.hetero.slowdown, config.hetero.jitter = (0,), 5.0, 0.05
     config.hetero.rotate_every = 0.3  # 6 slow steps of 0.05 s between moves
     speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
-    gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
+    gg = algorithms.make_group_generator(config, np.random.default_rng(0))
     trace = timeline.simulate(timeline.ClockSpec(algorithm, speed, net, 3000, time_budget=3.0, gg=gg))
     rates[algorithm] = window_rates(trace, 8, 0.3, 3.0)
   # Every window of one straggler position: Smart GG within 15% of the limit (5 x 7 + 1) / 8 = 4.5,
@@ -326,7 +326,7 @@ def test_durations_keep_bounded_state_and_the_figures_they_feed():
 def test_the_authority_and_feeds_keep_no_list_per_request(monkeypatch):
   monkeypatch.setattr(Durations, "EXACT", 16)
   kv, n, steps = FakeKV(), 3, 60
-  gg = schedule_lib.make_group_generator(config_for("ripples_random", n, 2), np.random.default_rng(0))
+  gg = algorithms.make_group_generator(config_for("ripples_random", n, 2), np.random.default_rng(0))
   service = Service(n, gg, Cadence(steps * n), estimate=1e-3)
   authority = Authority(kv, service, poll_s=0.005).start()
   feeds = [Feed(kv, w, lambda: 0.0, ahead=False) for w in range(n)]
@@ -389,7 +389,7 @@ def simulated(algorithm, n=8, steps=2000, cost=None, budget=0.0):
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
   config.schedule.workers_per_node = n  # Static GG: one group of every worker
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
+  gg = algorithms.make_group_generator(config, np.random.default_rng(0))
   return timeline.simulate(
     timeline.ClockSpec(algorithm, speed, net, steps, time_budget=budget, gg=gg, server=cost)
   )

@@ -4,8 +4,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+from ripples_jax import algorithms
 from ripples_jax import collectives as C
-from ripples_jax import schedule
 from ripples_jax.schedule.static import allreduce_layouts, hypercube_layouts, static_gg_layouts
 
 
@@ -48,13 +48,15 @@ def _config(algorithm, n=8, layout="node"):
 
 
 def test_make_schedule_rounds_are_periodic_and_deterministic():
-  s = schedule.make_schedule(_config("ripples_static"))
+  s = algorithms.make_schedule(_config("ripples_static"))
   assert s.layouts == static_gg_layouts(8, 4)
   for t in range(12):
     r = s.round(t)
     assert r.step_mask.all() and r.layout_idx == t % 4
     assert s.groups(t) == s.layouts[t % 4]
-  assert schedule.make_schedule(_config("allreduce")).layouts == allreduce_layouts(8)
-  assert schedule.make_schedule(_config("ripples_static", layout="hypercube")).layouts == hypercube_layouts(8)
+  assert algorithms.make_schedule(_config("allreduce")).layouts == allreduce_layouts(8)
+  assert algorithms.make_schedule(_config("ripples_static", layout="hypercube")).layouts == hypercube_layouts(
+    8
+  )
   with pytest.raises(ValueError, match="config.algorithm"):
-    schedule.make_schedule(_config("gossip"))
+    algorithms.make_schedule(_config("gossip"))

@@ -8,9 +8,8 @@ import optax
 import pytest
 
 from configs import default as default_config
+from ripples_jax import algorithms, engine, sim, timeline
 from ripples_jax import collectives as C
-from ripples_jax import engine, sim, timeline
-from ripples_jax import schedule as schedule_lib
 from ripples_jax.data import batch_indices, load_dataset, shard_indices
 from ripples_jax.models import build_model
 from ripples_jax.schedule.static import static_gg_layouts
@@ -24,7 +23,7 @@ def clock(algorithm, n=16, steps=40, slow=(3,), s=4.0, jitter=0.05, group_size=3
   config.hetero.slow_workers, config.hetero.slowdown, config.hetero.jitter = slow, s, jitter
   config.seed = seed
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng(seed))
+  gg = algorithms.make_group_generator(config, np.random.default_rng(seed))
   return timeline.simulate(timeline.ClockSpec(algorithm, speed, net, steps * n, gg=gg, seed=seed)), speed, net
 
 
@@ -331,7 +330,7 @@ def test_static_gg_in_the_clock_follows_the_layouts():
 def test_time_budget_ends_the_run(algorithm):
   full, speed, net = clock(algorithm, steps=40)
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers=16")
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng(0))
+  gg = algorithms.make_group_generator(config, np.random.default_rng(0))
   budget = full.end_time / 2
   cut = timeline.simulate(timeline.ClockSpec(algorithm, speed, net, 40 * 16, time_budget=budget, gg=gg))
   assert cut.end_time <= budget

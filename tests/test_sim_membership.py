@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from configs import default as default_config
+from ripples_jax import algorithms, engine, optim, run, sim, timeline
 from ripples_jax import collectives as C
-from ripples_jax import engine, optim, run, sim, timeline
-from ripples_jax import schedule as schedule_lib
 from ripples_jax.config import ConfigError, validate_train_config
 from ripples_jax.data import batch_indices, load_dataset, shard_indices
 from ripples_jax.models import build_model
@@ -32,7 +31,7 @@ def config_of(algorithm, n=8, leave=(), group_size=3, jitter=0.2, slow=()):
 
 def clock(config, steps=40, rtt=0.0):
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))
+  gg = algorithms.make_group_generator(config, np.random.default_rng([4, config.seed]))
   total = steps * config.num_workers
   return timeline.simulate(
     timeline.ClockSpec(config.algorithm, speed, net, total, gg=gg, rtt=rtt, leave=sim.leave_plan(config))
@@ -277,7 +276,7 @@ def test_a_pair_that_failed_once_waits_for_the_removal():
   d = 0.1
   config = config_of("moshpit", n=16, leave=((5, 0.1, -1),), jitter=0.0)
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))
+  gg = algorithms.make_group_generator(config, np.random.default_rng([4, config.seed]))
   trace = timeline.simulate(
     timeline.ClockSpec("moshpit", speed, net, 40 * 16, gg=gg, leave=sim.leave_plan(config), detect=d)
   )
@@ -309,7 +308,7 @@ def test_only_the_held_members_of_a_group_wait_for_the_removal():
   config = config_of("ripples_random", n=8, leave=((7, 0.1, -1),), jitter=0.0)
   config.seed = 2
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
-  gg = schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))
+  gg = algorithms.make_group_generator(config, np.random.default_rng([4, config.seed]))
   trace = timeline.simulate(
     timeline.ClockSpec("ripples_random", speed, net, 40 * 8, gg=gg, leave=sim.leave_plan(config), detect=0.1)
   )
@@ -329,7 +328,7 @@ def test_a_death_noticed_late_fails_its_groups_until_it_is_removed(algorithm):
   (of worker 2, dying at 0.05, planned at 0.07) waits for the removal."""
   d, config = 0.1, config_of(algorithm, leave=((2, 0.05, 0.07), (5, 0.1, -1)))
   speed, net = sim.build_clock(config, model_bytes=4e5, base_time=0.01)
-  make_gg = lambda: schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed]))  # noqa: E731
+  make_gg = lambda: algorithms.make_group_generator(config, np.random.default_rng([4, config.seed]))  # noqa: E731
   trace = timeline.simulate(
     timeline.ClockSpec(algorithm, speed, net, 40 * 8, gg=make_gg(), leave=sim.leave_plan(config), detect=d)
   )
@@ -361,7 +360,7 @@ def test_a_death_noticed_late_fails_its_groups_until_it_is_removed(algorithm):
       speed,
       net,
       40 * 8,
-      gg=schedule_lib.make_group_generator(config, np.random.default_rng([4, config.seed])),
+      gg=algorithms.make_group_generator(config, np.random.default_rng([4, config.seed])),
       leave=sim.leave_plan(config),
       detect=0.0,
     )

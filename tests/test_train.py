@@ -191,8 +191,8 @@ BAD_SIM += [
     ASYNC,
     "algorithm",
     "dpsgd",
-    "config.algorithm: 'dpsgd' is not allowed: one of allreduce, ripples_static, ripples_random, "
-    "ripples_division, ripples_smart, moshpit, adpsgd, diloco, ps_sync, ps_async with executor=async; "
+    "config.algorithm: 'dpsgd' is not allowed: one of allreduce, ps_sync, ps_async, adpsgd, ripples_static, "
+    "ripples_random, ripples_division, ripples_smart, diloco, moshpit with executor=async; "
     "dpsgd needs executor=sim",
   ),
   (

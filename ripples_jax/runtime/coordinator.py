@@ -30,7 +30,8 @@ import numpy as np
 from absl import logging
 from jax.flatten_util import ravel_pytree
 
-from ripples_jax import workload
+from ripples_jax import algorithms, workload
+from ripples_jax.algorithms import make_group_generator
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import init_model
@@ -39,8 +40,7 @@ from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import membership, ps
 from ripples_jax.runtime import summary as summary_lib
 from ripples_jax.runtime.process import start_clock
-from ripples_jax.schedule import make_group_generator
-from ripples_jax.schedule.online import DYNAMIC, Cadence, Service
+from ripples_jax.schedule.online import Cadence, Service
 
 
 def save_snapshot(workdir: str, ident, state: dict) -> None:
@@ -173,12 +173,12 @@ def run(config, workdir: str) -> dict:
   _, unravel = ravel_pytree({"params": params, "model_state": model_state})
   timeout_ms = int(rt.stall_timeout * 1000)
   server = None
-  if config.algorithm in ps.PS_ALGORITHMS:  # this process is the server: it meets each worker first
+  if algorithms.get(config.algorithm).server:  # this process is the server: it meets each worker first
     server = ps.Server(config, s, kv, workdir, params, model_state)
     logging.info("coordinator: the parameter server connected to %d workers in %.2f s", n, server.connect())
   with RunLog(workdir, config, config.num_steps, is_lead=True, checkpoint_every=0) as log:
     epoch = resume_records(log, resume_lib.await_point(kv, rt.stall_timeout * 4))
-    dynamic = config.algorithm in DYNAMIC
+    dynamic = algorithms.get(config.algorithm).dynamic
     state = load_snapshot(workdir, epoch) if dynamic and epoch else None
     clock = {"t0": time.perf_counter()}
     authority = None

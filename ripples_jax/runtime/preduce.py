@@ -31,9 +31,9 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ripples_jax import algorithms
 from ripples_jax.distributed.arrays import LOCAL, WORKER
 from ripples_jax.runtime.membership import pair_devices, pair_key
-from ripples_jax.schedule.online import DYNAMIC
 
 
 def member_sets_per_worker(config) -> int:
@@ -41,7 +41,7 @@ def member_sets_per_worker(config) -> int:
   n = config.num_workers
   if config.algorithm == "moshpit":  # one group per grid dimension (a dead peer's: elastic, pairs)
     return len(config.moshpit.grid)
-  if config.algorithm in DYNAMIC:  # groups of 2 .. group_size (Division and Smart GG form smaller ones)
+  if algorithms.get(config.algorithm).dynamic:  # groups of 2 .. group_size (Division, Smart GG: fewer)
     return sum(math.comb(n - 1, s - 1) for s in range(2, config.schedule.group_size + 1))
   return n  # All-Reduce: one set; Static GG: one per layout, a few
 

@@ -24,7 +24,8 @@ pull) one at a time, so the server's model is a sequence of versions, one per gr
 of server.jsonl's "apply" events (ps_async); ps_sync's rounds are the run's steps in order. Records:
 the workers' traces (steps, and each push-pull as a group with the server, "m": [w, n]); the server's
 in server.jsonl (its evaluation marks, applies and end), its snapshots eval<k>-<n>.npy, final-<n>.npy.
-Not elastic (config.NO_ELASTIC) and no mid-run checkpoints: the final state only, as AD-PSGD.
+Not elastic (its records' no_elastic, ripples_jax/algorithms.py) and no mid-run checkpoints: the final
+state only, as AD-PSGD.
 """
 
 import os
@@ -62,7 +63,6 @@ from ripples_jax.runtime.process import (
   watched,
 )
 
-PS_ALGORITHMS = ("ps_sync", "ps_async")
 PUSH, DONE = "push", "done"
 SERVER_TRACE = "server.jsonl"
 

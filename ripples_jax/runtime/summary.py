@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ripples_jax import engine
+from ripples_jax import algorithms, engine
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import preduce as preduce_lib
 from ripples_jax.runtime import ps
@@ -60,7 +60,7 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
   n = config.num_workers
   traces = trace_lib.load_traces(workdir)
   steps = np.array([sum(e["k"] == "step" for e in traces.get(w, [])) for w in range(n)])
-  server = ps.server_records(workdir) if config.algorithm in ps.PS_ALGORITHMS else None
+  server = ps.server_records(workdir) if algorithms.get(config.algorithm).server else None
   end = max(e["t"] for events in [*traces.values(), server or []] for e in events if e["k"] == "end")
   elastic = bool(config.runtime.get("elastic", False))
   if server is not None:  # PS: the run's model is the server's (its marks and snapshots)

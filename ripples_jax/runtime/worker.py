@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from ripples_jax import algorithms
 from ripples_jax import checkpoint as ckpt_lib
 from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
@@ -47,8 +48,7 @@ from ripples_jax.runtime.process import (
   watch,
   watched,
 )
-from ripples_jax.schedule import static_layouts
-from ripples_jax.schedule.online import DYNAMIC, GROUP, MARK, MEMBER, STOP, asks_ahead
+from ripples_jax.schedule.online import GROUP, MARK, MEMBER, STOP
 
 
 def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop | int:
@@ -63,7 +63,7 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop | int:
   me, n, rt = worker.me, worker.config.num_workers, worker.rt
   like = worker.pack(Loop(worker.fresh()))
   excused = None
-  if rt.elastic and worker.config.algorithm in DYNAMIC:
+  if rt.elastic and algorithms.get(worker.config.algorithm).dynamic:
     excused = lambda step: authority_lib.out_at_marker(workdir, step)  # noqa: E731
   got = resume_lib.restore_common(log, kv, me, n, like, rt.stall_timeout, what="worker", excused=excused)
   if me == min(set(range(n)) - (excused(got[0]) if got and excused else set())):
@@ -86,11 +86,11 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop | int:
 
 
 def fixed_layouts(c) -> list:
-  """The fixed schedule's layouts (an algorithm not in DYNAMIC): DiLoCo's All-Reduce after every H-th
-  step, All-Reduce's every step, Static GG's periodic ones."""
+  """The fixed schedule's layouts (an algorithm without a Group Generator): DiLoCo's All-Reduce after
+  every H-th step, All-Reduce's every step, Static GG's periodic ones (their records' layouts)."""
   if c.algorithm == "diloco":  # the All-Reduce after every H-th step, and after the last one
     return list(diloco.layouts(c))
-  return [[tuple(range(c.num_workers))]] if c.algorithm == "allreduce" else list(static_layouts(c))
+  return list(algorithms.get(c.algorithm).layouts(c))
 
 
 def connect_fixed(worker: Worker) -> float:
@@ -107,8 +107,9 @@ def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
   """The queue this worker reads: the authority's (dynamic generators) or the fixed schedule's
   (inc, taken: a rejoined worker's incarnation and its new queue's first index)."""
   c, me = worker.config, worker.me
-  if c.algorithm in DYNAMIC:
-    ahead = asks_ahead(c)  # Random GG, Group Division: at a step's start; Smart GG: just before its end
+  if algorithms.get(c.algorithm).dynamic:
+    # Random GG, Group Division: at a step's start; Smart GG: just before its end
+    ahead = algorithms.asks_ahead(c)
     lead = bool(c.schedule.request_ahead) and not ahead
     return authority_lib.Feed(kv, me, worker.now, ahead, lead=lead, inc=inc, taken=taken)
   layouts = fixed_layouts(c)
@@ -121,7 +122,7 @@ def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
     c.eval_every,
     worker.rt.checkpoint_every,
     point,
-    average_last=c.algorithm == "diloco",
+    average_last=algorithms.get(c.algorithm).average_last,
   )
 
 
@@ -145,7 +146,7 @@ def run(config, workdir: str) -> dict:
       compiled,
       connected,
     )
-  elif config.algorithm not in DYNAMIC:  # a fixed schedule: its groups are known before the run
+  elif not algorithms.get(config.algorithm).dynamic:  # a fixed schedule: its groups are known before the run
     logging.info(
       "worker %d: the fixed schedule's groups connected ahead in %.2f s", me, connect_fixed(worker)
     )

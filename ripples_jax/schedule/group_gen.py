@@ -71,6 +71,25 @@ class GroupBuffer:
     self.first += len(self.groups)
     self.groups = []
 
+  def state(self) -> dict:
+    """The pending queues and counters as JSON: a cut where groups may be pending (the hybrid's)."""
+    return {
+      "count": self.count,
+      "requests": self.requests,
+      "conflicts": self.conflicts.tolist(),
+      "queues": [[[g.gid, list(g.members), g.request] for g in q] for q in self.queues],
+    }
+
+  def load(self, state: dict) -> None:
+    """Continues from `state`: its pending groups (one object per gid, shared by its members' queues),
+    the next gid after them."""
+    groups = {}
+    self.first, self.groups, self.requests = state["count"], [], state["requests"]
+    self.conflicts[:] = state["conflicts"]
+    for w, q in enumerate(state["queues"]):
+      self.queues[w] = [groups.setdefault(gid, Group(gid, tuple(m), 0.0, req)) for gid, m, req in q]
+      self.npending[w] = len(q)
+
 
 @dataclasses.dataclass
 class GGView:

@@ -13,7 +13,7 @@ queue of entries that only the authority appends to:
                         it as a fourth field, ("G", gid, members, joiners): its weight there is 0
 Per local step a worker takes the head of its queue, markers first; with an empty queue it sends a
 request carrying its measured step time and waits for its next entry. With request-ahead
-(schedule.request_ahead, the default; `asks_ahead`) a worker whose queue is empty when a step
+(schedule.request_ahead, the default; algorithms.asks_ahead) a worker whose queue is empty when a step
 *starts* sends the request for the entry after that step at once, so the round trip overlaps the
 step. Only for generators whose groups do not depend on when they are made (Random GG, Group
 Division, Moshpit's grid rounds): Smart GG groups the workers that are ready together, so its
@@ -43,10 +43,6 @@ import numpy as np
 from ripples_jax.schedule.group_gen import GGView, GroupBuffer
 
 GROUP, NONE, MARK, STOP, MEMBER = "G", "N", "M", "S", "E"
-# The generators the authority drives (Moshpit's grid rounds too: a request appends one whole round).
-DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart", "moshpit")
-FIXED = ("allreduce", "ripples_static")
-RUNTIME_ALGORITHMS = FIXED + DYNAMIC + ("adpsgd", "diloco", "ps_sync", "ps_async")  # what executor=async runs
 ADPSGD_PASSIVE = ("concurrent", "blocking")  # runtime.adpsgd_passive
 PREDUCE_MODES = ("auto", "group", "pairs")  # runtime.preduce (runtime/preduce.py)
 
@@ -83,14 +79,6 @@ class Cadence:
   total_steps: int  # STOP once this many steps have started
   eval_every: int = 0  # an ("M", "eval", k) marker every this many steps (0: none)
   checkpoint_every: int = 0  # an ("M", "ckpt", k) marker every this many steps (0: none)
-
-
-def asks_ahead(config) -> bool:
-  """Whether workers send their requests when a step starts (see the module docstring)."""
-  from ripples_jax.schedule import make_group_generator
-
-  gg = make_group_generator(config, np.random.default_rng(0))
-  return bool(config.schedule.request_ahead and getattr(gg, "ask_ahead", False))
 
 
 class Service:

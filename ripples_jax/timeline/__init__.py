@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from ripples_jax import algorithms
 from ripples_jax.schedule.group_gen import Fixed
 from ripples_jax.timeline.adpsgd import _adpsgd
 from ripples_jax.timeline.clock import _Clock
@@ -35,7 +36,7 @@ from ripples_jax.timeline.diloco import _simulate_diloco
 from ripples_jax.timeline.group_buffer import _group_buffer
 from ripples_jax.timeline.ps_async import _ps_async
 from ripples_jax.timeline.rounds import pack_rounds
-from ripples_jax.timeline.sync import NO_LEAVE, SYNC_ALGORITHMS, _simulate_sync
+from ripples_jax.timeline.sync import _simulate_sync
 from ripples_jax.timeline.trace import (
   APPLY,
   AVG,
@@ -58,12 +59,10 @@ __all__ = [
   "COMPUTE",
   "EVENT_NAMES",
   "JOIN",
-  "NO_LEAVE",
   "OUTER",
   "PULL",
   "RING",
   "START",
-  "SYNC_ALGORITHMS",
   "WAIT",
   "AdpsgdCost",
   "AuthorityCost",
@@ -110,23 +109,23 @@ class ClockSpec:
 
 def simulate(spec: ClockSpec) -> Trace:
   """The clock's events for `spec` (ClockSpec says what each field means); refuses a leave plan where
-  the algorithm cannot exclude a member (NO_LEAVE) and `detect` outside the Group Buffer."""
+  the algorithm cannot exclude a member (its record's no_leave) and `detect` outside the Group Buffer."""
   s = spec
   budget = s.time_budget or float("inf")
-  if s.leave and (s.algorithm in NO_LEAVE or isinstance(s.gg, Fixed)):
-    raise ValueError(
-      f"leave/join is not allowed with {s.algorithm}: {NO_LEAVE.get(s.algorithm, NO_LEAVE['ripples_static'])}"
-    )
-  if s.algorithm in SYNC_ALGORITHMS:
+  a = algorithms.get(s.algorithm)  # its record says which clock protocol it runs
+  if s.leave and (a.no_leave or isinstance(s.gg, Fixed)):
+    why = a.no_leave or algorithms.get("ripples_static").no_leave
+    raise ValueError(f"leave/join is not allowed with {s.algorithm}: {why}")
+  if a.clock == algorithms.SYNC:
     return _simulate_sync(s.algorithm, s.speed, s.net, s.total_steps, budget)
-  if s.algorithm == "diloco":
+  if a.clock == algorithms.DILOCO:
     return _simulate_diloco(s.speed, s.net, s.total_steps, budget, s.inner_steps)
-  if s.detect and (s.algorithm == "adpsgd" or s.algorithm == "ps_async"):
+  if s.detect and a.clock in (algorithms.ADPSGD, algorithms.PS_ASYNC):
     raise ValueError(f"detect is not allowed with {s.algorithm}: it models the Group Buffer's removal")
   clock = _Clock(s.speed, s.total_steps, budget, s.leave, s.detect)
-  if s.algorithm == "adpsgd":
+  if a.clock == algorithms.ADPSGD:
     _adpsgd(clock, s.net, np.random.default_rng([3, s.seed]), s.adpsgd_cost or AdpsgdCost())
-  elif s.algorithm == "ps_async":
+  elif a.clock == algorithms.PS_ASYNC:
     _ps_async(clock, s.net)
   else:
     ahead = s.ahead and getattr(s.gg, "ask_ahead", False)

@@ -1,19 +1,8 @@
-"""The lockstep algorithms (All-Reduce, synchronous PS, D-PSGD) and what cannot run with leaves."""
+"""The lockstep algorithms' clock (All-Reduce, synchronous PS, D-PSGD: algorithms.SYNC)."""
 
 import numpy as np
 
 from ripples_jax.timeline.trace import APPLY, AVG, COMM, COMPUTE, RING, START, WAIT, Trace
-
-SYNC_ALGORITHMS = ("allreduce", "ps_sync", "dpsgd")
-# What cannot run with workers leaving (docs/design.md 3.10): a collective of every worker, the fixed
-# ring, Static GG's fixed groups; the reason is config.py's one-line refusal.
-NO_LEAVE = {
-  "allreduce": "its every-worker collective cannot go on without a member",
-  "ps_sync": "its synchronous step waits for every worker",
-  "dpsgd": "its fixed ring cannot exclude a member",
-  "ripples_static": "Static GG's fixed groups cannot exclude a member",
-  "diloco": "its outer step all-reduces over every worker and waits for the slowest",
-}
 
 
 def _simulate_sync(algorithm, speed, net, total_steps, budget) -> Trace:
