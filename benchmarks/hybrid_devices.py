@@ -76,10 +76,12 @@ def reached(records: list, target: float):
 def tick_seconds(config, events) -> float:
   """The median tick of the replicas without the slow device, from a run's log: a tick lasts from the
   replica's previous event (its tick or its group's average) to its end."""
+  from ripples_jax.hybrid.clock import TICK_END as TICK
+
   slow = tuple(config.replicas.slow)
   last, ticks = {}, []
   for e in events:
-    if e[1] == "tick":
+    if e[1] == TICK:
       r = e[2]
       if r in last and (not slow or r != slow[0]):
         ticks.append(e[0] - last[r])
@@ -144,7 +146,7 @@ def one(scenario, algorithm, lr, seed) -> dict:
     summary, events = launched(config, os.path.join(FLAGS.workdir, name))
   else:
     run_lib.validate(config)
-    summary, _, events = hybrid_devices.train(config, os.path.join(FLAGS.workdir, name))
+    summary, _, events = hybrid_devices.train_replicas(config, os.path.join(FLAGS.workdir, name))
   wall = time.perf_counter() - t
   records = [json.loads(line) for line in open(os.path.join(summary["workdir"], "metrics.jsonl"))]
   tick_s = tick_seconds(config, events)

@@ -202,9 +202,14 @@ def clock_part(name: str, scenarios, algorithms, seeds: int) -> tuple[dict, Tabl
       for seed in range(seeds):
         c = config_of(name, sc, a, 0.01, seed)
         got.append(
-          clock_lib.simulate(hybrid_sim.clock_spec(c, c.replicas.stage_s, c.replicas.stage_bytes, total))
+          clock_lib.simulate_replicas(
+            hybrid_sim.clock_spec(c, c.replicas.stage_s, c.replicas.stage_bytes, total)
+          )
         )
-      out.setdefault(sc, {})[a] = {"end": [t.end_time for t in got], "groups": [t.groups for t in got]}
+      out.setdefault(sc, {})[a] = {
+        "end": [t.end_time for t in got],
+        "groups": [clock_lib.averages(t) for t in got],
+      }
   for sc, per in out.items():
     ar = np.mean(per["allreduce"]["end"])
     for a, p in per.items():

@@ -35,14 +35,14 @@ def hybrid_config(method="dsp", stages=2, replicas=4, epochs=4, **kw):
 def reference_replay(config, trace):
   """The clock's events one at a time: replica r's own (unvmapped) step on its batch, then a group's
   every stage averaged in numpy; what the hybrid's packed, vmapped rounds must equal."""
-  R, h = config.replicas.count, hybrid.build(config)
+  R, h = config.replicas.count, hybrid.build_replicas(config)
   p, one, schedule = h.p, h.one, h.schedule
   step = h.step_fn(p.stages, p.optimizer, config, h.total)
   offset = schedule.offsets[-1] if schedule else 0
   shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
   states = [jax.tree.map(jnp.array, one) for _ in range(R)]
   for ev in trace.events:
-    if ev[1] == clock_lib.TICK:
+    if ev[1] == clock_lib.TICK_END:
       _, _, r, t = ev
       idx = lambda i: data_lib.batch_indices([shards[r]], config.batch_size, config.seed, i, workers=[r])[0]
       x, y = p.data["x_train"][idx(t)], p.data["y_train"][idx(max(t - offset, 0))]
@@ -69,8 +69,8 @@ def close(a, b, rtol=2e-5, atol=2e-6):
 def test_one_replica_is_the_pipeline(tmp_path, method):
   """R=1: the pipeline's tick over batch t of the one stream, tick after tick (no group ever forms)."""
   config = hybrid_config(method, replicas=1, epochs=1)
-  summary, state, trace = hybrid.simulate_and_train(config, str(tmp_path / "h"))
-  assert summary["groups"] == 0 and len(trace.events) == trace.ticks[0]
+  summary, state, trace = hybrid.simulate_replicas_and_train(config, str(tmp_path / "h"))
+  assert summary["groups"] == 0 and len(trace.events) == trace.worker_steps[0]
   # The reference walks the pipeline's own feed (setup.Feed: the whole set, one stream).
   p = workload.build_pipeline(config)
   init_fn, step_fn = baselines.METHODS[method]
@@ -89,8 +89,10 @@ def test_one_stage_is_ripples_over_the_same_events(tmp_path):
   loop (step, then the group's average) replayed event by event; a 5x straggler makes the groups
   uneven."""
   config = hybrid_config(stages=1, algorithm="ripples_random", group_size=2, slow=(1, 0), slowdown=5.0)
-  _, state, trace = hybrid.simulate_and_train(config, str(tmp_path / "h"))
-  assert trace.groups > 10 and trace.ticks[1] < trace.ticks[0]  # groups formed; the slow one lagged
+  _, state, trace = hybrid.simulate_replicas_and_train(config, str(tmp_path / "h"))
+  assert (
+    clock_lib.averages(trace) > 10 and trace.worker_steps[1] < trace.worker_steps[0]
+  )  # the slow one lagged
   ref = reference_replay(config, trace)
   for r in range(config.replicas.count):
     close(replica(state, r)[0]["params"], ref[r][0]["params"])
@@ -99,8 +101,8 @@ def test_one_stage_is_ripples_over_the_same_events(tmp_path):
 def test_two_stages_smart_replay(tmp_path):
   """K=2 with Smart GG and a moving straggler: the packed rounds equal the event-by-event replay."""
   config = hybrid_config(algorithm="ripples_smart", slow=(0, 1), slowdown=5.0, rotate_every=0.1)
-  _, state, trace = hybrid.simulate_and_train(config, str(tmp_path / "h"))
-  assert trace.groups > 10
+  _, state, trace = hybrid.simulate_replicas_and_train(config, str(tmp_path / "h"))
+  assert clock_lib.averages(trace) > 10
   ref = reference_replay(config, trace)
   for r in range(config.replicas.count):
     close([st["params"] for st in replica(state, r)], [st["params"] for st in ref[r]])
@@ -122,7 +124,7 @@ def test_stages_never_mix():
   before = jax.tree.map(np.asarray, state)
   idle = lambda st, x, y, t: (st, (jnp.float32(0), jnp.float32(0)))
   gid = np.array([0, 3, 2, 3])  # {0}, {1, 3}, {2}
-  out, _ = hybrid.make_round_fn(idle)(
+  out, _ = hybrid.make_replica_round_fn(idle)(
     state, np.zeros((R, 1)), np.zeros((R, 1)), np.zeros(R, np.int32), np.zeros(R, bool), gid
   )
   for k in range(2):
@@ -133,18 +135,15 @@ def test_stages_never_mix():
     np.testing.assert_array_equal(out[k]["in_ring"], before[k]["in_ring"])
 
 
-def test_pack_rounds_keeps_each_replicas_order():
-  """Ticks run before averages in a round: a replica that averaged ticks in the next round."""
-  events = [
-    (1.0, "tick", 0, 0),
-    (1.1, "tick", 1, 0),
-    (1.2, "avg", (0, 1)),
-    (1.3, "tick", 2, 0),
-    (2.0, "tick", 0, 1),
-  ]
-  rounds = hybrid.pack_rounds(events, 3)
+def test_replica_rounds_keep_each_replicas_order():
+  """Ticks run before averages in a round: a replica that averaged ticks in the next round; each tick
+  keeps its own index (replica 2 resumed at tick 7)."""
+  T, A = clock_lib.TICK_END, clock_lib.AVG
+  events = [(1.0, T, 0, 0), (1.1, T, 1, 0), (1.2, A, (0, 1), None), (1.3, T, 2, 7), (2.0, T, 0, 1)]
+  rounds = hybrid.replica_rounds(events, 3)
   assert [r["tick"].tolist() for r in rounds] == [[True, True, True], [True, False, False]]
-  assert rounds[0]["gid"].tolist() == [0, 0, 2] and rounds[1]["t"][0] == 1
+  assert rounds[0]["gid"].tolist() == [0, 0, 2] and rounds[0]["t"].tolist() == [0, 0, 7]
+  assert rounds[1]["t"][0] == 1
 
 
 def spec(gen, R=4, **kw):
@@ -155,16 +154,19 @@ def test_clock_rules():
   """All-Reduce: every replica every tick, so a 5x slow device paces all of them; no averaging: each
   replica at its own pace; a group's members all finished the tick before it."""
   ar = group_gen.Fixed(allreduce_layouts(4))
-  t = clock_lib.simulate(spec(ar, slow=(1, 0), slowdown=5.0))
-  assert t.ticks.max() - t.ticks.min() == 0 and t.groups == t.ticks.min() - (t.ticks.sum() == 400)
-  alone = clock_lib.simulate(spec(None, slow=(1, 0), slowdown=5.0))
-  assert alone.groups == 0 and alone.ticks[1] * 3 < alone.ticks[0]
+  t = clock_lib.simulate_replicas(spec(ar, slow=(1, 0), slowdown=5.0))
+  ticks = t.worker_steps
+  assert ticks.max() - ticks.min() == 0 and clock_lib.averages(t) == ticks.min() - (ticks.sum() == 400)
+  alone = clock_lib.simulate_replicas(spec(None, slow=(1, 0), slowdown=5.0))
+  assert clock_lib.averages(alone) == 0 and alone.worker_steps[1] * 3 < alone.worker_steps[0]
   assert alone.end_time * 2.5 < t.end_time  # the others did not wait
-  smart = clock_lib.simulate(spec(group_gen.smart_gg(4, 2), slow=(1, 0), slowdown=5.0))
+  split = t.time_split()  # every replica's time: its ticks, its waits and its averages, to the end
+  assert np.allclose(split["compute"] + split["wait"] + split["comm"], t.end_time, rtol=0.02)
+  smart = clock_lib.simulate_replicas(spec(group_gen.smart_gg(4, 2), slow=(1, 0), slowdown=5.0))
   done = np.zeros(4, int)  # each replica's ticks so far: a group may only hold replicas between ticks
   last_avg = np.full(4, -1)
   for ev in smart.events:
-    if ev[1] == clock_lib.TICK:
+    if ev[1] == clock_lib.TICK_END:
       done[ev[2]] += 1
     else:
       for m in ev[2]:
@@ -196,13 +198,13 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
   config = hybrid_config(algorithm="ripples_smart", slow=(1, 0), slowdown=3.0)
   config.checkpoint_every, config.checkpoint_keep = 16, 5
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
-  _, state, _ = hybrid.simulate_and_train(config, whole)
+  _, state, _ = hybrid.simulate_replicas_and_train(config, whole)
   shutil.copytree(whole, cut)
   later = [d for d in os.listdir(os.path.join(cut, "ckpt")) if d.isdigit() and int(d) > 16]
   assert later
   for d in later:
     shutil.rmtree(os.path.join(cut, "ckpt", d))
-  _, resumed, _ = hybrid.simulate_and_train(config, cut)
+  _, resumed, _ = hybrid.simulate_replicas_and_train(config, cut)
   assert (
     open(os.path.join(cut, "metrics.jsonl"), "rb").read()
     == open(os.path.join(whole, "metrics.jsonl"), "rb").read()
@@ -258,13 +260,13 @@ def test_no_averaging_evaluates_each_replica():
 
 def replay(config, events):
   """The simulator's numerics (packed rounds, vmapped one_device ticks) over an event log."""
-  R, h = config.replicas.count, hybrid.build(config)
+  R, h = config.replicas.count, hybrid.build_replicas(config)
   p, schedule, total = h.p, h.schedule, h.total
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), h.one)
-  round_fn = hybrid.make_round_fn(h.step_fn(p.stages, p.optimizer, config, total))
+  round_fn = hybrid.make_replica_round_fn(h.step_fn(p.stages, p.optimizer, config, total))
   shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
-  for r in hybrid.pack_rounds(events, R):
-    x, y = hybrid.batches(config, p.data, shards, r, schedule.offsets[-1])
+  for r in hybrid.replica_rounds(events, R):
+    x, y = hybrid.replica_batches(config, p.data, shards, r, schedule.offsets[-1])
     state, _ = round_fn(state, x, y, r["t"], r["tick"], r["gid"])
   return state, total
 
@@ -280,7 +282,7 @@ def test_devices_run_replays_to_its_parameters(tmp_path):
   config = hybrid_config(algorithm="ripples_smart", slow=(1, 0), slowdown=5.0, pad_s=0.01)
   config.placement = "devices"
   validate_dsp_config(config)
-  summary, state, events = hybrid_devices.train(config, str(tmp_path / "d"))
+  summary, state, events = hybrid_devices.train_replicas(config, str(tmp_path / "d"))
   ref, total = replay(config, events)
   assert sum(summary["worker_steps"]) == total and summary["groups"] > 5
   assert np.argmin(summary["worker_steps"]) == 1
@@ -331,7 +333,7 @@ def test_a_resumed_replica_rejoins_a_group_whose_last_member_came_first():
   sh = bare_shared()
   sh.waiting = {3: (16, (0, 3))}
   out = []
-  t = threading.Thread(target=lambda: out.append(hybrid_devices.rejoin(3, sh)), daemon=True)
+  t = threading.Thread(target=lambda: out.append(hybrid_devices.rejoin_group(3, sh)), daemon=True)
   t.start()
   time.sleep(0.05)
   assert t.is_alive() and not out  # 0's averages are not done yet
@@ -341,7 +343,7 @@ def test_a_resumed_replica_rejoins_a_group_whose_last_member_came_first():
   t.join(10)
   assert out == [True] and sh.waiting == {}
   sh.waiting, sh.reached, sh.gone = {3: (17, (1, 3))}, {17: {3}}, {1}
-  assert not hybrid_devices.rejoin(3, sh) and 3 in sh.gone
+  assert not hybrid_devices.rejoin_group(3, sh) and 3 in sh.gone
 
 
 @pytest.mark.slow
@@ -350,7 +352,7 @@ def test_a_replica_thread_that_raises_ends_the_run(tmp_path, monkeypatch):
   replicas waiting in its groups leave), instead of leaving them waiting on a thread that is gone."""
   from ripples_jax.hybrid import devices as hybrid_devices
 
-  made = hybrid_devices.make_tick
+  made = hybrid_devices.replica_tick
 
   def make_tick(p, config, schedule, num_batches, devs):
     tick = made(p, config, schedule, num_batches, devs)
@@ -364,11 +366,11 @@ def test_a_replica_thread_that_raises_ends_the_run(tmp_path, monkeypatch):
 
     return failing
 
-  monkeypatch.setattr(hybrid_devices, "make_tick", make_tick)
+  monkeypatch.setattr(hybrid_devices, "replica_tick", make_tick)
   config = hybrid_config(algorithm="ripples_random", group_size=2, pad_s=0.005)
   config.placement = "devices"
   with pytest.raises(RuntimeError, match=r"replica 1's thread failed \(ValueError: a device fault\)"):
-    hybrid_devices.train(config, str(tmp_path / "d"))
+    hybrid_devices.train_replicas(config, str(tmp_path / "d"))
 
 
 def test_devices_placement_needs_a_device_per_stage_of_every_replica():
@@ -395,20 +397,20 @@ def test_devices_cut_and_resume(tmp_path):
   config = hybrid_config(algorithm="ripples_random", group_size=2, slow=(1, 0), slowdown=3.0, pad_s=0.005)
   config.placement, config.checkpoint_every, config.checkpoint_keep = "devices", 8, 10
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
-  _, _, _ = hybrid_devices.train(config, whole)
+  _, _, _ = hybrid_devices.train_replicas(config, whole)
   cuts = sorted(int(d) for d in os.listdir(os.path.join(whole, "ckpt")) if d.isdigit())
   assert len(cuts) >= 3
   shutil.copytree(whole, cut)
   for d in cuts[1:]:
     shutil.rmtree(os.path.join(cut, "ckpt", str(d)))
-  summary, state, events = hybrid_devices.train(config, cut)
+  summary, state, events = hybrid_devices.train_replicas(config, cut)
   lines = lambda w: open(os.path.join(w, "metrics.jsonl")).read().splitlines()
   upto = [line for line in lines(whole) if json.loads(line)["step"] <= cuts[0]]
   assert lines(cut)[: len(upto)] == upto
   steps = [json.loads(line)["step"] for line in lines(cut)]
   assert steps == sorted(set(steps))  # nothing recorded twice
   for r in range(config.replicas.count):  # each replica goes on at its next batch: no tick redone
-    own = [e[3] for e in events if e[1] == "tick" and e[2] == r]
+    own = [e[3] for e in events if e[1] == clock_lib.TICK_END and e[2] == r]
     assert own == list(range(summary["worker_steps"][r]))
   ref, total = replay(config, events)
   assert sum(summary["worker_steps"]) == total

@@ -24,7 +24,7 @@ def service(algorithm, R=4, total=24, eval_every=2, checkpoint_every=0, **kw):
   c = hybrid_config(replicas=R, algorithm=algorithm, **kw)
   c.eval_every, c.checkpoint_every = eval_every, checkpoint_every
   saved = {}
-  svc = processes.Service(c, None, total // R, total, lambda: 0.0, lambda m, st: saved.setdefault(m, st))
+  svc = processes.SyncPoints(c, None, total // R, total, lambda: 0.0, lambda m, st: saved.setdefault(m, st))
   return svc, saved
 
 
@@ -39,7 +39,9 @@ def play(svc, R: int, seed: int = 0) -> list:
   while len(stopped) < R:
     r = int(rng.choice([w for w in range(R) if w not in stopped]))
     if not todo[r]:
-      todo[r] = svc.answer(r, sync[r], 0.1, last[r]) or [("N",)]
+      todo[r] = svc.answer(r, sync[r], 0.1, last[r])
+      steps = [it for it in todo[r] if it[0] in "GN"]  # one group or NONE, unless it is the end
+      assert len(steps) == 1 or todo[r][-1] == ("S",), todo[r]
       sync[r] += 1
     item = todo[r][0]
     ready = lambda it: all(todo[m] and todo[m][0] == it for m in it[2])  # noqa: E731
@@ -64,14 +66,14 @@ def consistent(done: list) -> None:
   """Every marker cuts every group on the same side for all its members (a fixed schedule's group is
   the same item at every index: its n-th occurrence is one group)."""
   for items in done:
-    marks = {it[1]: i for i, it in enumerate(items) if it[0] == "E"}
+    marks = {it[2]: i for i, it in enumerate(items) if it[0] == "M"}
     for i, it in enumerate(items):
       if it[0] != "G":
         continue
       nth = items[:i].count(it)
       for m in it[2]:
         pos = [j for j, x in enumerate(done[m]) if x == it][nth]
-        other = {x[1]: j for j, x in enumerate(done[m]) if x[0] == "E"}
+        other = {x[2]: j for j, x in enumerate(done[m]) if x[0] == "M"}
         for c in set(marks) & set(other):
           assert (i < marks[c]) == (pos < other[c]), f"group {it} cut by marker {c} on one side only"
 
@@ -85,7 +87,7 @@ def test_dynamic_markers_cut_every_group_on_one_side_and_the_budget_is_spent(alg
   consistent(done)
   assert sum(ticks) == total  # the budget, spent exactly (a tick before each ask)
   assert all(items[-1] == ("S",) for items in done)
-  marks = [[it[1] for it in items if it[0] == "E"] for items in done]
+  marks = [[it[2] for it in items if it[0] == "M"] for items in done]
   assert marks[0] and all(m == marks[0] for m in marks)  # every replica passes every marker, in order
   assert sum(it[0] == "G" for items in done for it in items) > 5
 
@@ -101,17 +103,17 @@ def test_fixed_schedule_markers_come_at_one_index_before_its_group():
   for items in done:  # a group at every sync point but the last, where the replica stops instead
     assert items[-1] == ("S",) and sum(it[0] == "G" for it in items) == total // R - 1
   # a marker's place: the groups before it (one per sync index here), the same for every replica
-  at = [[sum(x[0] == "G" for x in items[:i]) for i, it in enumerate(items) if it[0] == "E"] for items in done]
+  at = [[sum(x[0] == "G" for x in items[:i]) for i, it in enumerate(items) if it[0] == "M"] for items in done]
   assert at[0] and all(a == at[0] for a in at)
 
 
 def test_checkpoint_markers_save_the_service_first():
   svc, saved = service("ripples_random", R=3, total=30, checkpoint_every=4, group_size=2)
   done, _ = play(svc, 3)
-  marks = [it[1] for it in done[0] if it[0] == "E"]
+  marks = [it[2] for it in done[0] if it[0] == "M"]
   assert len(marks) >= 4 and sorted(saved) == [m for m in marks if m % 2 == 0]  # 2 evaluations a checkpoint
   assert all(st["next_mark"] == m + 1 for m, st in saved.items())
-  assert all(it[2] == (it[1] % 2 == 0) for it in done[0] if it[0] == "E")
+  assert all((it[1] == "ckpt") == (it[2] % 2 == 0) for it in done[0] if it[0] == "M")
 
 
 def test_config_lines():
@@ -137,14 +139,14 @@ def replay_final(workdir: str) -> tuple:
   config = ml_collections.ConfigDict(json.load(open(os.path.join(workdir, "config.json"))))
   R, K = config.replicas.count, config.num_stages
   events = processes.events_of(processes.read_traces(workdir, R, K), R)
-  h = hybrid.build(config)
+  h = hybrid.build_replicas(config)
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), h.one)
-  round_fn = hybrid.make_round_fn(h.step_fn(h.p.stages, h.p.optimizer, config, h.total))
+  round_fn = hybrid.make_replica_round_fn(h.step_fn(h.p.stages, h.p.optimizer, config, h.total))
   shards = data_lib.shard_indices(h.p.data["y_train"], R, "iid", seed=config.seed)
-  for rd in hybrid.pack_rounds(events, R):
-    x, y = hybrid.batches(config, h.p.data, shards, rd, h.schedule.offsets[-1])
+  for rd in hybrid.replica_rounds(events, R):
+    x, y = hybrid.replica_batches(config, h.p.data, shards, rd, h.schedule.offsets[-1])
     state, _ = round_fn(state, x, y, rd["t"], rd["tick"], rd["gid"])
-  got = [[np.load(processes.snapshot_path(workdir, "final", r, k)) for k in range(K)] for r in range(R)]
+  got = [[np.load(processes.stage_snapshot_path(workdir, "final", r, k)) for k in range(K)] for r in range(R)]
   ref = [
     [np.asarray(processes.flat_of(jax.tree.map(lambda a: a[r], state[k]))[0]) for k in range(K)]
     for r in range(R)

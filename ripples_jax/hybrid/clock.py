@@ -26,10 +26,13 @@ import heapq
 import numpy as np
 
 from ripples_jax.collectives import ring_allreduce_time
-from ripples_jax.schedule import group_gen
-from ripples_jax.schedule.online import GROUP, fixed_entry
+from ripples_jax.schedule import group_gen, online
+from ripples_jax.timeline import APPLY, AVG, COMM, COMPUTE, WAIT, Trace
 
-TICK, AVG = "tick", "avg"
+# The events, the timeline's kinds (timeline.pack_rounds packs them): (t, TICK_END, r, i) replica r's tick i
+# ended, its updates applied (the timeline's APPLY of r's own step i); (t, AVG, members, None) the
+# group's K stage averages ended.
+TICK_END = APPLY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,82 +70,79 @@ def slow_device(slow, slowdown: float, replicas: int, rotate_every: float, t: fl
   return (r, k)
 
 
-@dataclasses.dataclass
-class Trace:
-  """The run's events in time order: (time, TICK, replica, its tick index) at a tick's end (its
-  updates applied), (time, AVG, members) when the last of the group's K stage averages ends; and where
-  each replica's time went."""
-
-  events: list
-  end_time: float
-  ticks: np.ndarray  # per replica
-  compute_s: np.ndarray  # per replica
-  wait_s: np.ndarray  # waiting for groups' members
-  comm_s: np.ndarray  # in averages
-  groups: int  # groups averaged (each one P-Reduce per stage)
+def averages(trace: Trace) -> int:
+  """The groups a run averaged (each one P-Reduce per stage)."""
+  return sum(ev[1] == AVG for ev in trace.events)
 
 
-class Space:
-  """The Group Buffer and its generator."""
+class Groups:
+  """The replicas' groups at their sync points: Ripples' protocol over the R replicas, from the
+  simulator's and the runtime's own parts. A generator is driven by one schedule/online.Service (its
+  Group Buffer, its request path, its view, its state); a fixed schedule's group is online.fixed_entry's,
+  with no authority, as in the runtime.
 
-  def __init__(self, replicas: int, gen):
+  A replica's group is the head of its Group Buffer queue until the group is done (`done`): the
+  hybrid's executors wait in it, and one resumed inside a group (hybrid/devices.py) waits there again
+  without asking. With nothing pending it asks: a Service request, whose entries the buffer's queues
+  hold in the same order (so the Service's own entry queues are trimmed at once). `started_at` and
+  `estimates` are the Service's: the executor writes when each replica started its tick and how long
+  it should take (0 at a sync point: ready now), which Smart GG reads."""
+
+  def __init__(self, replicas: int, gen, estimate: float):
     self.gen, self.fixed = gen, isinstance(gen, group_gen.Fixed)
-    self.buffer = group_gen.GroupBuffer(replicas)
+    self.service = online.Service(replicas, None if self.fixed else gen, estimate=estimate)
+    self.buffer = self.service.buffer
+    self.started_at, self.estimates = self.service.started_at, self.service.estimates
 
-  def state(self) -> dict:
-    """The buffer's pending queues and the generator's hidden state, as JSON (a consistent cut of
-    hybrid/devices.py: no group is half reached then)."""
-    b = self.buffer
-    return {
-      "count": b.count,
-      "requests": b.requests,
-      "conflicts": b.conflicts.tolist(),
-      "queues": [[[g.gid, list(g.members), g.request] for g in q] for q in b.queues],
-      "gen": self.gen.state() if hasattr(self.gen, "state") else None,
-    }
-
-  def load(self, state: dict) -> None:
-    b, groups = self.buffer, {}
-    b.first, b.groups, b.requests = state["count"], [], state["requests"]
-    b.conflicts[:] = state["conflicts"]
-    for w, q in enumerate(state["queues"]):
-      b.queues[w] = [groups.setdefault(gid, group_gen.Group(gid, tuple(m), 0.0, req)) for gid, m, req in q]
-      b.npending[w] = len(q)
-    if state["gen"] is not None:
-      self.gen.load(state["gen"])
-
-  def head(self, r: int, sync: int, view) -> group_gen.Group | None:
+  def head(self, r: int, sync: int, now: float) -> group_gen.Group | None:
     """Replica r's group at its sync-th sync point (None: no group this time)."""
     if self.gen is None:
       return None
     if self.fixed:  # All-Reduce, Static GG: known locally, no generator (gid -1: no buffer)
-      entry = fixed_entry(self.gen.layouts, self.buffer.n, r, sync)
-      return group_gen.Group(-1, entry[2], view.now, entry[1]) if entry[0] == GROUP else None
+      entry = online.fixed_entry(self.gen.layouts, self.buffer.n, r, sync)
+      return group_gen.Group(-1, entry[2], now, entry[1]) if entry[0] == online.GROUP else None
+    svc = self.service
     if not self.buffer.pending(r):
-      self.buffer.requests += 1
-      self.gen(r, view)
+      svc.request(r, svc.appended(r), now)
+      svc.trim([svc.appended(w) for w in range(self.buffer.n)])
     return self.buffer.queues[r][0] if self.buffer.pending(r) else None
 
+  def done(self, r: int, gid: int) -> None:
+    """Replica r has averaged in group gid (a fixed schedule's, gid -1, is in no buffer)."""
+    if gid >= 0:
+      self.buffer.done(r, gid)
 
-def simulate(spec: Spec) -> Trace:
-  """Runs the clock to `total_ticks`; see the module docstring for the rules."""
-  return _Clock(spec).run()
+  def state(self) -> dict:
+    """The Group Buffer's pending queues and the generator's hidden state, as JSON (a consistent cut of
+    hybrid/devices.py, or a checkpoint marker of hybrid/processes.py)."""
+    return {"buffer": self.buffer.state(), "gen": self.service.state()["gg"]}
+
+  def load(self, state: dict) -> None:
+    self.buffer.load(state.get("buffer", state))  # a cut of before the Groups: the buffer's keys at the top
+    if state["gen"] is not None:
+      self.gen.load(state["gen"])
 
 
-class _Clock:
+def simulate_replicas(spec: Spec) -> Trace:
+  """Runs the clock to `total_ticks` (the module docstring has the rules): the timeline's Trace of R
+  replicas, its worker_steps their ticks, its intervals where each replica's time went."""
+  return _ReplicaClock(spec).run()
+
+
+class _ReplicaClock:
+  """The replicas' event heap (a replica's tick is its slowest device's; the timeline's clock steps
+  workers by a speed model of one device each)."""
+
   def __init__(self, spec: Spec):
     R, K = spec.replicas, len(spec.stage_s)
     self.spec, self.R, self.K = spec, R, K
     self.rng = np.random.default_rng([6, spec.seed])
-    self.space = Space(R, spec.gen)
-    self.heap, self.seq, self.events = [], 0, []
-    self.ticks = np.zeros(R, np.int64)
-    self.started_at = np.zeros(R)
-    self.estimates = np.full(R, max(spec.stage_s))
+    self.protocol = Groups(R, spec.gen, estimate=max(spec.stage_s))
+    self.heap, self.seq, self.trace = [], 0, Trace(R)
+    self.ticks = self.trace.worker_steps
+    self.started_at, self.estimates = self.protocol.started_at, self.protocol.estimates  # Smart GG reads them
     self.arrived_at = np.zeros(R)
     self.reached = {}  # gid, or (request, members) of a fixed schedule -> {member: arrival time}
-    self.split = {k: np.zeros(R) for k in ("compute", "wait", "comm")}
-    self.groups = 0
     self.done = 0
     self.stopped = False
 
@@ -157,8 +157,8 @@ class _Clock:
     while self.heap and not self.stopped:
       now, _, fn, args = heapq.heappop(self.heap)
       fn(now, *args)
-    s = self.split
-    return Trace(self.events, now, self.ticks.copy(), s["compute"], s["wait"], s["comm"], self.groups)
+    self.trace.end_time = now
+    return self.trace
 
   def tick_time(self, r: int, now: float) -> float:
     spec = self.spec
@@ -173,13 +173,13 @@ class _Clock:
   def start(self, now: float, r: int) -> None:
     d = self.tick_time(r, now)
     self.started_at[r], self.estimates[r] = now, d
-    self.split["compute"][r] += d
+    self.trace.intervals.append((r, COMPUTE, now, now + d))
     self.at(now + d, self.tick_end, r)
 
   def tick_end(self, now: float, r: int) -> None:
     i = int(self.ticks[r])
     self.ticks[r] += 1
-    self.events.append((now, TICK, r, i))
+    self.trace.events.append((now, TICK_END, r, i))
     self.done += 1
     if self.done >= self.spec.total_ticks:
       self.stopped = True
@@ -193,8 +193,7 @@ class _Clock:
     """Replica r at its sync-th sync point: it joins its group, whose K averages run when all are in."""
     self.arrived_at[r] = now
     self.started_at[r], self.estimates[r] = now, 0.0  # not computing: ready now
-    view = group_gen.GGView(now, self.space.buffer, self.started_at.copy(), self.estimates.copy(), None)
-    g = self.space.head(r, sync, view)
+    g = self.protocol.head(r, sync, now)
     if g is None:
       self.start(now, r)
       return
@@ -209,12 +208,9 @@ class _Clock:
       self.at(now + cost, self.avg_end, g, cost)
 
   def avg_end(self, now: float, g, cost: float) -> None:
-    self.events.append((now, AVG, g.members))
-    self.groups += 1
+    self.trace.events.append((now, AVG, g.members, None))
     for m in g.members:
-      if g.gid >= 0:
-        self.space.buffer.done(m, g.gid)
-      spent = now - self.arrived_at[m]
-      self.split["comm"][m] += cost
-      self.split["wait"][m] += spent - cost
+      self.protocol.done(m, g.gid)
+      self.trace.intervals.append((m, WAIT, self.arrived_at[m], now - cost))
+      self.trace.intervals.append((m, COMM, now - cost, now))
       self.start(now, m)

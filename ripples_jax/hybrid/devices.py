@@ -5,10 +5,11 @@ Replica r's stage k lives on device r*K + k (pipeline/devices.py's per-stage pro
 per replica) and replica r runs in a thread of its own: it ticks its pipeline, waits for the tick's
 state, pads the tick to `replicas.pad_s` (times the slowdown when its slow device is in it: padded
 ticks, so the run measures the protocol rather than two CPU cores shared by R*K devices), and at every
-`sync_every`-th tick joins its group from the shared Group Buffer (hybrid/clock.py's Space, Ripples'
-protocol, one generator for every stage). The last member to arrive averages each stage k among the
-members, on the first member's stage-k device, and puts the mean back on every member's stage-k device;
-the others wait for it. A replica's stages average only with the same stage of the others.
+`sync_every`-th tick joins its group from the shared Group Buffer (hybrid/clock.py's Groups: Ripples'
+protocol, schedule/online.Service, one generator for every stage). The last member to arrive averages
+each stage k among the members, on the first member's stage-k device, and puts the mean back on every
+member's stage-k device; the others wait for it. A replica's stages average only with the same stage of
+the others.
 
 The ticks are a budget shared by the replicas (the simulator's R x (ceil(batches / R) + drain)): a tick
 is reserved before it starts; once none is left a replica that finishes its tick leaves instead of
@@ -33,7 +34,6 @@ from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.hybrid import sim
 from ripples_jax.pipeline import baselines, devices, methods
 from ripples_jax.runlog import RunLog, make_workdir
-from ripples_jax.schedule import group_gen
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ class Shared:
   """What the replica threads share, guarded by `cond`'s lock."""
 
   cond: threading.Condition
-  space: clock_lib.Space
+  groups: clock_lib.Groups  # its started_at and estimates are the two arrays below
   states: list  # each replica's newest state (the threads publish it after every tick)
   left: int  # ticks not yet reserved
   started_at: np.ndarray  # when each replica's tick started (or it reached its sync point)
@@ -51,7 +51,7 @@ class Shared:
   reached: dict = dataclasses.field(default_factory=dict)  # group key -> members arrived
   finished: set = dataclasses.field(default_factory=set)  # group keys averaged
   gone: set = dataclasses.field(default_factory=set)  # replicas that left (no tick left for them)
-  events: list = dataclasses.field(default_factory=list)  # (wall s, TICK, r, i) | (wall s, AVG, members)
+  events: list = dataclasses.field(default_factory=list)  # hybrid/clock.py's: (wall s, TICK, r, i) | AVG
   avg_s: list = dataclasses.field(default_factory=list)  # each average's own seconds
   t0: float = 0.0  # the clock's origin: the wall clock less the cuts (a cut takes nothing from it)
   pause: bool = False  # a cut is being taken: no replica starts a tick
@@ -67,7 +67,7 @@ def replica_devices(config) -> list[list]:
   return [devs[r * K : (r + 1) * K] for r in range(R)]
 
 
-def make_tick(p, config, schedule, num_batches: int, devs: list):
+def replica_tick(p, config, schedule, num_batches: int, devs: list):
   """One replica's tick on its devices; no donation: the sampler reads a published state while the
   thread ticks on."""
   if not methods.get(config.method).runs_tick("devices"):  # validated: gpipe, the one other there
@@ -89,7 +89,7 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
   held before its tick is part of the cut, half reached, and resumed as such."""
   B, seed, i = config.batch_size, config.seed, int(sh.ticks[r])  # resumed: its next batch
   idx = lambda j: data_lib.batch_indices([shard], B, seed, j, workers=[r])[0]
-  if not rejoin(r, sh):
+  if not rejoin_group(r, sh):
     return
   while True:
     with sh.cond:
@@ -117,7 +117,7 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
       now = time.perf_counter() - sh.t0
       sh.states[r], sh.last[r] = state, now - start
       sh.ticks[r] += 1
-      sh.events.append((now, clock_lib.TICK, r, i))
+      sh.events.append((now, clock_lib.TICK_END, r, i))
     i += 1
     if i % config.replicas.sync_every == 0:
       if not sync(r, i // config.replicas.sync_every - 1, sh):
@@ -127,7 +127,7 @@ def replica_loop(config, p, r: int, tick, shard, offset: int, sh: Shared) -> Non
         return
 
 
-def rejoin(r: int, sh: Shared) -> bool:
+def rejoin_group(r: int, sh: Shared) -> bool:
   """Replica r, resumed inside a group, waits there again; False if the group was abandoned. Its last
   member may have arrived before r's thread started (threads start in no set order): the group is then
   out of `reached`, complete, and r waits only for its averages."""
@@ -171,8 +171,7 @@ def sync(r: int, count: int, sh: Shared) -> bool:
       return False
     now = time.perf_counter() - sh.t0
     sh.started_at[r], sh.estimates[r] = now, 0.0  # ready now (Smart GG reads this)
-    view = group_gen.GGView(now, sh.space.buffer, sh.started_at.copy(), sh.estimates.copy(), None)
-    g = sh.space.head(r, count, view)
+    g = sh.groups.head(r, count, now)
     if g is None:
       return True
     key = g.gid if g.gid >= 0 else (g.request, g.members)
@@ -181,15 +180,14 @@ def sync(r: int, count: int, sh: Shared) -> bool:
     if len(got) < len(g.members):
       return wait_for(r, key, g.members, got, sh)
     del sh.reached[key]
-  averaged = average(g, sh)  # outside the lock: the members wait on `finished`, the rest run on
+  averaged = average_group(g, sh)  # outside the lock: the members wait on `finished`, the rest run on
   with sh.cond:
     for m, state in averaged.items():
       sh.states[m] = state
-    sh.events.append((time.perf_counter() - sh.t0, clock_lib.AVG, g.members))
+    sh.events.append((time.perf_counter() - sh.t0, clock_lib.AVG, g.members, None))
     sh.finished.add(key)
-    if g.gid >= 0:
-      for m in g.members:
-        sh.space.buffer.done(m, g.gid)
+    for m in g.members:
+      sh.groups.done(m, g.gid)
     sh.cond.notify_all()
   return True
 
@@ -216,7 +214,7 @@ def _mean(parts):
   return jax.tree.map(lambda *a: sum(a[1:], a[0]) / len(a), *parts)
 
 
-def average(g, sh: Shared) -> dict:
+def average_group(g, sh: Shared) -> dict:
   """{member: its state with each stage's parameters and model state averaged among the members}: the
   mean on the first member's device of that stage, put back on every member's device of that stage.
   The members' states are not touched until the caller publishes these (the sampler reads them)."""
@@ -238,13 +236,6 @@ def _device(stage_state):
   return jax.tree.leaves(stage_state["params"])[0].device
 
 
-def group_sizes(config) -> range:
-  """The sizes a group of replicas.algorithm can have (warm_up compiles the mean for each)."""
-  c = config.replicas
-  most = c.count if c.algorithm in ("allreduce", "ripples_static") else min(c.group_size, c.count)
-  return range(2, most + 1) if c.algorithm != "none" else range(0)
-
-
 def sample(sh: Shared) -> list:
   """The replicas' published states (taken together under the lock: never half an average), copied to
   the host (parameters and model state only)."""
@@ -254,8 +245,8 @@ def sample(sh: Shared) -> list:
 
 
 def run(config, workdir: str | None = None) -> dict:
-  """executor=hybrid/devices (run.EXECUTORS): the summary of train."""
-  return train(config, workdir)[0]
+  """executor=hybrid/devices (run.EXECUTORS): the summary of train_replicas."""
+  return train_replicas(config, workdir)[0]
 
 
 @dataclasses.dataclass
@@ -268,25 +259,26 @@ class Monitor:
   time_to_target: float | None = None
 
 
-def train(config, workdir: str | None = None):
+def train_replicas(config, workdir: str | None = None):
   """The replicas' threads on the wall clock, the main thread sampling the run's model every eval_every
   steps and taking a consistent cut every checkpoint_every (records of the samples, then a checkpoint;
   resumed from); returns (summary, the final state stacked over replicas as the simulator holds it,
   the run's event log, resumed runs' included)."""
   R, K = config.replicas.count, config.num_stages
   workdir = make_workdir(workdir, config)
-  h = sim.build(config, workdir)  # the simulator's setup and budget of ticks
+  h = sim.build_replicas(config, workdir)  # the simulator's setup and budget of ticks
   p, one, schedule, per_replica = h.p, h.one, h.schedule, h.per_replica
   devs = replica_devices(config)
-  ticks = [make_tick(p, config, schedule, R * per_replica, d) for d in devs]
+  ticks = [replica_tick(p, config, schedule, R * per_replica, d) for d in devs]
   pad = float(config.replicas.pad_s)
+  groups = clock_lib.Groups(R, sim.make_generator(config), estimate=pad)
   sh = Shared(
     threading.Condition(),
-    clock_lib.Space(R, sim.make_generator(config)),
+    groups,
     [devices.place(one, d) for d in devs],
     R * per_replica,
-    np.zeros(R),
-    np.full(R, pad),
+    groups.started_at,
+    groups.estimates,
     np.full(R, pad),
     np.zeros(R, np.int64),
   )
@@ -295,7 +287,7 @@ def train(config, workdir: str | None = None):
     mon = Monitor([], config.eval_every, every or None)
     got = log.restore(stacked(sh.states))
     if got is not None:
-      resume(config, sh, mon, devs, got)
+      resume_cut(config, sh, mon, devs, got)
     warm_up(config, p, ticks, sh)
     shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
     offset = schedule.offsets[-1] if schedule else 0
@@ -339,14 +331,14 @@ def stacked(states: list):
   return jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *states)
 
 
-def cursor(sh: Shared, mon: Monitor) -> dict:
+def cut_cursor(sh: Shared, mon: Monitor) -> dict:
   """A cut's metadata: where every replica stands, the buffer, the events so far, the clock."""
   return {
     "ticks": sh.ticks.tolist(),
     "left": int(sh.left),
     "gone": sorted(sh.gone),
     "last": sh.last.tolist(),
-    "space": sh.space.state(),
+    "space": sh.groups.state(),
     "reached": [[_key_json(k), sorted(v)] for k, v in sh.reached.items()],
     "waiting": [[r, _key_json(k), list(m)] for r, (k, m) in sh.waiting.items()],
     "events": [[t, kind, x if kind == clock_lib.AVG else [x, y[0]]] for t, kind, x, *y in sh.events],
@@ -366,17 +358,20 @@ def _key(j):
   return j if isinstance(j, int) else (j[0], tuple(j[1]))
 
 
-def resume(config, sh: Shared, mon: Monitor, devs, got) -> None:
+def resume_cut(config, sh: Shared, mon: Monitor, devs, got) -> None:
   """The run from its newest cut: states placed back on their devices, the buffer, the events."""
   _, state, c = got
   R = config.replicas.count
   sh.states = [devices.place(jax.tree.map(lambda a: a[r], state), devs[r]) for r in range(R)]
   sh.ticks[:], sh.left, sh.gone, sh.last[:] = c["ticks"], c["left"], set(c["gone"]), c["last"]
-  sh.space.load(c["space"])
+  sh.groups.load(c["space"])
   sh.reached = {_key(k): set(v) for k, v in c["reached"]}
   sh.waiting = {r: (_key(k), tuple(m)) for r, k, m in c["waiting"]}
   sh.events = [
-    (t, kind, tuple(x)) if kind == clock_lib.AVG else (t, kind, x[0], x[1]) for t, kind, x in c["events"]
+    (t, clock_lib.AVG, tuple(x), None)
+    if kind in (clock_lib.AVG, "avg")
+    else (t, clock_lib.TICK_END, x[0], x[1])
+    for t, kind, x in c["events"]  # "avg", "tick": a cut written before the events took the timeline's kinds
   ]
   sh.avg_s, sh.t0 = list(c["avg_s"]), c["time"]
   mon.next_eval, mon.time_to_target = c["next_eval"], c["time_to_target"]
@@ -398,7 +393,7 @@ def warm_up(config, p, ticks, sh: Shared) -> None:
     getattr(tick, "settle", lambda s: s)(copy)
     for st in sh.states[r]:
       one = {key: st[key] for key in sim.AVERAGED}
-      for size in group_sizes(config):
+      for size in sim.replica_group_sizes(config):
         jax.block_until_ready(_mean([one] * size))
 
 
@@ -443,7 +438,7 @@ def cut(config, ticks, sh: Shared, log: RunLog, evaluator, mon: Monitor) -> None
       (began - sh.t0, step, [[{k: jax.device_get(st[k]) for k in sim.AVERAGED} for st in s] for s in states])
     )
     flush(log, evaluator, mon, config.replicas.target_accuracy)
-    log.checkpoint(step, stacked(states), cursor(sh, mon), force=True)
+    log.checkpoint(step, stacked(states), cut_cursor(sh, mon), force=True)
     sh.t0 += time.perf_counter() - began
     sh.pause = False
     sh.cond.notify_all()

@@ -14,9 +14,10 @@ The protocol (the jax.distributed key-value store; one Group Buffer and generato
 hybrid/clock.py explains: per-stage generators deadlock):
   hyb/req/<r>/<s>   replica r's stage 0 at its s-th sync point (after tick (s + 1) * sync_every - 1):
                     "<time> <its last tick's seconds> <the last group id it averaged>"
-  hyb/e/<r>/<s>     the service's answer, read by every stage of replica r (`encode`): groups to
-                    average (G), markers (E: a snapshot of every stage's parameters; a checkpoint when
-                    its step is a multiple of checkpoint_every), STOP (S). An empty entry: tick on.
+  hyb/e/<r>/<s>     the answer (SyncPoints), read by every stage of replica r: schedule/online.py's
+                    entries (its `encode`, joined by ";"): groups to average (G), markers (M: a
+                    snapshot of every stage's parameters, kind "ckpt" a checkpoint too, "eval" not),
+                    NONE (N: tick on), STOP (S).
 A group's stage k averages among the members' stage-k processes only (a GroupAverager over their devices,
 runtime/preduce.py): stages never mix. Every member set a replica can be in is connected before the clock
 starts, in one global order (gloo's first use of a context waits for all its members).
@@ -26,27 +27,29 @@ groups are a subsequence of the Group Buffer's one order, and a link transfer wa
 neighbour at an earlier tick or an earlier group of the same replica (hybrid/clock.py's argument, per
 stage). Fixed schedules (All-Reduce, Static GG) take the group of the sync point's index.
 
-The budget of ticks is the simulator's (hybrid/sim.build): R x per-replica ticks in all. Dynamic
+The budget of ticks is the simulator's (hybrid/sim.build_replicas): R x per-replica ticks in all. Dynamic
 generators and none share it (a replica reserves sync_every ticks with each answer; once it is spent,
 each replica gets its pending groups and STOP, and no group is generated); a fixed schedule's replicas
 tick in step, each per_replica ticks.
 
 Markers: once the replicas' ticks over R pass a multiple of eval_every, marker c enters every replica's
-entries at one cut of the buffer's order: dynamic, after the groups created before it (each replica's
-marker comes once it has no such group pending, before any later one); fixed, at the first sync index no
+entries at one cut of the buffer's order: dynamic, online.Service.mark (after the groups created before
+it in every queue); fixed, at the first sync index no
 replica has been answered for, before that index's group. So the snapshot (and checkpoint) at c is a
 consistent cut across replicas; across the stages of a replica it is the lockstep one (each stage
 settles its links at the same tick). The record's time is the latest stage's snapshot time; the
 coordinator evaluates the snapshots after the run (the clock never pauses for it).
 
-Resume: from the newest marker every process checkpointed and whose service state the coordinator
-saved (ckpt_hybrid/<c>/): every process restores its stage, cuts its trace back to the marker, the
-service restarts from its state at the marker with every group of the cut done, and the clock goes on
-from the latest process's marker time. Each replica asks again at its marker's sync point.
+Resume (as the runtime's workers do): every stage checkpoints alone at a checkpoint marker (RunLog
+per_process: ckpt/<process>/<step>, step = marker x eval_every) and the coordinator saves the service's
+state there first (authority/<step>.json); a restarted run's stages agree on the newest step every one
+of them restores (distributed/resume.py) and tell the coordinator, which restarts the service from that
+state with every group of the cut done; the clock goes on from the latest stage's marker time, each
+trace is cut back to the marker (its events' epoch "c"), and each replica asks again at its marker's
+sync point.
 """
 
 import dataclasses
-import itertools
 import json
 import os
 import queue
@@ -63,49 +66,26 @@ from jax.sharding import PartitionSpec as P
 
 from ripples_jax import data as data_lib
 from ripples_jax.distributed import coord
+from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.arrays import LOCAL, WORKER
 from ripples_jax.distributed.host import pin_threads
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.hybrid import sim
 from ripples_jax.pipeline import baselines
 from ripples_jax.pipeline.link import stage_device
-from ripples_jax.pipeline.per_process import Stage
+from ripples_jax.pipeline.per_process import Stage, checkpoint_rows
 from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runtime import coordinator as snapshots
 from ripples_jax.runtime.preduce import GroupAverager
-from ripples_jax.schedule import group_gen
+from ripples_jax.runtime.trace import TraceWriter
+from ripples_jax.schedule import group_gen, online
 
-PREFIX = f"{coord.PREFIX}/hyb"
-CKPT = "ckpt_hybrid"
+KEYS = f"{coord.PREFIX}/hyb"  # the hybrid's keys in the coordination store
 
 
 def process_of(r: int, k: int, K: int) -> int:
   """The process of replica r's stage k (process 0: the coordinator)."""
   return 1 + r * K + k
-
-
-def encode(items) -> str:
-  out = []
-  for it in items:
-    if it[0] == "G":
-      out.append(f"G {it[1]} {','.join(str(m) for m in it[2])}")
-    elif it[0] == "E":
-      out.append(f"E {it[1]} {int(it[2])}")
-    else:
-      out.append("S")
-  return ";".join(out)
-
-
-def decode(text: str) -> list:
-  items = []
-  for part in filter(None, text.split(";")):
-    kind, *rest = part.split()
-    if kind == "G":
-      items.append(("G", int(rest[0]), tuple(int(m) for m in rest[1].split(","))))
-    elif kind == "E":
-      items.append(("E", int(rest[0]), bool(int(rest[1]))))
-    else:
-      items.append(("S",))
-  return items
 
 
 def run(config, workdir: str) -> dict:
@@ -116,41 +96,51 @@ def run(config, workdir: str) -> dict:
 # --- The Group Generator's service (the coordinator) ------------------------------------------------
 
 
-class Service:
-  """Answers each replica's requests in arrival order (one listener thread per replica); see the module
-  docstring for the rules. `clock()`: the run's time."""
+class SyncPoints:
+  """The coordinator's answers to the replicas' sync points, in arrival order (one listener thread per
+  replica): schedule/online.Service over the R replicas (its Group Buffer and generator, its entries,
+  markers, STOP and state) through this adapter, which adds what the replicas' protocol needs beyond the
+  runtime's: a budget of ticks reserved sync_every at a time, and one answer per sync point.
+
+  Dynamic generators (and none: a generator that makes nothing): a replica's answer is its queue's
+  entries up to its next group or NONE (asked for when its queue holds none) and the markers right
+  after it; once the budget is spent (Service.stop) everything up to STOP. A marker is Service.mark's,
+  at one point of every queue, so it cuts every group on the same side for all its members. Fixed
+  schedules (All-Reduce, Static GG): no generator, as in the runtime (online.fixed_entry); a marker
+  comes at the first sync index no replica has been answered for, before that index's group; every
+  replica stops after its share of the ticks. Marker c is ("M", "ckpt", c) when its step is a
+  checkpoint's, else ("M", "eval", c). `clock()`: the run's time."""
 
   def __init__(self, config, kv, per_replica: int, total: int, clock, on_checkpoint=None):
     c = config.replicas
     self.on_checkpoint = on_checkpoint or (lambda c, state: None)
     self.config, self.kv, self.clock = config, kv, clock
     self.R, self.E, self.per_replica = c.count, c.sync_every, per_replica
-    self.space = clock_lib.Space(self.R, sim.make_generator(config))
-    self.fixed = self.space.fixed
+    gen = sim.make_generator(config)
+    self.fixed = isinstance(gen, group_gen.Fixed)
+    self.layouts = gen.layouts if self.fixed else None
+    nothing = lambda worker, view: None  # noqa: E731  (none: every answer is NONE)
+    self.service = online.Service(
+      self.R, nothing if self.fixed or gen is None else gen, estimate=float(c.pad_s)
+    )
+    self.pos = [0] * self.R  # each replica's next entry
     self.left = total - self.R * self.E  # ticks not yet reserved (each replica's first block is)
     self.ticks = np.zeros(self.R, np.int64)
-    self.started_at, self.estimates = np.zeros(self.R), np.full(self.R, float(c.pad_s))
     self.answered = np.full(self.R, -1, np.int64)
-    self.marks = [[] for _ in range(self.R)]  # per replica: [(marker, cut)] not yet emitted
+    self.marks = [[] for _ in range(self.R)]  # fixed: per replica, [(marker, sync index)] not yet emitted
     self.next_mark = 1
-    self.cut = {}  # marker -> its cut: the buffer's group count (dynamic) or sync index (fixed)
     self.stopped, self.error = set(), None
     self._requests, self._stop = queue.Queue(), threading.Event()
     self.first_sync = np.zeros(self.R, np.int64)  # resumed: each replica asks first at its marker's
 
   def state(self) -> dict:
-    return {
-      "space": self.space.state(),
-      "next_mark": self.next_mark,
-      "answered": self.answered.tolist(),
-    }
+    return {"service": self.service.state(), "next_mark": self.next_mark, "answered": self.answered.tolist()}
 
   def load(self, state: dict, cursors: list) -> None:
     """The state at a checkpoint marker; `cursors`: each replica's stage-0 checkpoint there. Every group
-    created before the marker was executed by its members before their checkpoint: none is pending."""
-    self.space.load(state["space"])
-    for r in range(self.R):
-      self.space.buffer.done(r, self.space.buffer.count - 1)
+    made before the marker was executed by its members before their checkpoint: the queues start empty
+    (online.Service.load)."""
+    self.service.load(state["service"])
     self.next_mark = state["next_mark"]
     self.ticks[:] = [c["tick"] for c in cursors]
     self.answered[:] = [c["sync"] - 1 for c in cursors]
@@ -174,7 +164,7 @@ class Service:
     s = int(self.first_sync[r])
     while not self._stop.is_set() and r not in self.stopped:
       try:
-        value = self.kv.blocking_key_value_get(f"{PREFIX}/req/{r}/{s}", 1000)
+        value = self.kv.blocking_key_value_get(f"{KEYS}/req/{r}/{s}", 1000)
       except Exception:  # noqa: BLE001  not yet asked (the get timed out): ask the store again
         continue
       self._requests.put((r, s, value))  # its next request follows this one's answer
@@ -188,38 +178,40 @@ class Service:
         except queue.Empty:
           continue
         _, tick_s, last_gid = value.split()
-        items = self.answer(r, s, float(tick_s), int(last_gid))
-        self.kv.key_value_set(f"{PREFIX}/e/{r}/{s}", encode(items))
+        entries = self.answer(r, s, float(tick_s), int(last_gid))
+        self.kv.key_value_set(f"{KEYS}/e/{r}/{s}", ";".join(online.encode(e) for e in entries))
     except Exception as e:  # noqa: BLE001  the coordinator's main thread reports it
       self.error = e
       logging.exception("the hybrid's Group Generator service stopped")
 
   def answer(self, r: int, s: int, tick_s: float, last_gid: int) -> list:
-    """Replica r at its s-th sync point: the items of its entry."""
-    now = self.clock()
-    if last_gid >= 0:
-      self.space.buffer.done(r, last_gid)
+    """Replica r at its s-th sync point, having averaged up to group `last_gid`: its entries."""
+    now, svc = self.clock(), self.service
+    svc.report(r, now, 0.0, (s + 1) * self.E, last_gid if not self.fixed else -1)
+    svc.estimates[r] = 0.0  # ready now (Smart GG reads this)
     self.ticks[r], self.answered[r] = (s + 1) * self.E, s
-    self.started_at[r], self.estimates[r] = now, 0.0  # ready now (Smart GG reads this)
-    self.new_marks(now)
-    items = self.fixed_items(r, s) if self.fixed else self.dynamic_items(r, s, now)
-    if items and items[-1][0] == "S":
+    self.new_marks()
+    entries = self.fixed_entries(r, s) if self.fixed else self.dynamic_entries(r, now)
+    if entries[-1][0] == online.STOP:
       self.stopped.add(r)
     else:
-      self.started_at[r], self.estimates[r] = now, tick_s  # it ticks on from here
-    return items
+      svc.started_at[r], svc.estimates[r] = now, tick_s  # it ticks on from here
+    return entries
 
-  def new_marks(self, now: float) -> None:
+  def new_marks(self) -> None:
     """Markers whose step the replicas' ticks have passed (none once the budget is spent: the end is
     recorded anyway)."""
     every, R = self.config.eval_every, self.R
     while self.ticks.sum() >= self.next_mark * every * R and self.left >= self.E and not self.stopped:
       c = self.next_mark
-      cut = int(self.answered.max()) + 1 if self.fixed else self.space.buffer.count
-      self.cut[c] = cut
-      for r in range(R):
-        self.marks[r].append((c, cut))
-      if self.saves(c):  # written before any entry holds c: every stage's checkpoint at c has it
+      kind = "ckpt" if self.saves(c) else "eval"
+      if self.fixed:
+        cut = int(self.answered.max()) + 1
+        for r in range(R):
+          self.marks[r].append((c, cut))
+      else:
+        self.service.mark(kind, c)
+      if kind == "ckpt":  # written before any entry holds c: every stage's checkpoint at c has it
         self.on_checkpoint(c, dict(self.state(), next_mark=c + 1))
       self.next_mark += 1
 
@@ -227,94 +219,53 @@ class Service:
     every = self.config.checkpoint_every
     return bool(every) and (c * self.config.eval_every) % every == 0
 
-  def emit(self, r: int, c: int) -> tuple:
-    return ("E", c, self.saves(c))
-
-  def fixed_items(self, r: int, s: int) -> list:
+  def fixed_entries(self, r: int, s: int) -> list:
     """All-Reduce, Static GG: the group of index s; every replica stops after per_replica ticks."""
-    marks = self.marks[r]
     stop = (s + 1) * self.E >= self.per_replica
-    items = [self.emit(r, c) for c, j in marks if j <= s or stop]
-    self.marks[r] = [(c, j) for c, j in marks if not (j <= s or stop)]
+    kind = lambda c: "ckpt" if self.saves(c) else "eval"  # noqa: E731
+    out = [(online.MARK, kind(c), c) for c, j in self.marks[r] if j <= s or stop]
+    self.marks[r] = [(c, j) for c, j in self.marks[r] if not (j <= s or stop)]
     if stop:
-      return items + [("S",)]
-    view = group_gen.GGView(self.clock(), self.space.buffer, self.started_at, self.estimates, None)
-    g = self.space.head(r, s, view)
-    return items + ([("G", -1, g.members)] if g is not None else [])
+      return out + [(online.STOP,)]
+    return out + [online.fixed_entry(self.layouts, self.R, r, s)]
 
-  def dynamic_items(self, r: int, s: int, now: float) -> list:
-    """Ripples' generators and none: the head of r's queue (generated when empty), or once the budget
-    is spent, every group still pending for r and STOP."""
-    buffer = self.space.buffer
-    stop = self.left < self.E
-    if not stop:
-      self.left -= self.E
-      view = group_gen.GGView(now, buffer, self.started_at.copy(), self.estimates.copy(), None)
-      g = self.space.head(r, s, view)
-      run = [g] if g is not None else []
+  def dynamic_entries(self, r: int, now: float) -> list:
+    """r's queue up to its next group or NONE and the markers right after it (asked for when the queue
+    holds none); once the budget is spent, everything up to STOP."""
+    svc = self.service
+    if self.left < self.E:
+      svc.stop()  # STOP after whatever every queue holds: each replica's pending groups, then the end
     else:
-      run = list(buffer.queues[r]) if self.space.gen is not None else []
-    rest = [q for q in buffer.queues[r] if all(q.gid != g.gid for g in run)]
-    items = []
-    for g in run:
-      for c, cut in list(self.marks[r]):
-        if g.gid >= cut:  # a group after the cut: the marker first
-          items.append(self.emit(r, c))
-          self.marks[r].remove((c, cut))
-      items.append(("G", g.gid, g.members))
-    for c, cut in list(self.marks[r]):
-      if stop or all(q.gid >= cut for q in rest):  # nothing of the cut left pending for r
-        items.append(self.emit(r, c))
-        self.marks[r].remove((c, cut))
-    return items + ([("S",)] if stop else [])
-
-
-def member_sets(config, r: int) -> list:
-  """Every member set replica r can average in, in one global order (warm-up connects each)."""
-  c, R = config.replicas, config.replicas.count
-  gen = sim.make_generator(config)
-  if gen is None:
-    return []
-  if isinstance(gen, group_gen.Fixed):
-    sets = sorted({tuple(sorted(g)) for layout in gen.layouts for g in layout if len(g) > 1})
-  else:
-    sets = [s for n in range(2, min(c.group_size, R) + 1) for s in itertools.combinations(range(R), n)]
-  return [s for s in sets if r in s]
+      self.left -= self.E
+    if all(svc.entry(r, k)[0] == online.MARK for k in range(self.pos[r], svc.appended(r))):
+      svc.request(r, svc.appended(r), now)  # only markers left (or nothing): its request
+    out, stepped = [], False
+    while self.pos[r] < svc.appended(r):
+      entry = svc.entry(r, self.pos[r])
+      if stepped and entry[0] != online.MARK and not svc.stopped:
+        break  # one group per sync point
+      out.append(entry)
+      self.pos[r] += 1
+      stepped = stepped or entry[0] in (online.GROUP, online.NONE)
+      if entry[0] == online.STOP:
+        break
+    svc.trim(self.pos)  # what is posted is forgotten: the state stays bounded
+    return out
 
 
 # --- A stage process ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
-class Loop:
+class StageLoop:
   """Where this stage stands; its checkpoint's cursor."""
 
   tick: int = 0  # the next tick
   sync: int = 0  # the next sync point's index
   last_gid: int = -1  # the newest group it averaged (the service's `done`)
   time: float = 0.0  # the run's clock at the checkpoint
-  trace_lines: int = 0
+  marker: int = 0  # the newest marker passed: its trace events' epoch ("c")
   ask_first: bool = False  # resumed at a sync point: its entry is asked for again before any tick
-
-
-class Trace:
-  """trace-<r>-<k>.jsonl: this stage's ticks, averages and markers, written through (a crash keeps them)."""
-
-  def __init__(self, workdir: str, r: int, k: int, keep: int | None = None):
-    self.path = os.path.join(workdir, f"trace-{r}-{k}.jsonl")
-    lines = open(self.path).read().splitlines() if keep is not None and os.path.exists(self.path) else []
-    with open(self.path, "w") as f:  # resumed: cut back to the marker's line
-      f.writelines(line + "\n" for line in lines[:keep])
-    self.lines = len(lines[:keep])
-    self.f = open(self.path, "a")
-
-  def add(self, **event) -> None:
-    self.f.write(json.dumps(event) + "\n")
-    self.f.flush()
-    self.lines += 1
-
-  def close(self) -> None:
-    self.f.close()
 
 
 def slowed(config, r: int, k: int, now: float) -> float:
@@ -323,8 +274,26 @@ def slowed(config, r: int, k: int, now: float) -> float:
   return float(c.slowdown) if slow == (r, k) else 1.0
 
 
+@dataclasses.dataclass
+class StageProcess:
+  """What a stage process works with, built once: replica r's stage k (process 1 + r * K + k)."""
+
+  config: object
+  sp: Stage
+  averager: GroupAverager
+  kv: object
+  log: RunLog  # its checkpoints (per_process: ckpt/<process>/<step>); the coordinator owns the records
+  trace: TraceWriter  # trace-<r>-<k>.jsonl, written through; "c": the newest marker passed
+  r: int
+  k: int
+  workdir: str
+  p: object  # the pipeline's set-up (workload.build_pipeline)
+  clock: object = None  # the run's time, from the start barrier on
+
+
 def stage(config, workdir: str) -> dict:
-  """Replica r's stage k: warm-up, the start barrier, ticks and entries until STOP, the final state."""
+  """Replica r's stage k: its resume point, warm-up, the start barrier, ticks and entries until STOP,
+  the final state."""
   me, K, R = jax.process_index(), config.num_stages, config.replicas.count
   r, k = divmod(me - 1, K)
   sigterm = coord.SigtermStop().install()
@@ -333,25 +302,48 @@ def stage(config, workdir: str) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     pin_threads({cores[(me - 1) % len(cores)]})
   workdir = make_workdir(workdir, config)
-  h = sim.build(config, workdir)
+  h = sim.build_replicas(config, workdir)
   p = h.p
   sp = Stage(
     config, p.stages, p.optimizer, h.total, p.feed.sample, p.data["x_test"], base=process_of(r, 0, K)
   )
-  kv = coord.client()
   local = Mesh(np.array([[sp.device]]), (WORKER, LOCAL))
   averager = GroupAverager(local, {m: [stage_device(process_of(m, k, K))] for m in range(R)}, 256)
-  resumed = int(kv.blocking_key_value_get(f"{PREFIX}/resume", int(rt.stall_timeout * 4000)))
-  loop = Loop()
-  if resumed > 0:
-    loop = restore(sp, workdir, resumed, r, k)
-  trace = Trace(workdir, r, k, keep=loop.trace_lines if resumed > 0 else None)
-  warm_up(config, sp, averager, r, k, p)
+  rows = checkpoint_rows(range(1, R * K + 1), sp.device)
+  with RunLog(workdir, config, h.per_replica, is_lead=False, per_process=rows) as log:
+    kv = coord.client()
+    loop = resume_stage(sp, log, kv, rt)
+    path = os.path.join(workdir, f"trace-{r}-{k}.jsonl")
+    trace = TraceWriter(workdir, me, loop.marker if loop.ask_first else None, write_through=True, path=path)
+    ctx = StageProcess(config, sp, averager, kv, log, trace, r, k, workdir, p)
+    return run_life(ctx, loop, sigterm)
+
+
+def resume_stage(sp: Stage, log: RunLog, kv, rt) -> StageLoop:
+  """The newest checkpoint marker every stage restores (distributed.resume over RunLog per_process), or
+  a fresh start; the first stage tells the coordinator which (publish_point), every stage its cursor."""
+  me, n = jax.process_index(), jax.process_count() - 1
+  got = resume_lib.restore_common(log, kv, me - 1, n, sp.pack(sp.state), rt.stall_timeout, what="stage")
+  loop = StageLoop()
+  if got is not None:
+    sp.state = sp.unpack(got[1])
+    loop = StageLoop(**dict(got[2], ask_first=True))
+    logging.info("stage process %d: resuming at tick %d (marker %d)", me, loop.tick, loop.marker)
+  if me == 1:
+    resume_lib.publish_point(kv, log, got and got[0])
+  kv.key_value_set(f"{KEYS}/cursor/{me}", json.dumps(dataclasses.asdict(loop)), allow_overwrite=True)
+  return loop
+
+
+def run_life(ctx: StageProcess, loop: StageLoop, sigterm) -> dict:
+  """Warm-up, the start barrier, ticks and entries until STOP, the final state."""
+  config, sp, kv, rt = ctx.config, ctx.sp, ctx.kv, ctx.config.runtime
+  warm_up(config, sp, ctx.averager, ctx.r, ctx.k, ctx.p)
   progress = {"ticks": loop.tick, "done": False}
   watchdog = coord.Watchdog(
     kv,
-    me - 1,
-    R * K,
+    jax.process_index() - 1,
+    jax.process_count() - 1,
     lambda: (progress["ticks"], progress["ticks"], progress["done"]),
     rt.heartbeat_s,
     rt.heartbeat_timeout,
@@ -361,23 +353,29 @@ def stage(config, workdir: str) -> dict:
     service_host=f"the {coord.COORDINATOR}",
   )
   sigterm.watchdog = watchdog
-  kv.wait_at_barrier(f"{PREFIX}/start", int(rt.stall_timeout * 4000))
-  t0 = time.perf_counter() - float(kv.blocking_key_value_get(f"{PREFIX}/t0", 60_000))
-  clock = lambda: time.perf_counter() - t0  # noqa: E731
+  kv.wait_at_barrier(f"{KEYS}/start", int(rt.stall_timeout * 4000))
+  t0 = time.perf_counter() - float(kv.blocking_key_value_get(f"{KEYS}/t0", 60_000))
+  ctx.clock = lambda: time.perf_counter() - t0
   watchdog.start()
   try:
-    run_stage(config, sp, averager, kv, trace, loop, progress, clock, (r, k), workdir, p)
+    run_stage(ctx, loop, progress)
     sp.links.close()
   except Exception:
     watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
     raise
-  trace.add(k="end", t=clock(), tick=loop.tick, compiles=averager.compiles, ahead_s=averager.ahead_s)
-  trace.close()
-  np.save(snapshot_path(workdir, "final", r, k), np.asarray(flat_of(sp.state)[0]))
+  a = ctx.averager
+  ctx.trace.add(k="end", c=loop.marker, t=ctx.clock(), tick=loop.tick, compiles=a.compiles, ahead_s=a.ahead_s)
+  np.save(stage_snapshot_path(ctx.workdir, "final", ctx.r, ctx.k), np.asarray(flat_of(sp.state)[0]))
   progress["done"] = True
-  kv.wait_at_barrier(f"{PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+  kv.wait_at_barrier(f"{KEYS}/end", int(10 * rt.stall_timeout * 1000))
   watchdog.stop()
-  return {"method": config.method, "stage": k, "replica": r, "workdir": workdir, "time": clock()}
+  return {
+    "method": config.method,
+    "stage": ctx.k,
+    "replica": ctx.r,
+    "workdir": ctx.workdir,
+    "time": ctx.clock(),
+  }
 
 
 def flat_of(st):
@@ -385,7 +383,7 @@ def flat_of(st):
   return ravel_pytree({key: st[key] for key in sim.AVERAGED})
 
 
-def snapshot_path(workdir: str, name, r: int, k: int) -> str:
+def stage_snapshot_path(workdir: str, name, r: int, k: int) -> str:
   folder = os.path.join(workdir, "snapshots", str(name))
   os.makedirs(folder, exist_ok=True)
   return os.path.join(folder, f"{r}-{k}.npy")
@@ -407,23 +405,22 @@ def warm_up(config, sp: Stage, averager, r: int, k: int, p) -> None:
   sp.ring.extend(ring)
   sp.links.load_slots(sp.state)
   flat = jax.device_put(flat_of(sp.state)[0], NamedSharding(averager.local_mesh, P()))
-  for members in member_sets(config, r):
+  for members in sim.member_sets(config, r):
     averager.connect(members, flat)
 
 
-def run_stage(config, sp: Stage, averager, kv, trace, loop: Loop, progress, clock, rk, workdir, p) -> None:
+def run_stage(ctx: StageProcess, loop: StageLoop, progress: dict) -> None:
   """Ticks and entries until STOP. runtime.fail_stage / fail_tick: replica 0's stage fail_stage
   SIGKILLs itself before that tick, in a run's first life only."""
+  config, sp, p, r, k, clock = ctx.config, ctx.sp, ctx.p, ctx.r, ctx.k, ctx.clock
   resumed = loop.ask_first
-  r, k = rk
   c, rt, B = config.replicas, config.runtime, config.batch_size
   shards = data_lib.shard_indices(p.data["y_train"], c.count, "iid", seed=config.seed)
   idx = lambda i: data_lib.batch_indices([shards[r]], B, config.seed, i, workers=[r])[0]  # noqa: E731
   offset = sp.schedule.offsets[-1]
-  timeout_ms = int(10 * rt.stall_timeout * 1000)
   if loop.ask_first:  # resumed at its marker's sync point: ask there again
     loop.ask_first = False
-    if not sync(config, sp, averager, kv, trace, loop, clock, rk, workdir, timeout_ms, loop.tick):
+    if not sync(ctx, loop, loop.tick):
       return
   first_life = not resumed
   while True:
@@ -438,11 +435,11 @@ def run_stage(config, sp: Stage, averager, kv, trace, loop: Loop, progress, cloc
     sp.state, metrics = sp.tick(sp.state, x, y, i)
     end = clock()
     loss = float(metrics[0]) if metrics is not None else None
-    trace.add(k="tick", i=i, t0=start, t1=end, loss=loss)
+    ctx.trace.add(k="tick", c=loop.marker, i=i, t0=start, t1=end, loss=loss)
     loop.tick = progress["ticks"] = i + 1
     if loop.tick % c.sync_every:
       continue
-    if not sync(config, sp, averager, kv, trace, loop, clock, rk, workdir, timeout_ms, end - start):
+    if not sync(ctx, loop, end - start):
       return
 
 
@@ -452,107 +449,56 @@ def pad_until(t: float, clock) -> None:
     time.sleep(rest)
 
 
-def sync(config, sp, averager, kv, trace, loop: Loop, clock, rk, workdir, timeout_ms, tick_s) -> bool:
-  """This stage at its replica's sync point loop.sync: stage 0 asks; every stage executes the entry.
-  False at STOP."""
-  r, k = rk
-  s = loop.sync
-  if k == 0:
-    kv.key_value_set(f"{PREFIX}/req/{r}/{s}", f"{clock()} {tick_s} {loop.last_gid}")
-  items = decode(kv.blocking_key_value_get(f"{PREFIX}/e/{r}/{s}", timeout_ms))
+def sync(ctx: StageProcess, loop: StageLoop, tick_s: float) -> bool:
+  """This stage at its replica's sync point loop.sync: stage 0 asks; every stage executes the entries
+  (schedule/online.py's). False at STOP."""
+  sp, clock, s = ctx.sp, ctx.clock, loop.sync
+  if ctx.k == 0:
+    ctx.kv.key_value_set(f"{KEYS}/req/{ctx.r}/{s}", f"{clock()} {tick_s} {loop.last_gid}")
+  text = ctx.kv.blocking_key_value_get(
+    f"{KEYS}/e/{ctx.r}/{s}", int(10 * ctx.config.runtime.stall_timeout * 1000)
+  )
   loop.sync = s + 1
-  for item in items:
-    if item[0] == "G":
+  for entry in [online.decode(part) for part in text.split(";") if part]:
+    if entry[0] == online.GROUP:
       t0 = clock()
       flat, unravel = flat_of(sp.state)
-      flat = jax.device_put(flat, NamedSharding(averager.local_mesh, P()))
-      mean = jax.device_put(averager.average(item[2], flat), sp.device)  # the tick's own sharding
+      flat = jax.device_put(flat, NamedSharding(ctx.averager.local_mesh, P()))
+      mean = jax.device_put(ctx.averager.average(entry[2], flat), sp.device)  # the tick's own sharding
       sp.state = dict(sp.state, **unravel(mean.block_until_ready()))
-      if item[1] >= 0:
-        loop.last_gid = item[1]
-      trace.add(k="avg", g=item[1], m=list(item[2]), s=s, t0=t0, t1=clock())
-    elif item[0] == "E":
-      mark(sp, trace, loop, clock, rk, workdir, item[1], item[2], s)
-    else:
+      loop.last_gid = entry[1]
+      ctx.trace.add(k="avg", c=loop.marker, g=entry[1], m=list(entry[2]), s=s, t0=t0, t1=clock())
+    elif entry[0] == online.MARK:
+      mark_point(ctx, loop, entry[2], entry[1], s)
+    elif entry[0] == online.STOP:
       return False
   return True
 
 
-def mark(sp: Stage, trace, loop: Loop, clock, rk, workdir, c: int, save: bool, s: int) -> None:
-  """Marker c: this stage's parameters for the coordinator's evaluation; with `save` a checkpoint too
-  (the links settled first: both ends of each link are at this tick)."""
-  r, k = rk
-  np.save(snapshot_path(workdir, c, r, k), np.asarray(flat_of(sp.state)[0]))
-  if save:
+def mark_point(ctx: StageProcess, loop: StageLoop, c: int, kind: str, s: int) -> None:
+  """Marker c: this stage's parameters for the coordinator's evaluation; kind "ckpt": a checkpoint too
+  (the links settled first: both ends of each link are at this tick), at the run's step c x eval_every.
+  Its trace line is the last of epoch c - 1: a run resumed from it keeps the line."""
+  sp = ctx.sp
+  np.save(stage_snapshot_path(ctx.workdir, c, ctx.r, ctx.k), np.asarray(flat_of(sp.state)[0]))
+  if kind == "ckpt":
     sp.state = sp.links.settle(sp.state)
+  ctx.trace.add(k="mark", c=loop.marker, id=c, kind=kind, t=ctx.clock())
+  loop.marker = c
+  if kind == "ckpt":
     # The cursor asks at sync point s again on resume when the marker came before this entry's group,
     # which the resumed service has not made (dynamic) or makes again (fixed: the marker is always first).
-    trace.add(k="mark", c=c, t=clock(), save=True)
-    loop.time = clock()
-    cursor = dict(dataclasses.asdict(loop), sync=s, trace_lines=trace.lines)
-    save_stage(sp, workdir, c, r, k, cursor)
-  else:
-    trace.add(k="mark", c=c, t=clock(), save=False)
-
-
-def ckpt_dir(workdir: str, c: int) -> str:
-  return os.path.join(workdir, CKPT, str(c))
-
-
-def save_stage(sp: Stage, workdir: str, c: int, r: int, k: int, cursor: dict) -> None:
-  """ckpt_hybrid/<c>/<r>-<k>.npz (the stage's state and ring as leaves) and its cursor, each whole or
-  not at all (written aside, then renamed)."""
-  folder = ckpt_dir(workdir, c)
-  os.makedirs(folder, exist_ok=True)
-  leaves = [np.asarray(a) for a in jax.tree.leaves(sp.pack(sp.state))]
-  path = os.path.join(folder, f"{r}-{k}")
-  with open(path + ".tmp.npz", "wb") as f:
-    np.savez(f, *leaves)
-  os.replace(path + ".tmp.npz", path + ".npz")
-  with open(path + ".tmp", "w") as f:
-    json.dump(cursor, f)
-  os.replace(path + ".tmp", path + ".json")
-
-
-def restore(sp: Stage, workdir: str, c: int, r: int, k: int) -> Loop:
-  path = os.path.join(ckpt_dir(workdir, c), f"{r}-{k}")
-  with np.load(path + ".npz") as f:
-    leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
-  like = sp.pack(sp.state)
-  packed = jax.tree.unflatten(jax.tree.structure(like), leaves)
-  sp.state = jax.device_put(sp.unpack(packed), sp.device)
-  cursor = json.load(open(path + ".json"))
-  logging.info("replica %d stage %d: resuming at tick %d (marker %d)", r, k, cursor["tick"], c)
-  return Loop(**dict(cursor, ask_first=True))
-
-
-def resume_point(workdir: str, R: int, K: int) -> int:
-  """The newest marker every process checkpointed and whose service state was saved (0: none)."""
-  folder = os.path.join(workdir, CKPT)
-  marks = (
-    sorted((int(d) for d in os.listdir(folder) if d.isdigit()), reverse=True) if os.path.isdir(folder) else []
-  )
-  for c in marks:
-    have = set(os.listdir(ckpt_dir(workdir, c)))
-    if "service.json" in have and all(f"{r}-{k}.json" in have for r in range(R) for k in range(K)):
-      return c
-  return 0
+    loop.time = ctx.clock()
+    cursor = dict(dataclasses.asdict(loop), sync=s)
+    ctx.log.checkpoint(c * ctx.config.eval_every, sp.pack(sp.state), cursor, force=True)
+    # Committed before the next tick, as every stage's marker is: a stage killed after passing c
+    # holds c (the runtime's workers write theirs in the background and may lose the newest).
+    t0 = time.perf_counter()
+    ctx.log.wait()
+    ctx.trace.add(k="saved", c=c, s=time.perf_counter() - t0)  # the stall: orbax, 1.6-2.5 s on 2 cores
 
 
 # --- The coordinator -----------------------------------------------------------------------------------
-
-
-def save_service(workdir: str, c: int, state: dict) -> None:
-  """ckpt_hybrid/<c>/service.json: the service's state when marker c entered the order, whole or not at
-  all."""
-  folder = ckpt_dir(workdir, c)
-  os.makedirs(folder, exist_ok=True)
-  path = os.path.join(folder, "service.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(state, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(path + ".tmp", path)
 
 
 def coordinate(config, workdir: str) -> dict:
@@ -561,33 +507,39 @@ def coordinate(config, workdir: str) -> dict:
   R, K, rt = config.replicas.count, config.num_stages, config.runtime
   sigterm = coord.SigtermStop(name=coord.COORDINATOR).install()
   workdir = make_workdir(workdir, config)
-  h = sim.build(config, workdir)
+  h = sim.build_replicas(config, workdir)
   kv = coord.client()
   with RunLog(workdir, config, h.per_replica, is_lead=True, checkpoint_every=0) as log:
     log.start_fresh()  # the records are written at the end, from the snapshots
-    resumed = resume_point(workdir, R, K)
+    point = resume_lib.await_point(kv, rt.stall_timeout * 4)  # the stages agree on it (resume_stage)
     clock_at = {"t0": time.perf_counter()}
     now = lambda: time.perf_counter() - clock_at["t0"]  # noqa: E731
-    service = Service(config, kv, h.per_replica, h.total, now, lambda c, st: save_service(workdir, c, st))
+    # Marker c's service state, written before any entry holds c (the runtime's authority snapshots).
+    save = lambda c, st: snapshots.save_snapshot(workdir, c * config.eval_every, st)  # noqa: E731
+    service = SyncPoints(config, kv, h.per_replica, h.total, now, save)
     start_time = 0.0
-    if resumed:
-      cursors = [json.load(open(os.path.join(ckpt_dir(workdir, resumed), f"{r}-0.json"))) for r in range(R)]
-      service.load(json.load(open(os.path.join(ckpt_dir(workdir, resumed), "service.json"))), cursors)
-      times = [
-        json.load(open(os.path.join(ckpt_dir(workdir, resumed), f"{r}-{k}.json")))["time"]
-        for r in range(R)
-        for k in range(K)
+    if point is not None:
+      timeout = int(rt.stall_timeout * 4000)
+      cursors = [
+        json.loads(kv.blocking_key_value_get(f"{KEYS}/cursor/{j}", timeout)) for j in range(1, R * K + 1)
       ]
-      start_time = max(times)
-      logging.info("coordinator: the hybrid resumes at marker %d (time %.2f s)", resumed, start_time)
-    kv.key_value_set(f"{PREFIX}/resume", str(resumed))
+      firsts = [cursors[process_of(r, 0, K) - 1] for r in range(R)]  # each replica's stage 0
+      service.load(snapshots.load_snapshot(workdir, point["mark"]), firsts)
+      start_time = max(c["time"] for c in cursors)
+      step = point["mark"]
+      logging.info(
+        "coordinator: the hybrid resumes at marker %d (step %d, time %.2f s)",
+        step // config.eval_every,
+        step,
+        start_time,
+      )
     watchdog = coord.Watchdog(
       kv, None, R * K, lambda: (0, 0, False), rt.heartbeat_s, rt.heartbeat_timeout, rt.stall_timeout,
       role="stage", hosts_service=True,
     )  # fmt: skip
     sigterm.watchdog = watchdog
-    kv.key_value_set(f"{PREFIX}/t0", repr(start_time))
-    kv.wait_at_barrier(f"{PREFIX}/start", int(rt.stall_timeout * 4000))
+    kv.key_value_set(f"{KEYS}/t0", repr(start_time))
+    kv.wait_at_barrier(f"{KEYS}/start", int(rt.stall_timeout * 4000))
     clock_at["t0"] = time.perf_counter() - start_time
     service.start()
     watchdog.start()
@@ -597,14 +549,14 @@ def coordinate(config, workdir: str) -> dict:
         time.sleep(0.05)
       if service.error is not None:
         raise RuntimeError(f"the hybrid's Group Generator service stopped: {service.error}")
-      kv.wait_at_barrier(f"{PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+      kv.wait_at_barrier(f"{KEYS}/end", int(10 * rt.stall_timeout * 1000))
     except Exception:
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)
       raise
     finally:
       service.stop()
     watchdog.stop()
-    return summarize(config, workdir, h, log)
+    return summarize_stages(config, workdir, h, log)
 
 
 def read_traces(workdir: str, R: int, K: int) -> dict:
@@ -650,7 +602,7 @@ def events_of(traces: dict, R: int) -> list:
     for r in range(R):
       while pos[r] < len(seqs[r]) and seqs[r][pos[r]][1][0] == "t":
         t, _, i, _ = seqs[r][pos[r]]
-        events.append((t, clock_lib.TICK, r, i))
+        events.append((t, clock_lib.TICK_END, r, i))
         pos[r] += 1
         moved = True
     heads = {}
@@ -661,7 +613,7 @@ def events_of(traces: dict, R: int) -> list:
       members = seqs[at[0]][pos[at[0]]][3]
       if sorted(at) == sorted(members):
         t = max(seqs[m][pos[m]][0] for m in members)
-        events.append((t, clock_lib.AVG, members))
+        events.append((t, clock_lib.AVG, members, None))
         for m in members:
           pos[m] += 1
         moved = True
@@ -670,7 +622,7 @@ def events_of(traces: dict, R: int) -> list:
   return events
 
 
-def summarize(config, workdir: str, h, log: RunLog) -> dict:
+def summarize_stages(config, workdir: str, h, log: RunLog) -> dict:
   """Every marker's snapshot evaluated (the run's model: hybrid/sim.run_models), the final state's too;
   summary.json with the measured ticks, averages and time to target."""
   R, K = config.replicas.count, config.num_stages
@@ -682,7 +634,9 @@ def summarize(config, workdir: str, h, log: RunLog) -> dict:
   unravel = [flat_of(st)[1] for st in h.one]
 
   def scalars(name) -> dict:
-    states = [[unravel[k](np.load(snapshot_path(workdir, name, r, k))) for k in range(K)] for r in range(R)]
+    states = [
+      [unravel[k](np.load(stage_snapshot_path(workdir, name, r, k))) for k in range(K)] for r in range(R)
+    ]
     stacked = [
       {key: jax.tree.map(lambda *a: np.stack(a), *[s[k][key] for s in states]) for key in sim.AVERAGED}
       for k in range(K)
@@ -697,7 +651,7 @@ def summarize(config, workdir: str, h, log: RunLog) -> dict:
   for tr in traces.values():
     for e in tr:
       if e["k"] == "mark":
-        marks[e["c"]] = max(marks.get(e["c"], 0.0), e["t"])
+        marks[e["id"]] = max(marks.get(e["id"], 0.0), e["t"])
   ticks = [sum(e["k"] == "tick" for e in traces[(r, 0)]) for r in range(R)]
   end = max(e["t"] for tr in traces.values() for e in tr if e["k"] == "end")
   target, time_to_target = config.replicas.target_accuracy, None

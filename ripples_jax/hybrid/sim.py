@@ -13,25 +13,26 @@ events; the stages never mix; a resumed run equals an uninterrupted one.
 """
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import logging
 
-from ripples_jax import collectives, profiling, workload
+from ripples_jax import algorithms, collectives, profiling, timeline, workload
 from ripples_jax import data as data_lib
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.pipeline import baselines, timing
 from ripples_jax.runlog import RunLog, make_workdir
-from ripples_jax.schedule import group_gen
-from ripples_jax.schedule.static import allreduce_layouts, static_gg_layouts
+from ripples_jax.schedule.static import default_grid
 
 AVERAGED = ("params", "model_state")  # what a stage's average touches; every other key is local
 
 
 @dataclasses.dataclass
-class Loop:
+class RoundsLoop:
   """The loop state between rounds, the checkpoint's cursor (the clock is re-run on resume)."""
 
   round: int = 0  # rounds executed
@@ -42,17 +43,50 @@ class Loop:
   time_to_target: float | None = None
 
 
-def make_generator(config):
-  """replicas.algorithm's Group Generator over the R replicas (None: no averaging)."""
+def replica_view(config) -> ml_collections.ConfigDict:
+  """config.replicas as a Ripples config over R workers, the replicas: what the algorithm registry's
+  generators read (a Group Generator is the simulator's and the runtime's, over replicas instead of
+  workers)."""
   c, R = config.replicas, config.replicas.count
-  rng = np.random.default_rng([5, config.seed])
-  return {
-    "ripples_smart": lambda: group_gen.smart_gg(R, c.group_size, c.smart_tolerance, c.smart_max_gap),
-    "ripples_random": lambda: group_gen.random_gg(R, c.group_size, rng),
-    "ripples_static": lambda: group_gen.Fixed(static_gg_layouts(R, c.workers_per_node)),
-    "allreduce": lambda: group_gen.Fixed(allreduce_layouts(R)),
-    "none": lambda: None,
-  }[c.algorithm]()
+  schedule = dict(group_size=c.group_size, smart_tolerance=c.smart_tolerance, smart_max_gap=c.smart_max_gap)
+  schedule.update(smart_fresh=c.get("smart_fresh", False), request_ahead=True)
+  schedule.update(layout="node", workers_per_node=c.workers_per_node)  # Static GG: the node layout
+  grid = tuple(c.get("grid", ())) or default_grid(R)
+  view = dict(
+    algorithm=c.algorithm, num_workers=R, seed=config.seed, schedule=schedule, moshpit={"grid": grid}
+  )
+  return ml_collections.ConfigDict(view)
+
+
+def make_generator(config):
+  """replicas.algorithm's Group Generator over the R replicas (algorithms.groups_of on replica_view):
+  a generator, group_gen.Fixed of a fixed schedule, or None (none: no averaging)."""
+  return algorithms.groups_of(replica_view(config), np.random.default_rng([5, config.seed]))
+
+
+def replica_group_sizes(config) -> range:
+  """The sizes a group of replicas.algorithm can have (placement=devices compiles a mean for each)."""
+  gen, R = make_generator(config), config.replicas.count
+  if gen is None:
+    return range(0)
+  layouts = getattr(gen, "layouts", None)  # a fixed schedule's, Moshpit's rounds
+  most = max(len(g) for layout in layouts for g in layout) if layouts else min(config.replicas.group_size, R)
+  return range(2, most + 1)
+
+
+def member_sets(config, r: int) -> list:
+  """Every member set replica r can average in, in one global order (placement=per_process connects
+  each before the clock starts)."""
+  gen, R = make_generator(config), config.replicas.count
+  if gen is None:
+    return []
+  layouts = getattr(gen, "layouts", None)
+  if layouts:
+    sets = sorted({tuple(sorted(g)) for layout in layouts for g in layout if len(g) > 1})
+  else:
+    most = min(config.replicas.group_size, R)
+    sets = [s for n in range(2, most + 1) for s in itertools.combinations(range(R), n)]
+  return [s for s in sets if r in s]
 
 
 def clock_spec(config, stage_s, stage_bytes, total_ticks: int) -> clock_lib.Spec:
@@ -88,36 +122,26 @@ def stage_costs(config, stages, state_K, sample_x):
   return stage_s, stage_bytes
 
 
-def pack_rounds(events, R: int):
-  """Rounds of (tick mask [R], tick index [R], gid [R]) in event order: ticks first, then averages. A
-  round closes before a replica ticks twice, ticks after averaging, or averages twice in it (replica r's
-  own events keep their order; different replicas' events commute until an average joins them)."""
-  rounds, tick, idx, gid, averaged, t = [], np.zeros(R, bool), np.zeros(R, np.int64), np.arange(R), set(), 0.0
-
-  def flush():
-    nonlocal tick, idx, gid, averaged
-    if tick.any() or averaged:
-      rounds.append({"tick": tick, "t": idx, "gid": gid, "time": t})
-    tick, idx, gid, averaged = np.zeros(R, bool), np.zeros(R, np.int64), np.arange(R), set()
-
+def replica_rounds(events, R: int) -> list:
+  """The replicas' events packed into rounds by timeline.pack_rounds, a replica's tick being the APPLY
+  of its own step: rounds of (tick mask [R], tick index [R], gid [R]) in event order. A round closes
+  before a replica ticks twice, ticks after averaging, or averages twice in it (replica r's own events
+  keep their order; different replicas' events commute until an average joins them)."""
+  ticks = [[] for _ in range(R)]  # each replica's tick indices, in its order
   for ev in events:
-    if ev[1] == clock_lib.TICK:
-      _, _, r, i = ev
-      if tick[r] or r in averaged:
-        flush()
-      tick[r], idx[r] = True, i
-    else:
-      members = ev[2]
-      if averaged.intersection(members):
-        flush()
-      gid[list(members)] = members[0]
-      averaged.update(members)
-    t = ev[0]
-  flush()
-  return rounds
+    if ev[1] == clock_lib.TICK_END:
+      ticks[ev[2]].append(ev[3])
+  steps = [(ev[0], ev[1], ev[2], ev[2]) if ev[1] == clock_lib.TICK_END else ev for ev in events]
+  out, seen = [], np.zeros(R, np.int64)  # each replica's ticks packed so far: its next tick's index
+  for r in timeline.pack_rounds(steps, R, R):
+    tick = r["apply_src"] >= 0
+    t = np.array([ticks[w][seen[w]] if tick[w] else 0 for w in range(R)], np.int64)
+    seen += tick
+    out.append({"tick": tick, "t": t, "gid": r["gid"].astype(np.int64), "time": r["time"]})
+  return out
 
 
-def make_round_fn(step):
+def make_replica_round_fn(step):
   """(state_K, x_R, y_R, t_R, tick_R, gid_R) -> (state_K, loss_R): the ticking replicas' step, then every
   stage's average by gid (gid[r] = r: no group)."""
 
@@ -155,7 +179,7 @@ class Hybrid:
   total: int
 
 
-def build(config, workdir: str | None = None) -> Hybrid:
+def build_replicas(config, workdir: str | None = None) -> Hybrid:
   """num_epochs are passes over the training set by the replicas together (data parallel: each replica
   ceil(num_batches / R) batches and its drain, R=1 the pipeline's run); with a straggler the fast
   replicas take more of the R x that ticks, as Ripples' workers do. No replica's updates are masked as
@@ -173,20 +197,20 @@ def build(config, workdir: str | None = None) -> Hybrid:
 
 
 def run(config, workdir: str | None = None) -> dict:
-  """executor=hybrid (run.EXECUTORS): the summary of simulate_and_train."""
-  return simulate_and_train(config, workdir)[0]
+  """executor=hybrid (run.EXECUTORS): the summary of simulate_replicas_and_train."""
+  return simulate_replicas_and_train(config, workdir)[0]
 
 
-def simulate_and_train(config, workdir: str | None = None):
+def simulate_replicas_and_train(config, workdir: str | None = None):
   """The clock, then the numerics, through RunLog; returns (summary, final state_K, the clock's trace)."""
   R = config.replicas.count
   workdir = make_workdir(workdir, config)
-  h = build(config, workdir)
+  h = build_replicas(config, workdir)
   p, one, schedule, per_replica, total = h.p, h.one, h.schedule, h.per_replica, h.total
   stage_s, stage_bytes = stage_costs(config, p.stages, one, p.feed.sample)
   # Every replica starts from the same parameters, as Ripples' workers do.
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one)
-  trace = clock_lib.simulate(clock_spec(config, stage_s, stage_bytes, total))
+  trace = clock_lib.simulate_replicas(clock_spec(config, stage_s, stage_bytes, total))
   logging.info(
     "hybrid %s R=%d K=%d: %d events, %.1f virtual s; stage seconds %s, bytes %s",
     config.replicas.algorithm,
@@ -199,25 +223,26 @@ def simulate_and_train(config, workdir: str | None = None):
   )
   shards = data_lib.shard_indices(p.data["y_train"], R, "iid", seed=config.seed)
   with RunLog(workdir, config, per_replica) as log:
-    cur = Loop(next_log=config.log_every, next_eval=config.eval_every)
+    cur = RoundsLoop(next_log=config.log_every, next_eval=config.eval_every)
     got = log.restore(state)
     if got is not None:
       _, state, saved = got
-      cur = Loop(**saved)
+      cur = RoundsLoop(**saved)
     with profiling.CompileCounter() as compiles:
-      round_fn = make_round_fn(h.step_fn(p.stages, p.optimizer, config, total))
-      state, cur = execute(config, p, shards, state, cur, trace, round_fn, log, schedule)
+      round_fn = make_replica_round_fn(h.step_fn(p.stages, p.optimizer, config, total))
+      state, cur = execute_rounds(config, p, shards, state, cur, trace, round_fn, log, schedule)
+    split = trace.time_split()
     summary = log.finish(
       time=trace.end_time,
-      worker_steps=trace.ticks.tolist(),
+      worker_steps=trace.worker_steps.tolist(),
       replicas=R,
       num_stages=config.num_stages,
       method=config.method,
       algorithm=config.replicas.algorithm,
-      groups=int(trace.groups),
-      compute_time=trace.compute_s.tolist(),
-      wait_time=trace.wait_s.tolist(),
-      comm_time=trace.comm_s.tolist(),
+      groups=clock_lib.averages(trace),
+      compute_time=split["compute"].tolist(),
+      wait_time=split["wait"].tolist(),
+      comm_time=split["comm"].tolist(),
       stage_s=list(stage_s),
       stage_bytes=list(stage_bytes),
       time_to_target=cur.time_to_target,
@@ -227,7 +252,7 @@ def simulate_and_train(config, workdir: str | None = None):
   return summary, state, trace
 
 
-def execute(config, p, shards, state, cur: Loop, trace, round_fn, log: RunLog, schedule):
+def execute_rounds(config, p, shards, state, cur: RoundsLoop, trace, round_fn, log: RunLog, schedule):
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   R = config.replicas.count
   offset = schedule.offsets[-1] if schedule else 0  # the last stage's labels are of batch t - offset
@@ -236,18 +261,18 @@ def execute(config, p, shards, state, cur: Loop, trace, round_fn, log: RunLog, s
   val = jax.device_put((p.data["x_val"], p.data["y_val"])) if "x_val" in p.data else None
   every, losses = config.checkpoint_every, []
   next_ckpt = (cur.ticks // R // every + 1) * every if every else None
-  rounds = pack_rounds(trace.events, R)
+  rounds = replica_rounds(trace.events, R)
   for i, r in enumerate(rounds):
     if i < cur.round:
       continue
-    x_R, y_R = batches(config, p.data, shards, r, offset)
+    x_R, y_R = replica_batches(config, p.data, shards, r, offset)
     state, loss_R = round_fn(state, x_R, y_R, r["t"], r["tick"], r["gid"])
     if r["tick"].any():
       losses.append(loss_R)
     cur.round, cur.ticks = i + 1, cur.ticks + int(r["tick"].sum())
     step, final = cur.ticks // R, i == len(rounds) - 1
     if step >= cur.next_log or step >= cur.next_eval or final:
-      record(config, cur, log, evaluate, test, val, state, step, r["time"], losses, final)
+      record_point(config, cur, log, evaluate, test, val, state, step, r["time"], losses, final)
       losses = []
       if next_ckpt is not None and (step >= next_ckpt or final):  # right after a record: no loss pending
         next_ckpt = (step // every + 1) * every
@@ -257,7 +282,7 @@ def execute(config, p, shards, state, cur: Loop, trace, round_fn, log: RunLog, s
   return state, cur
 
 
-def batches(config, data, shards, r: dict, offset: int):
+def replica_batches(config, data, shards, r: dict, offset: int):
   """x of each ticking replica's tick t (batch t of its shard's walk) and the labels of batch t - offset
   (negative: warm-up, any batch, its update masked); zeros elsewhere."""
   R, B = len(shards), config.batch_size
@@ -289,7 +314,9 @@ def run_models(config, state) -> list:
   return [own(r) for r in range(config.replicas.count)]
 
 
-def record(config, cur: Loop, log: RunLog, evaluate, test, val, state, step: int, t: float, losses, final):
+def record_point(
+  config, cur: RoundsLoop, log: RunLog, evaluate, test, val, state, step: int, t: float, losses, final
+):
   """One metrics record at `step` (virtual time t), with an evaluation when one is due."""
   cur.next_log = (step // config.log_every + 1) * config.log_every
   scalars = {}

@@ -436,9 +436,10 @@ def _pin(config, k: int) -> None:
   pin_threads({cores[k % len(cores)]})
 
 
-def _per_process(K: int, device):
-  """RunLog's per_process triple: this stage's state as its row of (stages, ...) arrays and back."""
-  mesh = Mesh(np.array([[stage_device(j)] for j in range(K)]), (WORKER, LOCAL))
+def checkpoint_rows(processes, device):
+  """RunLog's per_process triple: this stage's state as its row of (stages, ...) arrays and back, a row
+  per stage process (`processes`: their indices; the hybrid's replicas' stages too)."""
+  mesh = Mesh(np.array([[stage_device(j)] for j in processes]), (WORKER, LOCAL))
   local = SingleDeviceSharding(device)
   # The saver thread hands host copies: back on the stage's device first.
   return (
@@ -577,7 +578,7 @@ def run(config, workdir: str) -> dict:
     is_lead=sp.last,
     checkpoint_every=config.checkpoint_every,
     checkpoint_keep=config.checkpoint_keep,
-    per_process=_per_process(K, sp.device),
+    per_process=checkpoint_rows(range(K), sp.device),
   ) as log:
     loop = _resume(sp, log, kv)
     if loop.tick >= p.num_batches + drain:
