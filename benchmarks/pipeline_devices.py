@@ -74,13 +74,13 @@ class Method:
   """One variant on the devices: its stages, placed state and tick, advanced a block at a time."""
 
   def __init__(self, base, name: str):
-    from ripples_jax import workload
     from ripples_jax.config import validate_dsp_config
     from ripples_jax.pipeline import baselines, devices, methods
+    from ripples_jax.pipeline import inputs as pipeline_inputs
 
     self.config = c = variant_config(base, name)
     validate_dsp_config(c)
-    p = workload.build_pipeline(c)
+    p = pipeline_inputs.build_pipeline(c)
     self.stages, self.optimizer, self.feed, self.n = p.stages, p.optimizer, p.feed, p.num_batches
     init_fn = baselines.METHODS[c.method][0]
     state = init_fn(p.stages, p.optimizer, c, jax.random.key(c.seed), p.feed.sample, p.data["num_classes"])

@@ -12,11 +12,11 @@ import pytest
 from configs import dsp as dsp_config
 from ripples_jax import data as data_lib
 from ripples_jax import run as run_lib
-from ripples_jax import workload
 from ripples_jax.config import ConfigError, validate_dsp_config
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.hybrid import sim as hybrid
 from ripples_jax.pipeline import baselines
+from ripples_jax.pipeline import inputs as pipeline_inputs
 from ripples_jax.schedule import group_gen
 from ripples_jax.schedule.static import allreduce_layouts
 
@@ -72,7 +72,7 @@ def test_one_replica_is_the_pipeline(tmp_path, method):
   summary, state, trace = hybrid.simulate_replicas_and_train(config, str(tmp_path / "h"))
   assert summary["groups"] == 0 and len(trace.events) == trace.worker_steps[0]
   # The reference walks the pipeline's own feed (setup.Feed: the whole set, one stream).
-  p = workload.build_pipeline(config)
+  p = pipeline_inputs.build_pipeline(config)
   init_fn, step_fn = baselines.METHODS[method]
   ref = init_fn(p.stages, p.optimizer, config, jax.random.key(0), p.feed.sample, p.data["num_classes"])
   schedule = baselines.schedule_of(config)

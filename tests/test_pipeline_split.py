@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from configs import dsp as dsp_config
-from ripples_jax import workload
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import MODEL_NAMES, apply_model, build_model, init_model, num_params, profile, split
+from ripples_jax.pipeline import inputs as pipeline_inputs
 from ripples_jax.runlog import records
 
 B = 2
@@ -276,7 +276,7 @@ def test_partition_prefers_cuts_within_slack():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The split by measured time (models/profile.py), cached per machine, pinned per run (workload.py).
+# The split by measured time (models/profile.py), cached per machine, pinned per run (pipeline/inputs.py).
 
 
 def test_unit_times_measure_every_unit():
@@ -312,14 +312,14 @@ def test_measured_costs_are_cached_and_a_run_keeps_its_split(tmp_path, monkeypat
   shape = (8, 8, 1)
   run = str(tmp_path / "run")
   os.makedirs(run)
-  first = workload.split_stages(config, 10, shape, run)
+  first = pipeline_inputs.split_stages(config, 10, shape, run)
   assert [len(s.units) for s in first] == [3, 1] and calls == [4]
-  assert workload.split_stages(config, 10, shape) and calls == [4]  # cached: not measured again
+  assert pipeline_inputs.split_stages(config, 10, shape) and calls == [4]  # cached: not measured again
   # Another machine (a new cache) measures other costs: a fresh split follows them, the run keeps its own.
   monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache2"))
   _fake_times(monkeypatch, [3.0, 1.0, 1.0, 1.0], calls, forward=[0.0] * 4)
-  assert [len(s.units) for s in workload.split_stages(config, 10, shape)] == [1, 3]
-  assert [len(s.units) for s in workload.split_stages(config, 10, shape, run)] == [3, 1]
+  assert [len(s.units) for s in pipeline_inputs.split_stages(config, 10, shape)] == [1, 3]
+  assert [len(s.units) for s in pipeline_inputs.split_stages(config, 10, shape, run)] == [3, 1]
   assert json.load(open(os.path.join(run, "split.json")))["ranges"] == [[0, 3], [3, 4]]
 
 
@@ -327,8 +327,8 @@ def test_a_run_from_before_pinned_splits_resumes_with_the_macs_split(tmp_path, m
   monkeypatch.setenv("RIPPLES_JAX_CACHE", str(tmp_path / "cache"))
   _fake_times(monkeypatch, [1.0, 1.0, 1.0, 30.0], [])
   config = dsp_config.get_config("model=cnn2d,num_stages=2")
-  monkeypatch.setattr(workload, "newest_meta", lambda workdir: {"step": 1})  # it holds a checkpoint
-  got = workload.split_stages(config, 10, (32, 32, 3), str(tmp_path))
+  monkeypatch.setattr(pipeline_inputs, "newest_meta", lambda workdir: {"step": 1})  # it holds a checkpoint
+  got = pipeline_inputs.split_stages(config, 10, (32, 32, 3), str(tmp_path))
   macs = split.split_model("cnn2d", 10, 2, sample_shape=(32, 32, 3))
   assert [s.units for s in got] == [s.units for s in macs]
   assert json.load(open(tmp_path / "split.json"))["split"] == "macs"
@@ -339,11 +339,11 @@ def test_a_pinned_split_of_another_run_is_refused_in_one_line(tmp_path, monkeypa
   _fake_times(monkeypatch, [1.0, 1.0, 1.0, 3.0], [])
   run = str(tmp_path / "run")
   os.makedirs(run)
-  workload.split_stages(dsp_config.get_config("model=cnn2d,num_stages=2"), 10, (8, 8, 1), run)
+  pipeline_inputs.split_stages(dsp_config.get_config("model=cnn2d,num_stages=2"), 10, (8, 8, 1), run)
   with pytest.raises(
     ConfigError, match=r"split.json holds the split of cnn2d into 2 stages, not cnn2d into 3"
   ):
-    workload.split_stages(dsp_config.get_config("model=cnn2d,num_stages=3"), 10, (8, 8, 1), run)
+    pipeline_inputs.split_stages(dsp_config.get_config("model=cnn2d,num_stages=3"), 10, (8, 8, 1), run)
 
 
 def test_the_last_stage_has_costs_of_its_own():
@@ -375,4 +375,4 @@ def test_the_split_balances_each_methods_own_work(tmp_path, monkeypatch, method,
   config = dsp_config.get_config(f"model=cnn2d,num_stages=2,method={method},mode={mode}")
   config.placement = placement
   _fake_times(monkeypatch, [1.0] * 4, [], forward=[1.0] * 4)
-  assert [len(s.units) for s in workload.split_stages(config, 10, (8, 8, 1))] == want
+  assert [len(s.units) for s in pipeline_inputs.split_stages(config, 10, (8, 8, 1))] == want

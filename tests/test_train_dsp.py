@@ -195,13 +195,14 @@ def test_evaluations_come_at_eval_every_whatever_log_every(tmp_path):
 @pytest.mark.slow  # in process, too long for the fast tier
 def test_validation_is_held_out_of_training_and_evaluated_beside_test(tmp_path):
   from ripples_jax import data as data_lib
-  from ripples_jax import run, workload
+  from ripples_jax import run
+  from ripples_jax.pipeline import inputs as pipeline_inputs
 
   config = dsp_config.get_config("method=dsp,num_stages=2,dataset=synthetic,model=mlp,epochs=1")
   config.synthetic.num_train, config.validation_examples = 256, 64
   config.log_every = config.eval_every = 2
   config.checkpoint_every = 0
-  p = workload.build_pipeline(config)
+  p = pipeline_inputs.build_pipeline(config)
   full = data_lib.load_dataset("synthetic", seed=config.seed, **dict(config.synthetic))
   assert len(p.data["y_train"]) == 192 and p.num_batches == 192 // config.batch_size
   run.train_and_evaluate(config, str(tmp_path))

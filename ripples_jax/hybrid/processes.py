@@ -287,7 +287,7 @@ class StageProcess:
   r: int
   k: int
   workdir: str
-  p: object  # the pipeline's set-up (workload.build_pipeline)
+  p: object  # the pipeline's set-up (pipeline_inputs.build_pipeline)
   clock: object = None  # the run's time, from the start barrier on
 
 

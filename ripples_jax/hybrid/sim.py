@@ -21,10 +21,11 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ripples_jax import algorithms, collectives, profiling, timeline, workload
+from ripples_jax import algorithms, collectives, profiling, timeline
 from ripples_jax import data as data_lib
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.pipeline import baselines, timing
+from ripples_jax.pipeline import inputs as pipeline_inputs
 from ripples_jax.runlog import RunLog, make_workdir
 from ripples_jax.schedule.static import default_grid
 
@@ -171,7 +172,7 @@ class Hybrid:
   """What both hybrid executors build first: the pipeline's setup, one replica's initial state, the
   method's step maker and schedule, and the budget of ticks (per replica and in all)."""
 
-  p: workload.PipelineSetup
+  p: pipeline_inputs.PipelineSetup
   one: list
   step_fn: object
   schedule: object
@@ -186,7 +187,7 @@ def build_replicas(config, workdir: str | None = None) -> Hybrid:
   past the end (the step's num_batches is the run's ticks): a replica's stream of batches is its
   shard's endless walk, and what is in flight at the end is not applied."""
   R = config.replicas.count
-  p = workload.build_pipeline(config, workdir)
+  p = pipeline_inputs.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
   one = init_fn(
     p.stages, p.optimizer, config, jax.random.key(config.seed), p.feed.sample, p.data["num_classes"]

@@ -6,7 +6,7 @@ Each unit's forward and backward (one jitted vjp, as a stage's backward runs it)
 run's shape, each unit on the previous unit's output, the units timed round-robin and the median kept,
 so drift on a shared machine hits every unit alike. Multiply-accumulates mislead on a CPU: a first
 convolution over a wide input with few channels is cheap in MACs and expensive in time (memory-bound).
-workload.build_pipeline caches the figures once per machine and pins the split a run used in its workdir.
+pipeline/inputs.py caches the figures once per machine and pins the split a run used in its workdir.
 """
 
 import time

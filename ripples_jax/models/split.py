@@ -18,7 +18,7 @@ and `params_from_model` / `params_to_model` convert by name, not by leaf order
 (flattening sorts keys, and "Dense_10" < "Dense_2").
 
 Balancing rule. Each unit has a cost: by default its measured seconds of
-forward and backward on a batch (models/profile.py; workload.build_pipeline caches
+forward and backward on a batch (models/profile.py; pipeline/inputs.py caches
 them per machine and pins a run's split in its workdir), plus its forward again
 in every stage but the last where the method recomputes its forward in the
 backward (`method_costs`: DSP's recompute and fused modes, stash, GPipe's remat;

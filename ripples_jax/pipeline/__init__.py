@@ -1,6 +1,6 @@
 """DSP and its baselines: model-parallel pipelines with layer-wise staleness (docs/design.md 4).
 
-(models/split.py splits a model into K depth-wise stages; workload.build_pipeline builds the inputs)
+(models/split.py splits a model into K depth-wise stages; inputs.build_pipeline builds the inputs)
 methods.py    every method's record: what it is (label, step, placements, link delays, ring, shape in
               the timing model), the one place a method is registered
 tick.py       the tick (bp, dsp, ddg, fr through link delays), the staleness ring buffers

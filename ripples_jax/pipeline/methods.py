@@ -3,7 +3,7 @@
 Everything that used to keep its own list or compare a method's name reads these records: the validator
 (which placements run it, its allowed-values messages), docs/config.md, the tick's link schedule
 (tick.method_schedule), the table of steps (baselines.METHODS, devices.STEPS), the timing model
-(timing.py's shapes and backward work), the split's balance (workload.recomputes) and the studies'
+(timing.py's shapes and backward work), the split's balance (inputs.recomputes) and the studies'
 labels.
 
 Adding a method on DSP's tick: a record with step=TICK, its link delays and ring mode; nothing else. A

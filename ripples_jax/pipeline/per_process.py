@@ -51,7 +51,6 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ripples_jax import losses as losses_lib  # 'losses' names the stage's loss lists here
-from ripples_jax import workload
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
@@ -60,6 +59,7 @@ from ripples_jax.distributed.markers import fail_now
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import apply_model
 from ripples_jax.pipeline import gpipe, timing
+from ripples_jax.pipeline import inputs as pipeline_inputs
 from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline.baselines import schedule_of
 from ripples_jax.pipeline.link import Link, LinkThread, stage_device
@@ -462,7 +462,9 @@ def _resume(sp: Stage, log: RunLog, kv) -> Loop:
   return loop
 
 
-def _record(sp: Stage, log: RunLog, p: workload.PipelineSetup, clock, loop: Loop, done: int, losses: list):
+def _record(
+  sp: Stage, log: RunLog, p: pipeline_inputs.PipelineSetup, clock, loop: Loop, done: int, losses: list
+):
   """At a logged batch: the evaluation (every stage, at eval points), the lead's record."""
   config, n = sp.config, p.num_batches
   scalars = {"epoch": done / p.batches_per_epoch}
@@ -477,7 +479,7 @@ def _record(sp: Stage, log: RunLog, p: workload.PipelineSetup, clock, loop: Loop
   log.record(done, clock(), **scalars)
 
 
-def _loop(sp: Stage, log: RunLog, p: workload.PipelineSetup, loop: Loop, progress: dict) -> None:
+def _loop(sp: Stage, log: RunLog, p: pipeline_inputs.PipelineSetup, loop: Loop, progress: dict) -> None:
   """Ticks (gpipe: batches) from loop.tick to the end of the drain."""
   config, n, feed = sp.config, p.num_batches, p.feed
   sch = sp.schedule
@@ -566,7 +568,7 @@ def run(config, workdir: str) -> dict:
   sigterm = coord.SigtermStop().install()  # SIGTERM ends this stage: one line, coord.EXIT_TERM
   _pin(config, k)  # first: a stage measuring the split's unit times does so on its own core
   workdir = make_workdir(workdir, config)
-  p = workload.build_pipeline(config, workdir)  # every stage reads the one split.json
+  p = pipeline_inputs.build_pipeline(config, workdir)  # every stage reads the one split.json
   kv = coord.client()
   sp = Stage(config, p.stages, p.optimizer, p.num_batches, p.feed.sample, p.data["x_test"])
   rt = config.runtime
@@ -630,7 +632,9 @@ def _exchange_timings(sp: Stage, kv, mine: dict, workdir: str, progress: dict) -
   return timings
 
 
-def _summary(sp: Stage, log: RunLog, p: workload.PipelineSetup, loop: Loop, timings: list, workdir: str):
+def _summary(
+  sp: Stage, log: RunLog, p: pipeline_inputs.PipelineSetup, loop: Loop, timings: list, workdir: str
+):
   config = sp.config
   if not sp.last:
     return {"method": config.method, "stage": sp.k, "workdir": workdir, "time": loop.time}

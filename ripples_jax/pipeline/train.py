@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ripples_jax import workload
 from ripples_jax.pipeline import baselines, devices, methods, tick, timing
+from ripples_jax.pipeline import inputs as pipeline_inputs
 from ripples_jax.runlog import RunLog, make_workdir
 
 
@@ -130,8 +130,8 @@ def _loop(log, config, run, state, cursor: Loop):
 
 def _setup(config, workdir: str | None = None):
   """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile (with a workdir,
-  the split the run first used: workload.split_stages)."""
-  p = workload.build_pipeline(config, workdir)
+  the split the run first used: pipeline_inputs.split_stages)."""
+  p = pipeline_inputs.build_pipeline(config, workdir)
   init_fn, step_fn = baselines.METHODS[config.method]
   if config.placement == "devices":  # validated: the method runs there
     step_fn = devices.STEPS[methods.get(config.method).step_in("devices")]

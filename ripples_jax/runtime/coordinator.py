@@ -162,6 +162,24 @@ def record_start(workdir: str, run_time: float) -> None:
     f.write(json.dumps({"wall": time.time(), "run": run_time}) + "\n")
 
 
+def await_end(config, kv, watchdog, authority, server, workdir: str) -> None:
+  """The run's end: the server's last pull, every worker done or gone, the authority settled, then the
+  end barrier (elastic: the ENDED key instead)."""
+  rt = config.runtime
+  if server is not None:  # the server ends with the run's last pull (ps_async: every worker's DONE)
+    while not server.join(1.0):
+      pass
+    if server.error is not None:
+      raise RuntimeError(f"the parameter server stopped: {server.error}")
+  await_workers(watchdog, authority, workdir, 10 * rt.stall_timeout)
+  if authority is not None:
+    authority.settle()
+  if rt.elastic:  # every worker done or gone: a barrier's fixed membership would wait for the dead
+    kv.key_value_set(membership.ENDED, "1")
+  else:
+    kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+
+
 def run(config, workdir: str) -> dict:
   """The coordinator of an executor=async run; returns the run's summary."""
   rt, n = config.runtime, config.num_workers
@@ -223,18 +241,7 @@ def run(config, workdir: str) -> dict:
       target=follow, args=(log, watchdog, authority, config.num_steps, stop), daemon=True
     ).start()
     try:
-      if server is not None:  # the server ends with the run's last pull (ps_async: every worker's DONE)
-        while not server.join(1.0):
-          pass
-        if server.error is not None:
-          raise RuntimeError(f"the parameter server stopped: {server.error}")
-      await_workers(watchdog, authority, workdir, 10 * rt.stall_timeout)
-      if authority is not None:
-        authority.settle()
-      if rt.elastic:  # every worker done or gone: a barrier's fixed membership would wait for the dead
-        kv.key_value_set(membership.ENDED, "1")
-      else:
-        kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+      await_end(config, kv, watchdog, authority, server, workdir)
     except Exception:
       watchdog.await_verdict(rt.heartbeat_timeout + 3 * rt.heartbeat_s)  # a lost worker is named first
       raise
