@@ -47,25 +47,26 @@ from experiments.ledger_tta import (
   variant,
 )
 from experiments.study import tuning_score
-from ripples_jax import verdict
+from ripples_jax import algorithms, verdict
 from ripples_jax.runlog import write_json
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.tables import Table
 
 # The algorithms (runs.json's names: ledger_tta.variant) and their names in the tables. DiLoCo's outer
 # step size is tuned (OUTER_GRID): the chosen variant's name holds it.
+_label = lambda name, extra="": algorithms.get(name).label + extra  # noqa: E731  (the registry's label)
 ALGORITHMS = {
-  "allreduce": "All-Reduce",
-  "ripples_smart": "Smart GG",
-  "ripples_smart/schedule.smart_fresh=True": "Smart GG (fresh)",
-  "ripples_random": "Random GG",
-  "adpsgd": "AD-PSGD",
-  "diloco/inner_steps=4": "DiLoCo H=4",
-  "diloco/inner_steps=16": "DiLoCo H=16",
-  "diloco/inner_steps=64": "DiLoCo H=64",
-  "moshpit": "Moshpit",
-  "ps_sync": "sync PS",
-  "ps_async": "async PS",
+  "allreduce": _label("allreduce"),
+  "ripples_smart": _label("ripples_smart"),
+  "ripples_smart/schedule.smart_fresh=True": _label("ripples_smart", " (fresh)"),
+  "ripples_random": _label("ripples_random"),
+  "adpsgd": _label("adpsgd"),
+  "diloco/inner_steps=4": _label("diloco", " H=4"),
+  "diloco/inner_steps=16": _label("diloco", " H=16"),
+  "diloco/inner_steps=64": _label("diloco", " H=64"),
+  "moshpit": _label("moshpit"),
+  "ps_sync": _label("ps_sync"),
+  "ps_async": _label("ps_async"),
 }
 # At 256 workers a run costs 1-3 core-minutes: every algorithm but Smart GG (fresh), which only
 # reorders a repeated group and 256 workers in groups of 3 repeat none (results/baselines/README.md).

@@ -33,17 +33,14 @@ from configs import dsp as dsp_config
 from experiments import study as study_lib
 from experiments.ledger_claims import SETTINGS
 from experiments.study import crossing, final, tuning_score
-from ripples_jax import verdict
+from ripples_jax import algorithms, verdict
 from ripples_jax.runlog import write_json
 from ripples_jax.tables import Table
 
 TUNE_SEEDS = (100, 101)
-ALGORITHMS = {
-  "ripples_smart": "Smart GG",
-  "ripples_random": "Random GG",
-  "allreduce": "All-Reduce",
-  "none": "no averaging",
-}
+# The registry's labels (replicas.algorithm: every algorithm with groups runs; these four are studied).
+ALGORITHMS = {a: algorithms.get(a).label for a in ("ripples_smart", "ripples_random", "allreduce")}
+ALGORITHMS["none"] = "no averaging"
 # name: (slow (replica, stage) or (), slowdown, rotate_every virtual s)
 SCENARIOS = {
   "homogeneous": ((), 1.0, 0.0),

@@ -7,7 +7,7 @@ import numpy as np
 from experiments.ledger_claims import fmt
 from experiments.ledger_tta import run_key, tta_ratios
 from experiments.study import accuracy_at
-from ripples_jax import verdict
+from ripples_jax import algorithms, verdict
 from ripples_jax.tables import Table
 
 # The paper's accuracy after a fixed time: ResNet-50 on ImageNet, top-1 after 10 hours (body, from a
@@ -95,7 +95,7 @@ def scale_table(ledger_out: dict, tta_out: dict | None, target: float) -> Table:
     elif "allreduce" in t and "ripples_smart" in t:  # run, but one of them missed the target
       cell = "not reached: " + ", ".join(
         f"{label} {sum(x is not None for x in t[a]['time'])}/{len(t[a]['time'])}"
-        for a, label in (("ripples_smart", "Smart GG"), ("allreduce", "All-Reduce"))
+        for a, label in ((a, algorithms.get(a).label) for a in ("ripples_smart", "allreduce"))
       )
     else:
       cell = "-"
