@@ -21,9 +21,14 @@ from absl import flags
 from ml_collections import config_flags
 
 from ripples_jax import config_doc, runlog
-from ripples_jax.config import collective_timeout_s
 from ripples_jax.data import DatasetError
-from ripples_jax.distributed.host import init_distributed, quiet_library_logs, recoverable, use_cpu_devices
+from ripples_jax.distributed.host import (
+  collective_timeout_s,
+  init_distributed,
+  quiet_library_logs,
+  recoverable,
+  use_cpu_devices,
+)
 from ripples_jax.errors import ConfigError
 
 from .config_args import config_spec, shipped_configs

@@ -15,6 +15,7 @@ from ripples_jax import algorithms
 from ripples_jax.algorithms import STATIC_LAYOUTS
 from ripples_jax.data import DATASET_NAMES as DATASETS
 from ripples_jax.data import SHARD_MODES as DATA_SHARDINGS
+from ripples_jax.distributed.host import collective_timeout_s
 from ripples_jax.engine import PREDUCE_IMPLS
 from ripples_jax.errors import ON_CONFIG_CHANGE, ConfigError  # noqa: F401  (re-exported)
 from ripples_jax.models import MODEL_NAMES
@@ -243,12 +244,6 @@ def _check_runtime(config):
       f"seconds > 2 x runtime.heartbeat_timeout={rt.heartbeat_timeout} with runtime.elastic (the collective "
       "timeout: the survivors wait that long in an exchange with a stalled worker)",
     )
-
-
-def collective_timeout_s(rt) -> float:
-  """An elastic run's collective timeout (--xla_cpu_collective_timeout_seconds, host.recoverable):
-  longer than a removal takes, so a stalled peer is gone by the time its exchanges fail."""
-  return 2 * rt.heartbeat_timeout
 
 
 # Why elastic runs on the CPU only (docs/design.md 3.12).

@@ -54,6 +54,13 @@ def size_cpu_pool(devices: int) -> None:
   os.environ.setdefault("NPROC", str(cpu_pool_size(devices)))
 
 
+def collective_timeout_s(rt) -> float:
+  """An elastic run's collective timeout (--xla_cpu_collective_timeout_seconds, `recoverable`): longer
+  than a removal takes, so a stalled peer is gone by the time its exchanges fail (config.py checks
+  runtime.stall_timeout against it; the runtime sets it)."""
+  return 2 * rt.heartbeat_timeout
+
+
 def recoverable(collective_timeout_s: float) -> None:
   """Elastic membership (runtime.elastic; docs/design.md 3.8): the survivors of a dead process live on
   (jax_enable_recoverability, before jax.distributed.initialize), and a collective whose peer never

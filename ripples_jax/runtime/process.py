@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from ripples_jax import data as data_lib
 from ripples_jax import engine, optim, workload
-from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
+from ripples_jax.distributed.host import collective_timeout_s
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import diloco, membership

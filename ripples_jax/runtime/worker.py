@@ -25,9 +25,9 @@ from absl import logging
 
 from ripples_jax import algorithms
 from ripples_jax import checkpoint as ckpt_lib
-from ripples_jax.config import collective_timeout_s
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
+from ripples_jax.distributed.host import collective_timeout_s
 from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runlog import RunLog
 from ripples_jax.runtime import authority as authority_lib
