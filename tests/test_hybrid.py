@@ -420,3 +420,27 @@ def test_devices_cut_and_resume(tmp_path):
     rtol=1e-6,
     atol=1e-7,
   )
+
+
+@pytest.mark.parametrize(
+  "algorithm,golden",
+  [
+    ("ripples_random", "a548a1edf468ef99"),
+    ("ripples_smart", "cee0919695df9074"),
+    ("ripples_static", "caa3f140bb33715e"),
+  ],
+)
+def test_the_clock_is_the_golden_one(algorithm, golden):
+  """A canary: the hybrid's clock (R=4, K=2, a rotating 3x device, jitter, sync every 2 ticks) makes
+  the events it made before it drove schedule/online.Service and recorded timeline.Trace (the hashes
+  of the fourth pass's first commit, b08d98f, its events as ("tick" | "avg") tuples)."""
+  import hashlib
+
+  c = dsp_config.get_config("method=dsp,num_stages=2,dataset=synthetic,model=mlp,epochs=4")
+  c.replicas.update(count=4, algorithm=algorithm, group_size=3, workers_per_node=2, slow=(0, 1), slowdown=3.0)
+  c.replicas.update(rotate_every=0.5, jitter=0.05, sync_every=2)
+  trace = clock_lib.simulate_replicas(hybrid.clock_spec(c, (0.1, 0.12), (4e6, 4e6), 400))
+  events = [
+    (e[0], "tick", e[2], e[3]) if e[1] == clock_lib.TICK_END else (e[0], "avg", e[2]) for e in trace.events
+  ]
+  assert hashlib.sha256(repr(events).encode()).hexdigest()[:16] == golden
