@@ -26,6 +26,10 @@ SYNC, DILOCO, ADPSGD, PS_ASYNC, GROUP_BUFFER = "sync", "diloco", "adpsgd", "ps_a
 # The asynchronous runtime's roles (run.py dispatches on them): groups through the Group Buffer or a fixed
 # schedule (runtime/worker.py), AD-PSGD's pairs (runtime/adpsgd.py), a parameter server (runtime/ps.py).
 GROUPS, PAIRS, SERVER = "groups", "pairs", "server"
+# The model a user can deploy (docs/design.md 3.14): every worker holds it (HELD: All-Reduce's, a
+# server's), DiLoCo's global model after its last outer step (GLOBAL), or the workers' mean, which one
+# All-Reduce builds and the simulator charges at each evaluation (BUILT: gossip and group methods).
+HELD, GLOBAL, BUILT = "held", "global", "built"
 STATIC_LAYOUTS = ("node", "hypercube")
 
 
@@ -46,6 +50,7 @@ class Algorithm:
   no_elastic: str | None = None  # why it cannot run with runtime.elastic (None: it can)
   no_leave: str | None = None  # why the simulator's hetero.leave cannot apply to it (None: it can)
   average_last: bool = False  # the runtime averages after the last step too (DiLoCo's final outer step)
+  consensus: str = BUILT  # how the deployable model is had: HELD, GLOBAL or BUILT (one All-Reduce)
 
   @property
   def dynamic(self) -> bool:
@@ -79,6 +84,16 @@ def _smart(config, rng):
   )
 
 
+def _moshpit(config, rng):
+  """Moshpit's lockstep rounds (moshpit.window 0 or absent: every earlier figure) or, with a window, its
+  published matchmaking (group_gen.moshpit_window_gg)."""
+  m = config.moshpit
+  layouts = grid_layouts(m.grid)
+  if not m.get("window", 0.0):
+    return group_gen.moshpit_gg(layouts)
+  return group_gen.moshpit_window_gg(layouts, m.window, m.get("max_gap", 4))
+
+
 _EVERY_WORKER = "every step averages over all workers, so no step can exclude a dead one"
 _RESTART_ALL = "(its elastic form is the restart of every worker from the newest checkpoint: "
 _RESTART_ALL += "experiments.launch --max_restarts)"
@@ -94,6 +109,7 @@ REGISTRY = (
     layouts=lambda c: allreduce_layouts(c.num_workers),
     no_elastic=f"{_EVERY_WORKER} {_RESTART_ALL}",
     no_leave="its every-worker collective cannot go on without a member",
+    consensus=HELD,
   ),
   Algorithm(
     "ps_sync",
@@ -104,6 +120,7 @@ REGISTRY = (
     no_elastic="its step waits for every worker's push, and its server is the coordinator, whose loss "
     "ends the run (runtime/ps.py)",
     no_leave="its synchronous step waits for every worker",
+    consensus=HELD,
   ),
   Algorithm(
     "ps_async",
@@ -111,9 +128,11 @@ REGISTRY = (
     PS_ASYNC,
     ("sim", "async"),
     SERVER,
+    keys=("ps.staleness", "ps.server_momentum"),
     min_workers=2,
     no_elastic="its server is the coordinator, whose loss ends the run, and a dead worker's request "
     "would hold the server in its exchange (runtime/ps.py)",
+    consensus=HELD,  # the server's model
   ),
   Algorithm("adpsgd", "AD-PSGD", ADPSGD, ("sim", "async"), PAIRS, min_workers=2),
   Algorithm("dpsgd", "D-PSGD", SYNC, no_leave="its fixed ring cannot exclude a member"),
@@ -165,6 +184,7 @@ REGISTRY = (
     no_elastic=f"its outer step all-reduces over every worker {_RESTART_ALL}",
     no_leave="its outer step all-reduces over every worker and waits for the slowest",
     average_last=True,
+    consensus=GLOBAL,
   ),
   Algorithm(
     "moshpit",
@@ -172,8 +192,8 @@ REGISTRY = (
     GROUP_BUFFER,
     ("sim", "async"),
     GROUPS,
-    generator=lambda c, rng: group_gen.moshpit_gg(grid_layouts(c.moshpit.grid)),
-    keys=("moshpit.grid",),
+    generator=_moshpit,
+    keys=("moshpit.grid", "moshpit.window", "moshpit.max_gap"),
   ),
 )
 BY_NAME = {a.name: a for a in REGISTRY}

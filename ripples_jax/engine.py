@@ -156,8 +156,8 @@ WORKER_CHUNK = 256
 
 def make_eval_fn(model) -> Callable:
   """Returns eval(state, x_NxI, y_N, workers=True) -> dict of the averaged model's accuracy and loss,
-  the consensus distance and (workers=True) the workers' own mean accuracy, the costly part: one
-  forward pass per worker."""
+  the consensus distance and (workers=True) the workers' own models' accuracies (mean, median worker,
+  worst worker), the costly part: one forward pass per worker."""
 
   def scores(params, model_state, x, y):
     logits, _ = apply_model(model, params, model_state, x, train=False)
@@ -168,7 +168,8 @@ def make_eval_fn(model) -> Callable:
   @jax.jit
   def own(params, model_state, x, y):
     per = lambda pm: scores(pm[0], pm[1], x, y)[0]
-    return jnp.mean(jax.lax.map(per, (params, model_state), batch_size=WORKER_CHUNK))
+    acc_W = jax.lax.map(per, (params, model_state), batch_size=WORKER_CHUNK)
+    return jnp.mean(acc_W), jnp.median(acc_W), jnp.min(acc_W)
 
   @jax.jit
   def summary(state):
@@ -188,7 +189,12 @@ def make_eval_fn(model) -> Callable:
     out = {"test_accuracy": acc, "test_loss": loss, "consensus_distance": distance}
     if workers:
       k = min(n, WORKER_EVAL_EXAMPLES)
-      out["worker_test_accuracy"] = own(state["params"], state["model_state"], x[:k], y[:k])
+      # The workers' own models (what a worker holds and could deploy): their mean, the median worker
+      # and the worst, on the first k test examples.
+      mean, median, worst = own(state["params"], state["model_state"], x[:k], y[:k])
+      out.update(
+        worker_test_accuracy=mean, worker_median_test_accuracy=median, worker_min_test_accuracy=worst
+      )
     return out
 
   return eval_fn
@@ -234,6 +240,15 @@ def _masked(mask, new, old):
   return jax.tree.map(lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
 
 
+def _scaled(grads, scale):
+  """Each slot's gradient times its scale (ps.staleness=divide: 1 / the gradient's staleness, so an SGD
+  optimizer applies it at lr / staleness). None traces nothing: the rounds of every other run are the
+  programs they always were."""
+  if scale is None:
+    return grads
+  return jax.tree.map(lambda a: a * scale.reshape((-1,) + (1,) * (a.ndim - 1)).astype(a.dtype), grads)
+
+
 def _reset(optimizer, reset, params, opt_state):
   """Fresh optimizer state (optimizer.init: zero momentum) where `reset`: a rejoined worker (docs/design.md
   3.10), its learning-rate schedule kept at its own step count (optim.at_schedule_step). None traces
@@ -263,10 +278,11 @@ def make_sim_round_fn(
   outer: tuple[float, float] | None = None,
 ) -> Callable:
   """Returns jitted round(state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S,
-  reset_S=None, outer_now=False).
+  reset_S=None, outer_now=False, scale_S=None).
 
   One round executes a packed batch of clock events in four phases, each at most once per slot:
-    A apply:   slot s applies the pending gradient of slot apply_src[s] (-1: none) with its own optimizer
+    A apply:   slot s applies the pending gradient of slot apply_src[s] (-1: none) with its own optimizer,
+               the gradient times scale_S[s] first (ps.staleness=divide: 1 / its staleness; None: as is)
     B average: segment mean of params and model state over group ids gid (own id: untouched), or the
                D-PSGD ring average of the first num_workers slots when ring_now, or, with `outer` =
                (lr, momentum) and outer_now, DiLoCo's outer step (diloco_outer_step; the state then
@@ -287,7 +303,17 @@ def make_sim_round_fn(
   masked = _masked
 
   def round_fn(
-    state, x_SxB, y_SxB, apply_src_S, gid_S, ring_now, pull_src_S, start_S, reset_S=None, outer_now=False
+    state,
+    x_SxB,
+    y_SxB,
+    apply_src_S,
+    gid_S,
+    ring_now,
+    pull_src_S,
+    start_S,
+    reset_S=None,
+    outer_now=False,
+    scale_S=None,
   ):
     params, model_state, opt_state, grads = (
       state[k] for k in ("params", "model_state", "opt_state", "grads")
@@ -297,6 +323,7 @@ def make_sim_round_fn(
     g = grads
     if cross_apply:
       g = jax.tree.map(lambda a: jnp.take(a, jnp.where(has, apply_src_S, ar), axis=0), grads)
+    g = _scaled(g, scale_S)
     updates, new_opt = jax.vmap(optimizer.update)(g, opt_state, params)
     params = masked(has, jax.vmap(optax.apply_updates)(params, updates), params)
     opt_state = masked(has, new_opt, opt_state)
@@ -333,30 +360,32 @@ def make_compact_round_fn(
   model, optimizer: optax.GradientTransformation, mesh: Mesh, num_slots: int
 ) -> Callable:
   """Returns jitted round(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C,
-  reset_C=None).
+  reset_C=None, scale_C=None).
 
   The phases of `make_sim_round_fn` (apply < average < pull < start) on the C slots a round touches
   only, gathered from the stacked state by idx_C and scattered back, so a round costs what its events
   do, not what all the slots would. idx_C lists the touched slots in increasing order, padded with
   num_slots (its gathers clip, its scatters are dropped); apply_src_C holds global slot ids (-1: none;
   a source's pending gradient is read from the full state), gid_C and pull_src_C positions in idx_C (a
-  group's id is its first member's position; padding has its own). Every touched slot sees what the
-  full round computes for it, in the same order of its members' sums; untouched slots are not read or
-  written. One program per C: callers round C up to a power of two (sim.compact_round), so a run
-  compiles at most log2(num_slots) + 1 of them. The D-PSGD ring touches every worker: it stays on the
-  full round.
+  group's id is its first member's position; padding has its own), scale_C per position (the full
+  round's scale_S). Every touched slot sees what the full round computes for it, in the same order of
+  its members' sums; untouched slots are not read or written. One program per C: callers round C up
+  to a power of two (sim.compact_round), so a run compiles at most log2(num_slots) + 1 of them. The
+  D-PSGD ring touches every worker: it stays on the full round.
   """
   grad_step = functools.partial(_grad_step, model)
   masked = _masked
 
-  def round_fn(state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C, reset_C=None):
+  def round_fn(
+    state, idx_C, x_CxB, y_CxB, apply_src_C, gid_C, pull_src_C, start_C, reset_C=None, scale_C=None
+  ):
     take = lambda t, i: jax.tree.map(lambda a: jnp.take(a, i, axis=0, mode="clip"), t)
     params, model_state, opt_state, grads = (
       take(state[k], idx_C) for k in ("params", "model_state", "opt_state", "grads")
     )
     # A: apply finished gradients, each read from its source slot (a worker's own, or a pusher's).
     has = apply_src_C >= 0
-    g = take(state["grads"], jnp.where(has, apply_src_C, idx_C))
+    g = _scaled(take(state["grads"], jnp.where(has, apply_src_C, idx_C)), scale_C)
     updates, new_opt = jax.vmap(optimizer.update)(g, opt_state, params)
     params = masked(has, jax.vmap(optax.apply_updates)(params, updates), params)
     opt_state = masked(has, new_opt, opt_state)

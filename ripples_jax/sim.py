@@ -18,6 +18,7 @@ from ripples_jax.algorithms import make_group_generator
 from ripples_jax.collectives import make_worker_mesh
 from ripples_jax.models import num_params
 from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.timeline import ps_async
 
 
 def measure_step_time(model, optimizer, sample_x, sample_y, reps: int = 20) -> float:
@@ -63,7 +64,9 @@ class Loop:
   next_log: int = 0  # the step (applied // n) of the next record
   next_eval: int = 0  # ... of the next evaluation
   evaluated_step: int | None = None
-  time_to_target: float | None = None
+  time_to_target: float | None = None  # the workers' mean model (no worker holds it), uncharged
+  consensus_time_to_target: float | None = None  # the deployable model, its All-Reduce charged
+  worker_time_to_target: float | None = None  # the median worker's own model
 
 
 LARGE = 1024  # slots from which the allocator's defaults cost a run a noticeable share of its time
@@ -105,6 +108,7 @@ def simulate_and_train(config, workdir: str | None = None):
     s.model, s.optimizer, s.data["x_train"][: config.batch_size], s.data["y_train"][: config.batch_size]
   )
   trace = run_clock(config, model_bytes, base_time)
+  charge = consensus_charge(config, model_bytes, base_time)
   with RunLog(workdir, config, config.num_steps) as log:
     # Resume: the clock is deterministic, so it is simply run again; the rounds the checkpoint had
     # executed are skipped and the engine state and the cursor restored.
@@ -114,7 +118,7 @@ def simulate_and_train(config, workdir: str | None = None):
       _, state, saved = got
       cur = Loop(**saved)
     with profiling.CompileCounter() as compiles:
-      state, cur, programs = execute(config, s, state, cur, trace, mesh, log)
+      state, cur, programs = execute(config, s, state, cur, trace, mesh, log, charge)
     split = trace.time_split()
     summary = log.finish(
       time=trace.end_time,
@@ -126,6 +130,9 @@ def simulate_and_train(config, workdir: str | None = None):
       base_step_time=base_time,
       model_bytes=model_bytes,
       time_to_target=cur.time_to_target,
+      consensus_time_to_target=cur.consensus_time_to_target,
+      worker_time_to_target=cur.worker_time_to_target,
+      consensus_charge=charge,
       target_accuracy=config.target_accuracy,
       round_programs=programs,
       compiles=compiles.count,  # XLA compiles while the rounds ran (round programs, evaluation)
@@ -135,6 +142,16 @@ def simulate_and_train(config, workdir: str | None = None):
       **({"membership": [list(m) for m in trace.membership]} if leave_plan(config) else {}),
     )
   return summary, trace
+
+
+def consensus_charge(config, model_bytes: float, base_time: float) -> float:
+  """Virtual seconds of the one All-Reduce that builds the deployable model from the workers' (charged
+  at every evaluation of a gossip or group method); 0 where every worker holds it or it is DiLoCo's
+  global model (the algorithm's record: algorithms.HELD, GLOBAL, BUILT)."""
+  if algorithms.get(config.algorithm).consensus != algorithms.BUILT:
+    return 0.0
+  _, net = build_clock(config, model_bytes, base_time)
+  return float(net.allreduce(config.num_workers))
 
 
 def diloco_outer(config) -> tuple[float, float] | None:
@@ -241,7 +258,7 @@ class Rounds:
   programs: set = dataclasses.field(default_factory=set)
 
 
-def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLog):
+def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLog, charge: float = 0.0):
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   n, has_server = config.num_workers, algorithms.get(config.algorithm).clock == algorithms.PS_ASYNC
   slots = n + has_server
@@ -268,8 +285,14 @@ def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLo
     slice(n, n + 1) if has_server else slice(0, n),
     None if has_server or not leaving else trace.membership,
     config.eval_workers,
+    global_model=algorithms.get(config.algorithm).consensus == algorithms.GLOBAL,
   )
   put = lambda a: jax.device_put(a, engine.worker_sharding(mesh))
+  # ps.staleness=divide: every application's staleness, from the clock's order (the k-th APPLY is the
+  # cur.applied-th gradient), so a resumed run scales as the uninterrupted one did.
+  taus = (
+    ps_async.staleness(trace.events, n) if has_server and workload.ps_staleness(config) == "divide" else None
+  )
   total, every = config.num_steps * n, config.checkpoint_every
   starts = np.array(cur.starts, np.int64)
   next_ckpt = (cur.applied // n // every + 1) * every if every else None
@@ -280,7 +303,11 @@ def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLo
       continue
     # A server round is apply -> pull -> start for one worker: the next push to the server ends it.
     assert not has_server or r["start"].sum() <= 1
-    state, loss_S = run_round(config, s, state, r, rounds, starts, put, x_shape, x_dtype, slots)
+    scale = None
+    if taus is not None:  # the server's gradient at lr / its staleness (one APPLY per server round)
+      scale = np.ones(slots, np.float32)
+      scale[n] = np.float32(1.0 / taus[cur.applied]) if r["applied"] else 1.0
+    state, loss_S = run_round(config, s, state, r, rounds, starts, put, x_shape, x_dtype, slots, scale)
     if r["start"][:n].any():
       losses.append(loss_S)
     starts += r["start"][:n]
@@ -289,7 +316,7 @@ def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLo
     # A record at every log_every and every eval_every step, whichever comes first: evaluations do not
     # wait for a log point.
     if step >= cur.next_log or step >= cur.next_eval or cur.applied >= total:
-      record(config, cur, log, evaluate, state, step, r["time"], losses, final=cur.applied >= total)
+      record(config, cur, log, evaluate, state, step, r["time"], losses, cur.applied >= total, charge)
       losses = []
       if next_ckpt is not None and step >= next_ckpt:  # right after a record: no loss is pending
         next_ckpt = (step // every + 1) * every
@@ -306,11 +333,11 @@ def execute(config, s: workload.Setup, state, cur: Loop, trace, mesh, log: RunLo
   return state, cur, len(rounds.programs)
 
 
-def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype, slots: int):
+def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype, slots: int, scale=None):
   """One packed round on the device: batches for the workers that start (each at its own step) and
   only for them, then the compact round, or the full one for the ring, DiLoCo's outer step and rounds
   that touch more than half the slots (a compact round would pad them to all of them and pay its
-  gathers)."""
+  gathers). `scale`: each slot's gradient scale (ps.staleness=divide), None for none."""
   n = config.num_workers
   c = None if r["ring"] or r["outer"] else compact_round(r, slots)
   if c is None or (c["idx"] < slots).sum() > slots // 2:
@@ -326,6 +353,8 @@ def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype
     if rounds.resets:
       args += (r.get("reset", np.zeros(slots, bool)),)
     kw = {"outer_now": r["outer"]} if rounds.outer else {}
+    if scale is not None:
+      kw["scale_S"] = put(scale)
     return rounds.full(
       state, put(x), put(y), *(put(a) if isinstance(a, np.ndarray) else a for a in args), **kw
     )
@@ -336,7 +365,10 @@ def run_round(config, s, state, r, rounds: Rounds, starts, put, x_shape, x_dtype
   if len(rows):
     x[rows], y[rows] = batches(config, s, c["idx"][rows], starts)
   resets = (c.get("reset", np.zeros(C, bool)),) if rounds.resets else ()
-  return rounds.compact(state, c["idx"], x, y, c["apply_src"], c["gid"], c["pull_src"], c["start"], *resets)
+  kw = {} if scale is None else {"scale_C": np.append(scale, np.float32(1))[c["idx"]]}  # padding: 1
+  return rounds.compact(
+    state, c["idx"], x, y, c["apply_src"], c["gid"], c["pull_src"], c["start"], *resets, **kw
+  )
 
 
 def batches(config, s, workers, starts):
@@ -347,9 +379,12 @@ def batches(config, s, workers, starts):
   return s.data["x_train"][idx], s.data["y_train"][idx]
 
 
-def make_evaluate(s: workload.Setup, slots: slice, membership: list | None = None, workers: bool = True):
+def make_evaluate(
+  s: workload.Setup, slots: slice, membership: list | None = None, workers: bool = True, global_model=False
+):
   """(state, t) -> the evaluation scalars of the model held in `slots` (averaged over them; workers:
-  and the mean of their own models' accuracies, config.eval_workers). With
+  and their own models' accuracies, config.eval_workers; global_model: DiLoCo's global model as
+  consensus_accuracy, the model every worker holds after an outer step). With
   `membership` (trace.membership), over those of them live at virtual time t (3.10): a dead worker's
   stale model, or a rejoined one's before its first group, is no part of the run's model."""
   eval_fn = engine.make_eval_fn(s.model)
@@ -365,6 +400,12 @@ def make_evaluate(s: workload.Setup, slots: slice, membership: list | None = Non
     out = {k: float(v) for k, v in eval_fn(held, x_test, y_test, workers).items()}
     if val is not None:  # the averaged model on the held-out examples: what a step size is chosen on
       out["val_accuracy"] = float(eval_fn(held, *val, workers=False)["test_accuracy"])
+    if global_model:
+      one = {
+        "params": state["outer"]["params"],
+        "model_state": jax.tree.map(lambda a: a[:1], state["model_state"]),
+      }
+      out["consensus_accuracy"] = float(eval_fn(one, x_test, y_test, False)["test_accuracy"])
     return out
 
   return evaluate
@@ -381,8 +422,12 @@ def live_at(membership: list, n: int, t: float) -> np.ndarray:
   return live
 
 
-def record(config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float, losses, final: bool):
-  """One metrics record at `step` (virtual time t), with an evaluation when one is due."""
+def record(
+  config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float, losses, final: bool, charge=0.0
+):
+  """One metrics record at `step` (virtual time t), with an evaluation when one is due: the workers'
+  mean model (test_accuracy, at t), the deployable one (consensus_accuracy at consensus_time = t + the
+  All-Reduce that builds it, `charge`) and the workers' own (median, worst)."""
   n = config.num_workers
   cur.next_log = (step // config.log_every + 1) * config.log_every
   # The loss of the gradients started since the last record (a tail of apply-only rounds started
@@ -397,4 +442,11 @@ def record(config, cur: Loop, log: RunLog, evaluate, state, step: int, t: float,
       cur.time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy
     ):
       cur.time_to_target = t
+    ev.setdefault("consensus_accuracy", ev["test_accuracy"])  # HELD or BUILT: the workers' mean
+    ev["consensus_time"] = t + charge
+    target = config.target_accuracy
+    if target and cur.consensus_time_to_target is None and ev["consensus_accuracy"] >= target:
+      cur.consensus_time_to_target = t + charge
+    if target and cur.worker_time_to_target is None and ev.get("worker_median_test_accuracy", -1) >= target:
+      cur.worker_time_to_target = t
   log.record(step, t, train_loss=loss, **ev)
