@@ -75,6 +75,11 @@ def get_config(arg=None):
   c.moshpit.grid = default_grid(arg.num_workers)  # the virtual grid, its product num_workers: round r
   # averages within the workers that share every coordinate but the (r mod d)-th; one local step between
   # rounds; (4, 4) for 16 workers, (2, 4) for 8
+  c.ps = ml_collections.ConfigDict()  # algorithm=ps_async: the server's step (docs/design.md 3.4)
+  c.ps.staleness = "none"  # none | divide: each gradient at lr / its staleness, the server's updates
+  # from the pull it was computed on to its own (Zhang et al., 2016); SGD optimizers only
+  c.ps.server_momentum = 0.9  # the server optimizer's momentum (optimizer.name momentum or nesterov;
+  # ps_async's workers take no optimizer step, so optimizer.momentum is unused there)
   c.preduce_impl = "auto"  # auto | collective (one worker per device) | segment
 
   # executor=sim and async: heterogeneity and the clock (docs/design.md 3.5, 3.1; async plans with the clock).

@@ -75,6 +75,22 @@ ALGORITHMS_256 = tuple(a for a in ALGORITHMS if a != "ripples_smart/schedule.sma
 GRID_256 = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 OUTER_GRID = (0.35, 0.5, 0.7, 1.0)
 OUTER_FIRST = 0.7  # the inner grid's outer step size (Douillard et al.'s)
+# The async PS a next study tunes (not in ALGORITHMS, which reproduces results/baselines): Zhang et al.'s
+# staleness-aware step (each gradient at lr / its staleness) and the server's momentum on a grid (0.9:
+# the server every earlier study ran).
+PS_STALENESS = "ps_async/ps.staleness=divide"
+SERVER_MOMENTUM_GRID = (0.0, 0.9)
+
+
+def ps_async_variants(momenta=SERVER_MOMENTUM_GRID) -> dict:
+  """{variant: label} of the async PS with and without the staleness-aware step at each server momentum
+  (ledger_tta.variant names: 'ps_async/ps.staleness=divide/ps.server_momentum=0')."""
+  out = {}
+  for base, extra in (("ps_async", ""), (PS_STALENESS, ", lr / staleness")):
+    for mu in momenta:
+      out[f"{base}/ps.server_momentum={mu:g}"] = _label("ps_async", f" (momentum {mu:g}{extra})")
+  return out
+
 
 STUDY_16 = (
   "homogeneous, VGG-16 clock",

@@ -106,15 +106,20 @@ def scenario_workers(name: str) -> int:
 def variant(name: str) -> tuple[str, dict]:
   """An algorithm variant's config: 'diloco/inner_steps=4/outer_lr=0.7' -> ('diloco',
   {'diloco.inner_steps': 4, 'diloco.outer_lr': 0.7}); a dotted key is the config's own
-  ('ripples_smart/schedule.smart_fresh=True'); a plain name has no overrides. The variant's name is its
-  run key's algorithm, so every setting of it is a run of its own."""
+  ('ripples_smart/schedule.smart_fresh=True'); a value that is no Python literal is a string
+  ('ps_async/ps.staleness=divide'); a plain name has no overrides. The variant's name is its run key's
+  algorithm, so every setting of it is a run of its own."""
   import ast
 
   algorithm, *items = name.split("/")
   out = {}
   for item in items:
     key, _, value = item.partition("=")
-    out[key if "." in key else f"{algorithm}.{key}"] = ast.literal_eval(value)
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):  # a bare word: the string (as config.parse_arg reads one)
+      pass
+    out[key if "." in key else f"{algorithm}.{key}"] = value
   return algorithm, out
 
 

@@ -25,6 +25,7 @@ from ripples_jax.pipeline import methods
 from ripples_jax.pipeline.methods import PLACEMENTS
 from ripples_jax.pipeline.tick import MODES
 from ripples_jax.schedule.online import ADPSGD_PASSIVE, PREDUCE_MODES
+from ripples_jax.timeline.ps_async import STALENESS
 
 EXECUTORS = ("spmd", "sim", "async")  # a Ripples config's executor (run.EXECUTORS holds them all)
 # The heterogeneity settings with their "off" values; only the clocked executors (sim, async) use them.
@@ -355,7 +356,26 @@ _KEY_CHECKS = {
     c, "diloco.outer_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"
   ),
   "moshpit.grid": lambda c, n: _check_grid(c, n),
+  "ps.staleness": lambda c, n: _check_staleness(c),
+  "ps.server_momentum": lambda c, n: _number(
+    c, "ps.server_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"
+  ),
 }
+
+_SGD = ("sgd", "momentum", "nesterov")
+
+
+def _check_staleness(config):
+  """ps.staleness: one of STALENESS; divide scales each gradient, which an SGD optimizer turns into its
+  step (adam's normalization would undo most of it)."""
+  _one_of(config, "ps.staleness", STALENESS)
+  if config.ps.staleness == "divide" and config.optimizer.name not in _SGD:
+    _fail(
+      "ps.staleness",
+      "divide",
+      f"none with optimizer.name={config.optimizer.name} (divide scales a gradient, which only an SGD "
+      f"optimizer's step keeps: {', '.join(_SGD)})",
+    )
 
 
 def _check_grid(config, n):

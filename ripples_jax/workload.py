@@ -30,7 +30,10 @@ def build(config) -> Setup:
 
   ps_async (the simulator's asynchronous parameter server) applies every worker's gradient on its
   own: n updates where synchronous data parallel makes one with the mean gradient, so its step (and
-  the schedule's horizon) is scaled by n to match.
+  the schedule's horizon) is scaled by n to match. With ps.staleness=divide each gradient's scale
+  1 / staleness takes the step's 1 / n (a gradient's staleness is n in a steady homogeneous run: Zhang
+  et al.'s rule for the fixed one); the horizon is scaled still. Its optimizer is the server's, whose
+  momentum is ps.server_momentum (its workers take no optimizer step).
   """
   n = config.num_workers
   kw = (
@@ -48,9 +51,23 @@ def build(config) -> Setup:
   horizon = config.optimizer.get("schedule_steps", 0) or config.num_steps
   if config.algorithm == "ps_async":
     opt = config.optimizer.to_dict()
-    opt["lr"] /= n
+    if ps_staleness(config) != "divide":  # divide: lr / staleness instead, which is n when all are equal
+      opt["lr"] /= n
+    opt["momentum"] = server_momentum(config)
     opt["warmup_steps"] *= n
     optimizer = make_optimizer(ml_collections.ConfigDict(opt), horizon * n)
   else:
     optimizer = make_optimizer(config.optimizer, horizon)
   return Setup(data, shards, model, optimizer)
+
+
+def server_momentum(config) -> float:
+  """ps_async's server momentum: ps.server_momentum, or optimizer.momentum in a config from before the
+  field (what the server used then)."""
+  return float(config.ps.server_momentum if "ps" in config else config.optimizer.momentum)
+
+
+def ps_staleness(config) -> str:
+  """ps_async's server step per gradient (timeline.ps_async.STALENESS): ps.staleness, "none" in a config
+  from before the field."""
+  return config.ps.staleness if "ps" in config else "none"

@@ -62,6 +62,7 @@ from ripples_jax.runtime.process import (
   watch,
   watched,
 )
+from ripples_jax.timeline.ps_async import Staleness
 
 PUSH, DONE = "push", "done"
 SERVER_TRACE = "server.jsonl"
@@ -201,6 +202,11 @@ class Server:
     self.flat = jax.device_put(np.asarray(flat0), rep)
     self.opt_state = jax.device_put(jax.device_get(s.optimizer.init(params)), rep)
     self.mean = self.link.pairs._mean(self.n)
+    # ps.staleness=divide: each gradient times 1 / its staleness before the optimizer (the simulator's
+    # engine._scaled, the same float32 product); the versions count every apply and each worker's pull.
+    self.divide = config.algorithm == "ps_async" and workload.ps_staleness(config) == "divide"
+    self.scale = jax.jit(lambda g, c: jax.tree.map(lambda a: a * c.astype(a.dtype), g))
+    self.versions = Staleness()
     self.t0 = None  # perf_counter at the run's clock 0 (start_clock)
     self.applied = 0  # worker steps the server's model holds
     self.evals = 0
@@ -214,6 +220,8 @@ class Server:
     copy = lambda tree: jax.tree.map(jax.numpy.array, tree)  # noqa: E731  (apply donates its inputs)
     self.mean(*[self.flat] * self.n).block_until_ready()
     g = self.unravel(self.flat)
+    if self.divide:
+      jax.block_until_ready(self.scale(g["params"], np.float32(1)))
     self.apply_fn(copy(self.flat), copy(self.opt_state), g["params"], g["model_state"])[0].block_until_ready()
     return seconds
 
@@ -300,12 +308,18 @@ class Server:
           continue
         t0 = self.now()
         g = self.unravel(self.link.exchange(w, self.flat))  # push
-        self.flat, self.opt_state = self.apply_fn(self.flat, self.opt_state, g["params"], g["model_state"])
+        tau = self.versions.apply(w)  # computed on the version w pulled last (the initial model: 0)
+        grads = self.scale(g["params"], np.float32(1.0 / tau)) if self.divide else g["params"]
+        self.flat, self.opt_state = self.apply_fn(self.flat, self.opt_state, grads, g["model_state"])
         t_pull = self.now()
         self.link.exchange(w, self.flat).block_until_ready()  # pull
+        self.versions.pull(w)
         self.applied += 1
-        # got: when the request reached the server (its delivery; t0 - got: its wait in the queue).
-        self.trace.add(k="apply", w=w, s=r, got=got, t0=t0, t1=self.now(), pull_s=self.now() - t_pull)
+        # got: when the request reached the server (its delivery; t0 - got: its wait in the queue);
+        # tau: the gradient's staleness, the server's updates from w's pull to this one (>= 1).
+        self.trace.add(
+          k="apply", w=w, s=r, got=got, t0=t0, t1=self.now(), pull_s=self.now() - t_pull, tau=tau
+        )
         self._eval_due()
     finally:
       stop.set()

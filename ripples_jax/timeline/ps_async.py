@@ -2,7 +2,40 @@
 
 from ripples_jax.timeline.clock import _Clock
 from ripples_jax.timeline.costs import Network
-from ripples_jax.timeline.trace import COMM, PULL, WAIT
+from ripples_jax.timeline.trace import APPLY, COMM, JOIN, PULL, WAIT
+
+# The server's step per gradient (ps.staleness): "none" applies each at lr / n (workload.build), "divide"
+# at lr / its staleness (Zhang et al., 2016, "Staleness-aware async-SGD for distributed deep learning").
+STALENESS = ("none", "divide")
+
+
+class Staleness:
+  """The server's versions: how many gradients it has applied, and the version each worker pulled
+  last. apply(w) counts one more and returns that gradient's staleness, the versions from the one w
+  computed it on to the one it makes (>= 1: 1 when no other gradient landed in between). The
+  simulator drives it from the clock's events (`staleness`), the runtime's server from its requests."""
+
+  def __init__(self):
+    self.version, self.pulled = 0, {}
+
+  def pull(self, w: int) -> None:
+    self.pulled[w] = self.version
+
+  def apply(self, w: int) -> int:
+    self.version += 1
+    return self.version - self.pulled.get(w, 0)
+
+
+def staleness(events: list, server: int) -> list:
+  """The staleness of every gradient applied on `server`'s slot, in the events' order (a PULL or JOIN
+  from it is a pull: a rejoined worker's first model is the server's, docs/design.md 3.10)."""
+  count, out = Staleness(), []
+  for _, kind, a, b in events:
+    if kind in (PULL, JOIN) and b == server:
+      count.pull(a)
+    elif kind == APPLY and a == server:
+      out.append(count.apply(b))
+  return out
 
 
 def _ps_async(clock: _Clock, net: Network) -> None:
