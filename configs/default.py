@@ -49,10 +49,13 @@ def get_config(arg=None):
   c.batch_size = 32  # per worker
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "momentum"  # sgd | momentum | nesterov | adam
+  c.optimizer.name = "momentum"  # sgd | momentum | nesterov | adam | adamw (DiLoCo's inner, as published)
   c.optimizer.lr = 0.1  # peak step size (after warm-up)
   c.optimizer.momentum = 0.9  # momentum and nesterov
-  c.optimizer.weight_decay = 5e-4  # L2, added to the gradient
+  c.optimizer.weight_decay = 5e-4  # L2, added to the gradient; adamw: decoupled, lr x it x params
+  c.optimizer.b1 = 0.9  # adam and adamw: the first moment's decay
+  c.optimizer.b2 = 0.999  # adam and adamw: the second moment's decay
+  c.optimizer.eps = 1e-8  # adam and adamw: added to the second moment's root
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
   c.optimizer.warmup_steps = 50  # linear warm-up from 0
   c.optimizer.schedule_steps = 0  # the schedule's horizon in steps (0: num_steps)

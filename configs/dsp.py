@@ -77,10 +77,10 @@ def get_config(arg=None):
   c.synthetic.num_test = 128  # dataset=synthetic: test examples
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "momentum"  # sgd | momentum | nesterov | adam
+  c.optimizer.name = "momentum"  # sgd | momentum | nesterov | adam | adamw
   c.optimizer.lr = 0.02  # the staleness bound grows with step size: 0.05 diverges at K=4
   c.optimizer.momentum = 0.9  # momentum and nesterov
-  c.optimizer.weight_decay = 5e-4  # L2, added to the gradient
+  c.optimizer.weight_decay = 5e-4  # L2, added to the gradient; adamw: decoupled, lr x it x params
   c.optimizer.lr_schedule = "cosine"  # constant | cosine
   c.optimizer.warmup_steps = 50  # linear warm-up from 0
   # PipeMare (method=pipemare): stage k's step size divided by its delay S_k at first, the division

@@ -75,6 +75,21 @@ ALGORITHMS_256 = tuple(a for a in ALGORITHMS if a != "ripples_smart/schedule.sma
 GRID_256 = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 OUTER_GRID = (0.35, 0.5, 0.7, 1.0)
 OUTER_FIRST = 0.7  # the inner grid's outer step size (Douillard et al.'s)
+# DiLoCo as published, for a next study (ALGORITHMS above reproduces results/baselines, whose DiLoCo's
+# inner steps were the run's momentum SGD): AdamW inner steps with the paper's decoupled weight decay
+# 0.1 (b1, b2, eps at optax's defaults: the paper names none), its step size from ADAMW_GRID, then the
+# outer lr x outer momentum (OUTER_GRID x OUTER_MOMENTUM_GRID; 0: plain outer SGD).
+_ADAMW = "optimizer.name=adamw/optimizer.weight_decay=0.1"
+DILOCO_PUBLISHED = {
+  f"diloco/inner_steps={h}/{_ADAMW}": _label("diloco", f" H={h}, AdamW") for h in (4, 16, 64)
+}
+# Periodic averaging (local SGD): the outer step at lr 1 without momentum sets the global model to the
+# workers' mean every H steps; its inner steps are the run's optimizer (All-Reduce's), and its name
+# fixes the outer step, so only the inner step size is tuned.
+LOCAL_SGD = {"diloco/inner_steps=16/outer_lr=1/outer_momentum=0": _label("diloco", " H=16, local SGD")}
+LABELS = {**ALGORITHMS, **DILOCO_PUBLISHED, **LOCAL_SGD}  # every name the study can run
+OUTER_MOMENTUM_GRID = (0.0, 0.9)
+ADAMW_GRID = tuple(round(lr / 100, 6) for lr in LR_GRID)  # the ledger's grid / 100: 5e-4 .. 0.016
 # The async PS a next study tunes (not in ALGORITHMS, which reproduces results/baselines): Zhang et al.'s
 # staleness-aware step (each gradient at lr / its staleness) and the server's momentum on a grid (0.9:
 # the server every earlier study ran).
@@ -111,54 +126,91 @@ TUNED_FILE = {"heavy": "tuning", "light": "tuning_light", "heavy256": "tuning_25
 MODEL = "mlp"
 
 
-def _outer(name: str, outer_lr: float) -> str:
-  return f"{name}/outer_lr={outer_lr:g}"
+def _outer(name: str, outer_lr: float, momentum: float | None = None) -> str:
+  return f"{name}/outer_lr={outer_lr:g}" + ("" if momentum is None else f"/outer_momentum={momentum:g}")
+
+
+def tuning_plan(a, grid=LR_GRID, outer_grid=OUTER_GRID, adamw_grid=ADAMW_GRID) -> tuple:
+  """What tune runs for `a`: (the variant of its inner search, that search's step sizes, the outer
+  search's variants at the chosen one; () for none). AdamW inner steps search adamw_grid. A DiLoCo
+  name that leaves the outer step open searches its inner grid at outer lr OUTER_FIRST (Nesterov 0.9),
+  then the outer lr on outer_grid: ALGORITHMS' at momentum 0.9 (results/baselines' search), any other
+  x OUTER_MOMENTUM_GRID. A name that sets the outer step (LOCAL_SGD) keeps it."""
+  base, keys = variant(a)
+  inner = adamw_grid if keys.get("optimizer.name") == "adamw" else grid
+  if base != "diloco" or {"diloco.outer_lr", "diloco.outer_momentum"} & set(keys):
+    return a, inner, ()
+  if a in ALGORITHMS:
+    return _outer(a, OUTER_FIRST), inner, tuple(_outer(a, o) for o in outer_grid)
+  # the inner search's run is the outer grid's (OUTER_FIRST, 0.9) point: one run key, run once
+  first = _outer(a, OUTER_FIRST, 0.9)
+  return first, inner, tuple(_outer(a, o, mu) for o in outer_grid for mu in OUTER_MOMENTUM_GRID)
+
+
+def _outer_head(v: str) -> str:
+  """An outer search's column: 'outer lr 0.5', or 'outer lr 0.5, momentum 0' where it sets one."""
+  keys = variant(v)[1]
+  mu = keys.get("diloco.outer_momentum")
+  return f"outer lr {keys['diloco.outer_lr']:g}" + ("" if mu is None else f", momentum {mu:g}")
 
 
 def tune(
-  out_dir, clock, steps, target, workers, grid=LR_GRID, outer_grid=OUTER_GRID, algorithms=tuple(ALGORITHMS)
+  out_dir,
+  clock,
+  steps,
+  target,
+  workers,
+  grid=LR_GRID,
+  outer_grid=OUTER_GRID,
+  algorithms=tuple(ALGORITHMS),
+  adamw_grid=ADAMW_GRID,
 ) -> dict:
   """{algorithm: (variant, lr)} for `algorithms` on `clock` (TUNE_ON), written to TUNED_FILE[clock].md/json
-  with every grid point's score (median validation time to the target, or never / final val acc)."""
+  with every grid point's score (median validation time to the target, or never / final val acc); what
+  each searches: tuning_plan."""
   scenario = TUNE_ON[clock]
-  first = {a: _outer(a, OUTER_FIRST) if a.startswith("diloco") else a for a in algorithms}
+  plan = {a: tuning_plan(a, grid, outer_grid, adamw_grid) for a in algorithms}
   jobs = [
-    (scenario, v, lr, s, steps, MODEL, False) for v in first.values() for lr in grid for s in TUNE_SEEDS
+    (scenario, v, lr, s, steps, MODEL, False) for v, g, _ in plan.values() for lr in g for s in TUNE_SEEDS
   ]
   runs = train_runs(out_dir, jobs, workers)
 
   def score(v, lr):
     return tuning_score([runs[run_key(scenario, v, lr, s, steps, MODEL, False)] for s in TUNE_SEEDS], target)
 
-  points = {a: {lr: score(v, lr) for lr in grid} for a, v in first.items()}
-  chosen = {a: (v, min(grid, key=lambda lr: points[a][lr])) for a, v in first.items()}
+  points = {a: {lr: score(v, lr) for lr in g} for a, (v, g, _) in plan.items()}
+  chosen = {a: (v, min(g, key=lambda lr: points[a][lr])) for a, (v, g, _) in plan.items()}
   outer = {}
-  for a in [a for a in algorithms if a.startswith("diloco")]:  # the outer step size at the chosen lr
-    lr = chosen[a][1]
-    jobs = [(scenario, _outer(a, o), lr, s, steps, MODEL, False) for o in outer_grid for s in TUNE_SEEDS]
+  for a in [a for a in algorithms if plan[a][2]]:  # the outer step at the chosen lr
+    lr, grid_a = chosen[a][1], plan[a][2]
+    jobs = [(scenario, o, lr, s, steps, MODEL, False) for o in grid_a for s in TUNE_SEEDS]
     runs = train_runs(out_dir, jobs, workers)
-    outer[a] = {o: score(_outer(a, o), lr) for o in outer_grid}
-    best = min(outer_grid, key=lambda o: outer[a][o])
-    chosen[a] = (_outer(a, best), lr)
+    outer[a] = {o: score(o, lr) for o in grid_a}
+    chosen[a] = (min(grid_a, key=lambda o: outer[a][o]), lr)
   cell = lambda p: f"{'never' if math.isinf(p[0]) else f'{p[0]:.3g}'} / {-p[1]:.3f}"  # noqa: E731
-  rows = [
-    [ALGORITHMS[a]]
-    + [cell(points[a][lr]) + (" *" if lr == chosen[a][1] else "") for lr in grid]
-    + [f"{chosen[a][1]:g}" + (" (grid edge)" if chosen[a][1] in (grid[0], grid[-1]) else "")]
-    for a in algorithms
-  ]
-  table = Table(
-    ["algorithm"] + [f"lr {lr:g}" for lr in grid] + ["chosen"],
-    rows,
-  )
-  orows = [
-    [ALGORITHMS[a], f"{chosen[a][1]:g}"]
-    + [cell(outer[a][o]) + (" *" if _outer(a, o) == chosen[a][0] else "") for o in outer_grid]
-    for a in outer
-  ]
-  otable = Table(["algorithm", "inner lr"] + [f"outer lr {o:g}" for o in outer_grid], orows)
+  tables = []  # one per inner grid, then one per outer grid, in the algorithms' order
+  for g in dict.fromkeys(plan[a][1] for a in algorithms):
+    rows = [
+      [LABELS[a]]
+      + [cell(points[a][lr]) + (" *" if lr == chosen[a][1] else "") for lr in g]
+      + [f"{chosen[a][1]:g}" + (" (grid edge)" if chosen[a][1] in (g[0], g[-1]) else "")]
+      for a in algorithms
+      if plan[a][1] == g
+    ]
+    tables.append(Table(["algorithm"] + [f"lr {lr:g}" for lr in g] + ["chosen"], rows))
+  heads = {a: tuple(map(_outer_head, plan[a][2])) for a in outer}
+  for cols in dict.fromkeys(heads.values()):
+    orows = [
+      [LABELS[a], f"{chosen[a][1]:g}"]
+      + [cell(outer[a][o]) + (" *" if o == chosen[a][0] else "") for o in plan[a][2]]
+      for a in outer
+      if heads[a] == cols
+    ]
+    tables.append(Table(["algorithm", "inner lr"] + list(cols), orows))
   name = TUNED_FILE[clock]
   workers = scenario_workers(scenario)
+  searched = [a for a in outer if a not in ALGORITHMS]  # outer lr x momentum (tuning_plan)
+  momentum = f" (and the outer momentum, for {', '.join(map(LABELS.get, searched))})" if searched else ""
   text = (
     f"{numerics(MODEL).replace('16 workers', f'{workers} workers')}; clock {clock.removesuffix('256')}; "
     f"{steps} steps; each cell: the "
@@ -166,7 +218,7 @@ def tune(
     f"counts only if it also ends at or above it) / the mean final validation accuracy, on "
     f"{VALIDATION_EXAMPLES} held-out training examples; * chosen (least time, ties by accuracy). DiLoCo's "
     f"inner grid at outer lr {OUTER_FIRST:g} (Nesterov 0.9), then its outer step size at the chosen inner "
-    f"one:\n\n{table}" + (f"\n\n{otable}" if orows else "")
+    f"one{momentum}:\n\n" + "\n\n".join(map(str, tables))
   )
   with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
     f.write(text + "\n")
@@ -176,6 +228,8 @@ def tune(
       "clock": clock,
       "grid": list(grid),
       "outer_grid": list(outer_grid),
+      **({"adamw_grid": list(adamw_grid)} if any(plan[a][1] == adamw_grid for a in algorithms) else {}),
+      **({"outer_momentum_grid": list(OUTER_MOMENTUM_GRID)} if searched else {}),
       "seeds": list(TUNE_SEEDS),
       "target": target,
       "steps": steps,
@@ -199,7 +253,7 @@ def run_study(out_dir, scenarios, seeds, steps, target, workers, chosen, own=Tru
     for a, (v, lr) in chosen.items():
       got = [runs[run_key(sc, v, lr, s, steps, MODEL, own)] for s in range(seeds)]
       per[v] = summarize(got, lr, target)
-      per[v]["name"] = ALGORITHMS[a]
+      per[v]["name"] = LABELS[a]
       per[v]["sent"] = float(np.mean([r["sent"] for r in got]))
     if own:
       ends_of_training(per, runs, steps, MODEL, sc)
@@ -219,6 +273,15 @@ def run_study(out_dir, scenarios, seeds, steps, target, workers, chosen, own=Tru
   return out
 
 
+def _outer_cell(v: str) -> str:
+  """The step-size column's outer part: ', outer 0.5', and ' (momentum 0)' where the name sets one."""
+  keys = variant(v)[1]
+  if "diloco.outer_lr" not in keys:
+    return ""
+  mu = keys.get("diloco.outer_momentum")
+  return f", outer {keys['diloco.outer_lr']:g}" + ("" if mu is None else f" (momentum {mu:g})")
+
+
 def _ratio(p, q, key="time") -> verdict.Estimate:
   """q's time over p's, paired by seed (p faster: > 1), misses censored at each run's end."""
   return verdict.paired(p[key], q[key], (p["end"], q["end"]))
@@ -236,7 +299,7 @@ def study_table(out: dict, target: float) -> Table:
         [
           sc,
           p["name"],
-          f"{p['lr']:g}" + (f", outer {v.split('outer_lr=')[1]}" if "outer_lr=" in v else ""),
+          f"{p['lr']:g}" + _outer_cell(v),
           f"{len(reached)}/{seeds}",
           f"{np.mean(reached):.3g}" if reached else "-",
           str(_ratio(p, ar)),
@@ -531,7 +594,7 @@ def runtime_text(held, chosen, seeds_of, target, steps, schedule_steps, step_tim
       rows.append(
         [
           sc,
-          ALGORITHMS[a],
+          LABELS[a],
           f"{rs[0]['lr']:g}",
           f"{sum(x is not None for x in t)}/{seeds}",
           f"{np.mean([x for x in t if x]):.1f}" if any(t) else "-",

@@ -29,7 +29,12 @@ def define_flags():
   flags.DEFINE_integer("workers", 1, "Simulated runs at once (one core each).")
   flags.DEFINE_integer("steps", 300, "Steps per worker of each simulated run.")
   flags.DEFINE_float("target", 0.55, "Target test accuracy.")
-  flags.DEFINE_list("algorithms", list(baselines.ALGORITHMS), "Algorithms (All-Reduce and Smart GG needed).")
+  flags.DEFINE_list(
+    "algorithms",
+    list(baselines.ALGORITHMS),
+    "Algorithms (All-Reduce and Smart GG needed; default results/baselines' set, or any of baselines.LABELS, "
+    "e.g. DiLoCo as published).",
+  )
   flags.DEFINE_list(
     "algorithms_256",
     list(baselines.ALGORITHMS_256),
@@ -41,6 +46,7 @@ def define_flags():
   )
   flags.DEFINE_list("grid_256", list(map(str, baselines.GRID_256)), "sim256's own tuning grid.")
   flags.DEFINE_list("outer_grid", None, "DiLoCo's outer step-size grid (default: OUTER_GRID).")
+  flags.DEFINE_list("adamw_grid", None, "AdamW inner steps' step-size grid (default: ADAMW_GRID).")
   flags.DEFINE_multi_string("scenario", None, "Only these scenarios of the sim parts (default: all).")
   flags.DEFINE_integer("runtime_seeds", 5, "runtime: seeds.")
   flags.DEFINE_integer("runtime_killed_seeds", 5, "runtime: the killed scenario's seeds.")
@@ -55,17 +61,19 @@ def define_flags():
 def main(argv):
   del argv
   unknown = [p for p in FLAGS.parts if p not in PARTS] + [
-    a for a in FLAGS.algorithms + FLAGS.algorithms_256 if a not in baselines.ALGORITHMS
+    a for a in FLAGS.algorithms + FLAGS.algorithms_256 if a not in baselines.LABELS
   ]
   needed = {"allreduce", "ripples_smart"}
   if unknown or not needed <= set(FLAGS.algorithms) or not needed <= set(FLAGS.algorithms_256):
     raise app.UsageError(
-      f"--parts of {PARTS} and --algorithms of {list(baselines.ALGORITHMS)} with allreduce and "
+      f"--parts of {PARTS} and --algorithms of {list(baselines.LABELS)} with allreduce and "
       f"ripples_smart; got {unknown or FLAGS.algorithms}"
     )
   grid = {} if FLAGS.grid is None else {"grid": tuple(float(x) for x in FLAGS.grid)}
   if FLAGS.outer_grid is not None:
     grid["outer_grid"] = tuple(float(x) for x in FLAGS.outer_grid)
+  if FLAGS.adamw_grid is not None:
+    grid["adamw_grid"] = tuple(float(x) for x in FLAGS.adamw_grid)
   os.makedirs(FLAGS.out, exist_ok=True)
   args = dict(algorithms=tuple(FLAGS.algorithms), **grid)
   if {"tune", "sim16", "sim256"} & set(FLAGS.parts):

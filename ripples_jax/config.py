@@ -292,6 +292,11 @@ def _check_optimizer(config):
   _number(config, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
   _number(config, "optimizer.weight_decay", lambda v: v >= 0, "a number >= 0")
   _int_in(config, "optimizer.warmup_steps", 0, 10**9, "an integer >= 0")
+  for key in ("b1", "b2"):  # absent from a DSP config: optim.ADAM_DEFAULTS
+    if key in config.optimizer:
+      _number(config, f"optimizer.{key}", lambda v: 0 <= v < 1, "a number in [0, 1)")
+  if "eps" in config.optimizer:
+    _number(config, "optimizer.eps", lambda v: v > 0, "a finite number > 0")
   if "schedule_steps" in config.optimizer:
     _int_in(config, "optimizer.schedule_steps", 0, 10**12, "an integer >= 0 (0: num_steps)")
 

@@ -5,12 +5,16 @@ import jax.numpy as jnp
 import optax
 from absl import logging
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
+# Adam's moment decays and epsilon where config.optimizer has no b1, b2, eps (a DSP config, a config
+# from before them): optax's defaults, which are torch's, so "adam" is what optax.adam(lr) always was.
+ADAM_DEFAULTS = {"b1": 0.9, "b2": 0.999, "eps": 1e-8}
 LR_SCHEDULES = ("constant", "cosine")
 
 
 def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
-  """optax optimizer from config.optimizer; the step count in its state is each worker's own."""
+  """optax optimizer from config.optimizer; the step count in its state is each worker's own. Weight decay
+  is L2 added to the gradient (coupled) for every optimizer but adamw, whose decay is decoupled."""
   warmup = min(opt.warmup_steps, num_steps - 1)
   if warmup < opt.warmup_steps:
     logging.warning(
@@ -22,8 +26,11 @@ def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
     lr = optax.linear_schedule(0.0, opt.lr, warmup)
   else:
     lr = opt.lr
+  b1, b2, eps = (float(opt.get(k, v)) for k, v in ADAM_DEFAULTS.items())
+  if opt.name == "adamw":  # decoupled decay (Loshchilov & Hutter): -lr x wd x param, outside Adam's scaling
+    return optax.adamw(lr, b1, b2, eps, weight_decay=opt.weight_decay)
   if opt.name == "adam":
-    tx = optax.adam(lr)
+    tx = optax.adam(lr, b1, b2, eps)
   else:
     momentum = {"sgd": None, "momentum": opt.momentum, "nesterov": opt.momentum}[opt.name]
     tx = optax.sgd(lr, momentum=momentum, nesterov=opt.name == "nesterov")

@@ -88,14 +88,15 @@ def mean_of(trees):
 
 
 @pytest.mark.slow
-def test_diloco_on_two_processes_averages_every_h_steps_and_replays(tmp_path):
+@pytest.mark.parametrize("optimizer", ["momentum", pytest.param("adamw", marks=pytest.mark.nightly)])
+def test_diloco_on_two_processes_averages_every_h_steps_and_replays(tmp_path, optimizer):
   """2 workers, H = 4: the All-Reduce with its outer step after every 4th local step and after the
   last, nothing between; the engine's replay (its OUTER events) lands on every worker's model, which is
-  the one global model."""
+  the one global model. The inner steps are the run's optimizer: momentum SGD, or AdamW as published."""
   n, workdir, steps, H = 2, str(tmp_path / "run"), 30, 4
-  args = run_args(
-    workdir, "diloco", n, steps, ["--config.runtime.step_time=0.01", f"--config.diloco.inner_steps={H}"]
-  )
+  extra = ["--config.runtime.step_time=0.01", f"--config.diloco.inner_steps={H}"]
+  opt = {"optimizer.name": optimizer} | ({"optimizer.lr": 0.003} if optimizer == "adamw" else {})
+  args = run_args(workdir, "diloco", n, steps, extra + [f"--config.{k}={v}" for k, v in opt.items()])
   code, out = launch_bounded(n, args)
   assert code == 0, out[-3000:]
   traces = trace_lib.load_traces(workdir)
@@ -114,7 +115,7 @@ def test_diloco_on_two_processes_averages_every_h_steps_and_replays(tmp_path):
   finals = [np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy")) for w in range(n)]
   for f in finals[1:]:
     np.testing.assert_allclose(f, finals[0], rtol=1e-6, atol=1e-7)
-  config = make_config("diloco", n, steps, MODEL)
+  config = make_config("diloco", n, steps, MODEL, **opt)
   config.diloco.inner_steps = H
   assert_replay_matches(config, workdir, tmp_path)
 

@@ -4,7 +4,9 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs import default as default_config
@@ -81,10 +83,10 @@ def _outer_reference(G, m, p_SxD, lr, mu):
 
 
 @functools.lru_cache  # one compile of each round program for the whole module: the fast tier's time
-def _engine(n=4, outer=None):
+def _engine(n=4, outer=None, optimizer="momentum"):
   data = load_dataset("synthetic", seed=0)
   model = build_model("mlp", data["num_classes"], hidden=(8,))
-  opt = make_optimizer(_small_config("diloco").optimizer, 10)
+  opt = make_optimizer(_small_config("diloco", **{"optimizer.name": optimizer}).optimizer, 10)
   mesh = C.make_worker_mesh(n, jax.devices()[:1])
   fn = engine.make_sim_round_fn(model, opt, mesh, n, n, outer=outer)
   init = lambda: engine.init_sim_state(model, opt, jax.random.key(0), data["x_train"][:1], n, mesh)  # noqa: E731
@@ -95,11 +97,13 @@ def _flat(tree, rows):
   return np.concatenate([np.asarray(a, np.float64).reshape(rows, -1) for a in jax.tree.leaves(tree)], 1)
 
 
-def test_diloco_outer_step_matches_numpy():
+@pytest.mark.parametrize("optimizer", ["momentum", pytest.param("adamw", marks=pytest.mark.slow)])
+def test_diloco_outer_step_matches_numpy(optimizer):
   """Two outer steps (the momentum carries over) through the simulator's round against float64 numpy;
-  float32 against float64: rtol 1e-5, atol 1e-6. A round without the outer step changes nothing."""
+  float32 against float64: rtol 1e-5, atol 1e-6. A round without the outer step changes nothing. The
+  inner optimizer's state (momentum SGD's, AdamW's) rides through the outer step untouched."""
   n, lr, mu = 4, 0.7, 0.9
-  data, _, _, _, fn, init = _engine(n, outer=(lr, mu))
+  data, _, _, _, fn, init = _engine(n, outer=(lr, mu), optimizer=optimizer)
   state = init()
   state["outer"] = engine.init_outer_state(state["params"])
   rng = np.random.default_rng(0)
@@ -179,6 +183,57 @@ def test_diloco_run_h1_records_allreduces_metrics(tmp_path):
   assert [r["time"] for r in d[:-1]] == [r["time"] for r in a[:-1]] and d[-1]["time"] > a[-1]["time"]
   assert d[-1]["consensus_distance"] < 1e-5 < a[-1]["consensus_distance"]  # rounding only
   assert dl["worker_steps"] == ar["worker_steps"]
+
+
+# -- DiLoCo as published: AdamW inner steps (Douillard et al., 2023) ----------------------------------
+
+
+def _optimizer(name, **kw):
+  opt = default_config.get_config("algorithm=diloco,executor=sim,num_workers=4").optimizer
+  opt.name, opt.lr_schedule, opt.warmup_steps = name, "constant", 0
+  opt.update(kw)
+  return opt
+
+
+def _tree(*rows):
+  return {"w": jnp.array(rows[:2], jnp.float32), "b": jnp.array(rows[2], jnp.float32)}
+
+
+def test_adamw_is_optax_adamw_with_decoupled_weight_decay():
+  """optimizer.name=adamw is optax.adamw with config.optimizer's b1, b2, eps and weight decay, bit for
+  bit over two steps (Adam's moments carry over); its decay is decoupled: a zero gradient moves a
+  parameter by -lr x wd x param (Adam normalises a zero gradient to 0), where coupled L2 would have
+  Adam normalise wd x param to about +-1 and move it by about lr. adam stays optax.adam(lr)."""
+  lr, wd = 0.01, 0.1
+  opt = _optimizer("adamw", lr=lr, weight_decay=wd, b1=0.8, b2=0.99, eps=1e-6)
+  ours, ref = make_optimizer(opt, 10), optax.adamw(lr, 0.8, 0.99, 1e-6, weight_decay=wd)
+  params = _tree([0.5, -2.0], [3.0, 0.1], [1.0, -1.0])
+  s, r = ours.init(params), ref.init(params)
+  for g in (_tree([0.3, -0.1], [0.0, 2.0], [-1.0, 0.5]), _tree([-0.2, 0.4], [1.0, 0.0], [0.1, 0.1])):
+    u, s = ours.update(g, s, params)
+    v, r = ref.update(g, r, params)
+    jax.tree.map(np.testing.assert_array_equal, u, v)
+    params = optax.apply_updates(params, u)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  u, _ = ours.update(zero, ours.init(params), params)
+  jax.tree.map(lambda a, p: np.testing.assert_allclose(a, -lr * wd * p, rtol=1e-6), u, params)
+  adam = make_optimizer(_optimizer("adam", lr=lr, weight_decay=0.0), 10)
+  u, _ = adam.update(params, adam.init(params), params)
+  v, _ = optax.adam(lr).update(params, optax.adam(lr).init(params), params)
+  jax.tree.map(np.testing.assert_array_equal, u, v)
+
+
+def test_diloco_with_adamw_inner_steps_runs_and_learns(tmp_path):
+  """The simulator's DiLoCo with AdamW inner steps (the workers' stacked Adam states): H = 2, 8 steps,
+  the training loss falls, and after the last outer step every worker holds the global model."""
+  kw = {"optimizer.name": "adamw", "optimizer.lr": 0.01, "optimizer.weight_decay": 0.1}
+  kw.update({"diloco.inner_steps": 2, "num_steps": 8, "log_every": 4, "eval_every": 4})
+  summary, _ = sim.simulate_and_train(_small_config("diloco", **kw), str(tmp_path))
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert summary["worker_steps"] == [8] * 8 and records[-1]["step"] == 8
+  losses = [r["train_loss"] for r in records if "train_loss" in r]
+  assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+  assert records[-1]["consensus_distance"] < 1e-5
 
 
 def test_diloco_needs_a_clocked_executor_and_no_leave():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import baselines, ledger_tta
+from ripples_jax import algorithms
 from ripples_jax.timeline import APPLY, AVG, JOIN, OUTER, PULL, START, Trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +29,64 @@ def test_a_variant_sets_its_keys_under_its_algorithm():
   assert ledger_tta.variant(name) == ("ripples_smart", {"schedule.smart_fresh": True})
   config, base, _ = ledger_tta.scenario_config("homogeneous, VGG-16 clock", name, 0.5, 0, 10)
   assert base == "ripples_smart" and config.schedule.smart_fresh is True
+
+
+def test_diloco_as_published_tunes_adamw_then_outer_lr_by_momentum_and_local_sgd_keeps_its_outer_step(
+  tmp_path, monkeypatch
+):
+  """The tuner's runs (train_runs and the score faked: no training) for DiLoCo as published: its inner
+  step size on ADAMW_GRID at outer lr 0.7 (Nesterov 0.9), then outer lr x outer momentum {0, 0.9} at the
+  chosen one; results/baselines' DiLoCo searches the outer lr at 0.9 only, as it did; local SGD (outer
+  lr 1, no momentum: in the names the study takes) only its inner step size. Labels are the registry's."""
+  pub = "diloco/inner_steps=16/optimizer.name=adamw/optimizer.weight_decay=0.1"
+  (local,) = baselines.LOCAL_SGD
+  labels = baselines.LABELS
+  assert pub in baselines.DILOCO_PUBLISHED and {pub, local} | set(baselines.ALGORITHMS) <= set(labels)
+  assert len(set(labels.values())) == len(labels)
+  diloco = algorithms.get("diloco").label
+  assert all(labels[a].startswith(diloco) for a in (*baselines.DILOCO_PUBLISHED, local))
+  ran = []
+
+  def train_runs(out_dir, jobs, workers):
+    ran.extend(j[1:3] for j in jobs if j[3] == ledger_tta.TUNE_SEEDS[0])  # (variant, lr), one seed's
+    return {ledger_tta.run_key(*j): j for j in jobs}
+
+  def score(runs, target):  # least: AdamW at 0.002 with outer lr 0.5 and no momentum, SGD at 0.2
+    ((_, v, lr),) = {r[:3] for r in runs}
+    off = not v.endswith("/outer_lr=0.5/outer_momentum=0")
+    return abs(math.log(lr / (0.002 if "adamw" in v else 0.2))) + off, -0.5
+
+  monkeypatch.setattr(baselines, "train_runs", train_runs)
+  monkeypatch.setattr(baselines, "tuning_score", score)
+  old = "diloco/inner_steps=16"
+  chosen = baselines.tune(str(tmp_path), "heavy", 6, 0.5, 1, algorithms=("allreduce", old, pub, local))
+  lr = min(baselines.ADAMW_GRID, key=lambda x: abs(math.log(x / 0.002)))
+  first = f"{pub}/outer_lr=0.7/outer_momentum=0.9"
+  # The inner search, then the outer one at the chosen inner step size (its (0.7, 0.9) run is the first's).
+  assert [x for v, x in ran if v == first][: len(baselines.ADAMW_GRID)] == list(baselines.ADAMW_GRID)
+  assert baselines.OUTER_MOMENTUM_GRID == (0.0, 0.9)
+  outer = [f"{pub}/outer_lr={o:g}/outer_momentum={mu:g}" for o in baselines.OUTER_GRID for mu in (0, 0.9)]
+  assert [(v, x) for v, x in ran if v.startswith(pub)][len(baselines.ADAMW_GRID) :] == [
+    (v, lr) for v in outer
+  ]
+  assert chosen[pub] == (f"{pub}/outer_lr=0.5/outer_momentum=0", lr)
+  inner = [x for v, x in ran if v == f"{old}/outer_lr=0.7"]
+  assert inner[: len(ledger_tta.LR_GRID)] == list(ledger_tta.LR_GRID)
+  assert {v for v, _ in ran if v.startswith(old + "/outer")} - {local} == {
+    f"{old}/outer_lr={o:g}" for o in baselines.OUTER_GRID
+  }
+  assert [x for v, x in ran if v.startswith(local)] == list(ledger_tta.LR_GRID)
+  assert chosen[local] == (local, 0.2)
+  text = (tmp_path / "tuning.md").read_text()
+  assert "| outer lr 0.35 | outer lr 0.5 |" in text
+  assert "| outer lr 0.35, momentum 0 | outer lr 0.35, momentum 0.9 |" in text
+  # The variants' configs: AdamW with decoupled decay 0.1 and the chosen outer step; local SGD's.
+  config, base, _ = ledger_tta.scenario_config("homogeneous, VGG-16 clock", chosen[pub][0], lr, 0, 10)
+  assert (base, config.optimizer.name, config.optimizer.weight_decay) == ("diloco", "adamw", 0.1)
+  assert (config.diloco.inner_steps, config.diloco.outer_lr, config.diloco.outer_momentum) == (16, 0.5, 0.0)
+  config, _, _ = ledger_tta.scenario_config("homogeneous, VGG-16 clock", local, 0.2, 0, 10)
+  got = (config.optimizer.name, config.diloco.outer_lr, config.diloco.outer_momentum)
+  assert got == ("momentum", 1.0, 0.0)
 
 
 def test_models_sent_count_each_collective_and_each_server_message():
