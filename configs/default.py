@@ -78,6 +78,9 @@ def get_config(arg=None):
   c.moshpit.grid = default_grid(arg.num_workers)  # the virtual grid, its product num_workers: round r
   # averages within the workers that share every coordinate but the (r mod d)-th; one local step between
   # rounds; (4, 4) for 16 workers, (2, 4) for 8
+  c.moshpit.window = 0.0  # seconds (hivemind's averaging_expiration): > 0, a worker's group is its line's
+  # workers ready within this of it, the others not waited for (group_gen.moshpit_window_gg); 0: lockstep
+  c.moshpit.max_gap = 4  # with a window: at most this many requests in a row without a group
   c.ps = ml_collections.ConfigDict()  # algorithm=ps_async: the server's step (docs/design.md 3.4)
   c.ps.staleness = "none"  # none | divide: each gradient at lr / its staleness, the server's updates
   # from the pull it was computed on to its own (Zhang et al., 2016); SGD optimizers only

@@ -361,6 +361,8 @@ _KEY_CHECKS = {
     c, "diloco.outer_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"
   ),
   "moshpit.grid": lambda c, n: _check_grid(c, n),
+  "moshpit.window": lambda c, n: _number(c, "moshpit.window", lambda v: v >= 0, "seconds >= 0 (0: lockstep)"),
+  "moshpit.max_gap": lambda c, n: _int_in(c, "moshpit.max_gap", 0, 10**9, "an integer >= 0"),
   "ps.staleness": lambda c, n: _check_staleness(c),
   "ps.server_momentum": lambda c, n: _number(
     c, "ps.server_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"
@@ -575,6 +577,8 @@ def _check_replicas(config, local_devices: int | None = None) -> None:
   _number(config, "replicas.smart_tolerance", lambda v: v >= 0, "a number >= 0")
   _int_in(config, "replicas.smart_max_gap", 0, 10**6, "an integer >= 0")
   _bool(config, "replicas.smart_fresh")
+  _number(config, "replicas.window", lambda v: v >= 0, "seconds >= 0 (0: lockstep)")
+  _int_in(config, "replicas.window_max_gap", 0, 10**6, "an integer >= 0")
   grid = tuple(c.grid)
   if grid and (not all(isinstance(g, int) and g >= 2 for g in grid) or math.prod(grid) != c.count):
     _fail("replicas.grid", grid, f"() or a tuple of integers >= 2 whose product is replicas.count={c.count}")

@@ -112,13 +112,20 @@ def test_the_hybrid_allows_every_algorithm_with_groups():
     validate_dsp_config(c)
 
 
-@pytest.mark.parametrize("name", algorithms.hybrid_names())
-def test_every_group_generator_runs_in_the_hybrid(name):
+@pytest.mark.parametrize(
+  "name,window",
+  [pytest.param(n, 0.0, id=n) for n in algorithms.hybrid_names()]
+  + [pytest.param("moshpit", 0.004, id="moshpit-window")],  # replicas.window chooses its generator
+)
+def test_every_group_generator_runs_in_the_hybrid(name, window):
   """The hybrid's generator is the registry's on a replica-sized view: the simulator's generator over R
   workers. Its clock forms groups of it (Division's cover every replica; Moshpit's are its grid's
-  lines), and the member sets and group sizes the devices and processes prepare hold every group."""
+  lines, with a window some of a line), and the member sets and group sizes the devices and processes
+  prepare hold every group."""
   R = 6
   c = hybrid_config(name, R)
+  c.replicas.window = window
+  validate_dsp_config(c)
   gen = hybrid.make_generator(c)
   trace = clock_lib.simulate_replicas(
     clock_lib.Spec((0.1, 0.12), (4e5, 4e5), R, 300, gen, jitter=0.05, slow=(1, 0))
@@ -133,8 +140,11 @@ def test_every_group_generator_runs_in_the_hybrid(name):
     assert len(g) in sizes and all(g in hybrid.member_sets(c, m) for m in g)
   if name == "ripples_division":
     assert isinstance(gen, group_gen.division_gg) and gen.n == R
-  if name == "moshpit":
-    lines = {tuple(sorted(g)) for layout in grid_layouts((2, 3)) for g in layout}
+  lines = {tuple(sorted(g)) for layout in grid_layouts((2, 3)) for g in layout}
+  if name == "moshpit" and window:
+    assert isinstance(gen, group_gen.moshpit_window_gg) and set(groups) - lines  # some of a line
+    assert all(any(set(g) <= set(line) for line in lines) for g in groups)
+  elif name == "moshpit":
     assert set(groups) <= lines and len(set(groups)) > 2
   if name == "allreduce":
     assert set(groups) == {tuple(range(R))}

@@ -17,6 +17,7 @@ from ripples_jax.config import ConfigError, validate_train_config
 from ripples_jax.data import batch_indices, load_dataset, shard_indices
 from ripples_jax.models import build_model
 from ripples_jax.optim import make_optimizer
+from ripples_jax.schedule import group_gen
 from tests.test_sim import _small_config
 
 BASE = 0.01  # virtual seconds of a base step
@@ -366,3 +367,70 @@ def test_moshpit_grid_is_validated_and_needs_a_clocked_executor():
   with pytest.raises(ConfigError, match=r"^config\.moshpit\.grid: \(2, 4\) is not allowed"):
     config.moshpit.grid = (2, 4)
     validate_train_config(config, num_devices=8, num_processes=5)
+
+
+class _Recorded:
+  """A windowed Moshpit generator that logs each group it makes with the view it was made on: (asker,
+  members, view.now, every worker's expected readiness, whether the request was a forced one)."""
+
+  ask_ahead = False
+
+  def __init__(self, gen):
+    self.gen, self.log = gen, []
+
+  def __call__(self, worker, view):
+    before, ready = view.buffer.count, view.started_at + view.estimates
+    forced = bool(self.gen.skipped[worker] >= self.gen.max_gap)
+    self.gen(worker, view)
+    for g in view.buffer.groups[before - view.buffer.first :]:
+      self.log.append((worker, g.members, view.now, ready, forced))
+
+
+def _fast_rate(config, steps=300, record=False):
+  """Worker steps per virtual second of the workers that are not slow, and the generator's log."""
+  speed, net = sim.build_clock(config, model_bytes=4e5, base_time=BASE)
+  gg = sim.make_group_generator(config, np.random.default_rng([4, config.seed]))
+  gg = _Recorded(gg) if record else gg
+  trace = timeline.simulate(timeline.ClockSpec("moshpit", speed, net, steps * config.num_workers, gg=gg))
+  fast = np.delete(np.asarray(trace.worker_steps), list(config.hetero.slow_workers))
+  return fast.mean() / trace.end_time, gg, trace
+
+
+def test_windowed_moshpit_does_not_wait_for_a_straggler_and_lockstep_does():
+  """A 5x straggler (worker 3) on a (4, 4) grid, jitter 0.05, a window of half a base step: no group
+  another worker asked for holds the straggler unless it was expected ready within the window (forced
+  requests aside), its lines average without it, and the fast workers step at the homogeneous rate
+  (within 10%); lockstep Moshpit runs at the straggler's pace (under a quarter of its homogeneous rate)."""
+  kw = {"moshpit.window": 0.5 * BASE, "moshpit.grid": (4, 4)}
+  windowed = sim_config("moshpit", n=16, s=5.0, jitter=0.05, **kw)
+  rate, rec, trace = _fast_rate(windowed, record=True)
+  home, _, _ = _fast_rate(sim_config("moshpit", n=16, slow=(), jitter=0.05, **kw))
+  assert rate > 0.9 * home, (rate, home)
+  drawn_in = [(now, ready[3]) for a, m, now, ready, forced in rec.log if 3 in m and a != 3 and not forced]
+  assert drawn_in and all(r <= now + 0.5 * BASE for now, r in drawn_in)
+  forced_in = [m for a, m, _, _, forced in rec.log if 3 in m and a != 3 and forced]
+  assert len(forced_in) <= 2  # a fast worker's forced request takes the soonest peer: hardly ever it
+  lines = [set(g) for layout in schedule_lib.grid_layouts((4, 4)) for g in layout if 3 in g]
+  without = [m for _, m, _, _, _ in rec.log if 3 not in m and any(set(m) <= line for line in lines)]
+  assert len(without) > 10 * len(drawn_in)  # its lines went on without it
+  assert 20 < trace.worker_steps[3] < 0.3 * trace.worker_steps[0]  # it stepped at its own pace
+  with_it = sum(3 in m for _, m, _, _, _ in rec.log)
+  assert with_it > trace.worker_steps[3] / 2  # and averaged in most of its steps
+  lockstep, _, _ = _fast_rate(sim_config("moshpit", n=16, s=5.0, jitter=0.05, **{"moshpit.grid": (4, 4)}))
+  lock_home, _, _ = _fast_rate(sim_config("moshpit", n=16, slow=(), jitter=0.05, **{"moshpit.grid": (4, 4)}))
+  assert lockstep < 0.25 * lock_home, (lockstep, lock_home)
+
+
+def test_moshpit_window_keys_are_validated_and_zero_is_lockstep():
+  config = sim_config("moshpit", **{"moshpit.window": -0.1})
+  with pytest.raises(ConfigError, match=r"^config\.moshpit\.window: -0\.1 is not allowed: seconds >= 0"):
+    validate_train_config(config, num_devices=8)
+  config = sim_config("moshpit", **{"moshpit.window": 0.01, "moshpit.max_gap": -1})
+  with pytest.raises(ConfigError, match=r"^config\.moshpit\.max_gap: -1 is not allowed"):
+    validate_train_config(config, num_devices=8)
+  config.moshpit.max_gap = 2
+  validate_train_config(config, num_devices=8)
+  gen = sim.make_group_generator(config, np.random.default_rng(0))
+  assert isinstance(gen, group_gen.moshpit_window_gg) and gen.max_gap == 2 and not gen.ask_ahead
+  config.moshpit.window = 0.0
+  assert isinstance(sim.make_group_generator(config, np.random.default_rng(0)), group_gen.moshpit_gg)

@@ -18,11 +18,15 @@ from ripples_jax.schedule.online import GROUP, MARK, MEMBER, NONE, STOP, Cadence
 from tests.fakes import FakeKV
 
 DYNAMIC = ("ripples_random", "ripples_division", "ripples_smart")
+# Generators a config key chooses under one algorithm: name -> (algorithm, keys)
+VARIANTS = {"moshpit_window": ("moshpit", {"moshpit.window": 1e-3})}
 
 
 def config_for(algorithm, n, group_size=3):
+  algorithm, keys = VARIANTS.get(algorithm, (algorithm, {}))
   config = default_config.get_config(f"algorithm={algorithm},executor=sim,num_workers={n}")
   config.schedule.group_size = group_size
+  config.update_from_flattened_dict(keys)
   return config
 
 
@@ -85,10 +89,10 @@ def run_threads(algorithm, n, steps, seed, group_size=3):
   return service, executed, done_steps, taken, made, kv
 
 
-@pytest.mark.parametrize("algorithm", DYNAMIC + ("moshpit",))
+@pytest.mark.parametrize("algorithm", DYNAMIC + ("moshpit",) + tuple(VARIANTS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_online_protocol_under_random_speeds_and_arrivals(algorithm, seed):
-  n, steps = (8 if algorithm == "moshpit" else 7), 30  # Moshpit: the grid (2, 4)
+  n, steps = (8 if algorithm.startswith("moshpit") else 7), 30  # Moshpit: the grid (2, 4)
   service, executed, done, taken, made, kv = run_threads(algorithm, n, steps, seed)
   assert sum(done) >= steps * n  # STOP came only once the steps were done
   for w in range(n):
@@ -117,6 +121,9 @@ def test_online_protocol_under_random_speeds_and_arrivals(algorithm, seed):
     for w in range(n):
       groups = [sorted(e[2]) for e in taken[w] if e[0] == GROUP]
       assert groups == [sorted(next(g for g in layouts[j % 2] if w in g)) for j in range(len(groups))]
+  if algorithm == "moshpit_window":  # every group is 2 or more of one grid line
+    lines = [set(g) for layout in schedule_lib.grid_layouts((2, 4)) for g in layout]
+    assert made and all(len(g.members) >= 2 and any(set(g.members) <= x for x in lines) for g in made)
 
 
 def test_a_request_is_answered_and_a_pending_group_is_taken_first():
@@ -476,3 +483,78 @@ def test_fresh_smart_gg_ranks_its_last_group_after_the_others_ready_in_time():
     == pick(group_gen.smart_gg(6, 2, max_gap=0), times)
     == (0, 4)
   )
+
+
+def _window_view(n, ready, pending=(), alive=None):
+  """A view where worker w is expected ready at ready[w] (started a 1 s step before) and the workers
+  in `pending` have a group queued; now is 0."""
+  buffer = group_gen.GroupBuffer(n)
+  buffer.npending[list(pending)] = 1
+  alive = None if alive is None else np.asarray(alive, bool)
+  return group_gen.GGView(0.0, buffer, np.asarray(ready, np.float64) - 1, np.ones(n), lambda w: 0, alive)
+
+
+def test_windowed_moshpit_matches_its_line_within_the_window_and_bounds_its_skips():
+  """Grid (2, 4): lines along dimension 0 are the pairs (w, w + 4), along 1 the fours. The asker's line
+  of its own dimension, those free and ready within the window; members move past that dimension; a
+  worker alone skips and moves on, at most max_gap times in a row; a line without a live peer is
+  passed over."""
+  layouts = schedule_lib.grid_layouts((2, 4))
+  gen = group_gen.moshpit_window_gg(layouts, window=0.1, max_gap=1)
+  view = _window_view(8, [0.0, 0.05, 0.0, 0.0, 0.09, 0.0, 0.0, 0.0])
+  gen(0, view)  # dimension 0: its pair (0, 4), 4 ready within 0.1
+  assert [g.members for g in view.buffer.groups] == [(0, 4)] and gen.dims.tolist()[:5] == [1, 0, 0, 0, 1]
+  view = _window_view(8, [0.0, 0.05, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0], pending=[3])
+  gen(0, view)  # dimension 1: 1 within the window, 2 too late, 3 not free
+  assert [g.members for g in view.buffer.groups] == [(0, 1)] and gen.dims[[0, 1]].tolist() == [0, 0]
+  view = _window_view(8, [0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0])
+  gen(0, view)  # alone (4 is 0.5 s away): no group, its next dimension, one skip
+  assert not view.buffer.groups and gen.dims[0] == 1 and gen.skipped[0] == 1
+  view = _window_view(8, [0.0, 0.28, 0.4, 0.2, 0.25, 0.0, 0.0, 0.0])
+  gen(0, view)  # max_gap reached: the soonest peer of any line (4 at 0.25 > 3 at 0.2: dimension 1's 3)
+  assert [g.members for g in view.buffer.groups] == [(0, 1, 3)] and gen.skipped[0] == 0  # 1 within 0.1 of 3
+  # A dead pair partner: dimension 0 is passed over, the asker averages along dimension 1.
+  gen = group_gen.moshpit_window_gg(layouts, window=0.1)
+  view = _window_view(8, [0.0] * 8, alive=[1, 1, 1, 1, 0, 1, 1, 1])
+  gen(0, view)
+  assert [g.members for g in view.buffer.groups] == [(0, 1, 2, 3)] and gen.dims[0] == 0
+
+
+def test_windowed_moshpit_resumes_the_same_groups():
+  """Its state (JSON) taken mid-run and loaded into a fresh generator, with the Group Buffer's, gives the
+  same future groups under the same requests."""
+  n, rng = 8, np.random.default_rng(0)
+  layouts = schedule_lib.grid_layouts((2, 4))
+  events = [
+    (int(rng.integers(3)), int(rng.integers(n)), float(rng.choice([0.01, 0.01, 0.05]))) for _ in range(600)
+  ]
+
+  def play(gen, view, events, t0):
+    made = []
+    for i, (kind, w, step) in enumerate(events):
+      now = t0 + 0.003 * i
+      if kind == 0:  # w asks, ready now
+        before = view.buffer.count
+        view.now = now
+        gen(w, view)
+        made += [g.members for g in view.buffer.groups[before - view.buffer.first :]]
+      elif kind == 1:  # w starts a step
+        view.started_at[w], view.estimates[w] = now, step
+      elif view.buffer.pending(w):  # w ran its next group
+        view.buffer.done(w, view.buffer.queues[w][0].gid)
+    return made
+
+  def fresh():
+    buffer = group_gen.GroupBuffer(n)
+    view = group_gen.GGView(0.0, buffer, np.zeros(n), np.full(n, 0.01), lambda w: 0, np.ones(n, bool))
+    return group_gen.moshpit_window_gg(layouts, window=0.004, max_gap=2), view
+
+  a, view_a = fresh()
+  first = play(a, view_a, events[:300], 0.0)
+  b, view_b = fresh()
+  b.load(json.loads(json.dumps(a.state())))
+  view_b.buffer.load(json.loads(json.dumps(view_a.buffer.state())))
+  view_b.started_at[:], view_b.estimates[:] = view_a.started_at, view_a.estimates
+  rest_a, rest_b = play(a, view_a, events[300:], 0.9), play(b, view_b, events[300:], 0.9)
+  assert len(first) > 20 and len(rest_a) > 20 and rest_a == rest_b
+  assert a.state() == b.state() and {len(m) for m in rest_a} == {2, 3}

@@ -53,9 +53,8 @@ def replica_view(config) -> ml_collections.ConfigDict:
   schedule.update(smart_fresh=c.get("smart_fresh", False), request_ahead=True)
   schedule.update(layout="node", workers_per_node=c.workers_per_node)  # Static GG: the node layout
   grid = tuple(c.get("grid", ())) or default_grid(R)
-  view = dict(
-    algorithm=c.algorithm, num_workers=R, seed=config.seed, schedule=schedule, moshpit={"grid": grid}
-  )
+  moshpit = dict(grid=grid, window=c.get("window", 0.0), max_gap=c.get("window_max_gap", 4))
+  view = dict(algorithm=c.algorithm, num_workers=R, seed=config.seed, schedule=schedule, moshpit=moshpit)
   return ml_collections.ConfigDict(view)
 
 
@@ -83,7 +82,10 @@ def member_sets(config, r: int) -> list:
     return []
   layouts = getattr(gen, "layouts", None)
   if layouts:
-    sets = sorted({tuple(sorted(g)) for layout in layouts for g in layout if len(g) > 1})
+    lines = {tuple(sorted(g)) for layout in layouts for g in layout if len(g) > 1}
+    if getattr(gen, "partial_lines", False):  # Moshpit's window: any 2 or more of a line
+      lines = {s for g in lines for k in range(2, len(g) + 1) for s in itertools.combinations(g, k)}
+    sets = sorted(lines)
   else:
     most = min(config.replicas.group_size, R)
     sets = [s for n in range(2, most + 1) for s in itertools.combinations(range(R), n)]

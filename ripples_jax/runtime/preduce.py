@@ -40,6 +40,8 @@ def member_sets_per_worker(config) -> int:
   """How many distinct groups containing one worker the run's generator can form (an upper bound)."""
   n = config.num_workers
   if config.algorithm == "moshpit":  # one group per grid dimension (a dead peer's: elastic, pairs)
+    if config.moshpit.get("window", 0.0):  # with a window: any 2 or more of each line
+      return sum(2 ** (g - 1) - 1 for g in config.moshpit.grid)
     return len(config.moshpit.grid)
   if algorithms.get(config.algorithm).dynamic:  # groups of 2 .. group_size (Division, Smart GG: fewer)
     return sum(math.comb(n - 1, s - 1) for s in range(2, config.schedule.group_size + 1))

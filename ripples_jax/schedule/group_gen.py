@@ -149,12 +149,13 @@ class random_gg(_Generator):
 
 
 class moshpit_gg:
-  """Moshpit SGD's averaging (Ryabinin et al., 2021) as a generator: a request appends one whole round
-  of groups, round r being `layouts[r mod d]` (schedule.static.grid_layouts: the workers that share
-  every grid coordinate but the r mod d-th), with hetero.leave the live ones among each (a dead peer's
-  group averages without it; a group of one is none). Every worker's j-th group is from round j, as
-  every round covers every live worker; with nobody dead, d consecutive rounds average exactly. Its
-  hidden state is the round counter."""
+  """Moshpit SGD's averaging (Ryabinin et al., 2021) in lockstep rounds (moshpit.window 0; the published
+  matchmaking is moshpit_window_gg) as a generator: a request appends one whole round of groups, round
+  r being `layouts[r mod d]` (schedule.static.grid_layouts: the workers that share every grid coordinate
+  but the r mod d-th), with hetero.leave the live ones among each (a dead peer's group averages without
+  it; a group of one is none). Every worker's j-th group is from round j, as every round covers every
+  live worker; with nobody dead, d consecutive rounds average exactly. Its hidden state is the round
+  counter."""
 
   ask_ahead = True  # its rounds do not depend on when they are made
 
@@ -173,6 +174,86 @@ class moshpit_gg:
     for group in layout:
       members = group if view.alive is None else [m for m in group if view.alive[m]]
       view.buffer.append(members, view.now)  # a group of one is dropped there
+
+
+class moshpit_window_gg:
+  """Moshpit SGD as published (hivemind's averager, Ryabinin et al., 2021): each group is matched among
+  the peers that are ready within a time window (hivemind's averaging_expiration); a slow peer is not
+  waited for, it averages when it next finds peers ready with it.
+
+  Each worker has its own next grid dimension k (`dims`, from 0), not a global round. When worker i
+  asks (ready at view.now), its line is its group of layouts[k] (schedule.static.grid_layouts: the
+  workers that share every grid coordinate but the k-th); its group is i and those of the line that are
+  live, free (no pending group) and expected ready (started_at + estimates, as Smart GG reads them) by
+  view.now + window. The rest of the line is not waited for. Every member then moves to dimension
+  k + 1 mod d whatever its own was: a member drawn in from another dimension has averaged along k.
+
+  Alone in its window, i gets no group (NONE: it steps again) and moves to its next dimension: its line
+  has moved on without it. (hivemind's peer retries its own key; here a fast worker whose line along
+  one dimension is a straggler alone, a (2, 4) grid's pairs, averages along the others meanwhile
+  instead of ending up waiting for it.) At most `max_gap` such skips in a row: the next request takes
+  the soonest peers of any of its lines whatever the window: the line whose soonest free live peer is
+  expected first (ties: from its own dimension on), with that line's free peers expected within
+  `window` of that one (nobody free on any line: its own line's live peers, whose pending groups run
+  first; the Group Buffer's order keeps that deadlock-free). So a worker with a live peer averages at
+  least once every max_gap + 1 of its requests. A dimension whose line has no live peer (hetero.leave)
+  is passed over; no live peer on any line: NONE.
+
+  Invariants: every group is a subset (2 or more) of one grid line and holds its asker; a member other
+  than the asker was free and expected ready by view.now + window, but in a forced group (the asker's
+  (max_gap + 1)-th request in a row). It reads nothing but the view (deterministic under the
+  simulator's clock); its hidden state is `dims` and `skipped` (JSON)."""
+
+  ask_ahead = False  # its groups are about who is ready when: asked when the worker is ready, as Smart GG
+  partial_lines = True  # its groups are subsets of the lines of `layouts` (hybrid.sim.member_sets)
+
+  def __init__(self, layouts: Sequence[Layout], window: float, max_gap: int = 4):
+    self.layouts, self.window, self.max_gap = tuple(layouts), float(window), int(max_gap)
+    n = sum(len(g) for g in self.layouts[0])
+    # lines[k][w]: worker w's line along dimension k, ascending
+    self.lines = [[()] * n for _ in self.layouts]
+    for k, layout in enumerate(self.layouts):
+      for group in layout:
+        for m in group:
+          self.lines[k][m] = tuple(sorted(group))
+    self.dims = np.zeros(n, np.int64)
+    self.skipped = np.zeros(n, np.int64)
+
+  def state(self):
+    return {"dims": self.dims.tolist(), "skipped": self.skipped.tolist()}
+
+  def load(self, state) -> None:
+    self.dims[:], self.skipped[:] = state["dims"], state["skipped"]
+
+  def __call__(self, worker: int, view: GGView) -> None:
+    d = len(self.layouts)
+    live = np.ones(len(self.dims), bool) if view.alive is None else np.asarray(view.alive, bool)
+    free = live & (view.buffer.npending == 0)
+    ready = view.started_at + view.estimates  # when each worker is expected to be ready
+    lines = []  # (dimension, live peers) from its own dimension on, those with a live peer
+    for j in range(d):
+      k = (int(self.dims[worker]) + j) % d
+      peers = np.array([m for m in self.lines[k][worker] if m != worker and live[m]], np.int64)
+      if len(peers):
+        lines.append((k, peers))
+    if not lines:
+      return
+    k, peers = lines[0]
+    near = peers[free[peers] & (ready[peers] <= view.now + self.window)]
+    if not len(near) and self.skipped[worker] < self.max_gap:
+      self.skipped[worker] += 1
+      self.dims[worker] = lines[1 % len(lines)][0]
+      return
+    if not len(near):  # forced: the soonest free peer of any line, else its own line's live peers
+      soonest = [(ready[p[free[p]]].min(), i) for i, (_, p) in enumerate(lines) if free[p].any()]
+      if soonest:
+        k, peers = lines[min(soonest)[1]]
+        peers = peers[free[peers]]
+      near = peers[ready[peers] <= ready[peers].min() + self.window]
+    members = [worker, *near.tolist()]
+    self.dims[members] = (k + 1) % d
+    self.skipped[members] = 0
+    view.buffer.append(members, view.now)
 
 
 def division_sizes(num_workers: int, group_size: int) -> list[int]:

@@ -16,11 +16,11 @@ request carrying its measured step time and waits for its next entry. With reque
 (schedule.request_ahead, the default; algorithms.asks_ahead) a worker whose queue is empty when a step
 *starts* sends the request for the entry after that step at once, so the round trip overlaps the
 step. Only for generators whose groups do not depend on when they are made (Random GG, Group
-Division, Moshpit's grid rounds): Smart GG groups the workers that are ready together, so its
-requests are sent when ready (sent ahead, a request would be decided on the speeds before a
-straggler's first slow step). The authority generates groups
-on these actual arrivals and appends each group to all its members' queues under one global sequence
-number (gid); markers and STOP go to every queue at once.
+Division, Moshpit's lockstep rounds): Smart GG and Moshpit's window group the workers that are ready
+together, so their requests are sent when ready (sent ahead, a request would be decided on the speeds
+before a straggler's first slow step). The authority generates groups on these actual arrivals and
+appends each group to all its members' queues under one global sequence number (gid); markers and STOP
+go to every queue at once.
 
 Invariants (tests/test_online.py checks them under random speeds and arrival orders):
   - every worker's queue is a subsequence of one global order, so every worker executes a prefix of
