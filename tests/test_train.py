@@ -86,8 +86,11 @@ BAD = [
   (
     "optimizer.name",
     "lion",
-    "config.optimizer.name: 'lion' is not allowed: one of sgd, momentum, nesterov, adam",
+    "config.optimizer.name: 'lion' is not allowed: one of sgd, momentum, nesterov, adam, adamw",
   ),
+  ("optimizer.b1", 1.0, "config.optimizer.b1: 1.0 is not allowed: a number in [0, 1)"),
+  ("optimizer.b2", -0.1, "config.optimizer.b2: -0.1 is not allowed: a number in [0, 1)"),
+  ("optimizer.eps", 0.0, "config.optimizer.eps: 0.0 is not allowed: a finite number > 0"),
   (
     "schedule.workers_per_node",
     9,
