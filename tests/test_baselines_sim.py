@@ -224,6 +224,7 @@ def test_adamw_is_optax_adamw_with_decoupled_weight_decay():
   jax.tree.map(np.testing.assert_array_equal, u, v)
 
 
+@pytest.mark.slow  # 4 s in process: the fast tier's 2 minutes
 def test_diloco_with_adamw_inner_steps_runs_and_learns(tmp_path):
   """The simulator's DiLoCo with AdamW inner steps (the workers' stacked Adam states): H = 2, 8 steps,
   the training loss falls, and after the last outer step every worker holds the global model."""

@@ -652,6 +652,7 @@ def test_async_ps_request_latency_delays_the_push_without_holding_the_link():
   assert got == pytest.approx([1.5, 1.6])
 
 
+@pytest.mark.slow  # 4-5 s in process: the fast tier's 2 minutes
 def test_the_deployable_model_is_charged_its_all_reduce(tmp_path):
   """A Group Generator's deployable model is the workers' mean, which one All-Reduce builds: every
   evaluation's consensus_time is its virtual time plus that All-Reduce (the network model's, for the
