@@ -87,7 +87,10 @@ DILOCO_PUBLISHED = {
 # workers' mean every H steps; its inner steps are the run's optimizer (All-Reduce's), and its name
 # fixes the outer step, so only the inner step size is tuned.
 LOCAL_SGD = {"diloco/inner_steps=16/outer_lr=1/outer_momentum=0": _label("diloco", " H=16, local SGD")}
-LABELS = {**ALGORITHMS, **DILOCO_PUBLISHED, **LOCAL_SGD}  # every name the study can run
+# All-Reduce over the fast workers (ledger_tta.drop_slow): what a practitioner tries first against a
+# fixed straggler; the straggler headlines are stated against the better of it and All-Reduce.
+DROP_SLOW = {"allreduce/drop_slow=True": _label("allreduce", ", straggler dropped")}
+LABELS = {**ALGORITHMS, **DILOCO_PUBLISHED, **LOCAL_SGD, **DROP_SLOW}  # every name the study can run
 OUTER_MOMENTUM_GRID = (0.0, 0.9)
 ADAMW_GRID = tuple(round(lr / 100, 6) for lr in LR_GRID)  # the ledger's grid / 100: 5e-4 .. 0.016
 # The async PS a next study tunes (not in ALGORITHMS, which reproduces results/baselines): Zhang et al.'s

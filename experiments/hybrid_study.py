@@ -84,6 +84,11 @@ def config_of(study: str, scenario: str, algorithm: str, lr: float, seed: int):
   c.optimizer.update(lr=lr, lr_schedule="constant", warmup_steps=20)
   c.log_every, c.eval_every, c.checkpoint_every = 5, 5, 0
   slow, slowdown, rotate = SCENARIOS[scenario]
+  algorithm, *keys = algorithm.split("/")  # "allreduce/drop_slow=True": the replica with the slow device
+  if "drop_slow=True" in keys and slow:  # left out, its shard to the others (R - 1 replicas)
+    if rotate:
+      raise ValueError("drop_slow: a moving slow device cannot be left out of the job")
+    R, slow, slowdown = R - 1, (), 1.0
   c.replicas.update(
     count=R,
     algorithm=algorithm,

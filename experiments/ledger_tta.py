@@ -190,6 +190,7 @@ def scenario_config(
   setting, overrides = SCENARIOS[scenario]
   n = int(overrides.get("num_workers", 16))
   base, extra = variant(algorithm)
+  drop = bool(extra.pop(f"{base}.drop_slow", False))  # the study's own key, no config field
   # A lockstep algorithm cannot go on without a member (no_leave): its elastic form is the restart of
   # every worker from the newest checkpoint. Modelled as the run stopping at the death and resuming at
   # the rejoin where it stopped: its curve after t_leave shifts by the outage, no step lost and no
@@ -217,7 +218,24 @@ def scenario_config(
   config.log_every = config.eval_every = 1
   config.checkpoint_every = 0
   config.update_from_flattened_dict(overrides)
+  if drop:
+    drop_slow(config)
   return config, base, outage
+
+
+def drop_slow(config) -> None:
+  """The baseline a practitioner tries first against a fixed straggler (variant key drop_slow, e.g.
+  'allreduce/drop_slow=True'): the job without its slow workers. The training set is sharded anew over
+  the n - s workers left (data.shard_indices), so the dropped workers' examples are redistributed to
+  the others, each worker's batch unchanged (the global batch (n - s) / n of the full job's). A job
+  without a fixed straggler is left as it is; a moving one cannot be dropped (ValueError)."""
+  slow = tuple(config.hetero.slow_workers)
+  if not slow:
+    return
+  if config.hetero.get("rotate_every", 0.0):
+    raise ValueError("drop_slow: a moving straggler (hetero.rotate_every > 0) cannot be left out of the job")
+  config.num_workers -= len(slow)
+  config.hetero.slow_workers, config.hetero.slowdown = (), 1.0
 
 
 def train_run(

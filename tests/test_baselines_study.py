@@ -335,3 +335,24 @@ def test_a_job_started_over_keeps_its_first_lives_start(tmp_path):
   starts = trace_lib.load_starts(str(tmp_path), earlier=True)
   assert starts == [{"wall": 100.0, "run": 0.0}, {"wall": 150.0, "run": 0.0}]
   assert trace_lib.load_starts(str(tmp_path)) == starts[1:]
+
+
+def test_all_reduce_over_the_fast_workers_leaves_the_straggler_out():
+  """'allreduce/drop_slow=True': the job without its fixed straggler (15 workers, none slow, the
+  training set sharded over them), a valid config; homogeneous it is All-Reduce itself; a moving
+  straggler cannot be dropped. The hybrid's form leaves the slow device's replica out."""
+  from experiments import hybrid_study, ledger_tta
+  from ripples_jax.config import validate_train_config
+
+  config, base, _ = ledger_tta.scenario_config("5x straggler", "allreduce/drop_slow=True", 0.1, 0, 10)
+  assert base == "allreduce" and config.num_workers == 15 and tuple(config.hetero.slow_workers) == ()
+  validate_train_config(config, num_devices=8)
+  full, _, _ = ledger_tta.scenario_config("5x straggler", "allreduce", 0.1, 0, 10)
+  assert full.num_workers == 16 and tuple(full.hetero.slow_workers) == (15,)
+  same, _, _ = ledger_tta.scenario_config("homogeneous", "allreduce/drop_slow=True", 0.1, 0, 10)
+  assert same.num_workers == 16
+  with pytest.raises(ValueError, match="moving straggler"):
+    ledger_tta.scenario_config("moving 5x straggler", "allreduce/drop_slow=True", 0.1, 0, 10)
+  c = hybrid_study.config_of("4x2", "5x device", "allreduce/drop_slow=True", 0.01, 0)
+  assert c.replicas.count == 3 and tuple(c.replicas.slow) == () and c.replicas.algorithm == "allreduce"
+  assert baselines.LABELS["allreduce/drop_slow=True"] == "All-Reduce, straggler dropped"
