@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import dsp as dsp_config
+from ripples_jax import collectives as C
 from ripples_jax import data as data_lib
 from ripples_jax import run as run_lib
 from ripples_jax.config import ConfigError, validate_dsp_config
@@ -99,9 +100,20 @@ def test_one_stage_is_ripples_over_the_same_events(tmp_path):
 
 
 def test_two_stages_smart_replay(tmp_path):
-  """K=2 with Smart GG and a moving straggler: the packed rounds equal the event-by-event replay."""
+  """K=2 with Smart GG and a moving straggler: the packed rounds equal the event-by-event replay; every
+  evaluation's deployable model is charged the All-Reduce of every stage across the replicas."""
   config = hybrid_config(algorithm="ripples_smart", slow=(0, 1), slowdown=5.0, rotate_every=0.1)
-  _, state, trace = hybrid.simulate_replicas_and_train(config, str(tmp_path / "h"))
+  summary, state, trace = hybrid.simulate_replicas_and_train(config, str(tmp_path / "h"))
+  charge = summary["consensus_charge"]
+  assert charge == max(C.ring_allreduce_time(4, b, 5e-6, 1.25e9) for b in summary["stage_bytes"]) > 0
+  records = [json.loads(line) for line in open(tmp_path / "h" / "metrics.jsonl")]
+  assert all(r["consensus_time"] == r["time"] + charge for r in records if "test_accuracy" in r)
+  spec = lambda c: hybrid.clock_spec(c, (0.1, 0.1), (4e6, 4e6), 100)  # noqa: E731
+  for name, want in (("allreduce", 0.0), ("none", None)):
+    c = hybrid_config(algorithm=name)
+    assert hybrid.consensus_charge(c, spec(c)) == want
+  c = hybrid_config(algorithm="allreduce", sync_every=2)  # between its syncs no replica holds the mean
+  assert hybrid.consensus_charge(c, spec(c)) > 0
   assert clock_lib.averages(trace) > 10
   ref = reference_replay(config, trace)
   for r in range(config.replicas.count):

@@ -41,7 +41,8 @@ class RoundsLoop:
   next_log: int = 0  # the step (ticks // R) of the next record
   next_eval: int = 0
   evaluated_step: int | None = None
-  time_to_target: float | None = None
+  time_to_target: float | None = None  # the replicas' mean model, uncharged
+  consensus_time_to_target: float | None = None  # ... with the All-Reduce that builds it charged
 
 
 def replica_view(config) -> ml_collections.ConfigDict:
@@ -213,7 +214,9 @@ def simulate_replicas_and_train(config, workdir: str | None = None):
   stage_s, stage_bytes = stage_costs(config, p.stages, one, p.feed.sample)
   # Every replica starts from the same parameters, as Ripples' workers do.
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one)
-  trace = clock_lib.simulate_replicas(clock_spec(config, stage_s, stage_bytes, total))
+  spec = clock_spec(config, stage_s, stage_bytes, total)
+  trace = clock_lib.simulate_replicas(spec)
+  charge = consensus_charge(config, spec)
   logging.info(
     "hybrid %s R=%d K=%d: %d events, %.1f virtual s; stage seconds %s, bytes %s",
     config.replicas.algorithm,
@@ -233,7 +236,7 @@ def simulate_replicas_and_train(config, workdir: str | None = None):
       cur = RoundsLoop(**saved)
     with profiling.CompileCounter() as compiles:
       round_fn = make_replica_round_fn(h.step_fn(p.stages, p.optimizer, config, total))
-      state, cur = execute_rounds(config, p, shards, state, cur, trace, round_fn, log, schedule)
+      state, cur = execute_rounds(config, p, shards, state, cur, trace, round_fn, log, schedule, charge)
     split = trace.time_split()
     summary = log.finish(
       time=trace.end_time,
@@ -249,13 +252,17 @@ def simulate_replicas_and_train(config, workdir: str | None = None):
       stage_s=list(stage_s),
       stage_bytes=list(stage_bytes),
       time_to_target=cur.time_to_target,
+      consensus_time_to_target=cur.consensus_time_to_target,
+      consensus_charge=charge,
       target_accuracy=config.replicas.target_accuracy,
       compiles=compiles.count,
     )
   return summary, state, trace
 
 
-def execute_rounds(config, p, shards, state, cur: RoundsLoop, trace, round_fn, log: RunLog, schedule):
+def execute_rounds(
+  config, p, shards, state, cur: RoundsLoop, trace, round_fn, log: RunLog, schedule, charge=None
+):
   """The packed rounds from cur.round on; records, evaluations and checkpoints on the way."""
   R = config.replicas.count
   offset = schedule.offsets[-1] if schedule else 0  # the last stage's labels are of batch t - offset
@@ -275,7 +282,7 @@ def execute_rounds(config, p, shards, state, cur: RoundsLoop, trace, round_fn, l
     cur.round, cur.ticks = i + 1, cur.ticks + int(r["tick"].sum())
     step, final = cur.ticks // R, i == len(rounds) - 1
     if step >= cur.next_log or step >= cur.next_eval or final:
-      record_point(config, cur, log, evaluate, test, val, state, step, r["time"], losses, final)
+      record_point(config, cur, log, evaluate, test, val, state, step, r["time"], losses, final, charge)
       losses = []
       if next_ckpt is not None and (step >= next_ckpt or final):  # right after a record: no loss pending
         next_ckpt = (step // every + 1) * every
@@ -317,10 +324,37 @@ def run_models(config, state) -> list:
   return [own(r) for r in range(config.replicas.count)]
 
 
+def consensus_charge(config, spec: clock_lib.Spec) -> float | None:
+  """Virtual seconds of the All-Reduce of every stage across the R replicas that builds the deployable
+  model (the replicas' mean; the K stages' at once, the longest, as a group's averages): 0 where every
+  replica holds it (allreduce), None with no averaging (no one model)."""
+  name = config.replicas.algorithm
+  if name == algorithms.NONE:
+    return None
+  if algorithms.get(name).consensus != algorithms.BUILT and config.replicas.sync_every == 1:
+    return 0.0  # all-reduced after every tick: every replica holds it at every evaluation
+  R = config.replicas.count
+  return spec.avg_s or max(
+    collectives.ring_allreduce_time(R, b, spec.alpha, spec.bandwidth) for b in spec.stage_bytes
+  )
+
+
 def record_point(
-  config, cur: RoundsLoop, log: RunLog, evaluate, test, val, state, step: int, t: float, losses, final
+  config,
+  cur: RoundsLoop,
+  log: RunLog,
+  evaluate,
+  test,
+  val,
+  state,
+  step: int,
+  t: float,
+  losses,
+  final,
+  charge=None,
 ):
-  """One metrics record at `step` (virtual time t), with an evaluation when one is due."""
+  """One metrics record at `step` (virtual time t), with an evaluation when one is due; with averaging
+  the deployable model's time too, consensus_time = t + the All-Reduce that builds it (`charge`)."""
   cur.next_log = (step // config.log_every + 1) * config.log_every
   scalars = {}
   if losses:
@@ -336,4 +370,8 @@ def record_point(
     target = config.replicas.target_accuracy
     if cur.time_to_target is None and target and scalars["test_accuracy"] >= target:
       cur.time_to_target = t
+    if charge is not None:
+      scalars["consensus_time"] = t + charge
+      if cur.consensus_time_to_target is None and target and scalars["test_accuracy"] >= target:
+        cur.consensus_time_to_target = t + charge
   log.record(step, t, **scalars)
