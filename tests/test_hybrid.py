@@ -111,9 +111,9 @@ def test_two_stages_smart_replay(tmp_path):
   spec = lambda c: hybrid.clock_spec(c, (0.1, 0.1), (4e6, 4e6), 100)  # noqa: E731
   for name, want in (("allreduce", 0.0), ("none", None)):
     c = hybrid_config(algorithm=name)
-    assert hybrid.consensus_charge(c, spec(c)) == want
+    assert hybrid.replica_consensus_charge(c, spec(c)) == want
   c = hybrid_config(algorithm="allreduce", sync_every=2)  # between its syncs no replica holds the mean
-  assert hybrid.consensus_charge(c, spec(c)) > 0
+  assert hybrid.replica_consensus_charge(c, spec(c)) > 0
   assert clock_lib.averages(trace) > 10
   ref = reference_replay(config, trace)
   for r in range(config.replicas.count):

@@ -216,7 +216,7 @@ def simulate_replicas_and_train(config, workdir: str | None = None):
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + a.shape).copy(), one)
   spec = clock_spec(config, stage_s, stage_bytes, total)
   trace = clock_lib.simulate_replicas(spec)
-  charge = consensus_charge(config, spec)
+  charge = replica_consensus_charge(config, spec)
   logging.info(
     "hybrid %s R=%d K=%d: %d events, %.1f virtual s; stage seconds %s, bytes %s",
     config.replicas.algorithm,
@@ -324,7 +324,7 @@ def run_models(config, state) -> list:
   return [own(r) for r in range(config.replicas.count)]
 
 
-def consensus_charge(config, spec: clock_lib.Spec) -> float | None:
+def replica_consensus_charge(config, spec: clock_lib.Spec) -> float | None:
   """Virtual seconds of the All-Reduce of every stage across the R replicas that builds the deployable
   model (the replicas' mean; the K stages' at once, the longest, as a group's averages): 0 where every
   replica holds it (allreduce), None with no averaging (no one model)."""
