@@ -94,6 +94,13 @@ def _moshpit(config, rng):
   return group_gen.moshpit_window_gg(layouts, m.window, m.get("max_gap", 4))
 
 
+def group_generator(name: str, label: str, generator, keys: tuple = ()) -> Algorithm:
+  """The record of a Group Generator algorithm: the Group Buffer's protocol on the simulator's clock, the
+  runtime's groups, its generator `generator(config, rng)` driven by the authority; elastic, with
+  leaves, its deployable model built by one All-Reduce (the defaults). One line adds a generator."""
+  return Algorithm(name, label, GROUP_BUFFER, ("sim", "async"), GROUPS, generator=generator, keys=keys)
+
+
 _EVERY_WORKER = "every step averages over all workers, so no step can exclude a dead one"
 _RESTART_ALL = "(its elastic form is the restart of every worker from the newest checkpoint: "
 _RESTART_ALL += "experiments.launch --max_restarts)"
@@ -147,32 +154,23 @@ REGISTRY = (
     no_elastic="its groups are fixed in advance and cannot exclude a member",
     no_leave="Static GG's fixed groups cannot exclude a member",
   ),
-  Algorithm(
+  group_generator(
     "ripples_random",
     "Random GG",
-    GROUP_BUFFER,
-    ("sim", "async"),
-    GROUPS,
-    generator=lambda c, rng: group_gen.random_gg(c.num_workers, c.schedule.group_size, rng),
-    keys=_GROUP_KEYS,
+    lambda c, rng: group_gen.random_gg(c.num_workers, c.schedule.group_size, rng),
+    _GROUP_KEYS,
   ),
-  Algorithm(
+  group_generator(
     "ripples_division",
     "Group Division",
-    GROUP_BUFFER,
-    ("sim", "async"),
-    GROUPS,
-    generator=lambda c, rng: group_gen.division_gg(c.num_workers, c.schedule.group_size, rng),
-    keys=_GROUP_KEYS,
+    lambda c, rng: group_gen.division_gg(c.num_workers, c.schedule.group_size, rng),
+    _GROUP_KEYS,
   ),
-  Algorithm(
+  group_generator(
     "ripples_smart",
     "Smart GG",
-    GROUP_BUFFER,
-    ("sim", "async"),
-    GROUPS,
-    generator=_smart,
-    keys=_GROUP_KEYS + ("schedule.smart_tolerance", "schedule.smart_max_gap", "schedule.smart_fresh"),
+    _smart,
+    _GROUP_KEYS + ("schedule.smart_tolerance", "schedule.smart_max_gap", "schedule.smart_fresh"),
   ),
   Algorithm(
     "diloco",
@@ -186,15 +184,7 @@ REGISTRY = (
     average_last=True,
     consensus=GLOBAL,
   ),
-  Algorithm(
-    "moshpit",
-    "Moshpit",
-    GROUP_BUFFER,
-    ("sim", "async"),
-    GROUPS,
-    generator=_moshpit,
-    keys=("moshpit.grid", "moshpit.window", "moshpit.max_gap"),
-  ),
+  group_generator("moshpit", "Moshpit", _moshpit, ("moshpit.grid", "moshpit.window", "moshpit.max_gap")),
 )
 BY_NAME = {a.name: a for a in REGISTRY}
 NONE = "none"  # the hybrid's replicas without averaging (replicas.algorithm only)
