@@ -167,21 +167,46 @@ CURVE_KEYS = {  # runs.json's curve: record key per column
   "worker": "worker_test_accuracy",  # the mean of the workers' own models' (first 1,000 test examples)
   "val": "val_accuracy",  # the averaged model's, on the held-out split
 }
+# The deployable model's and the workers' own (sim.record), kept where a run's records hold them
+# (runs from before them hold none): the consensus model at its clock (its All-Reduce charged), on the
+# test and the held-out split, and the median and the worst worker's own model.
+DEPLOYABLE_KEYS = {
+  "ctime": "consensus_time",
+  "consensus": "consensus_accuracy",
+  "cval": "consensus_val_accuracy",
+  "median": "worker_median_test_accuracy",
+  "worst": "worker_min_test_accuracy",
+}
 
 
 MODELS = ("mlp", "cnn1d")  # the ledger's numerics: --model
 
 
 def run_key(
-  scenario: str, algorithm: str, lr: float, seed: int, steps: int, model: str = "mlp", own: bool = True
+  scenario: str,
+  algorithm: str,
+  lr: float,
+  seed: int,
+  steps: int,
+  model: str = "mlp",
+  own: bool = True,
+  every: int = 1,
 ) -> str:
   """runs.json's key of one run (the MLP's keys as the first editions wrote them)."""
   tail = ("" if model == "mlp" else f"|model={model}") + ("" if own else "|own=0")
+  tail += "" if every == 1 else f"|every={every}"
   return f"{scenario}|{algorithm}|lr={lr:g}|seed={seed}|steps={steps}{tail}"
 
 
 def scenario_config(
-  scenario: str, algorithm: str, lr: float, seed: int, steps: int, model: str = "mlp", own: bool = True
+  scenario: str,
+  algorithm: str,
+  lr: float,
+  seed: int,
+  steps: int,
+  model: str = "mlp",
+  own: bool = True,
+  every: int = 1,
 ):
   """One run's simulator config of `scenario` (train_run's): (config, the algorithm's base name, the
   lockstep restart's (t_leave, outage) or None)."""
@@ -215,7 +240,7 @@ def scenario_config(
   set_clock(config, SETTINGS[setting])
   if setting == "light":  # the MLP's own fp32 bytes (the simulator measures them)
     config.timeline.model_bytes = 0.0
-  config.log_every = config.eval_every = 1
+  config.log_every = config.eval_every = every
   config.checkpoint_every = 0
   config.update_from_flattened_dict(overrides)
   if drop:
@@ -239,16 +264,24 @@ def drop_slow(config) -> None:
 
 
 def train_run(
-  scenario: str, algorithm: str, lr: float, seed: int, steps: int, model: str = "mlp", own: bool = True
+  scenario: str,
+  algorithm: str,
+  lr: float,
+  seed: int,
+  steps: int,
+  model: str = "mlp",
+  own: bool = True,
+  every: int = 1,
 ) -> dict:
   """One simulated training run of `scenario` with `model` (in a temporary folder), evaluated after
-  every step: its curve (CURVE_KEYS, one list per column; own=False: without the workers' own models,
-  a tuning run's), throughput (worker-steps per virtual s) and end (virtual s). A run that diverges
-  (its loss not finite: the run log stops it) is kept as far as it got, marked "diverged": it reaches
-  no later target, and a step size that diverges is never chosen over one that reaches the target."""
+  every `every` steps: its curve (CURVE_KEYS and the DEPLOYABLE_KEYS its records hold, one list per
+  column; own=False: without the workers' own models, a tuning run's), throughput (worker-steps per
+  virtual s) and end (virtual s). A run that diverges (its loss not finite: the run log stops it) is
+  kept as far as it got, marked "diverged": it reaches no later target, and a step size that diverges
+  is never chosen over one that reaches the target."""
   import tempfile
 
-  config, base, outage = scenario_config(scenario, algorithm, lr, seed, steps, model, own)
+  config, base, outage = scenario_config(scenario, algorithm, lr, seed, steps, model, own, every)
   n = config.num_workers
   with tempfile.TemporaryDirectory() as d:
     try:
@@ -257,13 +290,16 @@ def train_run(
       summary = None
     with open(os.path.join(d, "metrics.jsonl")) as f:
       evals = [r for r in map(json.loads, f) if "test_accuracy" in r]
-  digits = {"time": 7, "step": 0}
+  digits = {"time": 7, "step": 0, "ctime": 7}
   keys = {c: k for c, k in CURVE_KEYS.items() if own or c != "worker"}
+  keys.update({c: k for c, k in DEPLOYABLE_KEYS.items() if evals and k in evals[0]})
   curve = {c: [round(r[k], digits.get(c, 5)) for r in evals] for c, k in keys.items()}
   curve["step"] = [int(x) for x in curve["step"]]
   if outage:
     t_leave, down = outage
-    curve["time"] = [round(t + down, 7) if t > t_leave else t for t in curve["time"]]
+    for c in ("time", "ctime"):  # the consensus clock is the run's, its charge added
+      if c in curve:
+        curve[c] = [round(t + down, 7) if t > t_leave else t for t in curve[c]]
   if summary is None:
     end = curve["time"][-1] if evals else 0.0
     steps_done = curve["step"][-1] * n if evals else 0

@@ -47,10 +47,11 @@ def run_jobs(out_dir: str, jobs: list, workers: int = 1, *, run: Callable, key: 
   return runs
 
 
-def crossing(curve: dict, target: float, key: str = "test"):
-  """(time, step) of the first evaluation of curve[key] at or above target, or None."""
+def crossing(curve: dict, target: float, key: str = "test", time: str = "time"):
+  """(time, step) of the first evaluation of curve[key] at or above target, or None; `time` names the
+  clock column ("ctime": the deployable model's, its All-Reduce charged)."""
   i = next((i for i, a in enumerate(curve[key]) if a >= target), None)
-  return None if i is None else (curve["time"][i], curve["step"][i])
+  return None if i is None else (curve[time][i], curve["step"][i])
 
 
 def final(run: dict, key: str = "test") -> float:

@@ -406,6 +406,8 @@ def make_evaluate(
         "model_state": jax.tree.map(lambda a: a[:1], state["model_state"]),
       }
       out["consensus_accuracy"] = float(eval_fn(one, x_test, y_test, False)["test_accuracy"])
+      if val is not None:  # what a study tunes the deployable model on
+        out["consensus_val_accuracy"] = float(eval_fn(one, *val, workers=False)["test_accuracy"])
     return out
 
   return evaluate
@@ -443,6 +445,8 @@ def record(
     ):
       cur.time_to_target = t
     ev.setdefault("consensus_accuracy", ev["test_accuracy"])  # HELD or BUILT: the workers' mean
+    if "val_accuracy" in ev:
+      ev.setdefault("consensus_val_accuracy", ev["val_accuracy"])
     ev["consensus_time"] = t + charge
     target = config.target_accuracy
     if target and cur.consensus_time_to_target is None and ev["consensus_accuracy"] >= target:

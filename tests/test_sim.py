@@ -678,3 +678,23 @@ def test_the_deployable_model_is_charged_its_all_reduce(tmp_path):
     for l in open(tmp_path / "ar" / "metrics.jsonl")
     if "test_accuracy" in l
   )
+
+
+@pytest.mark.slow  # one short DiLoCo run in process
+def test_dilocos_deployable_model_is_its_global_model_between_outer_steps(tmp_path):
+  """DiLoCo's consensus model is its global model: right after an outer step every worker holds it
+  (the workers' mean's accuracy, on test and validation); mid-round it is the last outer step's model,
+  unchanged while the inner models move."""
+  config = _small_config(
+    "diloco", **{"diloco.inner_steps": 4, "num_steps": 8, "validation_examples": 200, "dataset": "mnist1d"}
+  )
+  sim.simulate_and_train(config, str(tmp_path))
+  ev = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "test_accuracy" in r}
+  assert {4, 6, 8} <= set(ev)
+  after, mid = ev[4], ev[6]
+  assert after["consensus_accuracy"] == after["test_accuracy"]
+  assert after["consensus_val_accuracy"] == after["val_accuracy"]
+  assert mid["consensus_accuracy"] == after["consensus_accuracy"]
+  assert mid["consensus_val_accuracy"] == after["consensus_val_accuracy"]
+  # the inner models moved: the workers' mean is not the global model mid-round
+  assert mid["val_accuracy"] != after["val_accuracy"] and mid["test_accuracy"] != after["test_accuracy"]

@@ -1,0 +1,140 @@
+"""The fair fight's study (experiments.baselines2): one tuning budget, the deployable model's charged
+clock, the straggler's own tuning, both metrics and the better All-Reduce as the straggler baseline."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from experiments import baselines2 as b2
+from experiments.ledger_tta import run_key, variant
+
+
+def _keys(v):
+  return variant(v)[1]
+
+
+def test_every_method_searches_lr_and_momentum_on_one_budget():
+  """Every SGD method's first search is the same 10 points: the effective step lr / (1 - momentum) on
+  EFF_GRID at each momentum; AdamW's (DiLoCo) 5 step sizes, then its outer lr x outer momentum; a
+  key of its own adds its other points, and no method searches more than 12 distinct points."""
+  for k, m in b2.METHODS.items():
+    first = b2.stage_one(m)
+    points = set(first) | set(b2.stage_two(m, first[0]))
+    assert 10 <= len(points) <= 12, (k, len(points))
+    if m.momentum is None:
+      assert [lr for _, lr in first] == list(b2.ADAMW_LRS)
+      assert {_keys(v)["optimizer.name"] for v, _ in points} == {"adamw"}
+      outer = {(_keys(v)["diloco.outer_lr"], _keys(v)["diloco.outer_momentum"]) for v, _ in points}
+      assert outer == {(o, mu) for o in (0.5, 0.7, 1.0) for mu in b2.MOMENTA}
+      continue
+    got = sorted((_keys(v)[m.momentum], round(lr / (1 - _keys(v)[m.momentum]), 6)) for v, lr in first)
+    assert got == sorted((mu, eff) for mu in b2.MOMENTA for eff in b2.EFF_GRID)
+  # The windowed Moshpit and the lockstep one are two methods; only the first has a window.
+  assert "moshpit.window" in _keys(b2.stage_one(b2.METHODS["moshpit"])[0][0])
+  assert "moshpit.window" not in _keys(b2.stage_one(b2.METHODS["moshpit_lockstep"])[0][0])
+
+
+def _run(val, cval, ctime, time=None, median=None, worst=None):
+  n = len(val)
+  time = time or list(range(1, n + 1))
+  return {
+    "curve": {
+      "time": time,
+      "ctime": ctime,
+      "step": list(range(n)),
+      "test": val,
+      "val": val,
+      "cval": cval,
+      "consensus": cval,
+      "median": median or val,
+      "worst": worst or val,
+    },
+    "end": time[-1],
+    "throughput": 1.0,
+  }
+
+
+def test_tuning_scores_the_deployable_model_on_its_charged_clock():
+  """The averaged model reaches 0.55 at t=2, the consensus model at its charged clock 4.5: the score is
+  4.5 (median over the runs); a run that crosses and ends below the target is a miss."""
+  a = _run([0.3, 0.6, 0.6, 0.6], [0.3, 0.4, 0.6, 0.6], [1.5, 2.5, 3.5, 4.5])
+  b = _run([0.3, 0.6, 0.6, 0.6], [0.3, 0.4, 0.4, 0.6], [1.5, 2.5, 3.5, 4.5])
+  assert b2.score([a, b], 0.55)[0] == pytest.approx(4.0)  # median of 3.5 and 4.5
+  collapse = _run([0.6, 0.6, 0.6, 0.5], [0.6, 0.6, 0.6, 0.5], [1, 2, 3, 4])
+  assert math.isinf(b2.score([collapse], 0.55)[0])
+
+
+def test_straggler_scenarios_take_the_straggler_tuning_and_only_fixed_ones_drop_it():
+  kinds = {sc: b2.tuned_by(sc) for sc in b2.SCENARIOS}
+  assert (
+    kinds["homogeneous, VGG-16 clock"] == kinds["worker killed and restarted, VGG-16 clock"] == "homogeneous"
+  )
+  assert {kinds[sc] for sc in b2.SCENARIOS if "straggler" in sc or "random" in sc} == {"straggler"}
+  for sc in b2.SCENARIOS:
+    assert ("allreduce_drop" in b2.methods_of(sc, b2.METHODS)) == (sc in b2.FIXED_STRAGGLER)
+
+
+def test_tune_takes_the_best_point_of_both_stages(monkeypatch, tmp_path):
+  """Fake runs whose charged validation time is lr + group size + 5 (1 - momentum): Smart GG's first stage picks its
+  least lr at group size 3, its second stage group size 2 at that lr; All-Reduce over the fast
+  workers is not tuned on the homogeneous scenario."""
+
+  def fake(out_dir, jobs, workers):
+    out = {}
+    for j in jobs:
+      keys = _keys(j[1])
+      t = j[2] + keys.get("schedule.group_size", 0) + 5 * (1 - keys.get("optimizer.momentum", 0))
+      out[run_key(*j)] = _run([0.6] * 3, [0.6] * 3, [t, t + 1, t + 2])
+    return out
+
+  monkeypatch.setattr(b2, "train_runs", fake)
+  got = b2.tune(str(tmp_path), "homogeneous", ["allreduce", "allreduce_drop", "smart"], 1)
+  assert "allreduce_drop" not in got["chosen"]
+  v, lr = got["chosen"]["smart"]
+  assert lr == 0.1 and _keys(v)["schedule.group_size"] == 2 and _keys(v)["optimizer.momentum"] == 0.9
+  assert len(got["points"]["smart"]) == 12
+
+
+def _rec(label, times, ends, own=None, final=0.6):
+  own = own or times
+  m = lambda ts: {"time": ts, "end": ends, "final": [final] * len(ts)}  # noqa: E731
+  return {
+    "label": label,
+    "variant": "x",
+    "lr": 0.1,
+    "deployable": m(times),
+    "own": m(own),
+    "mean": m(times),
+    "worst_final": [final] * len(times),
+    "throughput": [1.0] * len(times),
+  }
+
+
+def test_straggler_headlines_are_against_the_better_all_reduce_and_disagreeing_winners_are_named():
+  per = {
+    "allreduce": _rec("All-Reduce", [10, 11, 12], [50] * 3),
+    "allreduce_drop": _rec("dropped", [6, 7, 6.5], [50] * 3),
+    "smart": _rec("Smart GG", [5, 6, 5.5], [50] * 3, own=[9, 9.5, 10]),
+    "adpsgd": _rec("AD-PSGD", [8, 8, 9], [50] * 3, own=[5, 5.5, 5]),
+  }
+  assert b2.baseline_of(per, "deployable") == "allreduce_drop"
+  assert b2.fastest(per, "deployable") == "smart"
+  assert b2.fastest(per, "own") == "adpsgd"
+  text = str(b2.winners_table({"5x straggler, VGG-16 clock": per}))
+  assert "no: the metrics disagree" in text
+  # A method that never reached ranks last even where its censored end is early.
+  per["never"] = _rec("never", [None] * 3, [1.0] * 3)
+  assert b2.fastest(per, "deployable") == "smart"
+
+
+def test_the_study_refuses_an_unknown_method_in_one_line():
+  r = subprocess.run(
+    [sys.executable, "-m", "experiments.baselines2_study", "--methods=allreduce,bogus", "--parts=tune"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode != 0
+  assert "bogus" in r.stderr and "Traceback" not in r.stderr
