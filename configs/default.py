@@ -149,6 +149,9 @@ def get_config(arg=None):
   c.runtime.elastic = False  # Random GG, Group Division, Smart GG, AD-PSGD: a worker that dies or
   # stalls is removed and the others go on; a restarted one (experiments.launch --max_restarts)
   # rejoins (docs/design.md 3.12)
+  c.runtime.consensus_allreduce = False  # gossip and group methods (their deployable model is built):
+  # after the last step every worker times one All-Reduce of its model over all workers, warm (its
+  # program compiled and connected first), the charge summary.json's consensus_time pays; not elastic
 
   c.num_steps = arg.steps  # steps per worker
   c.log_every = 50  # steps between log records (metrics.jsonl, TensorBoard)

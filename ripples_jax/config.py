@@ -261,6 +261,14 @@ def _check_elastic(config):
   if "elastic" not in rt:
     return
   _bool(config, "runtime.elastic")
+  if "consensus_allreduce" in rt:
+    _bool(config, "runtime.consensus_allreduce")
+    if rt.consensus_allreduce and rt.elastic:
+      _fail(
+        "runtime.consensus_allreduce",
+        True,
+        "False with runtime.elastic (an elastic run's last members are not known before its end)",
+      )
   if rt.fail_where in ("preduce", "slow") and not rt.elastic:
     _fail(
       "runtime.fail_where",

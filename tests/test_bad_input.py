@@ -139,6 +139,19 @@ def test_a_slow_worker_is_injected_only_where_the_authority_makes_groups():
   )
 
 
+def test_the_measured_consensus_all_reduce_is_refused_on_an_elastic_run():
+  config = default_config.get_config("executor=async,num_workers=4,algorithm=ripples_smart")
+  config.update_from_flattened_dict({"runtime.elastic": True, "runtime.consensus_allreduce": True})
+  with pytest.raises(ConfigError) as e:
+    validate_train_config(config, num_devices=8, num_processes=processes(config))
+  assert str(e.value) == (
+    "config.runtime.consensus_allreduce: True is not allowed: False with runtime.elastic (an elastic "
+    "run's last members are not known before its end)"
+  )
+  config.runtime.elastic = False
+  validate_train_config(config, num_devices=8, num_processes=processes(config))
+
+
 def test_every_float_key_is_checked_for_nan_and_inf():
   """No float of the train config is left unchecked: nan and inf are refused for each one."""
   # ripples_smart reads schedule.smart_tolerance; only executor=async reads runtime.*

@@ -115,6 +115,17 @@ def test_diloco_on_two_processes_averages_every_h_steps_and_replays(tmp_path, op
   finals = [np.load(os.path.join(workdir, "snapshots", f"final-{w}.npy")) for w in range(n)]
   for f in finals[1:]:
     np.testing.assert_allclose(f, finals[0], rtol=1e-6, atol=1e-7)
+  # The deployable model is the global one (worker 0's copy at every evaluation and the end), held by
+  # every worker after the last outer step, and charged nothing.
+  snap = os.path.join(workdir, "snapshots")
+  np.testing.assert_allclose(np.load(os.path.join(snap, "final-global.npy")), finals[0], rtol=1e-6, atol=1e-7)
+  evals = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl")) if "test_accuracy" in l]
+  assert summary["consensus_charge"] == 0.0 and len(evals) >= 4
+  assert all(os.path.exists(os.path.join(snap, f"eval{i}-global.npy")) for i in range(len(evals) - 1))
+  assert evals[-1]["consensus_accuracy"] == evals[-1]["test_accuracy"]
+  # Mid-run a marker falls between outer steps: the inner models' mean is not the deployable model.
+  assert any(r["consensus_accuracy"] != r["test_accuracy"] for r in evals[1:-1]), evals
+  assert all(r["consensus_time"] == r["time"] for r in evals)
   config = make_config("diloco", n, steps, MODEL, **opt)
   config.diloco.inner_steps = H
   assert_replay_matches(config, workdir, tmp_path)

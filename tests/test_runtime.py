@@ -256,12 +256,27 @@ def test_two_process_run_and_replay_through_the_engine(tmp_path):
       "ripples_smart",
       2,
       24,
-      ["--config.hetero.slow_workers=(1,)", "--config.hetero.slowdown=3", "--config.runtime.step_time=0.01"],
+      [
+        "--config.hetero.slow_workers=(1,)",
+        "--config.hetero.slowdown=3",
+        "--config.runtime.step_time=0.01",
+        "--config.runtime.consensus_allreduce=True",
+      ],
     ),
   )
   assert code == 0, out[-3000:]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert sum(summary["worker_steps"]) >= 48 and summary["worker_steps"][0] > summary["worker_steps"][1]
+  # The deployable model (Smart GG's: the workers' mean) is charged the All-Reduce the workers timed
+  # after their last step (the slowest's); its result is dropped: the replay below still lands.
+  charge = summary["consensus_charge"]
+  ends = [e for w in range(2) for e in trace_lib.load_traces(workdir)[w] if e["k"] == "end"]
+  assert charge == max(e["consensus_s"] for e in ends) > 0
+  evals = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl")) if "test_accuracy" in l]
+  assert len(evals) >= 3
+  for r in evals:
+    assert r["consensus_time"] == r["time"] + charge and r["consensus_accuracy"] == r["test_accuracy"]
+    assert r["worker_min_test_accuracy"] <= r["worker_median_test_accuracy"]
   for f in ("gantt.png", "metrics.jsonl", "trace-0.jsonl", "trace-1.jsonl"):
     assert os.path.exists(os.path.join(workdir, f))
   assert "[w0]" in out and "[w1]" in out  # the launcher prefixes each worker's log

@@ -20,8 +20,8 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ripples_jax import algorithms, engine, optim, workload
 from ripples_jax import data as data_lib
-from ripples_jax import engine, optim, workload
 from ripples_jax.distributed import coord
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.distributed.host import collective_timeout_s
@@ -29,13 +29,16 @@ from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
 from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
-from ripples_jax.runtime.preduce import make_averager
+from ripples_jax.runtime.preduce import GroupAverager, make_averager
 from ripples_jax.timeline import slow_at
 
 RESTART_ENV = "RIPPLES_RESTART"  # set by the local launcher in a restarted process: its restart count
 
 
-def snapshot_path(workdir: str, name, worker: int) -> str:
+GLOBAL = "global"  # DiLoCo's global model's snapshots (worker 0's copy: every worker holds the same)
+
+
+def snapshot_path(workdir: str, name, worker: int | str) -> str:
   return os.path.join(workdir, "snapshots", f"{name}-{worker}.npy")
 
 
@@ -342,6 +345,10 @@ def end_of_run(
     final = loop.epoch + 1
     log.checkpoint(final, worker.pack(loop), cursor(worker, loop, final), force=True)
   np.save(snapshot_path(workdir, "final", worker.me), np.asarray(loop.state["flat"]))
+  if worker.outer_step is not None and worker.me == 0:  # DiLoCo: its deployable model, the global one
+    np.save(snapshot_path(workdir, "final", GLOBAL), np.asarray(loop.state["outer"]["global"]))
+  if rt.get("consensus_allreduce") and algorithms.get(worker.config.algorithm).consensus == algorithms.BUILT:
+    end["consensus_s"] = consensus_allreduce(worker, loop.state["flat"])
   trace.add(
     k="end",
     c=loop.epoch,
@@ -359,6 +366,19 @@ def end_of_run(
     kv.blocking_key_value_get(membership.ENDED, int(10 * rt.stall_timeout * 1000))
   else:
     kv.wait_at_barrier(f"{coord.PREFIX}/end", int(10 * rt.stall_timeout * 1000))
+
+
+def consensus_allreduce(worker: Worker, flat_D) -> float:
+  """Seconds of one All-Reduce of this worker's model over every worker: what building a gossip or
+  group method's deployable model (the workers' mean) costs. Timed warm, on an averager of its own (the
+  run's counters untouched): its program is compiled and its connection made by a first call, as the
+  All-Reduce algorithm's are before its run; the result is dropped (the run's records are the run's)."""
+  everyone = tuple(range(worker.config.num_workers))
+  averager = GroupAverager(worker.local_mesh, worker.devices_of, 1)
+  averager.connect(everyone, flat_D)
+  t0 = time.perf_counter()
+  averager.average(everyone, flat_D).block_until_ready()
+  return time.perf_counter() - t0
 
 
 def result(worker: Worker, loop: Loop, log: RunLog, workdir: str) -> dict:

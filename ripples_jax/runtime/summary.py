@@ -11,6 +11,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from ripples_jax import algorithms, engine
 from ripples_jax.runtime import authority as authority_lib
@@ -63,10 +64,15 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
   server = ps.server_records(workdir) if algorithms.get(config.algorithm).server else None
   end = max(e["t"] for events in [*traces.values(), server or []] for e in events if e["k"] == "end")
   elastic = bool(config.runtime.get("elastic", False))
+  charge = consensus_charge(config, traces)
   if server is not None:  # PS: the run's model is the server's (its marks and snapshots)
-    records, time_to_target = _evaluate_server(config, workdir, setup, unravel, server, steps, end)
+    records = _evaluate_server(config, workdir, setup, unravel, server, steps, end)
   else:
-    records, time_to_target = _evaluate_markers(config, workdir, setup, unravel, traces, steps, end, elastic)
+    records = _evaluate_markers(config, workdir, setup, unravel, traces, steps, end, elastic, charge)
+  reached = lambda key, clock="time": next(  # noqa: E731
+    (r[clock] for r in records if config.target_accuracy and r.get(key, -1) >= config.target_accuracy), None
+  )
+  time_to_target = reached("test_accuracy")
   for r in records:  # the run's only records: metrics.jsonl was cut back to none on resume
     log.record(**{k: v for k, v in r.items() if v is not None})
 
@@ -84,6 +90,9 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
     preduce=preduce_lib.choose(config),
     authority=_authority_load(authority, handled),
     time_to_target=time_to_target,
+    consensus_time_to_target=reached("consensus_accuracy", "consensus_time") if charge is not None else None,
+    worker_time_to_target=reached("worker_median_test_accuracy"),
+    consensus_charge=charge,
     target_accuracy=config.target_accuracy,
     step_time=config.runtime.step_time,
     slow_workers=list(config.hetero.slow_workers),
@@ -97,10 +106,24 @@ def summarize(config, workdir: str, setup, unravel, log, authority=None, roster=
   return summary
 
 
-def _evaluate_markers(config, workdir: str, setup, unravel, traces: dict, steps, end: float, elastic: bool):
-  """(one record per evaluation marker the run's model reached, then the final state's, in order;
-  the time of the first record at target_accuracy or None): each evaluates the average of the
-  workers' snapshots there."""
+def consensus_charge(config, traces: dict) -> float | None:
+  """Seconds the deployable model's clock is charged: 0 where a worker holds it (All-Reduce, the
+  servers, DiLoCo's global model: algorithms.HELD, GLOBAL); a gossip or group method's, the measured
+  All-Reduce that builds it (runtime.consensus_allreduce: the slowest worker's timing), None
+  unmeasured."""
+  if algorithms.get(config.algorithm).consensus != algorithms.BUILT:
+    return 0.0
+  got = [
+    e["consensus_s"] for events in traces.values() for e in events if e["k"] == "end" and "consensus_s" in e
+  ]
+  return max(got) if got else None
+
+
+def _evaluate_markers(
+  config, workdir: str, setup, unravel, traces: dict, steps, end: float, elastic: bool, charge=None
+):
+  """One record per evaluation marker the run's model reached, then the final state's, in order: each
+  evaluates the average of the workers' snapshots there (and DiLoCo's global model there)."""
   n = config.num_workers
   snap = os.path.join(workdir, "snapshots")
   # Elastic: the run's model at a marker is the live workers' average there (a dead worker's stale
@@ -112,7 +135,7 @@ def _evaluate_markers(config, workdir: str, setup, unravel, traces: dict, steps,
     if len(held(f"eval{i}")) == n or (elastic and held(f"eval{i}"))
   ]
   points.append(("final", end, int(steps.sum()), None, held("final")))
-  return _evaluate(config, snap, setup, unravel, points)
+  return _evaluate(config, snap, setup, unravel, points, charge)
 
 
 def _evaluate_server(config, workdir: str, setup, unravel, server: list, steps, end: float):
@@ -121,23 +144,45 @@ def _evaluate_server(config, workdir: str, setup, unravel, server: list, steps, 
   n = config.num_workers
   points = [(f"eval{e['id']}", e["t"], e["s"], None, [n]) for e in server if e["k"] == "mark"]
   points.append(("final", end, int(steps.sum()), None, [n]))
-  return _evaluate(config, os.path.join(workdir, "snapshots"), setup, unravel, points)
+  return _evaluate(config, os.path.join(workdir, "snapshots"), setup, unravel, points, 0.0)
 
 
-def _evaluate(config, snap: str, setup, unravel, points: list):
-  """(records, time to target) of points (name, time, worker steps, train loss or None, the snapshot
-  owners whose mean is the model there), in order."""
+def _evaluate(config, snap: str, setup, unravel, points: list, charge=None):
+  """The records of points (name, time, worker steps, train loss or None, the snapshot owners whose
+  mean is the model there), in order, each with the deployable model's accuracy (consensus_accuracy:
+  the mean, or DiLoCo's global model where its snapshot is there) and, where its charge is known, its
+  clock (consensus_time = time + charge)."""
   n = config.num_workers
   eval_fn = engine.make_eval_fn(setup.model)
   x_test, y_test = jax.device_put((setup.data["x_test"], setup.data["y_test"]))
-  records, time_to_target = [], None
+  records = []
   for name, t, total, loss, owners in points:
     flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in owners]
     ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
+    ev["consensus_accuracy"] = ev["test_accuracy"]
+    path = os.path.join(snap, f"{name}-global.npy")
+    if os.path.exists(path):  # DiLoCo: its params the global ones, its model state the workers' mean
+      one = _global_model(unravel, np.load(path), np.mean(flats, axis=0))
+      ev["consensus_accuracy"] = float(
+        eval_fn(_stacked(unravel, [one]), x_test, y_test, False)["test_accuracy"]
+      )
+    if charge is not None:
+      ev["consensus_time"] = t + charge
     records.append({"step": total // n, "time": t, "worker_steps": total, "train_loss": loss, **ev})
-    if time_to_target is None and config.target_accuracy and ev["test_accuracy"] >= config.target_accuracy:
-      time_to_target = t
-  return records, time_to_target
+  return records
+
+
+def _global_model(unravel, global_D, mean_D):
+  """DiLoCo's deployable flat state: the global model's params (runtime/diloco.py keeps them) and the
+  workers' mean model state (what its outer step takes for it)."""
+  tree = unravel(jnp.zeros_like(jnp.asarray(mean_D)))
+  mask_D, _ = ravel_pytree(
+    {
+      "params": jax.tree.map(jnp.ones_like, tree["params"]),
+      "model_state": jax.tree.map(jnp.zeros_like, tree["model_state"]),
+    }
+  )
+  return np.where(np.asarray(mask_D) > 0, global_D, mean_D)
 
 
 def _group_setup_fields(ends: dict, n: int, end: float) -> dict:

@@ -34,6 +34,7 @@ from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.process import (
+  GLOBAL,
   Loop,
   Worker,
   ask_back,
@@ -77,7 +78,8 @@ def resume(worker: Worker, log: RunLog, kv, workdir: str) -> Loop | int:
     logging.info(
       "worker %d: resuming at checkpoint marker %d after %d local steps", me, loop.epoch, loop.steps_done
     )
-  for path in glob.glob(os.path.join(workdir, "snapshots", f"*-{me}.npy")):
+  owned = [f"*-{me}.npy"] + ([f"*-{GLOBAL}.npy"] if me == 0 else [])  # worker 0 keeps DiLoCo's global
+  for path in [p for pattern in owned for p in glob.glob(os.path.join(workdir, "snapshots", pattern))]:
     name = os.path.basename(path).rsplit("-", 1)[0]  # eval<id>: kept if the resumed run passed it
     if not name.startswith("eval") or int(name[4:]) > loop.evals:
       os.remove(path)
@@ -360,6 +362,8 @@ def mark(worker: Worker, loop: Loop, log: RunLog, trace, entry, workdir) -> int 
     loop.evals = ident
     if not loop.joining:  # a joiner holds no model of the run's yet: no part of its average
       np.save(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
+      if worker.outer_step is not None and worker.me == 0:  # DiLoCo's deployable model
+        np.save(snapshot_path(workdir, f"eval{ident}", GLOBAL), np.asarray(loop.state["outer"]["global"]))
     return None
   loop.epoch = ident
   if loop.joining:
