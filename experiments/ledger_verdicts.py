@@ -138,6 +138,14 @@ def verdicts_text(
   Smart GG against All-Reduce by worker count."""
   label = numerics((tta_out or {}).get("model", "mlp"))
   parts = [verdict_label(tta_out, target), str(verdict_table(ledger_out, tta_out, target))]
+  if tta_out:
+    parts += [
+      "Which verdicts hold: each claim at the paper's reading on its first figure, held only where it "
+      "holds on both models' numerics (the VGG-16 clock) and on every variant of the clock (the first "
+      "model's numerics, step sizes the VGG-16 clock's); else model- or clock-dependent, with the cells "
+      "that disagree. Intervals cover seed noise only:",
+      str(robust_table(tta_out, beside)),
+    ]
   parts.append("What each verdict rests on:\n" + "\n".join(f"- {k}: {v}" for k, v in DEPENDS.items()))
   held = (tta_out or {}).get("scenarios", {})
   if any("times" in p for per in held.values() for p in per.values()):
@@ -324,6 +332,51 @@ def ends_table(tta_out: dict) -> Table | None:
     ],
     rows,
   )
+
+
+def _word(e: verdict.Estimate, figure: float) -> str:
+  """A verdict's first word: reproduced, larger, smaller or inconclusive."""
+  return verdict.judge(e, figure).split(";")[0].split(" (")[0]
+
+
+def robust_table(tta_out: dict, other: dict | None) -> Table:
+  """Each claim's verdict at the paper's reading on its first figure, held only where it holds on both
+  models (tta_out's and other's numerics, the VGG-16 clock) and on every variant of the clock
+  (CLOCK_VARIANTS, tta_out's model): else "model-dependent" and/or "clock-dependent", naming the cells
+  that disagree. A cell the records do not hold is left out of the reading (and shown as -)."""
+  name = lambda t: t.get("model", "mlp")  # noqa: E731
+  rows = []
+  for claim in [c for c, *_ in CLAIMS if c in TTA_OF_CLAIM]:
+    src, figure = next(iter(FIGURES[claim].items()))
+    cells = {f"{name(tta_out)}, VGG-16 clock": claim_estimate(tta_out, claim)}
+    if other:
+      cells[f"{name(other)}, VGG-16 clock"] = claim_estimate(other, claim)
+    for v, suffix in list(CLOCK_VARIANTS.items())[1:]:
+      cells[f"{name(tta_out)}, {v}"] = claim_estimate(tta_out, claim, suffix)
+    words = {k: _word(e, figure) for k, e in cells.items() if e is not None}
+    base = f"{name(tta_out)}, VGG-16 clock"
+    if base not in words:
+      continue
+    models = {k: w for k, w in words.items() if k.endswith("VGG-16 clock")}
+    clocks = {k: w for k, w in words.items() if k.startswith(f"{name(tta_out)},")}
+    reading = []
+    if len(set(models.values())) > 1:
+      reading.append(
+        "model-dependent (" + ", ".join(f"{k.split(',')[0]} {w}" for k, w in models.items()) + ")"
+      )
+    if len(set(clocks.values())) > 1:
+      reading.append(
+        "clock-dependent (" + ", ".join(f"{k.split(', ')[1]} {w}" for k, w in clocks.items()) + ")"
+      )
+    held = "; ".join(reading) or f"holds: {words[base]}"
+    rows.append(
+      [claim, f"{figure:g}x ({src})"]
+      + ["-" if e is None else f"{e}: {words[k]}" for k, e in cells.items()]
+      + [held]
+    )
+  heads = [f"{name(tta_out)}, VGG-16 clock"] + ([f"{name(other)}, VGG-16 clock"] if other else [])
+  heads += [f"{name(tta_out)}, {v}" for v in list(CLOCK_VARIANTS)[1:]]
+  return Table(["claim", "figure"] + heads + ["verdict"], rows)
 
 
 def beside_table(tta_out: dict, other: dict) -> Table:

@@ -261,3 +261,31 @@ def test_the_scale_rows_pair_seeds_and_censor_misses_when_the_records_hold_ends(
   ).rows
   want = verdict.paired(smart["time"], ar["time"], (smart["end"], ar["end"]))
   assert want.censored == 1 and rows[0][2] == f"{want} (5 seeds)"
+
+
+def _tta(model, ratios):
+  """A tta.json whose 'one worker 2x slower vs All-Reduce' claim (figure 2x) has Smart GG at ratio x
+  All-Reduce's speed in each scenario suffix: {suffix: x}, 6 seeds with a little noise."""
+  noise = np.array([1.0, 1.01, 0.99, 1.02, 0.98, 1.0])
+  out = {"model": model, "scenarios": {}}
+  for suffix, x in ratios.items():
+    ar = list(10.0 * noise)
+    out["scenarios"]["2x straggler, VGG-16 clock" + suffix] = {
+      "allreduce": {"time": ar, "end": [100.0] * 6},
+      "ripples_smart": {"time": list(10.0 / x * noise[::-1]), "end": [100.0] * 6},
+    }
+  return out
+
+
+def test_a_verdict_holds_only_on_both_models_and_every_clock_variant():
+  claim = "one worker 2x slower vs All-Reduce"
+  same = {"": 2.0, ", overlap 2/3": 2.0, ", 58.9 MB message": 2.0}
+  row = lambda t, o: next(r for r in ledger_verdicts.robust_table(t, o).rows if r[0] == claim)  # noqa: E731
+  assert row(_tta("mlp", same), _tta("cnn1d", {"": 2.0}))[-1] == "holds: reproduced"
+  got = row(_tta("mlp", same), _tta("cnn1d", {"": 4.0}))[-1]
+  assert got == "model-dependent (mlp reproduced, cnn1d larger)"
+  got = row(_tta("mlp", {**same, ", 58.9 MB message": 1.2}), _tta("cnn1d", {"": 2.0}))[-1]
+  assert got == "clock-dependent (VGG-16 clock reproduced, overlap 2/3 reproduced, 58.9 MB message smaller)"
+  # A cell the records lack is shown as - and left out of the reading.
+  r = row(_tta("mlp", {"": 2.0}), None)
+  assert r[-1] == "holds: reproduced" and r[3:5] == ["-", "-"]
