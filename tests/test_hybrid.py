@@ -12,6 +12,7 @@ import pytest
 from configs import dsp as dsp_config
 from ripples_jax import collectives as C
 from ripples_jax import data as data_lib
+from ripples_jax import engine
 from ripples_jax import run as run_lib
 from ripples_jax.config import ConfigError, validate_dsp_config
 from ripples_jax.hybrid import clock as clock_lib
@@ -108,6 +109,17 @@ def test_two_stages_smart_replay(tmp_path):
   assert charge == max(C.ring_allreduce_time(4, b, 5e-6, 1.25e9) for b in summary["stage_bytes"]) > 0
   records = [json.loads(line) for line in open(tmp_path / "h" / "metrics.jsonl")]
   assert all(r["consensus_time"] == r["time"] + charge for r in records if "test_accuracy" in r)
+  # The replicas' own models: the last record's median and worst replica are the final state's.
+  h = hybrid.build_replicas(config)
+  evaluate, k = baselines.make_eval(h.p.stages), engine.WORKER_EVAL_EXAMPLES
+  own = [
+    float(evaluate(m, h.p.data["x_test"][:k], h.p.data["y_test"][:k])[0])
+    for m in hybrid.replica_models(config, state)
+  ]
+  last = [r for r in records if "test_accuracy" in r][-1]
+  assert len(set(own)) > 1  # the replicas differ (Smart GG averages in groups)
+  assert last["worker_median_test_accuracy"] == pytest.approx(float(np.median(own)), abs=1e-6)
+  assert last["worker_min_test_accuracy"] == pytest.approx(min(own), abs=1e-6)
   spec = lambda c: hybrid.clock_spec(c, (0.1, 0.1), (4e6, 4e6), 100)  # noqa: E731
   for name, want in (("allreduce", 0.0), ("none", None)):
     c = hybrid_config(algorithm=name)

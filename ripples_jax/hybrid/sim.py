@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ripples_jax import algorithms, collectives, profiling, timeline
+from ripples_jax import algorithms, collectives, engine, profiling, timeline
 from ripples_jax import data as data_lib
 from ripples_jax.hybrid import clock as clock_lib
 from ripples_jax.pipeline import baselines, timing
@@ -43,6 +43,7 @@ class RoundsLoop:
   evaluated_step: int | None = None
   time_to_target: float | None = None  # the replicas' mean model, uncharged
   consensus_time_to_target: float | None = None  # ... with the All-Reduce that builds it charged
+  worker_time_to_target: float | None = None  # the median replica's own model
 
 
 def replica_view(config) -> ml_collections.ConfigDict:
@@ -253,6 +254,7 @@ def simulate_replicas_and_train(config, workdir: str | None = None):
       stage_bytes=list(stage_bytes),
       time_to_target=cur.time_to_target,
       consensus_time_to_target=cur.consensus_time_to_target,
+      worker_time_to_target=cur.worker_time_to_target,
       consensus_charge=charge,
       target_accuracy=config.replicas.target_accuracy,
       compiles=compiles.count,
@@ -320,6 +322,11 @@ def run_models(config, state) -> list:
   independently trained networks is no network) each replica's own."""
   if config.replicas.algorithm != "none":
     return [averaged_model(state)]
+  return replica_models(config, state)
+
+
+def replica_models(config, state) -> list:
+  """Each replica's own model (every stage's parameters and model state at its index)."""
   own = lambda r: [{key: jax.tree.map(lambda a: a[r], st[key]) for key in AVERAGED} for st in state]
   return [own(r) for r in range(config.replicas.count)]
 
@@ -374,4 +381,20 @@ def record_point(
       scalars["consensus_time"] = t + charge
       if cur.consensus_time_to_target is None and target and scalars["test_accuracy"] >= target:
         cur.consensus_time_to_target = t + charge
+    if config.replicas.algorithm != "none" and config.get("eval_workers", True):
+      median = record_own(config, evaluate, test, state, scalars)
+      if cur.worker_time_to_target is None and target and median >= target:
+        cur.worker_time_to_target = t
   log.record(step, t, **scalars)
+
+
+def record_own(config, evaluate, test, state, scalars) -> float:
+  """The replicas' own models (what a replica holds and could deploy) on the first
+  engine.WORKER_EVAL_EXAMPLES test examples, as the simulator's workers': the median replica's and the
+  worst one's accuracy into `scalars`; returns the median."""
+  k = engine.WORKER_EVAL_EXAMPLES
+  x, y = test
+  acc_R = [float(jax.device_get(evaluate(m, x[:k], y[:k]))[0]) for m in replica_models(config, state)]
+  scalars["worker_median_test_accuracy"] = float(np.median(acc_R))
+  scalars["worker_min_test_accuracy"] = float(min(acc_R))
+  return scalars["worker_median_test_accuracy"]
