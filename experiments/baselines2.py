@@ -455,3 +455,126 @@ def heldout_old(out_dir: str, old_dir: str, workers: int, seeds=OLD_SEEDS, targe
     f.write(text + "\n")
   write_json(os.path.join(out_dir, "heldout_old.json"), {"seeds": list(seeds), "scenarios": record})
   return text
+
+
+# --- Real processes ------------------------------------------------------------------------------
+# ledger_runtime's setting: 16 worker processes and the coordinator on this host, steps padded to 0.5 s,
+# the first 80 steps of the 300-step schedule, the MLP's own (light) messages. Step sizes: results/
+# baselines' light-clock tuning (tuning_light.json: lr at momentum 0.9), the one deviation from this
+# study's budget here (a real-process run costs a minute; the budget's 10 points x 2 seeds each would
+# be 40 minutes a method). All-Reduce over the fast workers: 15 processes, its lr All-Reduce's.
+
+RUNTIME_SCENARIOS = ("homogeneous", "5x straggler")
+RUNTIME_METHODS = ("allreduce", "allreduce_drop", "smart", "adpsgd")
+RUNTIME_SEEDS = (20, 21, 22)
+RUNTIME_STEPS, RUNTIME_SCHEDULE, RUNTIME_STEP_TIME = 80, 300, 0.5
+
+
+def runtime_keys(
+  scenario: str, k: str, seed: int, lr: float, target: float = TARGET
+) -> tuple[str, dict, int]:
+  """(algorithm, config keys, worker processes) of one real-process run: ledger_runtime's keys; the
+  measured consensus All-Reduce where the deployable model is built and the run is not elastic;
+  All-Reduce over the fast workers without the straggler, on N - 1 processes."""
+  from experiments import ledger_runtime
+  from ripples_jax import algorithms
+
+  base = variant(METHODS[k].variant)[0]
+  keys = ledger_runtime.overrides(
+    scenario, base, seed, lr, RUNTIME_STEPS, RUNTIME_SCHEDULE, RUNTIME_STEP_TIME, target
+  )
+  n = ledger_runtime.N
+  if k == "allreduce_drop" and "hetero.slow_workers" in keys:
+    del keys["hetero.slow_workers"], keys["hetero.slowdown"]
+    keys["num_steps"], n = RUNTIME_STEPS, n - 1
+  if algorithms.get(base).consensus == algorithms.BUILT and not keys.get("runtime.elastic"):
+    keys["runtime.consensus_allreduce"] = True
+  return base, keys, n
+
+
+def runtime_study(
+  out_dir: str, old_dir: str, workdir: str, seeds=RUNTIME_SEEDS, target: float = TARGET
+) -> dict:
+  """Every (seed, scenario, method) on real processes, seed by seed (runtime_runs.json, resumed from),
+  then runtime.md."""
+  from experiments import ledger_runtime
+
+  light = json.load(open(os.path.join(old_dir, "tuning_light.json")))["chosen"]
+  lr_of = {
+    "allreduce": light["allreduce"][1],
+    "smart": light["ripples_smart"][1],
+    "adpsgd": light["adpsgd"][1],
+  }
+  lr_of["allreduce_drop"] = lr_of["allreduce"]
+  path = os.path.join(out_dir, "runtime_runs.json")
+  held = json.load(open(path)) if os.path.exists(path) else {}
+  for seed in seeds:
+    for sc in RUNTIME_SCENARIOS:
+      for k in [k for k in RUNTIME_METHODS if k != "allreduce_drop" or sc != "homogeneous"]:
+        key = f"{sc}|{k}|lr={lr_of[k]:g}|seed={seed}"
+        if key in held:
+          continue
+        base, keys, n = runtime_keys(sc, k, seed, lr_of[k], target)
+        slow = "hetero.slow_workers" in keys
+        held[key] = ledger_runtime.measure_and_predict(workdir, key, base, keys, slow, lr_of[k], target, n)
+        write_json(path, held, indent=None)
+  text = runtime_text(held, lr_of, seeds, target)
+  with open(os.path.join(out_dir, "runtime.md"), "w") as f:
+    f.write(text + "\n")
+  return held
+
+
+def runtime_record(r: dict, charge: float | None, target: float) -> dict:
+  """One real-process run on the three metrics: time to the target (None: missed) and the end, on the
+  deployable model's clock (charged), the median worker's and the mean model's."""
+
+  def first(points, shift=0.0):
+    return next((t + shift for t, a in points if a >= target), None)
+
+  charge = r.get("consensus_charge") if r.get("consensus_charge") is not None else charge
+  return {
+    "deployable": {"time": first(r["evals"], charge or 0.0), "end": r["end"] + (charge or 0.0)},
+    "own": {"time": first(r["own"]), "end": r["end"]},
+    "mean": {"time": r["time_to_target"], "end": r["end"]},
+    "charge": charge,
+  }
+
+
+def runtime_text(held: dict, lr_of: dict, seeds, target: float) -> str:
+  """runtime.md: per scenario and method, each metric's speedup over the better All-Reduce. AD-PSGD's
+  run is elastic (its tickets), where the consensus All-Reduce is not timed in the run: it is charged
+  the same seed and scenario's Smart GG measured one (the same model over the same 16 processes)."""
+  rows = []
+  for sc in RUNTIME_SCENARIOS:
+    ks = [k for k in RUNTIME_METHODS if k != "allreduce_drop" or sc != "homogeneous"]
+    got = {k: [held.get(f"{sc}|{k}|lr={lr_of[k]:g}|seed={s}") for s in seeds] for k in ks}
+    if any(r is None for rs in got.values() for r in rs):
+      continue
+    smart_charge = [r.get("consensus_charge") for r in got["smart"]]
+    rec = {k: [runtime_record(r, c, target) for r, c in zip(rs, smart_charge)] for k, rs in got.items()}
+    per = {
+      k: {m: {f: [x[m][f] for x in rs] for f in ("time", "end")} for m in METRICS} for k, rs in rec.items()
+    }
+    for k in ks:
+      row = [sc, METHODS[k].label, f"{lr_of[k]:g}"]
+      for m in ("deployable", "own", "mean"):
+        base = baseline_of(per, m)
+        hit = [t for t in per[k][m]["time"] if t is not None]
+        row += [f"{np.mean(hit):.1f}" if hit else "-", str(ratio(per[k], per[base], m))]
+      charges = [x["charge"] for x in rec[k]]
+      row.append("-" if None in charges else f"{1e3 * np.mean(charges):.1f}")
+      row.append(f"{100 * np.mean([r['final'] for r in got[k]]):.1f}")
+      rows.append(row)
+  head = ["scenario", "method", "lr"]
+  for m in ("deployable", "own", "mean"):
+    head += [f"{m}: wall s to {100 * target:.0f}%", f"{m}: speedup vs the better All-Reduce"]
+  head += ["consensus All-Reduce charged, ms", "final % (mean model)"]
+  return (
+    f"Real processes: MNIST-1D MLP, 16 worker processes (All-Reduce over the fast workers: 15) and the "
+    f"coordinator on one host's 2 cores, steps padded to {RUNTIME_STEP_TIME:g} s, the first "
+    f"{RUNTIME_STEPS} steps of a {RUNTIME_SCHEDULE}-step schedule; seeds {', '.join(map(str, seeds))}; "
+    "step sizes results/baselines' light-clock tuning; deployable = the consensus model, its All-Reduce "
+    "as the workers timed it after their last step (AD-PSGD: Smart GG's of the same seed); own = the "
+    "median worker's own model; mean = the workers' mean, uncharged. 95% intervals paired by seed, "
+    f"misses censored at the run's end.\n\n{Table(head, rows)}"
+  )

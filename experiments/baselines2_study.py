@@ -5,7 +5,9 @@ seeds; results/baselines' headline rerun on new seeds.
   python -m experiments.baselines2_study --out=results/baselines2 --workers=2     # ~2 h on 2 cores
 
 --parts: heldout_old (results/baselines' protocol on seeds 20-27: heldout_old.md), tune (homogeneous
-and 5x-straggler tunings), report (the six scenarios on the held-out seeds: study.md, tuning.md).
+and 5x-straggler tunings), report (the six scenarios on the held-out seeds: study.md, tuning.md),
+runtime (16 worker processes, homogeneous and 5x: runtime.md; not in the default --parts: run alone,
+on a quiet machine).
 Every part resumes from --out's runs.json; never two study processes on one --out.
 """
 
@@ -16,18 +18,19 @@ from absl import app, flags
 from experiments import baselines2
 
 FLAGS = flags.FLAGS
-PARTS = ("heldout_old", "tune", "report")
+PARTS = ("heldout_old", "tune", "report", "runtime")
 
 
 def define_flags():
   flags.DEFINE_string("out", "results/baselines2", "Output folder.")
-  flags.DEFINE_list("parts", list(PARTS), f"Parts to run, of {', '.join(PARTS)} (in this order).")
+  flags.DEFINE_list("parts", list(PARTS[:3]), f"Parts to run, of {', '.join(PARTS)} (in this order).")
   flags.DEFINE_list("methods", list(baselines2.METHODS), f"Methods, of {', '.join(baselines2.METHODS)}.")
   flags.DEFINE_list("seeds", list(map(str, baselines2.SEEDS)), "Reported (held-out) seeds.")
   flags.DEFINE_string(
     "old", "results/baselines", "The superseded study (heldout_old's step sizes and figures)."
   )
   flags.DEFINE_integer("workers", 1, "Simulated runs at once (one core each).")
+  flags.DEFINE_string("runtime_workdir", "/tmp/baselines2_runtime", "runtime: the runs' folders (traces).")
 
 
 def main(argv):
@@ -50,6 +53,9 @@ def main(argv):
       runs = baselines2.run_report(FLAGS.out, choices, FLAGS.methods, seeds, FLAGS.workers)
       out = baselines2.collect(runs, choices, FLAGS.methods, seeds, baselines2.TARGET)
       print(baselines2.publish(FLAGS.out, choices, out, seeds, baselines2.TARGET), flush=True)
+  if "runtime" in FLAGS.parts:
+    baselines2.runtime_study(FLAGS.out, FLAGS.old, FLAGS.runtime_workdir)
+    print(open(os.path.join(FLAGS.out, "runtime.md")).read(), flush=True)
 
 
 if __name__ == "__main__":

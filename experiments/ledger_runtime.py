@@ -78,14 +78,14 @@ def overrides(scenario, algorithm, seed, lr, steps, schedule_steps, step_time, t
   }
 
 
-def base_config(algorithm: str, executor: str) -> str:
-  return f"executor={executor},num_workers={N},algorithm={algorithm},model=mlp"
+def base_config(algorithm: str, executor: str, n: int = N) -> str:
+  return f"executor={executor},num_workers={n},algorithm={algorithm},model=mlp"
 
 
-def run_args(algorithm: str, keys: dict) -> list[str]:
-  """experiments.train's flags for one run."""
+def run_args(algorithm: str, keys: dict, n: int = N) -> list[str]:
+  """experiments.train's flags for one run of n workers."""
   fmt = lambda v: f"({v[0]},)" if isinstance(v, tuple) else v  # noqa: E731
-  return [f"--config=configs/default.py:{base_config(algorithm, 'async')}"] + [
+  return [f"--config=configs/default.py:{base_config(algorithm, 'async', n)}"] + [
     f"--config.{k}={fmt(v)}" for k, v in keys.items()
   ]
 
@@ -93,10 +93,14 @@ def run_args(algorithm: str, keys: dict) -> list[str]:
 EVAL_EVERY = 4  # steps between the markers the averaged model is evaluated at
 
 
-def measured_run(workdir: str, args: list[str], max_restarts: int = 0, elastic: bool = False) -> dict:
-  """One run under the launcher (resumed from its summary.json when it has one): summary.json with
-  its traces, its starts (clock.jsonl), CPU use and the evaluation records. max_restarts, elastic: the
-  launcher's (a killed worker restarted alone, or the whole job from the newest checkpoint)."""
+def measured_run(
+  workdir: str, args: list[str], max_restarts: int = 0, elastic: bool = False, n: int = N
+) -> dict:
+  """One run of n workers under the launcher (resumed from its summary.json when it has one):
+  summary.json with its traces, its starts (clock.jsonl), CPU use and the evaluation records (the
+  averaged model's and, where the run recorded them, the deployable model's and the median worker's).
+  max_restarts, elastic: the launcher's (a killed worker restarted alone, or the whole job from the
+  newest checkpoint)."""
   done = os.path.join(workdir, "summary.json")
   if not os.path.exists(done):
     shutil.rmtree(workdir, ignore_errors=True)
@@ -104,7 +108,7 @@ def measured_run(workdir: str, args: list[str], max_restarts: int = 0, elastic: 
     before, t0 = os.times(), time.monotonic()
     with open(os.path.join(workdir, "launch.log"), "w") as log:
       code = launch(
-        N,
+        n,
         [*args, f"--workdir={workdir}"],
         out=log,
         grace_s=10,
@@ -132,7 +136,12 @@ def measured_run(workdir: str, args: list[str], max_restarts: int = 0, elastic: 
   # (cleared before its first launch), so every archived start is one of its lives.
   r["starts"] = trace_lib.load_starts(workdir, earlier=True)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    r["evals"] = [[e["time"], e["test_accuracy"]] for e in map(json.loads, f) if "test_accuracy" in e]
+    records = [e for e in map(json.loads, f) if "test_accuracy" in e]
+  r["evals"] = [[e["time"], e["test_accuracy"]] for e in records]
+  r["deployable"] = [[e["consensus_time"], e["consensus_accuracy"]] for e in records if "consensus_time" in e]
+  r["own"] = [
+    [e["time"], e["worker_median_test_accuracy"]] for e in records if "worker_median_test_accuracy" in e
+  ]
   return r
 
 
@@ -158,10 +167,10 @@ def fed_costs(r: dict, slow: set) -> dict:
   }
 
 
-def predicted_run(algorithm: str, keys: dict, fed: dict, sim_keys: dict | None = None) -> dict:
+def predicted_run(algorithm: str, keys: dict, fed: dict, sim_keys: dict | None = None, n: int = N) -> dict:
   """The simulator's run of the same config, its clock fed with `fed` (and `sim_keys`, the simulator's
   own keys: a measured death and rejoin): time to target and end."""
-  config = default_config.get_config(base_config(algorithm, "sim"))
+  config = default_config.get_config(base_config(algorithm, "sim", n))
   config.update_from_flattened_dict({k: v for k, v in keys.items() if not k.startswith("runtime.")})
   config.update_from_flattened_dict(sim_keys or {})
   tl = config.timeline
@@ -180,13 +189,14 @@ def predicted_run(algorithm: str, keys: dict, fed: dict, sim_keys: dict | None =
 
 
 def measure_and_predict(
-  workdir: str, key: str, algorithm: str, keys: dict, slow: bool, lr: float, target
+  workdir: str, key: str, algorithm: str, keys: dict, slow: bool, lr: float, target, n: int = N
 ) -> dict:
-  """One run on real processes (its folder under workdir, named from key) and the simulator's prediction
-  of it fed with what it measured: the record runs.json keeps (printed in one line)."""
+  """One run of n worker processes (its folder under workdir, named from key) and the simulator's
+  prediction of it fed with what it measured: the record runs.json keeps (printed in one line)."""
   r = measured_run(
     os.path.join(workdir, key.replace(" ", "_").replace("|", "-").replace("/", "_")),
-    run_args(algorithm, keys),
+    run_args(algorithm, keys, n),
+    n=n,
   )
   fed = fed_costs(r, {SLOW} if slow else set())
   p = {
@@ -197,9 +207,12 @@ def measure_and_predict(
     "cpu_use": r["cpu_use"],
     "exit_code": r["exit_code"],
     "evals": r["evals"],
+    "deployable": r["deployable"],
+    "own": r["own"],
+    "consensus_charge": r.get("consensus_charge"),
     "lr": lr,
     "fed": fed,
-    "predicted": predicted_run(algorithm, keys, fed),
+    "predicted": predicted_run(algorithm, keys, fed, n=n),
   }
   print(
     f"{key}: time to {target:g} {p['time_to_target']} (predicted {p['predicted']['time_to_target']})"

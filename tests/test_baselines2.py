@@ -138,3 +138,33 @@ def test_the_study_refuses_an_unknown_method_in_one_line():
   )
   assert r.returncode != 0
   assert "bogus" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_real_process_runs_drop_the_straggler_on_15_processes_and_time_the_consensus():
+  """All-Reduce over the fast workers runs 15 processes without the straggler, every step; Smart GG
+  times its consensus All-Reduce; AD-PSGD (elastic: its tickets) and All-Reduce (its workers hold the
+  model) do not; every config is one the runtime takes."""
+  from configs import default as default_config
+  from experiments import ledger_runtime
+  from ripples_jax.config import validate_train_config
+
+  got = {k: b2.runtime_keys("5x straggler", k, 20, 0.4) for k in b2.RUNTIME_METHODS}
+  base, keys, n = got["allreduce_drop"]
+  assert (base, n, keys["num_steps"]) == ("allreduce", ledger_runtime.N - 1, b2.RUNTIME_STEPS)
+  assert "hetero.slow_workers" not in keys and "hetero.slow_workers" in got["allreduce"][1]
+  assert got["smart"][1]["runtime.consensus_allreduce"] is True
+  assert "runtime.consensus_allreduce" not in got["adpsgd"][1] and got["adpsgd"][1]["runtime.elastic"]
+  assert "runtime.consensus_allreduce" not in got["allreduce"][1]
+  for base, keys, n in got.values():
+    config = default_config.get_config(ledger_runtime.base_config(base, "async", n))
+    config.update_from_flattened_dict(keys)
+    validate_train_config(config, num_devices=n + 1, num_processes=n + 1)
+
+
+def test_a_real_process_runs_deployable_time_is_charged_its_own_or_a_borrowed_all_reduce():
+  r = {"evals": [[1.0, 0.4], [2.0, 0.6]], "own": [[1.0, 0.3], [2.0, 0.5]], "end": 3.0, "time_to_target": 2.0}
+  got = b2.runtime_record({**r, "consensus_charge": 0.25}, 9.0, 0.55)
+  assert got["deployable"] == {"time": 2.25, "end": 3.25} and got["charge"] == 0.25
+  assert got["own"] == {"time": None, "end": 3.0} and got["mean"]["time"] == 2.0
+  borrowed = b2.runtime_record(r, 0.5, 0.55)  # an elastic run: the same seed's Smart GG's
+  assert borrowed["deployable"]["time"] == 2.5 and borrowed["charge"] == 0.5
