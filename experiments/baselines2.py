@@ -465,7 +465,8 @@ def heldout_old(out_dir: str, old_dir: str, workers: int, seeds=OLD_SEEDS, targe
 # be 40 minutes a method). All-Reduce over the fast workers: 15 processes, its lr All-Reduce's.
 
 RUNTIME_SCENARIOS = ("homogeneous", "5x straggler")
-RUNTIME_METHODS = ("allreduce", "allreduce_drop", "smart", "adpsgd")
+RUNTIME_METHODS = ("allreduce", "allreduce_drop", "smart", "adpsgd", "moshpit")
+RUNTIME_WINDOW = 0.5  # the windowed Moshpit's window on real processes: one padded step
 RUNTIME_SEEDS = (20, 21, 22)
 RUNTIME_STEPS, RUNTIME_SCHEDULE, RUNTIME_STEP_TIME = 80, 300, 0.5
 
@@ -487,6 +488,8 @@ def runtime_keys(
   if k == "allreduce_drop" and "hetero.slow_workers" in keys:
     del keys["hetero.slow_workers"], keys["hetero.slowdown"]
     keys["num_steps"], n = RUNTIME_STEPS, n - 1
+  if k == "moshpit":
+    keys["moshpit.window"] = RUNTIME_WINDOW
   if algorithms.get(base).consensus == algorithms.BUILT and not keys.get("runtime.elastic"):
     keys["runtime.consensus_allreduce"] = True
   return base, keys, n
@@ -505,7 +508,7 @@ def runtime_study(
     "smart": light["ripples_smart"][1],
     "adpsgd": light["adpsgd"][1],
   }
-  lr_of["allreduce_drop"] = lr_of["allreduce"]
+  lr_of["allreduce_drop"], lr_of["moshpit"] = lr_of["allreduce"], light["moshpit"][1]
   path = os.path.join(out_dir, "runtime_runs.json")
   held = json.load(open(path)) if os.path.exists(path) else {}
   for seed in seeds:
@@ -564,11 +567,22 @@ def runtime_text(held: dict, lr_of: dict, seeds, target: float) -> str:
       charges = [x["charge"] for x in rec[k]]
       row.append("-" if None in charges else f"{1e3 * np.mean(charges):.1f}")
       row.append(f"{100 * np.mean([r['final'] for r in got[k]]):.1f}")
+      both = [(r["time_to_target"], r["predicted"]["time_to_target"]) for r in got[k]]
+      err = [p / m - 1 for m, p in both if m and p]
+      row.append(
+        f"{100 * np.mean(err):+.1f}% (max |{100 * np.max(np.abs(err)):.1f}|%, {len(err)} runs)"
+        if err
+        else "-"
+      )
       rows.append(row)
   head = ["scenario", "method", "lr"]
   for m in ("deployable", "own", "mean"):
     head += [f"{m}: wall s to {100 * target:.0f}%", f"{m}: speedup vs the better All-Reduce"]
-  head += ["consensus All-Reduce charged, ms", "final % (mean model)"]
+  head += [
+    "consensus All-Reduce charged, ms",
+    "final % (mean model)",
+    "simulator's error, time to target (mean)",
+  ]
   return (
     f"Real processes: MNIST-1D MLP, 16 worker processes (All-Reduce over the fast workers: 15) and the "
     f"coordinator on one host's 2 cores, steps padded to {RUNTIME_STEP_TIME:g} s, the first "

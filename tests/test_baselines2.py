@@ -155,6 +155,10 @@ def test_real_process_runs_drop_the_straggler_on_15_processes_and_time_the_conse
   assert got["smart"][1]["runtime.consensus_allreduce"] is True
   assert "runtime.consensus_allreduce" not in got["adpsgd"][1] and got["adpsgd"][1]["runtime.elastic"]
   assert "runtime.consensus_allreduce" not in got["allreduce"][1]
+  assert (
+    got["moshpit"][1]["moshpit.window"] == b2.RUNTIME_WINDOW
+    and got["moshpit"][1]["runtime.consensus_allreduce"]
+  )
   for base, keys, n in got.values():
     config = default_config.get_config(ledger_runtime.base_config(base, "async", n))
     config.update_from_flattened_dict(keys)
