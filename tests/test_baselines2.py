@@ -129,6 +129,7 @@ def test_straggler_headlines_are_against_the_better_all_reduce_and_disagreeing_w
   assert b2.fastest(per, "deployable") == "smart"
 
 
+@pytest.mark.slow  # a subprocess: jax imports
 def test_the_study_refuses_an_unknown_method_in_one_line():
   r = subprocess.run(
     [sys.executable, "-m", "experiments.baselines2_study", "--methods=allreduce,bogus", "--parts=tune"],
