@@ -53,6 +53,8 @@ def main(argv):
       runs = baselines2.run_report(FLAGS.out, choices, FLAGS.methods, seeds, FLAGS.workers)
       out = baselines2.collect(runs, choices, FLAGS.methods, seeds, baselines2.TARGET)
       print(baselines2.publish(FLAGS.out, choices, out, seeds, baselines2.TARGET), flush=True)
+      if os.path.exists(os.path.join(FLAGS.out, "heldout_old.json")):
+        print(baselines2.before_after(FLAGS.out, FLAGS.old), flush=True)
   if "runtime" in FLAGS.parts:
     baselines2.runtime_study(FLAGS.out, FLAGS.old, FLAGS.runtime_workdir)
     print(open(os.path.join(FLAGS.out, "runtime.md")).read(), flush=True)
