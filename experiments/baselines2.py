@@ -35,7 +35,7 @@ import numpy as np
 from experiments import baselines
 from experiments.ledger_tta import run_key, train_runs, variant
 from experiments.study import crossing, final
-from ripples_jax import verdict
+from ripples_jax import algorithms, verdict
 from ripples_jax.runlog import write_json
 from ripples_jax.tables import Table
 
@@ -478,7 +478,6 @@ def runtime_keys(
   measured consensus All-Reduce where the deployable model is built and the run is not elastic;
   All-Reduce over the fast workers without the straggler, on N - 1 processes."""
   from experiments import ledger_runtime
-  from ripples_jax import algorithms
 
   base = variant(METHODS[k].variant)[0]
   keys = ledger_runtime.overrides(
@@ -527,9 +526,11 @@ def runtime_study(
   return held
 
 
-def runtime_record(r: dict, charge: float | None, target: float) -> dict:
+def runtime_record(r: dict, charge: float | None, target: float, held: bool = False) -> dict:
   """One real-process run on the three metrics: time to the target (None: missed) and the end, on the
-  deployable model's clock (charged), the median worker's and the mean model's."""
+  deployable model's clock (charged), the median worker's and the mean model's. held: every worker
+  holds the run's model (All-Reduce): its own model is the mean (an evaluation marker falls between a
+  worker's step and its All-Reduce, so its snapshot there is a model no worker keeps)."""
 
   def first(points, shift=0.0):
     return next((t + shift for t, a in points if a >= target), None)
@@ -537,7 +538,7 @@ def runtime_record(r: dict, charge: float | None, target: float) -> dict:
   charge = r.get("consensus_charge") if r.get("consensus_charge") is not None else charge
   return {
     "deployable": {"time": first(r["evals"], charge or 0.0), "end": r["end"] + (charge or 0.0)},
-    "own": {"time": first(r["own"]), "end": r["end"]},
+    "own": {"time": first(r["evals"] if held else r["own"]), "end": r["end"]},
     "mean": {"time": r["time_to_target"], "end": r["end"]},
     "charge": charge,
   }
@@ -554,7 +555,10 @@ def runtime_text(held: dict, lr_of: dict, seeds, target: float) -> str:
     if any(r is None for rs in got.values() for r in rs):
       continue
     smart_charge = [r.get("consensus_charge") for r in got["smart"]]
-    rec = {k: [runtime_record(r, c, target) for r, c in zip(rs, smart_charge)] for k, rs in got.items()}
+    held = {k: algorithms.get(variant(METHODS[k].variant)[0]).consensus == algorithms.HELD for k in ks}
+    rec = {
+      k: [runtime_record(r, c, target, held[k]) for r, c in zip(rs, smart_charge)] for k, rs in got.items()
+    }
     per = {
       k: {m: {f: [x[m][f] for x in rs] for f in ("time", "end")} for m in METRICS} for k, rs in rec.items()
     }

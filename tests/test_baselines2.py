@@ -173,3 +173,5 @@ def test_a_real_process_runs_deployable_time_is_charged_its_own_or_a_borrowed_al
   assert got["own"] == {"time": None, "end": 3.0} and got["mean"]["time"] == 2.0
   borrowed = b2.runtime_record(r, 0.5, 0.55)  # an elastic run: the same seed's Smart GG's
   assert borrowed["deployable"]["time"] == 2.5 and borrowed["charge"] == 0.5
+  # All-Reduce's workers hold the run's model: their own is the mean, not a marker's pre-average snapshot.
+  assert b2.runtime_record(r, 0.0, 0.55, held=True)["own"]["time"] == 2.0
