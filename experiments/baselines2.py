@@ -555,9 +555,9 @@ def runtime_text(held: dict, lr_of: dict, seeds, target: float) -> str:
     if any(r is None for rs in got.values() for r in rs):
       continue
     smart_charge = [r.get("consensus_charge") for r in got["smart"]]
-    held = {k: algorithms.get(variant(METHODS[k].variant)[0]).consensus == algorithms.HELD for k in ks}
+    holds = {k: algorithms.get(variant(METHODS[k].variant)[0]).consensus == algorithms.HELD for k in ks}
     rec = {
-      k: [runtime_record(r, c, target, held[k]) for r, c in zip(rs, smart_charge)] for k, rs in got.items()
+      k: [runtime_record(r, c, target, holds[k]) for r, c in zip(rs, smart_charge)] for k, rs in got.items()
     }
     per = {
       k: {m: {f: [x[m][f] for x in rs] for f in ("time", "end")} for m in METRICS} for k, rs in rec.items()

@@ -175,3 +175,28 @@ def test_a_real_process_runs_deployable_time_is_charged_its_own_or_a_borrowed_al
   assert borrowed["deployable"]["time"] == 2.5 and borrowed["charge"] == 0.5
   # All-Reduce's workers hold the run's model: their own is the mean, not a marker's pre-average snapshot.
   assert b2.runtime_record(r, 0.0, 0.55, held=True)["own"]["time"] == 2.0
+
+
+def test_the_real_process_table_has_every_scenario_and_the_straggler_baseline_is_the_better_all_reduce():
+  lr_of = {k: 0.1 for k in b2.RUNTIME_METHODS}
+  held = {}
+  for sc in b2.RUNTIME_SCENARIOS:
+    for k in b2.RUNTIME_METHODS:
+      for s in b2.RUNTIME_SEEDS:
+        t = {"allreduce": 100.0 if sc != "homogeneous" else 30.0, "allreduce_drop": 30.0}.get(
+          k, 40.0
+        ) + s / 100
+        held[f"{sc}|{k}|lr=0.1|seed={s}"] = {
+          "evals": [[t, 0.6]],
+          "own": [[t, 0.6]],
+          "end": 50.0 if k != "allreduce" else 160.0,
+          "time_to_target": t,
+          "consensus_charge": 0.1 if k in ("smart", "moshpit") else None,
+          "final": 0.6,
+          "predicted": {"time_to_target": t},
+        }
+  text = b2.runtime_text(held, lr_of, b2.RUNTIME_SEEDS, 0.55)
+  rows = [line for line in text.splitlines() if line.startswith("| 5x straggler")]
+  assert len(rows) == len(b2.RUNTIME_METHODS)
+  smart = next(r for r in rows if "| Smart GG |" in r)
+  assert "0.75x" in smart  # 40.1 s (charged) against the dropped All-Reduce's 30 s, not All-Reduce's 100
