@@ -496,3 +496,27 @@ def test_adpsgd_passive_serving_counts_as_heartbeat_progress(monkeypatch):
     p.inbox.put((1, 0, r, value))
   assert [p.serve_one(block=False) for _ in range(4)] == [True, True, True, False]
   assert p.progress["events"] == 23 and p.served == 2 and p.done == {(1, 0)}
+
+
+def test_the_summary_scores_all_reduces_workers_on_the_model_they_hold(tmp_path):
+  """A marker falls between a worker's step and its All-Reduce: All-Reduce's workers' own models are
+  the mean the All-Reduce makes (every worker holds it), a Group Generator's are their snapshots."""
+  from ripples_jax import workload
+  from ripples_jax.models import init_model
+  from ripples_jax.runtime import summary as summary_lib
+
+  snap = tmp_path / "snapshots"
+  snap.mkdir()
+  for algorithm in ("allreduce", "ripples_smart"):
+    config = default_config.get_config(
+      f"algorithm={algorithm},executor=async,num_workers=2,model=mlp,dataset=synthetic"
+    )
+    s = workload.build(config)
+    params, state = init_model(s.model, jax.random.key(0), s.data["x_train"][:1])
+    flat, unravel = ravel_pytree({"params": params, "model_state": state})
+    rng = np.random.default_rng(0)
+    for w in range(2):  # two models far apart: their own accuracies are not their mean's
+      np.save(snap / f"eval0-{w}.npy", np.asarray(flat) + rng.normal(0, 3.0, flat.shape).astype(np.float32))
+    (r,) = summary_lib._evaluate(config, str(snap), s, unravel, [("eval0", 1.0, 2, None, [0, 1])], 0.0)
+    same = r["worker_median_test_accuracy"] == r["worker_min_test_accuracy"] == r["test_accuracy"]
+    assert same == (algorithm == "allreduce"), r

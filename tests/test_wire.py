@@ -20,7 +20,7 @@ def test_each_writers_format_round_trips():
   assert wire.life("ripples/removed/1", "3") == 3 and wire.worker_id("ripples/join/0", "2", N) == 2
   assert wire.report("k", "5 1.5 0.25 -1 0", 100) == (5, 1.5, 0.25, -1, 0)
   assert wire.request("k", "3 1.25 0.5", 100) == (3, 1.25, 0.5, None)
-  assert wire.request("k", "3 1.25 0.5 5 1.5 0.25 7 1", 100)[3] == ["5", "1.5", "0.25", "7", "1"]
+  assert wire.request("k", "3 1.25 0.5 5 1.5 0.25 7 1", 100)[3] == (5, 1.5, 0.25, 7, 1)
   queue = [("G", 4, (0, 2)), ("G", 5, (1, 3), (3,)), ("N",), ("M", "eval", 2), ("E", "join", 3, 1), ("S",)]
   assert wire.entries("k", "|".join(map(online.encode, queue)), N) == queue
   version, incs, alive = wire.roster("k", membership.encode_roster(3, [0, 1, 0, 2], [1, 0, 1, 1]), N)

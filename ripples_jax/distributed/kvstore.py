@@ -21,10 +21,12 @@ def publish_estimate(kv, block: int, worker: int, seconds: float) -> None:
 
 
 def fetch_estimates(kv, block: int, num_workers: int, timeout_s: float) -> list[float]:
-  return [
-    float(kv.blocking_key_value_get(f"{PREFIX}/est/{block}/{w}", int(timeout_s * 1000)))
-    for w in range(num_workers)
-  ]
+  """The workers' published step times (seconds > 0); a malformed one is left out (one warning)."""
+  from ripples_jax.distributed import wire
+
+  keys = [f"{PREFIX}/est/{block}/{w}" for w in range(num_workers)]
+  got = [wire.seconds(k, kv.blocking_key_value_get(k, int(timeout_s * 1000))) for k in keys]
+  return wire.require([s for s in got if s is not None and s > 0] or None, f"{PREFIX}/est/{block}")
 
 
 # -- values in order through the key-value store (the runtime's transport) ------------------------

@@ -113,7 +113,11 @@ def publish_point(kv, log: RunLog | None, step: int | None) -> None:
 
 
 def await_point(kv, timeout_s: float) -> dict | None:
-  """The coordinator: the point publish_point sent (None: a fresh start)."""
-  import json
+  """The coordinator: the point publish_point sent (None: a fresh start); a malformed one ends the
+  run before any record is cut back, with one line (wire.Malformed)."""
+  from ripples_jax.distributed import wire
 
-  return json.loads(kv.blocking_key_value_get(f"{KEY}/point", int(timeout_s * 1000)))
+  key = f"{KEY}/point"
+  value = kv.blocking_key_value_get(key, int(timeout_s * 1000))
+  point = wire.require(wire.point(key, value), key, value)
+  return None if point["mark"] is None else point

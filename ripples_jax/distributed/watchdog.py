@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from ripples_jax.distributed import wire
 from ripples_jax.distributed.kvstore import PREFIX
 from ripples_jax.distributed.roles import COORDINATOR, EXIT_LOST, EXIT_REMOVED, EXIT_TERM
 
@@ -34,12 +35,15 @@ def beat_key(worker: int, inc: int | None = 0) -> str:
 
 
 def newest_beats(values: dict, n: int) -> dict:
-  """{worker: its newest life's heartbeat value} of a hb/ listing (a worker's view of its peers)."""
+  """{worker: its newest life's heartbeat value} of a hb/ listing (a worker's view of its peers); a
+  key or value that is no heartbeat of a worker of [0, n) is dropped (distributed/wire.py)."""
   out, lives = {}, {}
   for key, value in values.items():
-    w, _, inc = key.rsplit("/", 1)[1].partition(".")
-    w, inc = int(w), int(inc or 0)
-    if w < n and inc >= lives.get(w, -1):
+    got = wire.life_key(key, n)
+    if got is None or wire.beat(key, value) is None:
+      continue
+    w, inc = got
+    if inc >= lives.get(w, -1):
       out[w], lives[w] = value, inc
   return out
 
@@ -137,7 +141,11 @@ class Watchdog:
     """{worker: heartbeat value} of the lives this watchdog watches (see incarnations)."""
     if self.on_lost is None:
       return newest_beats(values, self.n)
-    return {w: values[k] for w in range(self.n) if (k := beat_key(w, self.incarnations[w])) in values}
+    return {
+      w: values[k]
+      for w in range(self.n)
+      if (k := beat_key(w, self.incarnations[w])) in values and wire.beat(k, values[k]) is not None
+    }
 
   def _apply_told(self, now: float) -> None:
     for w in list(self._told):
@@ -239,8 +247,9 @@ class Watchdog:
     """An elastic worker: exits (EXIT_REMOVED) once the coordinator has removed this incarnation."""
     key = f"{PREFIX}/removed/{self.worker}"
     value = dict(self.kv.key_value_dir_get(f"{PREFIX}/removed/")).get(key)
+    removed = None if value is None else wire.life(key, value)
     # This life, or a later one (this process is an earlier life's, stopped and continued since): out.
-    if value is not None and int(value) >= self.incarnation:
+    if removed is not None and removed >= self.incarnation:
       self._finish(
         f"removed from the run (no heartbeat reached the coordinator for {self.timeout:.0f} s: it "
         "stalled); restart it to rejoin",

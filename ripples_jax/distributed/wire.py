@@ -115,16 +115,17 @@ def report(key: str, fields, max_steps: int):
 
 def request(key: str, value: str, max_steps: int):
   """A Group Generator request, '<taken> <ready_at> <step_time>[ <start report>]' (authority.Feed):
-  (taken >= 0, ready_at finite, step_time finite >= 0, the report's fields or None)."""
+  (taken >= 0, ready_at finite, step_time finite >= 0, the decoded start report or None)."""
   parts = str(value).split()
   if len(parts) not in (3, 8):
     return bad(key, value, "a request has 3 fields, or 8 with its start report")
   got = (_int(parts[0], 0, max_steps), _float(parts[1]), _float(parts[2], 0.0))
   if None in got:
     return bad(key, value, "a request is steps taken >= 0, a finite time and a step time >= 0")
-  if len(parts) == 8 and report(key, parts[3:], max_steps) is None:
+  rep = report(key, parts[3:], max_steps) if len(parts) == 8 else None
+  if len(parts) == 8 and rep is None:
     return None
-  return (*got, parts[3:] or None)
+  return (*got, rep)
 
 
 _KINDS = {"G", "N", "M", "S", "E"}
@@ -170,13 +171,14 @@ def _entry_ok(entry: tuple, n: int, fields: int) -> bool:
   return fields == 1
 
 
-def roster(key: str, value: str, n: int):
+def roster(key: str, value: str, n: int | None):
   """AD-PSGD's roster, '<version> <lives csv> <alive 0/1 string>' (membership.encode_roster): version
-  >= 0, n lives >= 0, n alive flags."""
+  >= 0, n lives >= 0, n alive flags (n None: as many flags as lives)."""
   parts = str(value).split()
   if len(parts) != 3:
     return bad(key, value, "a roster has 3 fields")
   version, incs = _int(parts[0]), [_int(i) for i in parts[1].split(",")]
+  n = len(incs) if n is None else n
   if version is None or None in incs or len(incs) != n or len(parts[2]) != n or set(parts[2]) - {"0", "1"}:
     return bad(key, value, f"a roster is a version >= 0, {n} lives >= 0 and {n} alive flags")
   return version, incs, [a == "1" for a in parts[2]]

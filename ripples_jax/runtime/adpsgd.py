@@ -50,7 +50,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from ripples_jax.distributed import coord
+from ripples_jax.distributed import coord, wire
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.kvstore import Either, values_in_order
 from ripples_jax.distributed.markers import fail_now
@@ -137,6 +137,8 @@ class Passive:
   def _listen(self, client: int, inc: int, prefix: str, stop) -> None:
     try:
       for r, value in enumerate(values_in_order(self.kv, prefix, stop)):
+        if wire.token(f"{prefix}/{r}", value, (DONE, JOIN, AVG)) is None:
+          continue  # not the client's (one warning): no exchange is entered for it
         self.inbox.put((client, inc, r, value))
         if value == DONE:
           return

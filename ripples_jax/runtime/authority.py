@@ -43,9 +43,10 @@ import time
 import numpy as np
 from absl import logging
 
+from ripples_jax.distributed import wire
 from ripples_jax.distributed.kvstore import PAGE, PREFIX, Either, paged, values_in_order
 from ripples_jax.runtime import membership
-from ripples_jax.schedule.online import MARK, STOP, decode, encode
+from ripples_jax.schedule.online import MARK, STOP, encode
 
 
 def snapshot_file(workdir: str, ident) -> str:
@@ -93,6 +94,8 @@ class Authority:
     Authority.state)."""
     self.kv, self.service, self.poll_s = kv, service, poll_s
     self.n = service.n
+    # A worker's reported steps never exceed the run's (a larger one would end it: wire.report).
+    self.max_steps = service.cadence.total_steps if service.cadence else 2**62
     # Elastic membership (runtime/membership.py): who is live, each worker's incarnation, what happened.
     self.elastic, self.now = elastic, now or time.perf_counter
     self.incs = [0] * self.n
@@ -183,13 +186,15 @@ class Authority:
     stop = Either(self._stop, quiet)
     try:
       for r, value in enumerate(values_in_order(self.kv, prefix, stop, page=True)):
-        want, ready_at, step_time, *report = value.split()
-        item = (w, int(want), float(ready_at), float(step_time), time.perf_counter(), report, inc)
+        got = wire.request(f"{prefix}/{r // PAGE}/{r}", value, self.max_steps)
         self._read[w] = r + 1
-        self.inbox.put(item)
+        if got is not None:  # a malformed request is dropped (one warning); the next one is served
+          want, ready_at, step_time, report = got
+          self.inbox.put((w, want, ready_at, step_time, time.perf_counter(), report, inc))
         if (r + 1) % PAGE == 0:  # a page read: the store keeps no history
           self.kv.key_value_delete(f"{prefix}/{r // PAGE}")
-    except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+    except Exception as e:  # noqa: BLE001  a store error (values are decoded above): the watchdog reports it
+      logging.warning("authority: worker %d's request listener stopped: %s", w, e)
       return
 
   # -- elastic membership (runtime/membership.py) -----------------------------------------------------
@@ -213,8 +218,11 @@ class Authority:
   def _joins(self) -> None:
     try:
       for slot, value in enumerate(values_in_order(self.kv, f"{PREFIX}/join", self._stop)):
-        self.inbox.put(("join", int(value), slot))
-    except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+        w = wire.worker_id(f"{PREFIX}/join/{slot}", value, self.n)
+        if w is not None:  # a malformed slot is skipped (one warning): the next rejoin still lands
+          self.inbox.put(("join", w, slot))
+    except Exception as e:  # noqa: BLE001  a store error (values are decoded above): the watchdog reports it
+      logging.warning("authority: the joins listener stopped: %s", e)
       return
 
   def _member(self, item) -> None:
@@ -267,20 +275,22 @@ class Authority:
       if self._seen.get(key) == value:
         continue
       self._seen[key] = value
-      w, inc = membership.life_of(key)
-      if inc == self.incs[w]:  # an earlier life's process (stopped, then continued) is not this one
-        self._report(w, value.split())
+      life, fields = wire.life_key(key, self.n), wire.report(key, value, self.max_steps)
+      # An earlier life's process (stopped, then continued) is not this one; a malformed key or value
+      # is dropped (one warning).
+      if life is not None and fields is not None and life[1] == self.incs[life[0]]:
+        self._report(life[0], fields)
 
   def _report(self, w: int, fields) -> None:
-    """A start report "<steps> <started at> <step time> <last gid> <epoch>", unless a newer one (one
-    that rode on a request) was applied already."""
+    """A start report (steps, started at, step time, last gid, epoch: wire.report), unless a newer one
+    (one that rode on a request) was applied already."""
     steps, started, step_time, last_gid, epoch = fields
     alive = self.service.view.alive
-    if int(steps) < self._reported[w] or (alive is not None and not alive[w]):
+    if steps < self._reported[w] or (alive is not None and not alive[w]):
       return
-    self._reported[w] = int(steps)
-    self.service.report(w, float(started), float(step_time), int(steps), int(last_gid))
-    self.epochs[w] = int(epoch)
+    self._reported[w] = steps
+    self.service.report(w, started, step_time, steps, last_gid)
+    self.epochs[w] = epoch
 
   def _serve(self) -> None:
     try:
@@ -355,9 +365,17 @@ class Feed:
   """A worker's side of the protocol: its queue, prefetched; requests when it is empty."""
 
   def __init__(
-    self, kv, worker: int, now, ahead: bool = True, lead: bool = False, inc: int = 0, taken: int = 0
+    self,
+    kv,
+    worker: int,
+    now,
+    ahead: bool = True,
+    lead: bool = False,
+    inc: int = 0,
+    taken: int = 0,
+    n: int = 2**31,
   ):
-    self.kv, self.me, self.now, self.ahead, self.lead = kv, worker, now, ahead, lead
+    self.kv, self.me, self.now, self.ahead, self.lead, self.n = kv, worker, now, ahead, lead, n
     self.reports_at = membership.report_key(worker, inc)
     self.queue, self.requests_at = (
       membership.queue_prefix(worker, inc),
@@ -381,12 +399,14 @@ class Feed:
     try:
       for j, value in enumerate(values_in_order(self.kv, self.queue, self._stop, page=True)):
         arrived = time.perf_counter()
-        entries = [decode(text) for text in value.split("|")]
+        # A malformed batch (one warning) is none of the run's: nothing of it is taken.
+        entries = wire.entries(f"{self.queue}/{j // PAGE}/{j}", value, self.n) or []
         for entry in entries:
           self.local.put((entry, arrived))
-        if entries[-1][0] == STOP or (j + 1) % PAGE == 0:  # a page read (or the last)
-          self._forget(f"{self.queue}/{j // PAGE}", last=entries[-1][0] == STOP)
-        if entries[-1][0] == STOP:
+        stop = bool(entries) and entries[-1][0] == STOP
+        if stop or (j + 1) % PAGE == 0:  # a page read (or the last)
+          self._forget(f"{self.queue}/{j // PAGE}", last=stop)
+        if stop:
           return
     except Exception as e:  # noqa: BLE001  raised in the worker's loop, at its next entry
       self.local.put((e, None))

@@ -53,7 +53,8 @@ import time
 import numpy as np
 from absl import logging
 
-from ripples_jax.distributed.coord import PREFIX, beat_key, read_beat, values_in_order, worker_process
+from ripples_jax.distributed import wire
+from ripples_jax.distributed.coord import PREFIX, beat_key, values_in_order, worker_process
 
 RUNNING = f"{PREFIX}/running/0"  # set by the coordinator once the run has started
 ENDED = f"{PREFIX}/ended"  # set by the coordinator once every worker is done or gone: the workers may exit
@@ -202,10 +203,12 @@ def next_life(kv, worker: int) -> int:
 def completed_steps(kv, worker: int, inc: int) -> int | None:
   """The local steps `worker` had completed by its last heartbeat in life `inc` (None: no beat of that
   life), read from its heartbeat key, which outlives the process."""
-  value = dict(kv.key_value_dir_get(f"{PREFIX}/hb/")).get(beat_key(worker, inc))
-  if value is None:
+  key = beat_key(worker, inc)
+  value = dict(kv.key_value_dir_get(f"{PREFIX}/hb/")).get(key)
+  got = None if value is None else wire.beat(key, value)
+  if got is None:
     return None
-  steps, _, _, life = read_beat(value)
+  steps, _, _, life = got
   return steps if life == inc else None
 
 
@@ -340,8 +343,11 @@ class Roster:
   def _joins(self) -> None:
     try:
       for slot, value in enumerate(values_in_order(self.kv, f"{PREFIX}/join", self._stop)):
-        self.join(int(value), slot)
-    except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+        w = wire.worker_id(f"{PREFIX}/join/{slot}", value, len(self.alive))
+        if w is not None:  # a malformed slot is skipped (one warning): the next rejoin still lands
+          self.join(w, slot)
+    except Exception as e:  # noqa: BLE001  a store error (values are decoded above): the watchdog reports it
+      logging.warning("the roster's joins listener stopped: %s", e)
       return
 
   def join(self, w: int, slot: int) -> None:
@@ -374,7 +380,9 @@ class RosterView:
 
   def __init__(self, kv, interval_s: float, on_change=None):
     self.kv, self.interval, self.on_change = kv, interval_s, on_change
-    self.version, self.incs, self.alive = decode_roster(kv.blocking_key_value_get(ROSTER, 60_000))
+    value = kv.blocking_key_value_get(ROSTER, 60_000)
+    self.version, self.incs, alive = wire.require(wire.roster(ROSTER, value, None), ROSTER, value)
+    self.alive = np.array(alive)
     self.polled_at = time.monotonic()
     self._lock = threading.Lock()
     self._stop = threading.Event()
@@ -401,7 +409,11 @@ class RosterView:
       value = dict(self.kv.key_value_dir_get(f"{PREFIX}/roster/")).get(ROSTER)
       if value is None:
         return
-      version, incs, alive = decode_roster(value)
+      got = wire.roster(ROSTER, value, len(self.incs))
+      if got is None:  # malformed (one warning): this view keeps the last good version
+        return
+      version, incs, alive = got
+      alive = np.array(alive)
       if version > self.version:
         self.version, self.incs, self.alive = version, incs, alive
         if self.on_change is not None:
@@ -411,7 +423,8 @@ class RosterView:
     while not self._stop.wait(self.interval):
       try:
         self.poll()
-      except Exception:  # noqa: BLE001  the service is gone: the watchdog reports it
+      except Exception as e:  # noqa: BLE001  a store error (values are decoded in poll): the watchdog reports it
+        logging.warning("the roster view stopped polling: %s", e)
         return
 
 

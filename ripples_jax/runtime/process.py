@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from ripples_jax import algorithms, engine, optim, workload
 from ripples_jax import data as data_lib
-from ripples_jax.distributed import coord
+from ripples_jax.distributed import coord, wire
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.distributed.host import collective_timeout_s
 from ripples_jax.models import init_model
@@ -288,7 +288,11 @@ def start_clock(kv, me: int | None, n: int, epoch: int, own_time: float, timeout
   released = time.perf_counter()  # the same instant on every worker, up to the barrier's release skew
   if fresh:  # every clock starts at 0
     return released
-  times = [float(kv.blocking_key_value_get(f"{key}/{w}", timeout_ms)) for w in range(n)]
+  times = [
+    wire.require(wire.seconds(f"{key}/{w}", v), f"{key}/{w}", v)
+    for w in range(n)
+    for v in [kv.blocking_key_value_get(f"{key}/{w}", timeout_ms)]
+  ]
   return released - max(times)
 
 

@@ -40,7 +40,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 from ripples_jax import workload
-from ripples_jax.distributed import coord
+from ripples_jax.distributed import coord, wire
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.arrays import LOCAL
 from ripples_jax.distributed.kvstore import values_in_order
@@ -288,6 +288,8 @@ class Server:
     def listen(w):
       try:
         for r, value in enumerate(values_in_order(self.kv, channel(w), stop)):
+          if wire.token(f"{channel(w)}/{r}", value, (PUSH, DONE)) is None:
+            continue  # not the worker's (one warning): no exchange is entered for it
           inbox.put((w, r, value, self.now()))
           if value == DONE:
             return

@@ -155,11 +155,17 @@ def _evaluate(config, snap: str, setup, unravel, points: list, charge=None):
   n = config.num_workers
   eval_fn = engine.make_eval_fn(setup.model)
   x_test, y_test = jax.device_put((setup.data["x_test"], setup.data["y_test"]))
+  held = algorithms.get(config.algorithm).consensus == algorithms.HELD
   records = []
   for name, t, total, loss, owners in points:
     flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in owners]
     ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
     ev["consensus_accuracy"] = ev["test_accuracy"]
+    if held and "worker_test_accuracy" in ev:
+      # Every worker holds the run's model (All-Reduce: the marker falls between a worker's step and
+      # its All-Reduce, whose result is the mean evaluated here; the servers' model is one already).
+      for k in ("worker_test_accuracy", "worker_median_test_accuracy", "worker_min_test_accuracy"):
+        ev[k] = ev["test_accuracy"]
     path = os.path.join(snap, f"{name}-global.npy")
     if os.path.exists(path):  # DiLoCo: its params the global ones, its model state the workers' mean
       one = _global_model(unravel, np.load(path), np.mean(flats, axis=0))

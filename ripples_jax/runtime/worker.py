@@ -113,7 +113,7 @@ def make_feed(worker: Worker, loop: Loop, kv, inc: int = 0, taken: int = 0):
     # Random GG, Group Division: at a step's start; Smart GG: just before its end
     ahead = algorithms.asks_ahead(c)
     lead = bool(c.schedule.request_ahead) and not ahead
-    return authority_lib.Feed(kv, me, worker.now, ahead, lead=lead, inc=inc, taken=taken)
+    return authority_lib.Feed(kv, me, worker.now, ahead, lead=lead, inc=inc, taken=taken, n=c.num_workers)
   layouts = fixed_layouts(c)
   point = loop.syncs if loop.resumed_at is not None else 0
   return authority_lib.LocalFeed(
