@@ -52,7 +52,11 @@ SEEDS = tuple(range(20, 26))  # held out: no run of any study used them
 OLD_SEEDS = tuple(range(20, 28))  # the old protocol's headline on new seeds
 TUNE_ON = {"homogeneous": "homogeneous, VGG-16 clock", "straggler": "5x straggler, VGG-16 clock"}
 SCENARIOS = baselines.STUDY_16
-FIXED_STRAGGLER = ("2x straggler, VGG-16 clock", "5x straggler, VGG-16 clock")
+SCENARIOS_256 = (
+  "homogeneous, VGG-16 clock, 256 workers x 100 examples",
+  "5x straggler, VGG-16 clock, 256 workers x 100 examples",
+)
+FIXED_STRAGGLER = ("2x straggler, VGG-16 clock", "5x straggler, VGG-16 clock", SCENARIOS_256[1])
 
 
 def tuned_by(scenario: str) -> str:
@@ -87,6 +91,9 @@ METHODS = {
   "random": Method("ripples_random", "Random GG"),
   "adpsgd": Method("adpsgd", "AD-PSGD"),
   "diloco": Method(_ADAMW, "DiLoCo H=16, AdamW", momentum=None, own=(OUTER_FIRST,) + OUTER),
+  "diloco64": Method(
+    _ADAMW.replace("=16/", "=64/"), "DiLoCo H=64, AdamW", momentum=None, own=(OUTER_FIRST,) + OUTER
+  ),
   "local_sgd": Method("diloco/inner_steps=16/outer_lr=1/outer_momentum=0", "local SGD H=16"),
   "moshpit": Method("moshpit", "Moshpit, window", own=_WINDOWS),
   "moshpit_lockstep": Method("moshpit", "Moshpit, lockstep"),
@@ -118,18 +125,57 @@ def stage_one(m: Method) -> list[tuple[str, float]]:
   ]
 
 
+def past_edge(first: list[tuple[str, float]], chosen: tuple[str, float]) -> list[tuple[str, float]]:
+  """The grid-edge rule, the same for every method: a choice at its row's largest (smallest) step size
+  (its row: the first search's points of the chosen variant) extends the row by two points past that
+  edge, each 2x the last (half), searched before its own key's points; [] for a choice inside."""
+  v, lr = chosen
+  row = sorted(x for w, x in first if w == v)
+  if len(row) < 2 or lr not in (row[0], row[-1]):
+    return []
+  f = 2.0 if lr == row[-1] else 0.5
+  return [(v, round(lr * f, 6)), (v, round(lr * f * f, 6))]
+
+
 def stage_two(m: Method, chosen: tuple[str, float]) -> list[tuple[str, float]]:
   """Its own key's other points at the chosen (variant, lr)."""
   v, lr = chosen
   return [(name(v, keys), lr) for keys in m.own[1:]]
 
 
-def tune_job(scenario: str, v: str, lr: float, seed: int) -> tuple:
-  return (scenario, v, lr, seed, STEPS, "mlp", False, EVERY)
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """A simulated part of the study: its scenarios, its runs' length and evaluation interval, and
+  whether it tunes step sizes of its own (False: it takes the main part's choices from tuning.json)."""
+
+  name: str
+  scenarios: tuple
+  steps: int = STEPS
+  every: int = EVERY
+  tunes: bool = True
 
 
-def report_job(scenario: str, v: str, lr: float, seed: int) -> tuple:
-  return (scenario, v, lr, seed, STEPS, "mlp", True, EVERY)
+MAIN = Part("study", SCENARIOS)
+# 256 workers, each holding 100 training examples: the main part's choices (tuned at 16 workers; a
+# tuning at 256 would cost the budget's ~45 points x 2 seeds x 2 core-minutes), evaluated every 8.
+AT256 = Part("at256", SCENARIOS_256, every=8, tunes=False)
+# DiLoCo H=64 at 30 outer steps: 1,920 steps (the cosine schedule's horizon with them), homogeneous;
+# every method of it tuned at that length on the same budget.
+LONG = Part("long", ("homogeneous, VGG-16 clock",), steps=1920, every=16)
+PARTS = {p.name: p for p in (MAIN, AT256, LONG)}
+METHODS_256 = ("allreduce", "allreduce_drop", "smart", "adpsgd", "moshpit", "diloco")
+SEEDS_256 = (20, 21, 22)
+METHODS_LONG = ("allreduce", "diloco", "diloco64")
+
+
+def tune_job(scenario: str, v: str, lr: float, seed: int, part: Part | None = None) -> tuple:
+  part = part or MAIN
+  return (scenario, v, lr, seed, part.steps, "mlp", False, part.every)
+
+
+def report_job(scenario: str, v: str, lr: float, seed: int, part: Part | None = None) -> tuple:
+  part = part or MAIN
+  return (scenario, v, lr, seed, part.steps, "mlp", True, part.every)
 
 
 def score(runs: list, target: float) -> tuple[float, float]:
@@ -147,34 +193,43 @@ def methods_of(scenario: str, methods) -> list[str]:
   return [k for k in methods if not METHODS[k].fixed_straggler_only or scenario in FIXED_STRAGGLER]
 
 
-def tune(out_dir: str, kind: str, methods, workers: int, target: float = TARGET) -> dict:
-  """{method: (variant, lr)} tuned on TUNE_ON[kind]; every point's score in tuning.json."""
+def tune(
+  out_dir: str, kind: str, methods, workers: int, target: float = TARGET, part: Part | None = None
+) -> dict:
+  """{method: (variant, lr)} tuned on TUNE_ON[kind] at `part`'s run length; every point's score in
+  tuning.json. Three stages: the budget's first search, two points past a choice at its grid's edge,
+  a method's own key at the choice."""
   sc = TUNE_ON[kind]
   ms = methods_of(sc, methods)
+  job = lambda v, lr, s: tune_job(sc, v, lr, s, part)  # noqa: E731
+  runs: dict = {}
+  scored = lambda v, lr: score([runs[run_key(*job(v, lr, s))] for s in TUNE_SEEDS], target)  # noqa: E731
+  points: dict = {k: {} for k in ms}
+  chosen: dict = {}
+
+  def search(stage: dict):
+    runs.update(
+      train_runs(
+        out_dir, [job(v, lr, s) for pts in stage.values() for v, lr in pts for s in TUNE_SEEDS], workers
+      )
+    )
+    for k, pts in stage.items():
+      points[k].update({f"{v}|lr={lr:g}": scored(v, lr) for v, lr in pts})
+      chosen[k] = min(([chosen[k]] if k in chosen else []) + pts, key=lambda p: scored(*p))
+
   first = {k: stage_one(METHODS[k]) for k in ms}
-  runs = train_runs(
-    out_dir, [tune_job(sc, v, lr, s) for pts in first.values() for v, lr in pts for s in TUNE_SEEDS], workers
-  )
-  scored = lambda v, lr: score([runs[run_key(*tune_job(sc, v, lr, s))] for s in TUNE_SEEDS], target)  # noqa: E731
-  points, chosen = {}, {}
-  for k, pts in first.items():
-    points[k] = {f"{v}|lr={lr:g}": scored(v, lr) for v, lr in pts}
-    chosen[k] = min(pts, key=lambda p: scored(*p))
-  second = {k: stage_two(METHODS[k], chosen[k]) for k in ms}
-  runs |= train_runs(
-    out_dir, [tune_job(sc, v, lr, s) for pts in second.values() for v, lr in pts for s in TUNE_SEEDS], workers
-  )
-  for k, pts in second.items():
-    points[k].update({f"{v}|lr={lr:g}": scored(v, lr) for v, lr in pts})
-    chosen[k] = min([chosen[k]] + pts, key=lambda p: scored(*p))
+  search(first)
+  search({k: past_edge(first[k], chosen[k]) for k in ms})
+  search({k: stage_two(METHODS[k], chosen[k]) for k in ms})
   return {"scenario": sc, "chosen": chosen, "points": points}
 
 
-def run_report(out_dir: str, choices: dict, methods, seeds, workers: int) -> dict:
-  """The reported runs: every scenario x method (its kind's choice) x seed."""
+def run_report(out_dir: str, choices: dict, methods, seeds, workers: int, part: Part | None = None) -> dict:
+  """The reported runs: every scenario of `part` x method (its kind's choice) x seed."""
+  part = part or MAIN
   jobs = [
-    report_job(sc, *choices[tuned_by(sc)]["chosen"][k], s)
-    for sc in SCENARIOS
+    report_job(sc, *choices[tuned_by(sc)]["chosen"][k], s, part)
+    for sc in part.scenarios
     for k in methods_of(sc, methods)
     for s in seeds
   ]
@@ -213,14 +268,15 @@ def ratio(p: dict, q: dict, metric: str) -> verdict.Estimate:
   return verdict.paired(a["time"], b["time"], (a["end"], b["end"]))
 
 
-def collect(runs: dict, choices: dict, methods, seeds, target: float) -> dict:
-  """{scenario: {method: summarize's record + variant, lr, label}}."""
+def collect(runs: dict, choices: dict, methods, seeds, target: float, part: Part | None = None) -> dict:
+  """{scenario: {method: summarize's record + variant, lr, label}} of `part`'s scenarios."""
+  part = part or MAIN
   out = {}
-  for sc in SCENARIOS:
+  for sc in part.scenarios:
     per = {}
     for k in methods_of(sc, methods):
       v, lr = choices[tuned_by(sc)]["chosen"][k]
-      got = [runs.get(run_key(*report_job(sc, v, lr, s))) for s in seeds]
+      got = [runs.get(run_key(*report_job(sc, v, lr, s, part))) for s in seeds]
       if any(g is None for g in got):
         continue  # not run yet: a scenario is read over the methods whose every seed ran
       per[k] = {"variant": v, "lr": lr, "label": METHODS[k].label, **summarize(got, target)}
@@ -368,34 +424,59 @@ def tuning_text(choices: dict) -> str:
   return "\n\n".join(parts)
 
 
-def publish(out_dir: str, choices: dict, out: dict, seeds, target: float) -> str:
-  """study.md (the runs and the winners per metric), study.json (per run, every metric's times and
-  finals), tuning.md/json."""
+def publish(out_dir: str, choices: dict, out: dict, seeds, target: float, part: Part | None = None) -> str:
+  """<part>.md (the runs and the winners per metric), <part>.json (per run, every metric's times and
+  finals); a part that tunes: tuning.md/json (the main part), tuning_<part>.md/json."""
+  from experiments.ledger_tta import scenario_workers
+
+  part = part or MAIN
+  n = scenario_workers(part.scenarios[0])
+  data = "" if part is not AT256 else " (33,000 generated examples: 101 a worker's)"
+  tuned = "" if part.tunes else "; step sizes: the main part's choices (tuned at 16 workers)"
   head = (
-    f"numerics: MNIST-1D MLP (40-256-256-10), simulator, 16 workers, {STEPS} steps per worker, evaluated "
-    f"every {EVERY}, the VGG-16 clock (528e6-byte messages, 56 Gb/s, 0.3 s steps); held-out seeds "
-    f"{', '.join(map(str, seeds))} paired; time to {100 * target:.0f}% test accuracy on two deployable "
-    "models: deployable = the consensus model at its clock, the one All-Reduce that builds it charged at "
-    "every evaluation (DiLoCo: its global model; 0 where every worker holds it), own = the median "
-    "worker's own model; intervals by ripples_jax.verdict (95%, misses censored at the run's end); in "
-    "the fixed-straggler scenarios every speedup is against the better of All-Reduce and All-Reduce over "
-    "the 15 fast workers ('vs dropped' where that one)"
+    f"numerics: MNIST-1D MLP (40-256-256-10){data}, simulator, {n} workers, {part.steps} steps per worker, "
+    f"evaluated every {part.every}, the VGG-16 clock (528e6-byte messages, 56 Gb/s, 0.3 s steps){tuned}; "
+    f"held-out seeds {', '.join(map(str, seeds))} paired; time to {100 * target:.0f}% test accuracy on two "
+    "deployable models: deployable = the consensus model at its clock, the one All-Reduce that builds it "
+    "charged at every evaluation (DiLoCo: its global model; 0 where every worker holds it), own = the "
+    "median worker's own model; intervals by ripples_jax.verdict (95%, misses censored at the run's end); "
+    "in the fixed-straggler scenarios every speedup is against the better of All-Reduce and All-Reduce "
+    f"over the {n - 1} fast workers ('vs dropped' where that one)"
   )
   text = f"{head}\n\n{study_table(out)}\n\nWinners per scenario and metric:\n\n{winners_table(out)}"
-  with open(os.path.join(out_dir, "study.md"), "w") as f:
+  with open(os.path.join(out_dir, f"{part.name}.md"), "w") as f:
     f.write(text + "\n")
-  write_json(os.path.join(out_dir, "study.json"), {"target": target, "seeds": list(seeds), "scenarios": out})
-  with open(os.path.join(out_dir, "tuning.md"), "w") as f:
+  write_json(
+    os.path.join(out_dir, f"{part.name}.json"), {"target": target, "seeds": list(seeds), "scenarios": out}
+  )
+  if not part.tunes:
+    return text
+  tail = "" if part is MAIN else f"_{part.name}"
+  with open(os.path.join(out_dir, f"tuning{tail}.md"), "w") as f:
     f.write(tuning_text(choices) + "\n")
   write_json(
-    os.path.join(out_dir, "tuning.json"),
+    os.path.join(out_dir, f"tuning{tail}.json"),
     {
       "budget": {"eff_grid": EFF_GRID, "momenta": MOMENTA, "adamw_lrs": ADAMW_LRS, "outer": OUTER},
+      "steps": part.steps,
       "tune_seeds": TUNE_SEEDS,
       **{kind: {"scenario": g["scenario"], "chosen": g["chosen"]} for kind, g in choices.items()},
     },
   )
   return text
+
+
+def sim_part(out_dir: str, part: Part, methods, seeds, workers: int, target: float = TARGET) -> str:
+  """One simulated part of the study, end to end: its tuning (or the main part's choices, tuning.json),
+  its reported runs, <part>.md/json."""
+  if part.tunes:
+    kinds = sorted({tuned_by(sc) for sc in part.scenarios})
+    choices = {kind: tune(out_dir, kind, methods, workers, target, part) for kind in kinds}
+  else:
+    got = json.load(open(os.path.join(out_dir, "tuning.json")))
+    choices = {kind: {"chosen": {k: tuple(c) for k, c in got[kind]["chosen"].items()}} for kind in TUNE_ON}
+  runs = run_report(out_dir, choices, methods, seeds, workers, part)
+  return publish(out_dir, choices, collect(runs, choices, methods, seeds, target, part), seeds, target, part)
 
 
 # --- The old protocol on new seeds ---------------------------------------------------------------

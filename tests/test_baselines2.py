@@ -93,8 +93,32 @@ def test_tune_takes_the_best_point_of_both_stages(monkeypatch, tmp_path):
   got = b2.tune(str(tmp_path), "homogeneous", ["allreduce", "allreduce_drop", "smart"], 1)
   assert "allreduce_drop" not in got["chosen"]
   v, lr = got["chosen"]["smart"]
-  assert lr == 0.1 and _keys(v)["schedule.group_size"] == 2 and _keys(v)["optimizer.momentum"] == 0.9
-  assert len(got["points"]["smart"]) == 12
+  # 0.1, its row's least step, is the grid's edge: two points past it (0.05, 0.025), then group size.
+  assert lr == 0.025 and _keys(v)["schedule.group_size"] == 2 and _keys(v)["optimizer.momentum"] == 0.9
+  assert len(got["points"]["smart"]) == 14
+
+
+def test_a_choice_at_the_grid_edge_extends_its_row_and_one_inside_does_not(monkeypatch, tmp_path):
+  """The edge rule: DiLoCo's AdamW row chosen at its largest step (0.016) searches 0.032 and 0.064;
+  All-Reduce's best inside its row (lr 0.4 at momentum 0.9) adds nothing."""
+
+  def fake(out_dir, jobs, workers):
+    out = {}
+    for j in jobs:
+      keys = _keys(j[1])
+      best = 0.05 if keys.get("optimizer.name") == "adamw" else 0.4
+      t = 10 + abs(math.log(j[2] / best)) + 5 * (1 - keys.get("optimizer.momentum", 0.9))
+      out[run_key(*j)] = _run([0.6] * 3, [0.6] * 3, [t, t + 1, t + 2])
+    return out
+
+  monkeypatch.setattr(b2, "train_runs", fake)
+  got = b2.tune(str(tmp_path), "homogeneous", ["allreduce", "diloco"], 1)
+  assert got["chosen"]["allreduce"][1] == 0.4 and len(got["points"]["allreduce"]) == 10
+  assert got["chosen"]["diloco"][1] == 0.064  # past the edge: 0.064 is nearer 0.05 than 0.032 is (log)
+  assert {"0.032", "0.064"} <= {p.split("|lr=")[1] for p in got["points"]["diloco"]}
+  assert len(got["points"]["diloco"]) == 12
+  assert b2.past_edge([("v", 1.0), ("v", 2.0), ("w", 4.0)], ("v", 2.0)) == [("v", 4.0), ("v", 8.0)]
+  assert b2.past_edge([("v", 1.0), ("v", 2.0), ("v", 4.0)], ("v", 2.0)) == []
 
 
 def _rec(label, times, ends, own=None, final=0.6):
@@ -200,3 +224,48 @@ def test_the_real_process_table_has_every_scenario_and_the_straggler_baseline_is
   assert len(rows) == len(b2.RUNTIME_METHODS)
   smart = next(r for r in rows if "| Smart GG |" in r)
   assert "0.75x" in smart  # 40.1 s (charged) against the dropped All-Reduce's 30 s, not All-Reduce's 100
+
+
+@pytest.mark.slow  # generates the 33,000-example MNIST-1D (5 s)
+def test_every_one_of_256_workers_holds_100_training_examples():
+  """The 256-worker part's data: after the validation hold-out, every worker's shard has >= 100."""
+  from experiments.ledger_tta import scenario_config
+  from ripples_jax import workload
+
+  for sc in b2.SCENARIOS_256:
+    config, _, _ = scenario_config(sc, "allreduce", 0.1, 20, b2.AT256.steps, every=b2.AT256.every)
+    shards = workload.build(config).shards
+    assert len(shards) == 256 and min(len(s) for s in shards) >= 100
+
+
+def test_a_part_without_a_tuning_takes_the_main_choices_and_the_long_part_runs_h64_thirty_rounds(
+  monkeypatch, tmp_path
+):
+  """sim_part(AT256) runs each scenario's kind's choice from tuning.json at the part's length and
+  interval and writes at256.md/json, not tuning.md; LONG tunes at 1,920 steps, where DiLoCo H=64's
+  runs make 30 outer steps."""
+  jobs = []
+
+  def fake(out_dir, js, workers):
+    jobs.extend(js)
+    return {run_key(*j): _run([0.6] * 3, [0.6] * 3, [1.0, 2.0, 3.0]) for j in js}
+
+  monkeypatch.setattr(b2, "train_runs", fake)
+  lr_of = {"homogeneous": 0.1, "straggler": 0.2}
+  chosen = {
+    kind: {"scenario": sc, "chosen": {k: [m.variant, lr_of[kind]] for k, m in b2.METHODS.items()}}
+    for kind, sc in b2.TUNE_ON.items()
+  }
+  (tmp_path / "tuning.json").write_text(__import__("json").dumps(chosen))
+  b2.sim_part(str(tmp_path), b2.AT256, b2.METHODS_256, (20,), 1)
+  assert {(j[0], j[2], j[4], j[7]) for j in jobs if j[1] == b2.METHODS["smart"].variant} == {
+    (b2.SCENARIOS_256[0], 0.1, 480, 8),
+    (b2.SCENARIOS_256[1], 0.2, 480, 8),
+  }
+  assert {j[0] for j in jobs if j[1].startswith("allreduce/drop_slow")} == {b2.SCENARIOS_256[1]}
+  assert (tmp_path / "at256.md").exists() and not (tmp_path / "tuning.md").exists()
+  jobs.clear()
+  b2.sim_part(str(tmp_path), b2.LONG, b2.METHODS_LONG, (20,), 1)
+  h64 = [j for j in jobs if "inner_steps=64" in j[1]]
+  assert h64 and all(j[4] == 1920 and j[4] // _keys(j[1])["diloco.inner_steps"] >= 30 for j in h64)
+  assert {j[4] for j in jobs} == {1920} and (tmp_path / "tuning_long.md").exists()
