@@ -165,7 +165,7 @@ LONG = Part("long", ("homogeneous, VGG-16 clock",), steps=1920, every=16)
 PARTS = {p.name: p for p in (MAIN, AT256, LONG)}
 METHODS_256 = ("allreduce", "allreduce_drop", "smart", "adpsgd", "moshpit", "diloco")
 SEEDS_256 = (20, 21, 22)
-METHODS_LONG = ("allreduce", "diloco", "diloco64")
+METHODS_LONG = ("allreduce", "diloco64")  # H=16 makes its 30 outer steps in the main part
 
 
 def tune_job(scenario: str, v: str, lr: float, seed: int, part: Part | None = None) -> tuple:

@@ -7,7 +7,7 @@ seeds; results/baselines' headline rerun on new seeds.
 --parts: heldout_old (results/baselines' protocol on seeds 20-27: heldout_old.md), tune (homogeneous
 and 5x-straggler tunings), report (the six scenarios on the held-out seeds: study.md, tuning.md),
 at256 (256 workers holding 100 examples each, the tuning's choices: at256.md), long (1,920 steps,
-homogeneous: DiLoCo H=64 at 30 outer steps beside H=16 and All-Reduce, each tuned at that length:
+homogeneous: DiLoCo H=64 at 30 outer steps beside All-Reduce, each tuned at that length:
 long.md, tuning_long.md), runtime (16 worker processes, homogeneous and 5x: runtime.md; not in the
 default --parts: run alone, on a quiet machine).
 Every part resumes from --out's runs.json; never two study processes on one --out.

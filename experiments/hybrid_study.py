@@ -41,6 +41,10 @@ TUNE_SEEDS = (100, 101)
 # The registry's labels (replicas.algorithm: every algorithm with groups runs; these four are studied).
 ALGORITHMS = {a: algorithms.get(a).label for a in ("ripples_smart", "ripples_random", "allreduce")}
 ALGORITHMS["none"] = "no averaging"
+# All-Reduce over the R - 1 replicas without the slow device (its shard to the others), in the fixed
+# slow-device scenarios only; its step size All-Reduce's (homogeneous, the two are one job).
+ALGORITHMS["allreduce_drop"] = "All-Reduce, slow replica dropped"
+VARIANT = {"allreduce_drop": "allreduce/drop_slow=True"}
 # name: (slow (replica, stage) or (), slowdown, rotate_every virtual s)
 SCENARIOS = {
   "homogeneous": ((), 1.0, 0.0),
@@ -103,8 +107,10 @@ def config_of(study: str, scenario: str, algorithm: str, lr: float, seed: int):
   return c
 
 
-def run_key(study, scenario, algorithm, lr, seed) -> str:
-  return f"{study}|{scenario}|{algorithm}|lr={lr:g}|seed={seed}"
+def run_key(study, scenario, algorithm, lr, seed, own=False) -> str:
+  """own: a study run with the deployable columns (the consensus clock, the median and worst
+  replica's own model); the first edition's runs (and every tuning run) have none."""
+  return f"{study}|{scenario}|{algorithm}|lr={lr:g}|seed={seed}" + ("|own" if own else "")
 
 
 def one_run(job) -> dict:
@@ -114,21 +120,31 @@ def one_run(job) -> dict:
   from ripples_jax.distributed.host import quiet_library_logs
 
   quiet_library_logs()
-  study, scenario, algorithm, lr, seed, workdir = job
-  config = config_of(study, scenario, algorithm, lr, seed)
-  name = run_key(study, scenario, algorithm, lr, seed).replace("|", "-").replace(" ", "_")
+  study, scenario, algorithm, lr, seed, workdir, *_ = job
+  config = config_of(study, scenario, VARIANT.get(algorithm, algorithm), lr, seed)
+  name = job_key(job).replace("|", "-").replace(" ", "_")
   summary, records = run_lib.run_fresh(config, workdir, name)
   evals = [r for r in records if "test_accuracy" in r]
+  curve = {
+    "time": [r["time"] for r in evals],
+    "step": [r["step"] for r in evals],
+    "test": [r["test_accuracy"] for r in evals],
+    "val": [r["val_accuracy"] for r in evals],
+  }
+  # The deployable columns (baselines2.METRICS'): the consensus is the replicas' mean at its clock, the
+  # All-Reduce that builds it charged (none where every replica holds it); the median and worst
+  # replica's own model.
+  if evals and "worker_median_test_accuracy" in evals[0]:
+    curve["consensus"] = curve["test"]
+    curve["ctime"] = [r.get("consensus_time", r["time"]) for r in evals]
+    curve["median"] = [r["worker_median_test_accuracy"] for r in evals]
+    curve["worst"] = [r["worker_min_test_accuracy"] for r in evals]
   out = {
-    "curve": {
-      "time": [r["time"] for r in evals],
-      "step": [r["step"] for r in evals],
-      "test": [r["test_accuracy"] for r in evals],
-      "val": [r["val_accuracy"] for r in evals],
-    },
+    "curve": curve,
     "end": summary.get("time"),
     "diverged": bool(summary.get("diverged")),
     "ticks": summary.get("worker_steps"),
+    "throughput": sum(summary.get("worker_steps") or [0]) / (summary.get("time") or 1.0),  # ticks / virtual s
     "groups": summary.get("groups"),
     "wait": summary.get("wait_time"),
     "comm": summary.get("comm_time"),
@@ -138,13 +154,22 @@ def one_run(job) -> dict:
 
 
 def job_key(job) -> str:
-  """A job's run_key (its workdir is no part of it)."""
-  return run_key(*job[:5])
+  """A job's run_key (its workdir is no part of it): (study, scenario, algorithm, lr, seed, workdir[,
+  own])."""
+  return run_key(*job[:5], own=bool(job[6:7] and job[6]))
+
+
+def algorithms_of(scenario: str, algorithms) -> list[str]:
+  """The dropped replica only where a fixed slow device can be dropped."""
+  slow, _, rotate = SCENARIOS[scenario]
+  return [a for a in algorithms if a != "allreduce_drop" or (slow and not rotate)]
 
 
 def tune(out_dir, study, algorithms, workers, workdir) -> dict:
   """{algorithm: chosen lr}, and tuning.md's rows."""
   target, grid = STUDIES[study][3:5]
+  dropped = "allreduce_drop" in algorithms  # homogeneous, it is All-Reduce: All-Reduce's choice
+  algorithms = [a for a in algorithms if a != "allreduce_drop"]
   jobs = [(study, "homogeneous", a, lr, s, workdir) for a in algorithms for lr in grid for s in TUNE_SEEDS]
   runs = study_lib.run_jobs(out_dir, jobs, workers, run=one_run, key=job_key)
   chosen, rows = {}, []
@@ -156,6 +181,8 @@ def tune(out_dir, study, algorithms, workers, workdir) -> dict:
       rows.append([study, ALGORITHMS[a], f"{lr:g}", _fmt_time(scores[lr][0]), f"{-100 * scores[lr][1]:.1f}"])
     chosen[a] = min(grid, key=lambda lr: scores[lr])
     rows.append([study, ALGORITHMS[a], f"chosen {chosen[a]:g}", "", ""])
+  if dropped:
+    chosen["allreduce_drop"] = chosen["allreduce"]
   return chosen, rows
 
 
@@ -165,16 +192,25 @@ def _fmt_time(t) -> str:
 
 def study(out_dir, name, chosen, scenarios, algorithms, seeds, workers, workdir) -> dict:
   """Per scenario and algorithm: the runs' times to the target, ends and final accuracies."""
+  from experiments import baselines2
+
   target = STUDIES[name][3]
-  jobs = [(name, sc, a, chosen[a], s, workdir) for sc in scenarios for a in algorithms for s in range(seeds)]
+  jobs = [
+    (name, sc, a, chosen[a], s, workdir, True)
+    for sc in scenarios
+    for a in algorithms_of(sc, algorithms)
+    for s in range(seeds)
+  ]
   runs = study_lib.run_jobs(out_dir, jobs, workers, run=one_run, key=job_key)
   out = {}
   for sc in scenarios:
     per = {}
-    for a in algorithms:
-      got = [runs[run_key(name, sc, a, chosen[a], s)] for s in range(seeds)]
+    for a in algorithms_of(sc, algorithms):
+      got = [runs[run_key(name, sc, a, chosen[a], s, own=True)] for s in range(seeds)]
       hits = [crossing(r["curve"], target) for r in got]
+      metrics = baselines2.summarize(got, target) if a != "none" else {}
       per[a] = {
+        **{m: metrics[m] for m in ("deployable", "own", "worst_final") if m in metrics},
         "lr": chosen[a],
         "time": [h[0] if h else None for h in hits],
         "end": [r["end"] for r in got],
@@ -199,10 +235,10 @@ def clock_part(name: str, scenarios, algorithms, seeds: int) -> tuple[dict, Tabl
   total = R * (-(-batches // R) + 2 * (K - 1))  # DSP's drain: sum of the links' delays, up and down
   out, rows = {}, []
   for sc in scenarios:
-    for a in algorithms:
+    for a in algorithms_of(sc, algorithms):
       got = []
       for seed in range(seeds):
-        c = config_of(name, sc, a, 0.01, seed)
+        c = config_of(name, sc, VARIANT.get(a, a), 0.01, seed)
         got.append(
           clock_lib.simulate_replicas(
             hybrid_sim.clock_spec(c, c.replicas.stage_s, c.replicas.stage_bytes, total)
@@ -289,6 +325,37 @@ def study_table(out: dict, name: str) -> Table:
   )
 
 
+def deployable_table(out: dict, name: str) -> Table:
+  """Time to the target on the two deployable models (baselines2.METRICS): the consensus with its
+  All-Reduce charged, the median replica's own; behind a fixed slow device against the better of
+  All-Reduce and All-Reduce over the R - 1 fast replicas."""
+  from experiments import baselines2
+
+  rows = []
+  for sc, per in out.items():
+    have = {a: p for a, p in per.items() if "deployable" in p}
+    for a, p in have.items():
+      row = [sc, ALGORITHMS[a]]
+      for m in ("deployable", "own"):
+        base = baselines2.baseline_of(have, m)
+        hit = [t for t in p[m]["time"] if t is not None]
+        row += [
+          f"{len(hit)}/{len(p[m]['time'])}",
+          f"{np.mean(hit):.3g}" if hit else "-",
+          "-"
+          if a == base
+          else str(baselines2.ratio(p, have[base], m)) + ("" if base == "allreduce" else " (vs dropped)"),
+        ]
+      row += [f"{100 * np.mean(p['own']['final']):.1f}", f"{100 * np.mean(p['worst_final']):.1f}"]
+      rows.append(row)
+  head = ["scenario", "algorithm"]
+  for m in ("deployable", "own"):
+    head += [f"{m}: reached", f"{m}: mean time (virtual s)", f"{m}: speedup vs the better All-Reduce"]
+  return Table(
+    head + ["final % (median replica)", "final % (worst replica)"], rows, f"{name}: deployable models"
+  )
+
+
 def main(argv):
   del argv
   bad = [s for s in FLAGS.studies if s not in STUDIES] + [a for a in FLAGS.algorithms if a not in ALGORITHMS]
@@ -320,7 +387,7 @@ def main(argv):
     out = study(FLAGS.out, name, chosen, FLAGS.scenarios, algorithms, FLAGS.seeds, FLAGS.workers, workdir)
     write_json(os.path.join(FLAGS.out, f"study_{name}.json"), {"chosen": chosen, "out": out})
     limits = {sc: router_limit(name, sc) for sc in FLAGS.scenarios}
-    text = str(study_table(out, name))
+    text = f"{study_table(out, name)}\n\n{deployable_table(out, name)}"
     text += "\n\nA perfect router's limit over All-Reduce (compute only): " + ", ".join(
       f"{sc} {v:.2f}x" for sc, v in limits.items()
     )

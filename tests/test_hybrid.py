@@ -250,7 +250,13 @@ def test_the_study_runs_end_to_end(tmp_path):
   from experiments import hybrid_study
 
   out = tmp_path / "study"
-  flags = ["--studies=4x2", "--seeds=1", "--scenarios=5x device", "--algorithms=ripples_smart", "--workers=1"]
+  flags = [
+    "--studies=4x2",
+    "--seeds=1",
+    "--scenarios=5x device",
+    "--algorithms=ripples_smart,allreduce_drop",
+    "--workers=1",
+  ]
   script = (
     "from absl import app\n"
     "from experiments import hybrid_study as h\n"
@@ -262,10 +268,22 @@ def test_the_study_runs_end_to_end(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   study = json.load(open(out / "study_4x2.json"))
   runs = json.load(open(out / "runs.json"))
-  assert set(study["chosen"]) == {"allreduce", "ripples_smart"}
+  assert set(study["chosen"]) == {"allreduce", "ripples_smart", "allreduce_drop"}
+  assert study["chosen"]["allreduce_drop"] == study["chosen"]["allreduce"]  # no tuning runs of its own
+  assert not any("allreduce_drop" in k for k in runs if k.endswith(f"seed={hybrid_study.TUNE_SEEDS[0]}"))
   lr = study["chosen"]["ripples_smart"]
-  assert hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 0) in runs
+  assert hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 0, own=True) in runs
   got = study["out"]["5x device"]
+  # Both deployable models of every averaging run, the consensus charged on its clock (Smart GG's
+  # replicas hold no common model: its All-Reduce costs time; All-Reduce's is free).
+  smart = runs[hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 0, own=True)]["curve"]
+  assert all(c > t for c, t in zip(smart["ctime"], smart["time"]))
+  ar = runs[hybrid_study.run_key("4x2", "5x device", "allreduce", study["chosen"]["allreduce"], 0, own=True)]
+  assert ar["curve"]["ctime"] == ar["curve"]["time"]
+  assert set(got["ripples_smart"]["own"]) >= {"time", "end", "final"} and got["ripples_smart"]["worst_final"]
+  # The dropped replica: 3 replicas, no slow device, its ticks at full speed.
+  assert got["allreduce_drop"]["end"][0] < got["allreduce"]["end"][0] / 2
+  assert "| 5x device | All-Reduce, slow replica dropped |" in (out / "study_4x2.md").read_text()
   # All-Reduce waits for the 5x device every tick; Smart GG's replicas do not: more ticks, same clock.
   assert got["allreduce"]["ticks"] == got["ripples_smart"]["ticks"]  # the same budget of ticks
   assert got["ripples_smart"]["end"][0] < got["allreduce"]["end"][0] / 2
