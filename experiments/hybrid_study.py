@@ -71,7 +71,8 @@ def define_flags():
   flags.DEFINE_string("out", "results/hybrid", "Output folder.")
   flags.DEFINE_list("studies", list(STUDIES), f"Of {', '.join(STUDIES)}.")
   flags.DEFINE_list("parts", ["tune", "study"], "tune, study, clock (the clock alone: throughput).")
-  flags.DEFINE_integer("seeds", 3, "Reported seeds (0..seeds-1).")
+  flags.DEFINE_integer("seeds", 3, "Reported seeds: first_seed .. first_seed + seeds - 1.")
+  flags.DEFINE_integer("first_seed", 0, "The first reported seed (20: held out, no earlier run used it).")
   flags.DEFINE_list("scenarios", list(SCENARIOS), "Scenarios of the study part.")
   flags.DEFINE_list("algorithms", list(ALGORITHMS), "Algorithms.")
   flags.DEFINE_integer("workers", 1, "Runs at once (one core each).")
@@ -191,7 +192,8 @@ def _fmt_time(t) -> str:
 
 
 def study(out_dir, name, chosen, scenarios, algorithms, seeds, workers, workdir) -> dict:
-  """Per scenario and algorithm: the runs' times to the target, ends and final accuracies."""
+  """Per scenario and algorithm: the runs' times to the target, ends and final accuracies, on `seeds`
+  (a tuple)."""
   from experiments import baselines2
 
   target = STUDIES[name][3]
@@ -199,14 +201,14 @@ def study(out_dir, name, chosen, scenarios, algorithms, seeds, workers, workdir)
     (name, sc, a, chosen[a], s, workdir, True)
     for sc in scenarios
     for a in algorithms_of(sc, algorithms)
-    for s in range(seeds)
+    for s in seeds
   ]
   runs = study_lib.run_jobs(out_dir, jobs, workers, run=one_run, key=job_key)
   out = {}
   for sc in scenarios:
     per = {}
     for a in algorithms_of(sc, algorithms):
-      got = [runs[run_key(name, sc, a, chosen[a], s, own=True)] for s in range(seeds)]
+      got = [runs[run_key(name, sc, a, chosen[a], s, own=True)] for s in seeds]
       hits = [crossing(r["curve"], target) for r in got]
       metrics = baselines2.summarize(got, target) if a != "none" else {}
       per[a] = {
@@ -384,7 +386,8 @@ def main(argv):
       f.write(f"{Table(head, rows)}\n")
     if "study" not in FLAGS.parts:
       continue
-    out = study(FLAGS.out, name, chosen, FLAGS.scenarios, algorithms, FLAGS.seeds, FLAGS.workers, workdir)
+    seeds = tuple(range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds))
+    out = study(FLAGS.out, name, chosen, FLAGS.scenarios, algorithms, seeds, FLAGS.workers, workdir)
     write_json(os.path.join(FLAGS.out, f"study_{name}.json"), {"chosen": chosen, "out": out})
     limits = {sc: router_limit(name, sc) for sc in FLAGS.scenarios}
     text = f"{study_table(out, name)}\n\n{deployable_table(out, name)}"

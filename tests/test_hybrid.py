@@ -253,6 +253,7 @@ def test_the_study_runs_end_to_end(tmp_path):
   flags = [
     "--studies=4x2",
     "--seeds=1",
+    "--first_seed=3",
     "--scenarios=5x device",
     "--algorithms=ripples_smart,allreduce_drop",
     "--workers=1",
@@ -272,13 +273,13 @@ def test_the_study_runs_end_to_end(tmp_path):
   assert study["chosen"]["allreduce_drop"] == study["chosen"]["allreduce"]  # no tuning runs of its own
   assert not any("allreduce_drop" in k for k in runs if k.endswith(f"seed={hybrid_study.TUNE_SEEDS[0]}"))
   lr = study["chosen"]["ripples_smart"]
-  assert hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 0, own=True) in runs
+  assert hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 3, own=True) in runs
   got = study["out"]["5x device"]
   # Both deployable models of every averaging run, the consensus charged on its clock (Smart GG's
   # replicas hold no common model: its All-Reduce costs time; All-Reduce's is free).
-  smart = runs[hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 0, own=True)]["curve"]
+  smart = runs[hybrid_study.run_key("4x2", "5x device", "ripples_smart", lr, 3, own=True)]["curve"]
   assert all(c > t for c, t in zip(smart["ctime"], smart["time"]))
-  ar = runs[hybrid_study.run_key("4x2", "5x device", "allreduce", study["chosen"]["allreduce"], 0, own=True)]
+  ar = runs[hybrid_study.run_key("4x2", "5x device", "allreduce", study["chosen"]["allreduce"], 3, own=True)]
   assert ar["curve"]["ctime"] == ar["curve"]["time"]
   assert set(got["ripples_smart"]["own"]) >= {"time", "end", "final"} and got["ripples_smart"]["worst_final"]
   # The dropped replica: 3 replicas, no slow device, its ticks at full speed.
