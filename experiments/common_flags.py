@@ -22,6 +22,7 @@ from ml_collections import config_flags
 
 from ripples_jax import config_doc, runlog
 from ripples_jax.data import DatasetError
+from ripples_jax.distributed import coord
 from ripples_jax.distributed.host import (
   collective_timeout_s,
   init_distributed,
@@ -37,7 +38,7 @@ from .config_args import overrides as _overrides
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
-EXIT_IO = 74
+EXIT_IO = coord.EXIT_STORAGE  # 74: the launcher restarts nothing on it (a full disk stays full)
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: a fresh folder under runs/).")
 CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "CPU devices to use when running on the host.")

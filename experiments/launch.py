@@ -21,8 +21,10 @@ Several nodes (torchrun's flags): one launcher per node, each starting --num_pro
 restarting its own (--max_restarts); node 0 also runs the coordinator at --coordinator_address, which
 every node reaches:
 
+  openssl rand -hex 32 > /shared/run.secret      # once; the same file on every node
   python -m experiments.launch --nnodes=2 --node_rank=R --coordinator_address=HEAD:29500 \
-      --num_processes=8 --max_restarts=3 -- --config=configs/default.py:executor=async,num_workers=16 \
+      --secret_file=/shared/run.secret --num_processes=8 --max_restarts=3 -- \
+      --config=configs/default.py:executor=async,num_workers=16 \
       --config.runtime.elastic=True --workdir=/shared/runs/async
 
 An elastic run survives the loss of a whole node other than node 0 (its workers leave the run); node 0
@@ -84,6 +86,13 @@ _MALLOC = flags.DEFINE_string(
   "no mmap, no trim, huge pages), for processes whose programs allocate large temporaries every call, "
   "e.g. per-process pipeline stages (docs/usage.md).",
 )
+_SECRET_FILE = flags.DEFINE_string(
+  "secret_file",
+  "",
+  "A file whose one line is the run's secret (every value the run's processes write to the coordination "
+  "store carries a MAC under it): required with --nnodes > 1, the same file on every node, unless "
+  "RIPPLES_RUN_SECRET is set; one node makes a fresh secret.",
+)
 _OWN = (
   _NUM_PROCESSES,
   _CPU_DEVICES,
@@ -97,6 +106,7 @@ _OWN = (
   _COORDINATOR_ADDRESS,
   _NODE_ADDRESS,
   _MALLOC,
+  _SECRET_FILE,
 )
 _KINDS = {"int": "an integer", "float": "a number"}
 
@@ -145,6 +155,7 @@ def main(argv):
       elastic=config_args.runs_elastic(_MODULE.value, argv[1:]),
       node=Node(_NNODES.value, _NODE_RANK.value, _COORDINATOR_ADDRESS.value, _NODE_ADDRESS.value),
       malloc=_MALLOC.value,
+      secret_file=_SECRET_FILE.value,
     )
   except ValueError as e:  # bad input, found before anything starts
     sys.stderr.write(f"error: {e}\n")

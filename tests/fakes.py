@@ -41,6 +41,12 @@ class FakeKV:
       for k in [k for k in self.store if k == key or k.startswith(f"{key}/")]:
         del self.store[k]
 
+  def key_value_try_get(self, key):
+    with self.cond:
+      if key not in self.store:
+        raise RuntimeError(f"NOT_FOUND: {key}")
+      return self.store[key]
+
   def key_value_dir_get(self, prefix):
     with self.cond:
       return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]

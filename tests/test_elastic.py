@@ -1254,11 +1254,16 @@ def start_node(rank, port, args, max_restarts, log_path):
 
   from tests.test_runtime import ROOT
 
+  secret = os.path.join(os.path.dirname(log_path), "run.secret")  # the nodes' one run secret
+  if not os.path.exists(secret):
+    with open(secret, "w") as f:
+      f.write("0123456789abcdef" * 4)
   cmd = [
     sys.executable,
     "-m",
     "experiments.launch",
     "--nnodes=2",
+    f"--secret_file={secret}",
     f"--node_rank={rank}",
     f"--coordinator_address=127.0.0.1:{port}",
     f"--node_address=127.0.0.{rank + 1}",

@@ -26,7 +26,7 @@ import time
 import pytest
 
 from experiments.config_args import needs_coordinator
-from ripples_jax.distributed import coord
+from ripples_jax.distributed import coord, launcher
 from ripples_jax.distributed.launcher import describe, launch
 from tests.fakes import FakeKV, exited
 
@@ -518,6 +518,26 @@ def test_the_first_failing_worker_is_named_and_the_others_stopped_process_0_last
   # Process 0 hosts the coordination service: it is stopped once its peers have gone.
   assert stop_time(text, 0) >= exit_time(text, 1) > stop_time(text, 1), text
   assert all(exited(p) for p in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_full_disk_restarts_nothing_and_ends_every_process_with_74(elastic):
+  """A worker whose disk refused a write exits 74: with restarts to spare, neither the whole job
+  (plain) nor the worker alone (elastic) is restarted; every process is stopped; the job ends 74 with
+  the line that says what to do."""
+  kw = dict(module=FAKE, grace_s=5, timeout_s=30, max_restarts=2)
+  kw.update(elastic=True, coordinator=True) if elastic else None
+  out, pids, finish = launch_thread(2, ["--fake=1:exit:74:1.0"], **kw)
+  code = finish()
+  text = out.text()
+  assert code == coord.EXIT_STORAGE, text
+  assert "restarting" not in text and "rejoins" not in text, text
+  if elastic:
+    assert "exited with 74 (the disk refused a write); stopping every process" in text, text
+  assert "the disk refused a write: nothing restarted; free space" in text, text
+  assert all(exited(p) for p in pids)
+  assert not launcher.coordinator_died(coord.EXIT_STORAGE)
 
 
 @pytest.mark.slow

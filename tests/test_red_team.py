@@ -127,3 +127,24 @@ def test_a_malformed_resume_point_ends_the_coordinator_in_one_line():
     resume.await_point(kv, 1.0)
   kv.key_value_set(f"{resume.KEY}/point", "null", allow_overwrite=True)
   assert resume.await_point(kv, 1.0) is None
+
+
+def test_an_empty_join_slot_is_skipped_past_its_bound_and_the_next_rejoin_lands():
+  """A rejoiner killed between taking slot 0 and writing it: the authority skips the slot once it has
+  stayed empty SLOT_WAIT_S with a later slot taken, and worker 1's rejoin in slot 1 is answered
+  (before: every later rejoin blocked for good)."""
+  kv, n = FakeKV(), 3
+  service = service_for(n=n)
+  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
+  try:
+    kv.key_value_increment(membership.JOINS, 1)  # slot 0 taken, never written
+    authority.leave(1, 0)
+    deadline = time.monotonic() + 5
+    while not authority.events and time.monotonic() < deadline:
+      time.sleep(0.01)
+    t0 = time.monotonic()
+    got = membership.ask_to_join(kv, 1, membership.SLOT_WAIT_S + 5.0)
+    assert got["inc"] == 1 and time.monotonic() - t0 >= membership.SLOT_WAIT_S - 1.5
+    assert [e[1:] for e in authority.events] == [(1, "leave"), (1, "rejoin")]
+  finally:
+    authority.stop()

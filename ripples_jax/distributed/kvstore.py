@@ -2,17 +2,29 @@
 read in order (the runtime's transport), paged so that one delete call removes a page."""
 
 import threading
+import time
 
 PREFIX = "ripples"
 WARMUP = "warmup"  # publish_estimate's block of the workers' warm-up step times (the authority's first plan)
 
 
-def client():
-  from jax._src import distributed  # the coordination-service client jax.distributed set up
+_signed: dict = {}  # id(raw client) -> (raw, its SignedKV): one wrapper per client
 
-  if distributed.global_state.client is None:
+
+def client():
+  """The coordination-service client jax.distributed set up, every value it writes and reads under
+  this run's MAC when the launcher gave the process a secret (distributed/auth.py)."""
+  from jax._src import distributed
+
+  from ripples_jax.distributed import auth
+
+  raw = distributed.global_state.client
+  if raw is None:
     raise RuntimeError("executor=async needs jax.distributed.initialize() first (--jax_distributed)")
-  return distributed.global_state.client
+  if id(raw) not in _signed or _signed[id(raw)][0] is not raw:
+    _signed.clear()
+    _signed[id(raw)] = (raw, auth.signed(raw))
+  return _signed[id(raw)][1]
 
 
 def publish_estimate(kv, block: int, worker: int, seconds: float) -> None:
@@ -55,17 +67,27 @@ class Either:
     return self.a.is_set() or self.b.is_set()
 
 
-def values_in_order(kv, prefix: str, stop: threading.Event | None = None, page: bool = False):
+def values_in_order(
+  kv, prefix: str, stop: threading.Event | None = None, page: bool = False, skip: tuple | None = None
+):
   """The values of <prefix>/0, <prefix>/1, ... (with `page`: paged(prefix, j)) as each is set, until
   `stop` is set: blocking gets that wake every _GET_MS to look at it. Any other error of the service
-  (it is gone) is raised."""
-  j = 0
+  (it is gone) is raised. skip = (counter key, bound s): slots taken by incrementing the counter; a
+  slot still empty (or holding no value of this run) `bound` s after it was first looked at, while a
+  later slot is taken, yields None and the next is read (a slot taken and never written, by a process
+  killed between the two or by a stranger, would otherwise block every later one for good)."""
+  j, since = 0, None
   while stop is None or not stop.is_set():
     try:
       value = kv.blocking_key_value_get(paged(prefix, j) if page else f"{prefix}/{j}", _GET_MS)
     except Exception as e:  # noqa: BLE001
-      if _is_timeout(e):
+      if not _is_timeout(e):
+        raise
+      since = since if since is not None else time.monotonic()
+      if (
+        skip is None or time.monotonic() - since < skip[1] or int(kv.key_value_increment(skip[0], 0)) <= j + 1
+      ):
         continue
-      raise
+      value = None
     yield value
-    j += 1
+    j, since = j + 1, None

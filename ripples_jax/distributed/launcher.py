@@ -40,7 +40,7 @@ import threading
 import time
 
 from ripples_jax import allocator
-from ripples_jax.distributed import addresses, coord
+from ripples_jax.distributed import addresses, auth, coord
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 MEANING = {
@@ -48,7 +48,10 @@ MEANING = {
   coord.EXIT_TERM: "it was stopped by SIGTERM",
   coord.EXIT_REMOVED: "it was removed from the run after a stall",
   coord.EXIT_REFUSED: "the run could not take it back",
+  coord.EXIT_STORAGE: "the disk refused a write",
 }
+# A full disk stays full: nothing is restarted on it, every process is stopped, and the job ends 74.
+STORAGE_LINE = "free space (or make the folder writable) and run the same command again to resume"
 RESTART_ENV = "RIPPLES_RESTART"  # a restarted process's restart count (its fault injection stays off)
 
 
@@ -442,13 +445,15 @@ def start_worker(
   gpu: int | None = None,
   collectives_host: str = "",
   malloc: str = "default",
+  secret: str = "",
 ):
   """Process i of n: `python -m module args` with the coordinator flags, in a session of its own (the
   launcher, not the terminal, decides when a worker dies); stdout and stderr in one pipe (bytes, or
   str with `text`). launched=False: a process on its own, as on a cluster (no launcher whose death it
   follows). coordinator=True: process 0 is an async run's coordinator, process i worker i - 1. gpu: its
   index among this host's workers (default: its worker id); collectives_host: where its gloo listeners
-  bind (a node's address; '' : addresses.collectives_host's rule)."""
+  bind (a node's address; '' : addresses.collectives_host's rule); secret: the run's (auth.py), in
+  its environment with the run id (the coordinator's address); '': values bare."""
   cmd = [
     sys.executable,
     "-m",
@@ -464,6 +469,8 @@ def start_worker(
   env = child_env(cpu_devices, platform, gpu, coordinator and i == 0, malloc)
   if collectives_host:
     env[addresses.COLLECTIVES_HOST_ENV] = collectives_host
+  if secret:
+    env[auth.SECRET_ENV], env[auth.RUN_ID_ENV] = secret, address
   if not launched:
     env.pop(coord.LAUNCHER_PID_ENV, None)
   if restart:
@@ -496,7 +503,8 @@ class _Elastic:
   """An elastic run's policy (runtime.elastic): a worker that exits non-zero is restarted alone, under
   its process id, up to max_restarts times (it rejoins; runtime/membership.py), and otherwise left
   out: the others go on. Only the coordinator's failure stops the job. A worker the run refused
-  (coord.EXIT_REFUSED) or that was given bad input (2) is not restarted."""
+  (coord.EXIT_REFUSED) or that was given bad input (2) is not restarted; one whose disk refused a
+  write (coord.EXIT_STORAGE) stops every process (the job ends 74)."""
 
   def __init__(self, max_restarts: int, start, out, roles: Roles, grace_s: float):
     self.max_restarts, self.start, self.out, self.roles = max_restarts, start, out, roles
@@ -522,6 +530,11 @@ class _Elastic:
         if code in (None, 0) or i in self.left:
           continue
         threads[i].join(timeout=2)
+        if code == coord.EXIT_STORAGE:  # the disk is full for every process of the run: stop them all
+          self.out.write(
+            f"[launch] {self.roles.name(i)} exited with {describe(code)}; stopping every process\n"
+          )
+          return (i, code)
         if not hosts and coord.COORDINATOR in clues.lost.get(i, ()):
           self.out.write(
             f"[launch] {self.roles.name(i)} lost the coordinator (node 0): the run cannot go on here; "
@@ -568,6 +581,7 @@ def launch(
   elastic: bool = False,
   node: Node | None = None,
   malloc: str = "default",
+  secret_file: str = "",
 ) -> int:
   """Runs `python -m module args --jax_distributed ...` N times (N + 1 with `coordinator`: an
   executor=async run's process 0, which trains nothing); returns the first non-zero exit code (a
@@ -588,7 +602,8 @@ def launch(
   Raises ValueError, before starting anything, for arguments that cannot run (check_args): fewer than
   1 process or CPU device, a negative or non-finite grace period, a port outside 0..65535 or one that
   cannot be bound, a negative max_restarts; on cuda, more workers than GPUs or an elastic run
-  (check_platform).
+  (check_platform); a job over several nodes without one run secret (auth.run_secret: every value its
+  processes write carries a MAC under it; one node makes a fresh one, secret_file names a shared one).
   """
   node = node or Node()
   if malloc not in MALLOC:
@@ -596,12 +611,16 @@ def launch(
   check_args(num_processes, cpu_devices, grace_s, port, max_restarts)
   check_node(node, port)
   check_platform(num_processes, resolve_platform(platform), elastic)
+  secret = auth.run_secret(node.nnodes, secret_file)  # one for every start of the job
   cpu_devices = devices_per_process(cpu_devices, max_restarts, elastic)
   kw = dict(module=module, cpu_devices=cpu_devices, platform=platform, grace_s=grace_s, out=out, cwd=cwd)
-  kw.update(port=port, coordinator=coordinator, elastic=elastic, node=node, malloc=malloc)
+  kw.update(port=port, coordinator=coordinator, elastic=elastic, node=node, malloc=malloc, secret=secret)
   attempt = 0
   while True:
     code, signalled = _launch_once(num_processes, args, on_start, max_restarts, attempt, **kw)
+    if code == coord.EXIT_STORAGE:
+      (out or sys.stdout).write(f"[launch] the disk refused a write: nothing restarted; {STORAGE_LINE}\n")
+      return code
     if signalled or code in (0, 2) or attempt >= max_restarts or (elastic and not coordinator_died(code)):
       return code
     if elastic and node.nnodes > 1:  # no node restarts the coordinator alone (launch()'s docstring)
@@ -621,7 +640,7 @@ def coordinator_died(code: int) -> bool:
   process from the newest marker, the run's last consistent cut. Its own verdicts are not: a lost run
   (coord.EXIT_LOST: every worker gone with no life left, no progress, a stuck collective) says why and
   is resumed by hand, and a refusal or bad input (coord.EXIT_REFUSED, 2) would only recur."""
-  return code not in (0, 2, coord.EXIT_LOST, coord.EXIT_REFUSED)
+  return code not in (0, 2, coord.EXIT_LOST, coord.EXIT_REFUSED, coord.EXIT_STORAGE)
 
 
 def _launch_once(
@@ -641,6 +660,7 @@ def _launch_once(
   elastic: bool,
   node: Node,
   malloc: str = "default",
+  secret: str = "",
 ) -> tuple[int, bool]:
   """One start of the job (launch()'s docstring); returns (its exit code, whether a signal ended it)."""
   out = out or sys.stdout
@@ -667,6 +687,7 @@ def _launch_once(
       gpu=max(roles.local_worker(i), 0),
       collectives_host=node.address,
       malloc=malloc,
+      secret=secret,
     )
     t = threading.Thread(target=_stream, args=(i, p.stdout, out, clues, shown, roles.prefix(i)), daemon=True)
     t.start()

@@ -9,6 +9,9 @@ hosts the service.
 EXIT_LOST = 75  # a peer was lost: distinct from crashes (1) and bad input (2); resume to go on
 EXIT_TERM = 143  # stopped by SIGTERM: 128 + 15, what a shell reports for a SIGTERM death; resume to go on
 EXIT_REMOVED = 76  # runtime.elastic: this worker was removed (it stalled); restart it to rejoin
+EXIT_STORAGE = (
+  74  # sysexits' EX_IOERR: the disk refused a write (full); free space and rerun; never restarted
+)
 EXIT_REFUSED = 78  # runtime.elastic: a rejoin the run cannot take (the line says why); not restarted
 COORDINATOR = "coordinator"  # process 0 of an executor=async run (its watchdog's name in exit lines)
 

@@ -75,6 +75,7 @@ from ripples_jax.pipeline import baselines
 from ripples_jax.pipeline.link import stage_device
 from ripples_jax.pipeline.per_process import Stage, checkpoint_rows
 from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runlog.storage import save_array
 from ripples_jax.runtime import coordinator as snapshots
 from ripples_jax.runtime.preduce import GroupAverager
 from ripples_jax.runtime.trace import TraceWriter
@@ -365,7 +366,7 @@ def run_life(ctx: StageProcess, loop: StageLoop, sigterm) -> dict:
     raise
   a = ctx.averager
   ctx.trace.add(k="end", c=loop.marker, t=ctx.clock(), tick=loop.tick, compiles=a.compiles, ahead_s=a.ahead_s)
-  np.save(stage_snapshot_path(ctx.workdir, "final", ctx.r, ctx.k), np.asarray(flat_of(sp.state)[0]))
+  save_array(stage_snapshot_path(ctx.workdir, "final", ctx.r, ctx.k), np.asarray(flat_of(sp.state)[0]))
   progress["done"] = True
   kv.wait_at_barrier(f"{KEYS}/end", int(10 * rt.stall_timeout * 1000))
   watchdog.stop()
@@ -480,7 +481,7 @@ def mark_point(ctx: StageProcess, loop: StageLoop, c: int, kind: str, s: int) ->
   (the links settled first: both ends of each link are at this tick), at the run's step c x eval_every.
   Its trace line is the last of epoch c - 1: a run resumed from it keeps the line."""
   sp = ctx.sp
-  np.save(stage_snapshot_path(ctx.workdir, c, ctx.r, ctx.k), np.asarray(flat_of(sp.state)[0]))
+  save_array(stage_snapshot_path(ctx.workdir, c, ctx.r, ctx.k), np.asarray(flat_of(sp.state)[0]))
   if kind == "ckpt":
     sp.state = sp.links.settle(sp.state)
   ctx.trace.add(k="mark", c=loop.marker, id=c, kind=kind, t=ctx.clock())

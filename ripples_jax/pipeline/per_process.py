@@ -64,6 +64,7 @@ from ripples_jax.pipeline import tick as tick_lib
 from ripples_jax.pipeline.baselines import schedule_of
 from ripples_jax.pipeline.link import Link, LinkThread, stage_device
 from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runlog.storage import save_array
 
 
 @dataclasses.dataclass
@@ -622,7 +623,7 @@ def _exchange_timings(sp: Stage, kv, mine: dict, workdir: str, progress: dict) -
   kv.key_value_set(f"{coord.PREFIX}/pipe/timing/{k}", json.dumps(mine), allow_overwrite=True)
   flat, _ = ravel_pytree(sp.state["params"])
   os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
-  np.save(os.path.join(workdir, "snapshots", f"final-{k}.npy"), np.asarray(flat))
+  save_array(os.path.join(workdir, "snapshots", f"final-{k}.npy"), np.asarray(flat))
   progress["done"] = True
   timings = [
     json.loads(kv.blocking_key_value_get(f"{coord.PREFIX}/pipe/timing/{j}", int(rt.stall_timeout * 1000)))

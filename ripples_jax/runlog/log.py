@@ -279,7 +279,7 @@ class RunLog:
       reason = storage_failure(e)
       if reason is None:
         raise
-      if self.is_lead:
+      if self.is_lead or self.per_process is not None:  # the folder's owner (per_process: its own)
         for tmp in glob.glob(os.path.join(self.ckpt_dir, "*.orbax-checkpoint-tmp*")):
           shutil.rmtree(tmp, ignore_errors=True)
       good = checkpoint.restorable_steps(self.mgr) if self.mgr is not None else []

@@ -15,6 +15,8 @@ import threading
 
 import numpy as np
 
+from ripples_jax.runlog.storage import durable_write
+
 SUMMARY_KEYS = (
   "algorithm",
   "executor",
@@ -156,10 +158,7 @@ def cut_records(path: str, n: int) -> str | None:
     lines = f.readlines()
   kept = whole_records(path, n)
   if len(lines) > len(kept):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
+    durable_write(path, lambda f: f.writelines(kept))
   if len(kept) == n:
     return None
   if len(lines) < n and len(kept) == len(lines):

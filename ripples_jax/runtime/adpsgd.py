@@ -55,6 +55,7 @@ from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.kvstore import Either, values_in_order
 from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runlog import RunLog
+from ripples_jax.runlog.storage import save_array
 from ripples_jax.runtime import membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.process import (
@@ -297,7 +298,7 @@ def run(config, workdir: str) -> dict:
     kv.wait_at_barrier(f"{coord.PREFIX}/start/0", int(rt.stall_timeout * 1000))
     worker.t_start = time.perf_counter()
     os.makedirs(os.path.join(workdir, "snapshots"), exist_ok=True)
-    np.save(snapshot_path(workdir, "eval0", me), np.asarray(loop.state["flat"]))
+    save_array(snapshot_path(workdir, "eval0", me), np.asarray(loop.state["flat"]))
     trace.add(k="mark", kind="eval", id=0, c=0, t=0.0, s=0)
     train(worker, loop, log, kv, trace, progress, watchdog, view, workdir)
     return result(worker, loop, log, workdir)
@@ -331,7 +332,7 @@ def train(
         passive.drain()
       if (ident := eval_due(worker, loop, point)) is not None:
         loop.evals = ident
-        np.save(snapshot_path(workdir, f"eval{ident}", me), np.asarray(loop.state["flat"]))
+        save_array(snapshot_path(workdir, f"eval{ident}", me), np.asarray(loop.state["flat"]))
         trace.add(k="mark", kind="eval", id=ident, c=0, t=worker.now(), s=loop.steps_done)
       progress["events"] += 1
       trace.flush()

@@ -217,7 +217,15 @@ class Authority:
 
   def _joins(self) -> None:
     try:
-      for slot, value in enumerate(values_in_order(self.kv, f"{PREFIX}/join", self._stop)):
+      slots = values_in_order(
+        self.kv, f"{PREFIX}/join", self._stop, skip=(membership.JOINS, membership.SLOT_WAIT_S)
+      )
+      for slot, value in enumerate(slots):
+        if value is None:  # taken and left empty: skipped, the next rejoin still lands
+          wire.bad(
+            f"{PREFIX}/join/{slot}", "", f"empty {membership.SLOT_WAIT_S:g} s while a later slot is taken"
+          )
+          continue
         w = wire.worker_id(f"{PREFIX}/join/{slot}", value, self.n)
         if w is not None:  # a malformed slot is skipped (one warning): the next rejoin still lands
           self.inbox.put(("join", w, slot))

@@ -35,7 +35,7 @@ from ripples_jax.algorithms import make_group_generator
 from ripples_jax.distributed import coord
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.models import init_model
-from ripples_jax.runlog import RunLog, make_workdir
+from ripples_jax.runlog import RunLog, make_workdir, storage
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import membership, ps
 from ripples_jax.runtime import summary as summary_lib
@@ -44,15 +44,11 @@ from ripples_jax.schedule.online import Cadence, Service
 
 
 def save_snapshot(workdir: str, ident, state: dict) -> None:
-  """authority/<ident>.json, whole or not at all (a temporary file fsynced, then renamed)."""
+  """authority/<ident>.json, whole or not at all (storage.durable_write: a temporary file fsynced,
+  renamed, the folder fsynced; none left behind by a failed write)."""
   path = authority_lib.snapshot_file(workdir, ident)
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(state, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  storage.durable_write(path, lambda f: json.dump(state, f), "w")
 
 
 def load_snapshot(workdir: str, ident: int) -> dict:

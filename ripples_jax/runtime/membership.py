@@ -57,6 +57,10 @@ from ripples_jax.distributed import wire
 from ripples_jax.distributed.coord import PREFIX, beat_key, values_in_order, worker_process
 
 RUNNING = f"{PREFIX}/running/0"  # set by the coordinator once the run has started
+JOINS = f"{PREFIX}/joins"  # the join slots' counter: a rejoiner takes the next slot, then writes it
+# A slot taken and still empty this long while a later one is taken is skipped by the authority (its
+# rejoiner was killed between the two writes, or a stranger took it): a rejoiner writes its slot at once.
+SLOT_WAIT_S = 3.0
 ENDED = f"{PREFIX}/ended"  # set by the coordinator once every worker is done or gone: the workers may exit
 
 
@@ -235,7 +239,7 @@ def ask_to_join(kv, worker: int, timeout_s: float) -> dict:
   queue's first index), now (the run's clock when answered), marks (checkpoint and eval markers in
   the global order so far), incs (every worker's incarnation), g0 (groups made so far), refused (a
   line, or absent)."""
-  slot = int(kv.key_value_increment(f"{PREFIX}/joins", 1)) - 1
+  slot = int(kv.key_value_increment(JOINS, 1)) - 1
   sent = time.perf_counter()
   kv.key_value_set(f"{PREFIX}/join/{slot}", str(worker))
   answer = kv.blocking_key_value_get(f"{PREFIX}/joined/{slot}", int(timeout_s * 1000))

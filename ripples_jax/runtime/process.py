@@ -27,6 +27,7 @@ from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.distributed.host import collective_timeout_s
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, check_finite, make_workdir
+from ripples_jax.runlog.storage import save_array
 from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import GroupAverager, make_averager
@@ -348,9 +349,9 @@ def end_of_run(
   if rt.checkpoint_every:
     final = loop.epoch + 1
     log.checkpoint(final, worker.pack(loop), cursor(worker, loop, final), force=True)
-  np.save(snapshot_path(workdir, "final", worker.me), np.asarray(loop.state["flat"]))
+  save_array(snapshot_path(workdir, "final", worker.me), np.asarray(loop.state["flat"]))
   if worker.outer_step is not None and worker.me == 0:  # DiLoCo: its deployable model, the global one
-    np.save(snapshot_path(workdir, "final", GLOBAL), np.asarray(loop.state["outer"]["global"]))
+    save_array(snapshot_path(workdir, "final", GLOBAL), np.asarray(loop.state["outer"]["global"]))
   if rt.get("consensus_allreduce") and algorithms.get(worker.config.algorithm).consensus == algorithms.BUILT:
     end["consensus_s"] = consensus_allreduce(worker, loop.state["flat"])
   trace.add(

@@ -46,6 +46,7 @@ from ripples_jax.distributed.arrays import LOCAL
 from ripples_jax.distributed.kvstore import values_in_order
 from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runlog import RunLog
+from ripples_jax.runlog.storage import save_array
 from ripples_jax.runtime import trace as trace_lib
 from ripples_jax.runtime.preduce import PairAverager
 from ripples_jax.runtime.process import (
@@ -254,7 +255,7 @@ class Server:
       self.trace.flush()
 
   def _snapshot(self, name: str) -> None:
-    np.save(snapshot_path(self.workdir, name, self.n), np.asarray(self.flat))
+    save_array(snapshot_path(self.workdir, name, self.n), np.asarray(self.flat))
 
   def _eval_due(self) -> None:
     """Evaluation k after k x eval_every x n worker steps (the simulator's step k: n worker-steps)."""

@@ -11,6 +11,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.flatten_util import ravel_pytree
 
 from ripples_jax import algorithms, engine
@@ -147,6 +148,16 @@ def _evaluate_server(config, workdir: str, setup, unravel, server: list, steps, 
   return _evaluate(config, os.path.join(workdir, "snapshots"), setup, unravel, points, 0.0)
 
 
+def _load(path: str):
+  """A snapshot, or None with one warning where it cannot be read (torn by a crash or a full disk in
+  an earlier version, or damaged since): the evaluation goes on without it."""
+  try:
+    return np.load(path)
+  except (OSError, ValueError, EOFError) as e:
+    logging.warning("%s: an unreadable snapshot (%s); left out of the summary's evaluation", path, e)
+    return None
+
+
 def _evaluate(config, snap: str, setup, unravel, points: list, charge=None):
   """The records of points (name, time, worker steps, train loss or None, the snapshot owners whose
   mean is the model there), in order, each with the deployable model's accuracy (consensus_accuracy:
@@ -158,7 +169,9 @@ def _evaluate(config, snap: str, setup, unravel, points: list, charge=None):
   held = algorithms.get(config.algorithm).consensus == algorithms.HELD
   records = []
   for name, t, total, loss, owners in points:
-    flats = [np.load(os.path.join(snap, f"{name}-{w}.npy")) for w in owners]
+    flats = [f for f in (_load(os.path.join(snap, f"{name}-{w}.npy")) for w in owners) if f is not None]
+    if not flats:  # every snapshot of the point unreadable (warned): no record for it
+      continue
     ev = {k: float(v) for k, v in eval_fn(_stacked(unravel, flats), x_test, y_test).items()}
     ev["consensus_accuracy"] = ev["test_accuracy"]
     if held and "worker_test_accuracy" in ev:
@@ -167,8 +180,9 @@ def _evaluate(config, snap: str, setup, unravel, points: list, charge=None):
       for k in ("worker_test_accuracy", "worker_median_test_accuracy", "worker_min_test_accuracy"):
         ev[k] = ev["test_accuracy"]
     path = os.path.join(snap, f"{name}-global.npy")
-    if os.path.exists(path):  # DiLoCo: its params the global ones, its model state the workers' mean
-      one = _global_model(unravel, np.load(path), np.mean(flats, axis=0))
+    glob_D = _load(path) if os.path.exists(path) else None
+    if glob_D is not None:  # DiLoCo: its params the global ones, its model state the workers' mean
+      one = _global_model(unravel, glob_D, np.mean(flats, axis=0))
       ev["consensus_accuracy"] = float(
         eval_fn(_stacked(unravel, [one]), x_test, y_test, False)["test_accuracy"]
       )

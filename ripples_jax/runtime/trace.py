@@ -24,6 +24,8 @@ import threading
 
 import numpy as np
 
+from ripples_jax.runlog.storage import durable_write
+
 
 def trace_path(workdir: str, worker: int) -> str:
   return os.path.join(workdir, f"trace-{worker}.jsonl")
@@ -54,8 +56,7 @@ class TraceWriter:
       # A resumed run continues from checkpoint marker `keep_before_epoch`: drop what the lost run did
       # after it (its events carry a later epoch).
       kept = [e for e in read_trace(self.path) if e["c"] < keep_before_epoch]
-      with open(self.path, "w") as f:
-        f.writelines(json.dumps(e) + "\n" for e in kept)
+      durable_write(self.path, lambda f: f.writelines(json.dumps(e) + "\n" for e in kept), "w")
     elif not append and keep_before_epoch is None and os.path.exists(self.path):
       os.remove(self.path)
     self.events = []

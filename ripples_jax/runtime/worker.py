@@ -30,6 +30,7 @@ from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.distributed.host import collective_timeout_s
 from ripples_jax.distributed.markers import fail_now
 from ripples_jax.runlog import RunLog
+from ripples_jax.runlog.storage import save_array
 from ripples_jax.runtime import authority as authority_lib
 from ripples_jax.runtime import diloco, membership
 from ripples_jax.runtime import trace as trace_lib
@@ -361,9 +362,9 @@ def mark(worker: Worker, loop: Loop, log: RunLog, trace, entry, workdir) -> int 
   if kind == "eval":
     loop.evals = ident
     if not loop.joining:  # a joiner holds no model of the run's yet: no part of its average
-      np.save(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
+      save_array(snapshot_path(workdir, f"eval{ident}", worker.me), np.asarray(loop.state["flat"]))
       if worker.outer_step is not None and worker.me == 0:  # DiLoCo's deployable model
-        np.save(snapshot_path(workdir, f"eval{ident}", GLOBAL), np.asarray(loop.state["outer"]["global"]))
+        save_array(snapshot_path(workdir, f"eval{ident}", GLOBAL), np.asarray(loop.state["outer"]["global"]))
     return None
   loop.epoch = ident
   if loop.joining:
