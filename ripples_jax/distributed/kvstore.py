@@ -68,18 +68,26 @@ class Either:
 
 
 def values_in_order(
-  kv, prefix: str, stop: threading.Event | None = None, page: bool = False, skip: tuple | None = None
+  kv,
+  prefix: str,
+  stop: threading.Event | None = None,
+  page: bool = False,
+  skip: tuple | None = None,
+  consume: bool = False,
 ):
   """The values of <prefix>/0, <prefix>/1, ... (with `page`: paged(prefix, j)) as each is set, until
   `stop` is set: blocking gets that wake every _GET_MS to look at it. Any other error of the service
   (it is gone) is raised. skip = (counter key, bound s): slots taken by incrementing the counter; a
   slot still empty (or holding no value of this run) `bound` s after it was first looked at, while a
   later slot is taken, yields None and the next is read (a slot taken and never written, by a process
-  killed between the two or by a stranger, would otherwise block every later one for good)."""
+  killed between the two or by a stranger, would otherwise block every later one for good).
+  consume: the reader is the key's only one: each key is deleted once the caller has taken its value
+  (the store then holds O(1) keys per channel, not one per value ever sent)."""
   j, since = 0, None
   while stop is None or not stop.is_set():
+    key = paged(prefix, j) if page else f"{prefix}/{j}"
     try:
-      value = kv.blocking_key_value_get(paged(prefix, j) if page else f"{prefix}/{j}", _GET_MS)
+      value = kv.blocking_key_value_get(key, _GET_MS)
     except Exception as e:  # noqa: BLE001
       if not _is_timeout(e):
         raise
@@ -90,4 +98,6 @@ def values_in_order(
         continue
       value = None
     yield value
+    if consume and value is not None:
+      kv.key_value_delete(key)
     j, since = j + 1, None

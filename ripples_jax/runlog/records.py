@@ -82,7 +82,8 @@ def archive(workdir: str) -> int | None:
 
   Its TensorBoard events go to the folder tensorboard.<k>/ (TensorBoard shows it as a run of its own).
   """
-  names = ("metrics.jsonl", "config.json", "summary.json", "clock.jsonl")  # clock.jsonl: the runtime's starts
+  # clock.jsonl: the runtime's starts; growth.jsonl: its coordinator's store keys, memory and fds
+  names = ("metrics.jsonl", "config.json", "summary.json", "clock.jsonl", "growth.jsonl")
   present = [n for n in names if os.path.exists(os.path.join(workdir, n))]
   events = event_files(workdir)
   if not present and not events:

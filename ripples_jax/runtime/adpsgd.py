@@ -137,7 +137,7 @@ class Passive:
 
   def _listen(self, client: int, inc: int, prefix: str, stop) -> None:
     try:
-      for r, value in enumerate(values_in_order(self.kv, prefix, stop)):
+      for r, value in enumerate(values_in_order(self.kv, prefix, stop, consume=True)):
         if wire.token(f"{prefix}/{r}", value, (DONE, JOIN, AVG)) is None:
           continue  # not the client's (one warning): no exchange is entered for it
         self.inbox.put((client, inc, r, value))

@@ -218,7 +218,7 @@ class Authority:
   def _joins(self) -> None:
     try:
       slots = values_in_order(
-        self.kv, f"{PREFIX}/join", self._stop, skip=(membership.JOINS, membership.SLOT_WAIT_S)
+        self.kv, f"{PREFIX}/join", self._stop, skip=(membership.JOINS, membership.SLOT_WAIT_S), consume=True
       )
       for slot, value in enumerate(slots):
         if value is None:  # taken and left empty: skipped, the next rejoin still lands

@@ -21,6 +21,7 @@ authority/<c>.json  the authority's state when checkpoint marker c entered the g
 """
 
 import json
+import math
 import os
 import threading
 import time
@@ -115,15 +116,44 @@ def resume_records(log: RunLog, point: dict | None) -> int:
   return int(point["mark"])
 
 
-def follow(log: RunLog, watchdog, authority, num_steps: int, stop: threading.Event) -> None:
-  """The progress line until `stop`: the run's steps (every worker's, over the workers)."""
+GROWTH_EVERY_S = 5.0  # growth.jsonl's cadence
+
+
+def growth_sample(kv, t: float) -> dict:
+  """What must stay flat over a long run (benchmarks/bench_growth.py): the store's key count under
+  the run's prefix, this process's resident memory and open file descriptors."""
+  with open("/proc/self/statm") as f:
+    rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  return {
+    "t": round(t, 3),
+    "keys": len(kv.key_value_dir_get(f"{coord.PREFIX}/")),
+    "rss_mb": round(rss / 2**20, 2),
+    "fds": len(os.listdir("/proc/self/fd")),
+  }
+
+
+def follow(
+  log: RunLog, watchdog, authority, num_steps: int, stop: threading.Event, kv=None, workdir=""
+) -> None:
+  """The progress line until `stop`: the run's steps (every worker's, over the workers); with kv, a
+  growth_sample in workdir/growth.jsonl every GROWTH_EVERY_S (Linux: /proc)."""
   n = watchdog.n
+  t0, last = time.monotonic(), -math.inf
   while not stop.wait(0.5):
     if authority is not None:
       done = int(authority.service.steps.sum()) // n
     else:
       done = sum(watchdog.steps.values()) // n
     log.progress(min(done, num_steps))
+    if kv is not None and os.path.exists("/proc/self/statm") and time.monotonic() - last >= GROWTH_EVERY_S:
+      last = time.monotonic()
+      try:
+        sample = {**growth_sample(kv, last - t0), "step": min(done, num_steps)}
+      except Exception as e:  # noqa: BLE001 - telemetry: a store error is the watchdog's to report
+        logging.warning("coordinator: growth sample skipped (%s)", e)
+        continue
+      with open(os.path.join(workdir, "growth.jsonl"), "a") as f:
+        f.write(json.dumps(sample) + "\n")
 
 
 def await_workers(watchdog, authority, workdir: str, timeout_s: float) -> None:
@@ -234,7 +264,7 @@ def run(config, workdir: str) -> dict:
     watchdog.start()
     stop = threading.Event()
     threading.Thread(
-      target=follow, args=(log, watchdog, authority, config.num_steps, stop), daemon=True
+      target=follow, args=(log, watchdog, authority, config.num_steps, stop, kv, workdir), daemon=True
     ).start()
     try:
       await_end(config, kv, watchdog, authority, server, workdir)

@@ -244,6 +244,7 @@ def ask_to_join(kv, worker: int, timeout_s: float) -> dict:
   kv.key_value_set(f"{PREFIX}/join/{slot}", str(worker))
   answer = kv.blocking_key_value_get(f"{PREFIX}/joined/{slot}", int(timeout_s * 1000))
   got = time.perf_counter()
+  kv.key_value_delete(f"{PREFIX}/joined/{slot}")  # read once, by this rejoiner only
   inc, taken, now, ckpt, evals, incs, g0, *refused = answer.split(" ", 7)
   return {
     "inc": int(inc),
@@ -346,7 +347,12 @@ class Roster:
 
   def _joins(self) -> None:
     try:
-      for slot, value in enumerate(values_in_order(self.kv, f"{PREFIX}/join", self._stop)):
+      for slot, value in enumerate(
+        values_in_order(self.kv, f"{PREFIX}/join", self._stop, skip=(JOINS, SLOT_WAIT_S), consume=True)
+      ):
+        if value is None:  # taken and left empty: skipped, the next rejoin still lands
+          wire.bad(f"{PREFIX}/join/{slot}", "", f"empty {SLOT_WAIT_S:g} s while a later slot is taken")
+          continue
         w = wire.worker_id(f"{PREFIX}/join/{slot}", value, len(self.alive))
         if w is not None:  # a malformed slot is skipped (one warning): the next rejoin still lands
           self.join(w, slot)

@@ -288,7 +288,7 @@ class Server:
 
     def listen(w):
       try:
-        for r, value in enumerate(values_in_order(self.kv, channel(w), stop)):
+        for r, value in enumerate(values_in_order(self.kv, channel(w), stop, consume=True)):
           if wire.token(f"{channel(w)}/{r}", value, (PUSH, DONE)) is None:
             continue  # not the worker's (one warning): no exchange is entered for it
           inbox.put((w, r, value, self.now()))

@@ -1,0 +1,47 @@
+"""Bounded store state: a channel's reader deletes each value it took, a rejoin leaves no join keys
+behind, and the coordinator's growth sample counts the store's keys (benchmarks/bench_growth.py)."""
+
+import itertools
+import os
+import time
+
+from ripples_jax.distributed import coord, kvstore
+from ripples_jax.runtime import coordinator, membership
+from ripples_jax.runtime.authority import Authority
+from tests.fakes import FakeKV
+from tests.test_elastic import service_for
+
+P = coord.PREFIX
+
+
+def test_a_consuming_reader_leaves_no_key_behind_and_a_plain_one_leaves_every_key():
+  kv = FakeKV()
+  for r in range(50):
+    kv.key_value_set(f"{P}/ch/0.0-1.0/{r}", "a")
+  got = list(itertools.islice(kvstore.values_in_order(kv, f"{P}/ch/0.0-1.0", consume=True), 50))
+  assert got == ["a"] * 50
+  # Each key deleted once the reader moved past it: the 50th goes when the next value is asked for.
+  assert [k for k in kv.store if "/ch/" in k] == [f"{P}/ch/0.0-1.0/49"]
+  kv.key_value_set(f"{P}/q/0", "b")
+  assert next(kvstore.values_in_order(kv, f"{P}/q")) == "b" and f"{P}/q/0" in kv.store
+
+
+def test_a_rejoin_leaves_no_join_or_answer_key_and_the_growth_sample_counts_keys():
+  kv, n = FakeKV(), 3
+  service = service_for(n=n)
+  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
+  try:
+    authority.leave(1, 0)
+    deadline = time.monotonic() + 5
+    while not authority.events and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert membership.ask_to_join(kv, 1, 5.0)["inc"] == 1
+    deadline = time.monotonic() + 5
+    while any("/join/" in k for k in kv.store) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert not [k for k in kv.store if "/join/" in k or "/joined/" in k], sorted(kv.store)
+  finally:
+    authority.stop()
+  sample = coordinator.growth_sample(kv, 1.0)
+  assert sample["keys"] == len([k for k in kv.store if k.startswith(f"{P}/")]) > 0
+  assert sample["rss_mb"] > 1 and abs(sample["fds"] - len(os.listdir("/proc/self/fd"))) <= 2
