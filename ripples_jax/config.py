@@ -245,6 +245,28 @@ def _check_runtime(config):
       f"seconds > 2 x runtime.heartbeat_timeout={rt.heartbeat_timeout} with runtime.elastic (the collective "
       "timeout: the survivors wait that long in an exchange with a stalled worker)",
     )
+  _check_timeout_fits_steps(config)
+
+
+def _check_timeout_fits_steps(config) -> None:
+  """Elastic: a live worker waits in an exchange for its partner's step to end, up to one step of the
+  slowest worker (runtime.step_time x hetero.slowdown, the padded step a run declares); a collective
+  timeout (2 x heartbeat_timeout) that is not twice that would break pairs of live workers for good.
+  Unpadded steps (step_time 0) are checked against the measured warm-up step (runtime/process.py)."""
+  rt, h = config.runtime, config.get("hetero")
+  if rt.get("elastic") is not True or not rt.step_time:
+    return
+  slow = h is not None and (tuple(h.get("slow_workers", ())) or h.get("random_p", 0.0) > 0)
+  factor = float(h.get("slowdown", 1.0)) if slow else 1.0
+  slowest = rt.step_time * factor
+  if not collective_timeout_s(rt) > 2 * slowest:
+    _fail(
+      "runtime.heartbeat_timeout",
+      rt.heartbeat_timeout,
+      f"seconds > {slowest:g} with runtime.elastic: its collective timeout (2 x it) must exceed twice the "
+      f"slowest worker's step (runtime.step_time={rt.step_time:g} x hetero.slowdown={factor:g}), or a live "
+      "worker's partner times out waiting for it",
+    )
 
 
 # Why elastic runs on the CPU only (docs/design.md 3.12).

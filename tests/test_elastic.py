@@ -637,6 +637,30 @@ def test_elastic_refuses_a_stall_timeout_within_the_collective_timeout():
   config_lib.validate_train_config(config, num_devices=5, num_processes=5)
 
 
+def test_a_collective_timeout_within_twice_the_slowest_step_is_refused_declared_or_measured():
+  """Elastic, a 10x straggler of 2 s padded steps: its 20 s step against the default 30 s collective
+  timeout would break its live partners' exchanges; refused in one line naming heartbeat_timeout.
+  The same check on the measured warm-up steps (unpadded runs) ends the coordinator before any
+  exchange."""
+  from ripples_jax.runtime import coordinator
+
+  config = default_config.get_config("algorithm=ripples_smart,executor=async,num_workers=4")
+  config.runtime.update(elastic=True, step_time=2.0)
+  config.hetero.update(slow_workers=(3,), slowdown=10.0)
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate_train_config(config, num_devices=5, num_processes=5)
+  assert str(e.value).startswith(
+    "config.runtime.heartbeat_timeout: 15.0 is not allowed: seconds > 20 with runtime.elastic: its collective "
+    "timeout (2 x it) must exceed twice the slowest worker's step (runtime.step_time=2 x hetero.slowdown=10)"
+  )
+  config.runtime.update(heartbeat_timeout=40.5, stall_timeout=90.0)  # 81 s > 2 x 20 s
+  config_lib.validate_train_config(config, num_devices=5, num_processes=5)
+  config.hetero.update(slow_workers=(), slowdown=1.0)
+  coordinator.check_timeout_fits(config.runtime, 40.0)
+  with pytest.raises(ConfigError, match=r"measured warm-up step \(40.6 s\)"):
+    coordinator.check_timeout_fits(config.runtime, 40.6)
+
+
 def test_elastic_is_refused_on_a_gpu_platform():
   """NCCL does not cancel a collective with a dead member here: elastic has run on the CPU only."""
   config = default_config.get_config("algorithm=ripples_random,executor=async,num_workers=4")

@@ -33,8 +33,9 @@ from jax.flatten_util import ravel_pytree
 
 from ripples_jax import algorithms, workload
 from ripples_jax.algorithms import make_group_generator
-from ripples_jax.distributed import coord
+from ripples_jax.distributed import coord, host
 from ripples_jax.distributed import resume as resume_lib
+from ripples_jax.errors import ConfigError
 from ripples_jax.models import init_model
 from ripples_jax.runlog import RunLog, make_workdir, storage
 from ripples_jax.runtime import authority as authority_lib
@@ -104,6 +105,18 @@ def make_authority(config, kv, workdir: str, state: dict | None, estimate: float
     members=members,
   )
   return authority
+
+
+def check_timeout_fits(rt, slowest_s: float) -> None:
+  """config.py's check of the collective timeout against the slowest step, on the measured warm-up
+  steps (the slow workers' slowdown in them): an elastic run whose live pairs would time out waiting
+  for a slow partner's step ends here, before any exchange, with one line (ConfigError: exit 2)."""
+  if rt.get("elastic") is True and not host.collective_timeout_s(rt) > 2 * slowest_s:
+    raise ConfigError(
+      f"config.runtime.heartbeat_timeout: {rt.heartbeat_timeout:g} is not allowed: seconds > {slowest_s:g} "
+      "with runtime.elastic: its collective timeout (2 x it) must exceed twice the slowest worker's "
+      f"measured warm-up step ({slowest_s:.3g} s), or a live worker's partner times out waiting for it"
+    )
 
 
 def resume_records(log: RunLog, point: dict | None) -> int:
@@ -227,7 +240,9 @@ def run(config, workdir: str) -> dict:
     clock = {"t0": time.perf_counter()}
     authority = None
     if dynamic:  # its first plan: the workers' median warm-up step (each worker's own arrives with it)
-      estimate = float(np.median(coord.fetch_estimates(kv, coord.WARMUP, n, rt.stall_timeout * 4)))
+      steps_s = coord.fetch_estimates(kv, coord.WARMUP, n, rt.stall_timeout * 4)
+      check_timeout_fits(rt, max(steps_s))
+      estimate = float(np.median(steps_s))
       authority = make_authority(
         config, kv, workdir, state, estimate, lambda: time.perf_counter() - clock["t0"]
       )
