@@ -263,6 +263,7 @@ def test_a_part_without_a_tuning_takes_the_main_choices_and_the_long_part_runs_h
     (b2.SCENARIOS_256[1], 0.2, 480, 8),
   }
   assert {j[0] for j in jobs if j[1].startswith("allreduce/drop_slow")} == {b2.SCENARIOS_256[1]}
+  assert {j[0] for j in jobs if j[1].startswith("adpsgd")} == {b2.SCENARIOS_256[0]}  # left out at 5x
   assert (tmp_path / "at256.md").exists() and not (tmp_path / "tuning.md").exists()
   jobs.clear()
   b2.sim_part(str(tmp_path), b2.LONG, b2.METHODS_LONG, (20,), 1)
