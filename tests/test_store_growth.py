@@ -5,6 +5,8 @@ import itertools
 import os
 import time
 
+import pytest
+
 from ripples_jax.distributed import coord, kvstore
 from ripples_jax.runtime import coordinator, membership
 from ripples_jax.runtime.authority import Authority
@@ -45,3 +47,36 @@ def test_a_rejoin_leaves_no_join_or_answer_key_and_the_growth_sample_counts_keys
   sample = coordinator.growth_sample(kv, 1.0)
   assert sample["keys"] == len([k for k in kv.store if k.startswith(f"{P}/")]) > 0
   assert sample["rss_mb"] > 1 and abs(sample["fds"] - len(os.listdir("/proc/self/fd"))) <= 2
+
+
+class _Flaky(FakeKV):
+  """A store that is unreachable for its first `down` calls."""
+
+  def __init__(self, down: int):
+    super().__init__()
+    self.down, self.calls = down, 0
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    self.calls += 1
+    if self.calls <= self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+    return super().key_value_set(key, value, allow_overwrite)
+
+
+def test_a_transient_store_error_is_retried_with_backoff_and_one_past_the_window_is_raised(caplog):
+  import logging
+
+  slept = []
+  kv = kvstore.Retrying(_Flaky(down=4), window_s=10.0, sleep=slept.append)
+  with caplog.at_level(logging.WARNING):
+    kv.key_value_set(f"{P}/x", "1")
+  assert kv.raw.store[f"{P}/x"] == "1" and slept == [0.05, 0.1, 0.2, 0.4]
+  assert [r.getMessage().split(" failed")[0] for r in caplog.records][:1] == [
+    "coordination store: key_value_set"
+  ]
+  assert "answered again" in caplog.records[-1].getMessage() and len(caplog.records) == 2
+  with pytest.raises(RuntimeError, match="ALREADY_EXISTS"):  # an answer, not an outage: not retried
+    kv.key_value_set(f"{P}/x", "2")
+  stuck = kvstore.Retrying(_Flaky(down=10**6), window_s=1.0, sleep=lambda s: None)
+  with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+    stuck.key_value_set(f"{P}/y", "1")

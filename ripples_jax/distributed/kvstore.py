@@ -1,6 +1,7 @@
 """The coordination service's key-value store: its client, the agreed step-time estimates, and values
 read in order (the runtime's transport), paged so that one delete call removes a page."""
 
+import logging
 import threading
 import time
 
@@ -23,8 +24,58 @@ def client():
     raise RuntimeError("executor=async needs jax.distributed.initialize() first (--jax_distributed)")
   if id(raw) not in _signed or _signed[id(raw)][0] is not raw:
     _signed.clear()
-    _signed[id(raw)] = (raw, auth.signed(raw))
+    _signed[id(raw)] = (raw, auth.signed(Retrying(raw)))
   return _signed[id(raw)][1]
+
+
+# -- transient store errors ------------------------------------------------------------------------
+
+RETRY_WINDOW_S = 30.0  # how long a call is retried across a store that does not answer (2 x 15 s default)
+_TRANSIENT = ("UNAVAILABLE", "Connection reset", "Socket closed", "failed to connect", "Broken pipe")
+
+
+def transient(e: Exception) -> bool:
+  """A store error that a retry can outlast (the service unreachable for a moment); a timeout, a
+  missing key or an existing one is an answer, not an outage."""
+  return any(t in str(e) for t in _TRANSIENT)
+
+
+class Retrying:
+  """jax's coordination client whose calls are retried with backoff (0.05 s doubling to 2 s) across a
+  transient error for up to `window_s` (RETRY_WINDOW_S), one warning per outage and one when it ends;
+  past the window the error is raised (the watchdog then names the lost coordinator). A counter's
+  increment retried after an outage that did apply it takes one value more: a join slot left empty,
+  which the authority skips (values_in_order's skip)."""
+
+  def __init__(self, raw, window_s: float | None = None, sleep=time.sleep):
+    self.raw, self.window_s, self.sleep = raw, window_s, sleep
+
+  def __getattr__(self, name):
+    attr = getattr(self.raw, name)
+    if not callable(attr) or not name.startswith(("key_value", "blocking_key_value", "wait_at_barrier")):
+      return attr
+    return lambda *a, **kw: self._call(name, attr, a, kw)
+
+  def _call(self, name, fn, args, kwargs):
+    window = RETRY_WINDOW_S if self.window_s is None else self.window_s
+    start, delay, warned = time.monotonic(), 0.05, False
+    while True:
+      try:
+        out = fn(*args, **kwargs)
+      except Exception as e:  # noqa: BLE001 - only a transient error is retried; the rest is raised
+        if not transient(e) or time.monotonic() - start + delay > window:
+          raise
+        if not warned:
+          warned = True
+          logging.warning(
+            "coordination store: %s failed (%s); retrying for up to %.0f s", name, str(e)[:120], window
+          )
+        self.sleep(delay)
+        delay = min(2 * delay, 2.0)
+        continue
+      if warned:
+        logging.warning("coordination store: %s answered again after %.1f s", name, time.monotonic() - start)
+      return out
 
 
 def publish_estimate(kv, block: int, worker: int, seconds: float) -> None:

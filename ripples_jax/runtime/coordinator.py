@@ -33,7 +33,7 @@ from jax.flatten_util import ravel_pytree
 
 from ripples_jax import algorithms, workload
 from ripples_jax.algorithms import make_group_generator
-from ripples_jax.distributed import coord, host
+from ripples_jax.distributed import coord, host, kvstore
 from ripples_jax.distributed import resume as resume_lib
 from ripples_jax.errors import ConfigError
 from ripples_jax.models import init_model
@@ -225,6 +225,9 @@ def run(config, workdir: str) -> dict:
   sigterm = coord.SigtermStop(name=coord.COORDINATOR).install()
   s = workload.build(config)
   workdir = make_workdir(workdir, config)
+  kvstore.RETRY_WINDOW_S = host.collective_timeout_s(
+    config.runtime
+  )  # store calls ride out 2 x heartbeat_timeout
   kv = coord.client()
   params, model_state = init_model(s.model, jax.random.key(config.seed), s.data["x_train"][:1])
   _, unravel = ravel_pytree({"params": params, "model_state": model_state})

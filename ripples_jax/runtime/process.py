@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from ripples_jax import algorithms, engine, optim, workload
 from ripples_jax import data as data_lib
-from ripples_jax.distributed import coord, wire
+from ripples_jax.distributed import coord, kvstore, wire
 from ripples_jax.distributed.arrays import LOCAL, WORKER, to_global, to_local
 from ripples_jax.distributed.host import collective_timeout_s
 from ripples_jax.models import init_model
@@ -253,6 +253,7 @@ def open_worker(config, workdir: str):
   sigterm = coord.SigtermStop(name=f"worker {coord.worker_of(jax.process_index())}").install()
   s = workload.build(config)
   workdir = make_workdir(workdir, config)
+  kvstore.RETRY_WINDOW_S = collective_timeout_s(config.runtime)  # store calls ride out 2 x heartbeat_timeout
   kv = coord.client()
   return sigterm, workdir, kv, Worker(config, s, first_life(config, kv), kv)
 
