@@ -80,3 +80,19 @@ def test_a_transient_store_error_is_retried_with_backoff_and_one_past_the_window
   stuck = kvstore.Retrying(_Flaky(down=10**6), window_s=1.0, sleep=lambda s: None)
   with pytest.raises(RuntimeError, match="UNAVAILABLE"):
     stuck.key_value_set(f"{P}/y", "1")
+
+
+def test_the_growth_sample_counts_every_key_and_warns_of_none(caplog):
+  """Under the run's MAC a counter (no MAC) would read as a stranger's value: the sample counts the
+  store's own listing, counters included, with no warning."""
+  import logging
+
+  from ripples_jax.distributed import auth
+
+  raw = FakeKV()
+  kv = auth.SignedKV(raw, "s" * 32, "127.0.0.1:1")
+  kv.key_value_set(f"{P}/hb/0", "1 2 3 0")
+  raw.key_value_increment(membership.JOINS, 1)
+  with caplog.at_level(logging.WARNING):
+    assert coordinator.growth_sample(kv, 0.0)["keys"] == 2
+  assert not caplog.records
