@@ -69,9 +69,10 @@ def test_a_squatted_key_is_replaced_and_a_blocking_read_waits_for_the_runs_own()
     kv.blocking_key_value_get(f"{P}/x", 200)
 
 
-def test_a_stranger_cannot_make_a_worker_rejoin_or_leave_through_the_join_slots():
+def test_a_stranger_cannot_make_a_worker_rejoin_or_leave_through_the_join_slots(monkeypatch):
   """A bare join/<slot> = 2 (well-formed: before the MAC, worker 2 would be made to leave and rejoin)
   is skipped; the run's own rejoin of worker 1 lands; worker 2's life is untouched."""
+  monkeypatch.setattr(membership, "SLOT_WAIT_S", 0.3)  # the bound, short: the skip is what is tested
   raw, n = FakeKV(), 3
   kv = signed(raw)
   service = service_for(n=n)

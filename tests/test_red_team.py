@@ -55,8 +55,18 @@ def test_junk_heartbeat_keys_and_values_neither_blind_nor_end_the_watchdogs(capl
 
 def test_a_junk_removal_is_no_removal_and_raises_nothing():
   kv, logs, exits = FakeKV(), [], []
-  dog = coord.Watchdog(
-    kv, 0, 2, lambda: (1, 1, False), 1.0, 5.0, 30.0, logs.append, exits.append, incarnation=0
+  dog = coord.Watchdog(  # an elastic worker of a run with a coordinator (process 0 hosts the service)
+    kv,
+    0,
+    2,
+    lambda: (1, 1, False),
+    1.0,
+    5.0,
+    30.0,
+    logs.append,
+    exits.append,
+    incarnation=0,
+    hosts_service=False,
   )
   kv.key_value_set(membership.removed_key(0), "junk")
   dog.check(1.0)
@@ -129,10 +139,11 @@ def test_a_malformed_resume_point_ends_the_coordinator_in_one_line():
   assert resume.await_point(kv, 1.0) is None
 
 
-def test_an_empty_join_slot_is_skipped_past_its_bound_and_the_next_rejoin_lands():
+def test_an_empty_join_slot_is_skipped_past_its_bound_and_the_next_rejoin_lands(monkeypatch):
   """A rejoiner killed between taking slot 0 and writing it: the authority skips the slot once it has
   stayed empty SLOT_WAIT_S with a later slot taken, and worker 1's rejoin in slot 1 is answered
   (before: every later rejoin blocked for good)."""
+  monkeypatch.setattr(membership, "SLOT_WAIT_S", 0.5)
   kv, n = FakeKV(), 3
   service = service_for(n=n)
   authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
@@ -144,7 +155,7 @@ def test_an_empty_join_slot_is_skipped_past_its_bound_and_the_next_rejoin_lands(
       time.sleep(0.01)
     t0 = time.monotonic()
     got = membership.ask_to_join(kv, 1, membership.SLOT_WAIT_S + 5.0)
-    assert got["inc"] == 1 and time.monotonic() - t0 >= membership.SLOT_WAIT_S - 1.5
+    assert got["inc"] == 1 and time.monotonic() - t0 >= membership.SLOT_WAIT_S - 0.1
     assert [e[1:] for e in authority.events] == [(1, "leave"), (1, "rejoin")]
   finally:
     authority.stop()
