@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ripples_jax.distributed import auth, coord, launcher, wire
+from ripples_jax.distributed import auth, coord, kvstore, launcher, wire
 from ripples_jax.runtime import membership
 from ripples_jax.runtime.authority import Authority
 from tests.fakes import FakeKV
@@ -73,6 +73,7 @@ def test_a_stranger_cannot_make_a_worker_rejoin_or_leave_through_the_join_slots(
   """A bare join/<slot> = 2 (well-formed: before the MAC, worker 2 would be made to leave and rejoin)
   is skipped; the run's own rejoin of worker 1 lands; worker 2's life is untouched."""
   monkeypatch.setattr(membership, "SLOT_WAIT_S", 0.3)  # the bound, short: the skip is what is tested
+  monkeypatch.setattr(kvstore, "_GET_MS", 100)  # the listeners look again every 0.1 s, not 1 s
   raw, n = FakeKV(), 3
   kv = signed(raw)
   service = service_for(n=n)

@@ -144,6 +144,7 @@ def test_an_empty_join_slot_is_skipped_past_its_bound_and_the_next_rejoin_lands(
   stayed empty SLOT_WAIT_S with a later slot taken, and worker 1's rejoin in slot 1 is answered
   (before: every later rejoin blocked for good)."""
   monkeypatch.setattr(membership, "SLOT_WAIT_S", 0.5)
+  monkeypatch.setattr(kvstore, "_GET_MS", 100)  # the listeners look again every 0.1 s, not 1 s
   kv, n = FakeKV(), 3
   service = service_for(n=n)
   authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
