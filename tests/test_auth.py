@@ -9,9 +9,8 @@ import pytest
 
 from ripples_jax.distributed import auth, coord, kvstore, launcher, wire
 from ripples_jax.runtime import membership
-from ripples_jax.runtime.authority import Authority
 from tests.fakes import FakeKV
-from tests.test_elastic import service_for
+from tests.test_elastic import authority_after_a_leave
 
 P = coord.PREFIX
 SECRET = "s" * 32
@@ -74,17 +73,12 @@ def test_a_stranger_cannot_make_a_worker_rejoin_or_leave_through_the_join_slots(
   is skipped; the run's own rejoin of worker 1 lands; worker 2's life is untouched."""
   monkeypatch.setattr(membership, "SLOT_WAIT_S", 0.3)  # the bound, short: the skip is what is tested
   monkeypatch.setattr(kvstore, "_GET_MS", 100)  # the listeners look again every 0.1 s, not 1 s
-  raw, n = FakeKV(), 3
+  raw = FakeKV()
   kv = signed(raw)
-  service = service_for(n=n)
-  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
+  slot = raw.key_value_increment(f"{P}/joins", 1) - 1
+  raw.key_value_set(f"{P}/join/{slot}", "2")
+  service, authority = authority_after_a_leave(kv)
   try:
-    slot = raw.key_value_increment(f"{P}/joins", 1) - 1
-    raw.key_value_set(f"{P}/join/{slot}", "2")
-    authority.leave(1, 0)
-    deadline = time.monotonic() + 5
-    while not authority.events and time.monotonic() < deadline:
-      time.sleep(0.01)
     got = membership.ask_to_join(kv, 1, 5.0)
     assert got["inc"] == 1 and got["refused"] is None and got["incs"] == [0, 1, 0]
     assert authority.error is None and bool(service.view.alive[2]) and authority.incs[2] == 0

@@ -188,15 +188,22 @@ def test_a_restart_guesses_its_next_life_from_the_runs_answers():
   assert [membership.next_life(kv, w) for w in range(3)] == [1, 2, 3]
 
 
-def test_the_authority_removes_and_takes_back_a_worker():
-  kv, n = FakeKV(), 3
+def authority_after_a_leave(kv, n=3, worker=1):
+  """(service, authority): an elastic authority over `kv` (n workers, 3 lives, its clock at 5.0),
+  started, `worker`'s life 0 left and the leave recorded; the caller stops it."""
   service = service_for(n=n)
   authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
+  authority.leave(worker, 0)
+  deadline = time.monotonic() + 5
+  while not authority.events and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return service, authority
+
+
+def test_the_authority_removes_and_takes_back_a_worker():
+  kv, n = FakeKV(), 3
+  service, authority = authority_after_a_leave(kv, n)
   try:
-    authority.leave(1, 0)
-    deadline = time.monotonic() + 5
-    while not authority.events and time.monotonic() < deadline:
-      time.sleep(0.01)
     assert authority.events == [(5.0, 1, "leave")]
     assert dict(kv.key_value_dir_get(f"{coord.PREFIX}/removed/")) == {membership.removed_key(1): "0"}
     got = membership.ask_to_join(kv, 1, 5.0)

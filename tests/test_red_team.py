@@ -13,7 +13,7 @@ from ripples_jax.runtime import membership
 from ripples_jax.runtime.authority import Authority, Feed
 from ripples_jax.schedule.online import encode
 from tests.fakes import FakeKV
-from tests.test_elastic import service_for
+from tests.test_elastic import authority_after_a_leave, service_for
 
 P = coord.PREFIX
 
@@ -145,15 +145,10 @@ def test_an_empty_join_slot_is_skipped_past_its_bound_and_the_next_rejoin_lands(
   (before: every later rejoin blocked for good)."""
   monkeypatch.setattr(membership, "SLOT_WAIT_S", 0.5)
   monkeypatch.setattr(kvstore, "_GET_MS", 100)  # the listeners look again every 0.1 s, not 1 s
-  kv, n = FakeKV(), 3
-  service = service_for(n=n)
-  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
+  kv = FakeKV()
+  kv.key_value_increment(membership.JOINS, 1)  # slot 0 taken, never written
+  service, authority = authority_after_a_leave(kv)
   try:
-    kv.key_value_increment(membership.JOINS, 1)  # slot 0 taken, never written
-    authority.leave(1, 0)
-    deadline = time.monotonic() + 5
-    while not authority.events and time.monotonic() < deadline:
-      time.sleep(0.01)
     t0 = time.monotonic()
     got = membership.ask_to_join(kv, 1, membership.SLOT_WAIT_S + 5.0)
     assert got["inc"] == 1 and time.monotonic() - t0 >= membership.SLOT_WAIT_S - 0.1

@@ -9,9 +9,8 @@ import pytest
 
 from ripples_jax.distributed import coord, kvstore
 from ripples_jax.runtime import coordinator, membership
-from ripples_jax.runtime.authority import Authority
 from tests.fakes import FakeKV
-from tests.test_elastic import service_for
+from tests.test_elastic import authority_after_a_leave
 
 P = coord.PREFIX
 
@@ -29,14 +28,9 @@ def test_a_consuming_reader_leaves_no_key_behind_and_a_plain_one_leaves_every_ke
 
 
 def test_a_rejoin_leaves_no_join_or_answer_key_and_the_growth_sample_counts_keys():
-  kv, n = FakeKV(), 3
-  service = service_for(n=n)
-  authority = Authority(kv, service, poll_s=0.005, elastic=True, now=lambda: 5.0, lives=3).start()
+  kv = FakeKV()
+  service, authority = authority_after_a_leave(kv)
   try:
-    authority.leave(1, 0)
-    deadline = time.monotonic() + 5
-    while not authority.events and time.monotonic() < deadline:
-      time.sleep(0.01)
     assert membership.ask_to_join(kv, 1, 5.0)["inc"] == 1
     deadline = time.monotonic() + 5
     while any("/join/" in k for k in kv.store) and time.monotonic() < deadline:
