@@ -111,3 +111,119 @@ def test_a_run_of_any_length_compiles_once(data, compile_counter):
     bufs, outs = prog.advance(bufs, t0, t1, x_of, labels_of, n)
   jax.block_until_ready(bufs)
   assert len(compile_counter) == before
+
+
+# ----------------------------------------------------------------------------------------------------
+# The flush methods: GPipe, 1F1B, ZB-H1.
+
+
+@pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (4, 4), (8, 16), (3, 7)])
+def test_flush_timetables_have_the_published_lengths_and_memory(K, M):
+  """With F, B and W one unit each: 1F1B's step is 3M + 3(K-1) units, ZB-H1's 3M + (K-1), a third
+  of 1F1B's bubble; ZB-H1 holds at most K micro-batches on any stage (1F1B's peak), 1F1B K-k on stage
+  k. Every op runs once, after what it reads."""
+  from ripples_jax.pipeline import flush
+
+  tables = {m: flush.timetable(m, K, M) for m in flush.METHODS}
+  assert tables["1f1b"].units == 3 * M + 3 * (K - 1)
+  assert tables["zbh1"].units == 3 * M + K - 1
+  assert [tables["1f1b"].in_flight(k) for k in range(K)] == [min(K - k, M) for k in range(K)]
+  assert max(tables["zbh1"].in_flight(k) for k in range(K)) == min(K, M)
+  for name, t in tables.items():
+    when = {(k, kind): t.when(k, kind) for k in range(K) for kind in (flush.F, flush.B, flush.W)}
+    for k in range(K):
+      for m in range(M):
+        f, b, w = (when[(k, kind)][m] for kind in (flush.F, flush.B, flush.W))
+        assert f < b < w, (name, k, m)
+        if k > 0:
+          assert when[(k - 1, flush.F)][m] < f
+        if k < K - 1:
+          above = flush.W if name == "1f1b" else flush.B
+          assert when[(k + 1, above)][m] < b
+
+
+@pytest.mark.slow
+def test_the_split_backward_is_the_vjp():
+  """B (input gradient, saving the cotangents W needs) then W (weight gradient) equal jax.vjp of a
+  stage with convolutions and BatchNorm, at the forward's weights."""
+  from ripples_jax.models import apply_model, init_model, split
+  from ripples_jax.pipeline import flush, pipemare
+
+  stage = split.split_model("resnet20", 10, 2, sample_shape=(8, 8, 3), widths=(4,))[0]
+  x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype(np.float32)
+  params, ms = init_model(stage, jax.random.key(1), x)
+  fn = lambda p, x: apply_model(stage, p, ms, x, train=True)[0]
+  y, pull = jax.vjp(fn, params, x)
+  cot = np.random.default_rng(1).normal(size=y.shape).astype(np.float32)
+  want_p, want_x = pull(cot)
+  spec = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+  plan = pipemare.make_plan(stage, spec(params), spec(ms), spec(x))
+  _, kept = pipemare.forward(plan, params, ms, x)
+  g_x, saved = flush.backward_input(plan, params, kept, cot)
+  g_p = flush.backward_weights(plan, params, kept, saved)
+  np.testing.assert_allclose(g_x, want_x, rtol=1e-4, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(want_p)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def flush_run(stages, opt, method, bs, M, init):
+  prog = program.FlushProgram(stages, opt, method, init(), jax.devices(), M, steps=2)
+  bufs = prog.place(prog.initial)
+  xs, ys = np.stack([b[0] for b in bs] + [bs[0][0]]), np.stack([b[1] for b in bs] + [bs[0][1]])
+  bufs, first = prog.run(bufs, xs[:2], ys[:2], 2)
+  bufs, then = prog.run(bufs, xs[2:4], ys[2:4], 1)  # a dispatch of one step of two
+  return prog.state(bufs), np.concatenate([np.asarray(first), np.asarray(then)[:1]])
+
+
+@pytest.mark.parametrize(
+  "method,K",
+  [("zbh1", 2)]
+  + [pytest.param(m, k, marks=pytest.mark.slow) for m, k in [("zbh1", 3), ("1f1b", 3), ("gpipe", 2)]],
+)
+def test_flush_programs_update_as_bp_on_the_whole_batch(data, method, K):
+  """A step of GPipe, 1F1B or ZB-H1 in the program is BP on the whole batch with micro-batches
+  (baselines.make_gpipe_step, the one-device reference): parameters, optimizer state, losses."""
+  from ripples_jax.pipeline import baselines
+
+  stages, opt, M = mlp_stages(K), optax.sgd(0.1, momentum=0.9), 4
+  bs = batches(data, 3)
+  init = lambda: tick_lib.init_pipeline(
+    stages, opt, tick_lib.method_schedule("bp", K), jax.random.key(0), bs[0][0]
+  )
+  want, step, losses = init(), baselines.make_gpipe_step(stages, opt, M), []
+  for x, y in bs:
+    want, (loss, _) = step(want, x, y)
+    losses.append(float(loss))
+  got, sums = flush_run(stages, opt, method, bs, M, init)
+  np.testing.assert_allclose(sums[:, 0], losses, rtol=1e-6)
+  for g, w in zip(got, want):
+    for key in ("params", "opt_state", "model_state"):
+      for a, b in zip(jax.tree.leaves(g[key]), jax.tree.leaves(w[key])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_flush_programs_on_a_resnet_with_batchnorm(data):
+  """Convolutions, BatchNorm's model state chained through the micro-batches, GPipe's recompute."""
+  from ripples_jax.models import split
+  from ripples_jax.pipeline import baselines
+
+  stages = split.split_model("resnet20", 10, 2, sample_shape=(8, 8, 3), widths=(4,))
+  opt, M = optax.sgd(0.05, momentum=0.9), 2
+  rng = np.random.default_rng(0)
+  bs = [
+    (rng.normal(size=(8, 8, 8, 3)).astype(np.float32), rng.integers(0, 10, 8).astype(np.int32))
+    for _ in range(3)
+  ]
+  init = lambda: tick_lib.init_pipeline(
+    stages, opt, tick_lib.method_schedule("bp", 2), jax.random.key(0), bs[0][0]
+  )
+  want, step = init(), baselines.make_gpipe_step(stages, opt, M)
+  for x, y in bs:
+    want, _ = step(want, x, y)
+  for method in ("zbh1", "gpipe"):
+    got, _ = flush_run(stages, opt, method, bs, M, init)
+    for g, w in zip(got, want):
+      for key in ("params", "model_state"):
+        for a, b in zip(jax.tree.leaves(g[key]), jax.tree.leaves(w[key])):
+          np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=method)

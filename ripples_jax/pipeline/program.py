@@ -172,7 +172,69 @@ def spmd_state(state: list[dict], table: Timetable) -> list[dict]:
   return out
 
 
-class Program:
+class _Stacked:
+  """What both programs share: the stages' state trees as padded per-dtype vectors stacked over the
+  stage axis, the links' message width, the mesh, and the host-side conversions."""
+
+  def _setup(self, state: list[dict], link_shapes: list, link_dtypes: set, devices):
+    self.K = len(state)
+    self.layouts = [layout_of(st) for st in state]
+    names = sorted({n for lay in self.layouts for n in lay.sizes})
+    self.widths = {n: max(lay.sizes.get(n, 0) for lay in self.layouts) for n in names}
+    if len(link_dtypes) > 1:
+      raise ValueError(f"placement=spmd: the links carry one dtype; these stages' inputs are {link_dtypes}")
+    self.msg_dtype = link_dtypes.pop() if link_dtypes else "float32"
+    self.msg_width = max([math.prod(s) for s in link_shapes], default=1)
+    self.mesh = Mesh(np.array(list(devices)[: self.K]), (AXIS,))
+    self.sharded = NamedSharding(self.mesh, P(AXIS))
+
+  def _msg(self, y):
+    flat = jnp.ravel(y).astype(self.msg_dtype)
+    return jnp.pad(flat, (0, self.msg_width - flat.size))
+
+  def _ring_writer(self, k: int):
+    """write(bufs, ring, msg, on, index): msg into slot index mod L of stage k's ring `ring`, in place
+    (a dynamic_update_slice at the slot's offset in its dtype's vector), where `on`."""
+    lay = self.layouts[k]
+    index = jax.tree.unflatten(lay.treedef, list(range(len(lay.leaves))))
+    where = {key: lay.leaves[index[key]] for key in ("up_ring", "down_ring") if key in index}
+
+    def write(bufs, ring, msg, on, index):
+      name, off, shape = where[ring]
+      size = math.prod(shape[1:])
+      vec = bufs[name]
+      new = jax.lax.dynamic_update_slice(vec, msg[:size].astype(name), (off + (index % shape[0]) * size,))
+      return dict(bufs, **{name: jnp.where(on, new, vec)})
+
+    return write
+
+  def _shard(self, per_device, n_args: int, n_outs: int):
+    """per_device(bufs, *n_args replicated arguments) -> (bufs, *n_outs per-stage outputs), jitted
+    over the mesh with the buffers donated."""
+    spec = {n: P(AXIS) for n in self.widths}
+    fn = jax.shard_map(
+      per_device,
+      mesh=self.mesh,
+      in_specs=(spec,) + (P(),) * n_args,
+      out_specs=(spec,) + (P(AXIS),) * n_outs,
+      check_vma=False,
+    )
+    return jax.jit(fn, donate_argnums=0)
+
+  def place(self, state: list[dict]) -> dict:
+    """The stages' trees as the stacked buffers, stage k's row on device k."""
+    rows = [
+      flatten(lay, jax.tree.map(np.asarray, st), self.widths, np) for lay, st in zip(self.layouts, state)
+    ]
+    return {n: jax.device_put(np.stack([r[n] for r in rows]), self.sharded) for n in self.widths}
+
+  def state(self, bufs: dict) -> list[dict]:
+    """The stages' trees out of the buffers (host copies)."""
+    host = {n: np.asarray(v) for n, v in bufs.items()}
+    return [unflatten(lay, {n: host[n][k] for n in host}) for k, lay in enumerate(self.layouts)]
+
+
+class Program(_Stacked):
   """The pipeline of `schedule` as one program over `devices` (one per stage).
 
   state = program.place(spmd_state(one_device_state, program.table))  -> the stacked buffers
@@ -184,19 +246,11 @@ class Program:
   t0 + i (ran 0 where that tick is past t_hi)."""
 
   def __init__(self, stages, optimizer, schedule: Schedule, state: list[dict], devices, ticks: int):
-    self.schedule, self.ticks, self.K = schedule, ticks, len(stages)
+    self.schedule, self.ticks = schedule, ticks
     self.table = timetable(schedule)
-    self.layouts = [layout_of(st) for st in state]
-    names = sorted({n for lay in self.layouts for n in lay.sizes})
-    self.widths = {n: max(lay.sizes.get(n, 0) for lay in self.layouts) for n in names}
-    act = [st["in_ring"].shape[1:] for st in state[1:]]  # what crosses link k: stage k+1's input
-    dtypes = {str(st["in_ring"].dtype) for st in state[1:]}
-    if len(dtypes) > 1:
-      raise ValueError(f"placement=spmd: the links carry one dtype; these stages' inputs are {dtypes}")
-    self.msg_dtype = dtypes.pop() if dtypes else "float32"
-    self.msg_width = max([math.prod(s) for s in act], default=1)
-    self.mesh = Mesh(np.array(list(devices)[: self.K]), (AXIS,))
-    self.sharded = NamedSharding(self.mesh, P(AXIS))
+    # What crosses link k (both ways): stage k+1's input.
+    links = [st["in_ring"].shape[1:] for st in state[1:]]
+    self._setup(state, links, {str(st["in_ring"].dtype) for st in state[1:]}, devices)
     branches = [self._stage_unit(stages[k], optimizer, k) for k in range(self.K)]
     arrivals = [self._stage_arrivals(k) for k in range(self.K)]
     self._run = self._compile(branches, arrivals)
@@ -209,10 +263,6 @@ class Program:
     rel = u - self.table.period * t0 - unit
     t = t0 + rel // self.table.period
     return (rel >= 0) & (rel % self.table.period == 0) & (t < t_hi), t
-
-  def _msg(self, y):
-    flat = jnp.ravel(y).astype(self.msg_dtype)
-    return jnp.pad(flat, (0, self.msg_width - flat.size))
 
   def _stage_unit(self, stage, optimizer, k: int):
     """Stage k's op in a unit: its forward, its backward, both (P = 1) or nothing."""
@@ -263,25 +313,8 @@ class Program:
     return unit
 
   def _stage_arrivals(self, k: int):
-    """Stage k's writes, at the end of unit u, of what its neighbours sent in u into its link rings:
-    in place (a dynamic_update_slice at the ring slot's offset in its dtype's vector)."""
-    tab, lay, K = self.table, self.layouts[k], self.K
-    paths = jax.tree_util.tree_flatten_with_path(
-      unflatten(lay, {n: np.zeros(w) for n, w in self.widths.items()})
-    )
-    where = {}
-    for (path, _), (name, off, shape) in zip(paths[0], lay.leaves):
-      key = path[0].key if hasattr(path[0], "key") else None
-      if key in ("up_ring", "down_ring"):
-        where[key] = (name, off, shape)
-
-    def write(bufs, ring, msg, on, t):
-      name, off, shape = where[ring]
-      size = math.prod(shape[1:])
-      slot = t % shape[0]
-      vec = bufs[name]
-      new = jax.lax.dynamic_update_slice(vec, msg[:size].astype(name), (off + slot * size,))
-      return dict(bufs, **{name: jnp.where(on, new, vec)})
+    """Stage k's writes, at the end of unit u, of what its neighbours sent in u into its link rings."""
+    tab, K, write = self.table, self.K, self._ring_writer(k)
 
     def arrive(bufs, up, down, u, t0, t_hi):
       if k > 0:
@@ -320,29 +353,9 @@ class Program:
       bufs, (metrics, tb) = jax.lax.scan(step, bufs, jnp.arange(units))
       return {n: v[None] for n, v in bufs.items()}, metrics[None], tb[None]
 
-    spec = {n: P(AXIS) for n in self.widths}
-    fn = jax.shard_map(
-      per_device,
-      mesh=self.mesh,
-      in_specs=(spec, P(), P(), P(), P(), P()),
-      out_specs=(spec, P(AXIS), P(AXIS)),
-      check_vma=False,
-    )
-    return jax.jit(fn, donate_argnums=0)
+    return self._shard(per_device, 5, 2)
 
   # -- the host side -----------------------------------------------------------------------------------
-
-  def place(self, state: list[dict]) -> dict:
-    """The stages' trees (spmd_state's) as the stacked buffers, stage k's row on device k."""
-    rows = [
-      flatten(lay, jax.tree.map(np.asarray, st), self.widths, np) for lay, st in zip(self.layouts, state)
-    ]
-    return {n: jax.device_put(np.stack([r[n] for r in rows]), self.sharded) for n in self.widths}
-
-  def state(self, bufs: dict) -> list[dict]:
-    """The stages' trees out of the buffers (host copies)."""
-    host = {n: np.asarray(v) for n, v in bufs.items()}
-    return [unflatten(lay, {n: host[n][k] for n in host}) for k, lay in enumerate(self.layouts)]
 
   def run(self, bufs, t0: int, t_hi: int, xs, ys, num_batches: int):
     """Ticks [t0, t_hi) (t_hi - t0 <= ticks), one dispatch. Returns (bufs, the last stage's per-unit
@@ -378,3 +391,212 @@ def losses_of(outs) -> list:
 def supported(method: str) -> bool:
   """Whether `method` runs as the program: a tick method whose links are a pipeline's."""
   return methods.get(method).step == methods.TICK
+
+
+# ----------------------------------------------------------------------------------------------------
+# The flush methods (GPipe, 1F1B, ZB-H1) as one program.
+
+
+def flush_state(stages, state: list[dict], table, x_micro) -> tuple[list[dict], list]:
+  """Stage k's tree for a flush program: its parameters, optimizer and model state (one_device's),
+  the step's gradient sum and (loss, acc) sums, and the rings its ops hand each other (flush.py):
+  the forward's kept activations (GPipe: its input and the model state it saw, then the B's kept
+  activations), B's output cotangents for W, the last stage's logits, and the incoming links'.
+  Each ring has the slots its timetable keeps live at once (flush.slots). Returns (the trees, each
+  stage's pipemare plan at the micro-batch's shapes)."""
+  from ripples_jax.pipeline import flush, pipemare
+
+  out, plans, K = [], [], len(stages)
+  x = jax.ShapeDtypeStruct(x_micro.shape, x_micro.dtype)
+  for k, (stage, st) in enumerate(zip(stages, state)):
+    spec = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+    plan = pipemare.make_plan(stage, spec(st["params"]), spec(st["model_state"]), x)
+    plans.append(plan)
+    (y, _), kept = jax.eval_shape(
+      lambda p, ms, x: pipemare.forward(plan, p, ms, x), st["params"], st["model_state"], x
+    )
+    _, saved = jax.eval_shape(lambda p, kp, c: flush.backward_input(plan, p, kp, c), st["params"], kept, y)
+    Fu, Bu, Wu = (table.when(k, kind) for kind in (flush.F, flush.B, flush.W))
+    ring = lambda n, tree: jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), tree)
+    held = flush.slots(Bu if table.method == "gpipe" else Fu, Wu, False)
+    new = {
+      "params": st["params"],
+      "opt_state": st["opt_state"],
+      "model_state": st["model_state"],
+      "grads": jax.tree.map(jnp.zeros_like, st["params"]),
+      "sums": jnp.zeros((2,), jnp.float32),
+      "kept": ring(held, kept),
+      "saved": ring(flush.slots(Bu, Wu, False), saved),
+    }
+    if table.method == "gpipe":  # its input and model state from F to B (rematerialisation)
+      new["inputs"] = ring(flush.slots(Fu, Bu, False), (x, st["model_state"]))
+    if k == K - 1:
+      new["logits"] = ring(flush.slots(Fu, Bu, False), y)
+    if k > 0:
+      new["up_ring"] = ring(flush.slots(table.when(k - 1, flush.F), Fu, True), x)
+    if k < K - 1:
+      new["down_ring"] = ring(flush.slots(table.when(k + 1, flush.B), Bu, True), y)
+    out.append(new)
+    x = jax.ShapeDtypeStruct(y.shape, y.dtype)
+  return out, plans
+
+
+def _get(ring, m):
+  return jax.tree.map(lambda r: r[m % r.shape[0]], ring)
+
+
+def _put(ring, m, value):
+  return jax.tree.map(lambda r, v: r.at[m % r.shape[0]].set(v), ring, value)
+
+
+class FlushProgram(_Stacked):
+  """GPipe, 1F1B or ZB-H1 (flush.py) as one program over `devices`: a step is the timetable's units
+  (a scan; in each, every stage runs its op, then one hop up and one down), then every stage's
+  update (the flush); a dispatch is a scan over `steps` steps, one compile for any number of them.
+
+  bufs = program.place(program.initial)                  (initial: flush_state of one_device's state)
+  bufs, sums = program.run(bufs, xs, ys, n)              xs: (steps, M, b / M, ...), ys: (steps, M, b / M)
+  sums[i] = (loss, acc) of step i (the micro-batches' mean), for the first n steps (the rest skipped)."""
+
+  def __init__(
+    self, stages, optimizer, method: str, state: list[dict], devices, microbatches: int, steps: int
+  ):
+    from ripples_jax.pipeline import flush
+
+    self.method, self.M, self.steps = method, microbatches, steps
+    x0 = state[0]["in_ring"][0]
+    if x0.shape[0] % microbatches:
+      raise ValueError(f"microbatches={microbatches} must divide the batch of {x0.shape[0]}")
+    self.table = flush.timetable(method, len(stages), microbatches)
+    self.initial, self.plans = flush_state(stages, state, self.table, x0[: x0.shape[0] // microbatches])
+    links = [st["up_ring"].shape[1:] for st in self.initial[1:]]
+    self._setup(self.initial, links, {str(st["up_ring"].dtype) for st in self.initial[1:]}, devices)
+    ops = [self._stage_ops(stages[k], optimizer, k) for k in range(self.K)]
+    arrivals = [self._stage_arrivals(k) for k in range(self.K)]
+    updates = [self._stage_update(optimizer, k) for k in range(self.K)]
+    self._run = self._compile(ops, arrivals, updates)
+
+  def _stage_ops(self, stage, optimizer, k: int):
+    """Stage k's op of unit u: idle, F, B or W on the timetable's micro-batch."""
+    from ripples_jax import losses
+    from ripples_jax.models import apply_model
+    from ripples_jax.pipeline import flush, pipemare
+
+    lay, K, M, gpipe = self.layouts[k], self.K, self.M, self.method == "gpipe"
+    last, zero = k == K - 1, jnp.zeros((self.msg_width,), self.msg_dtype)
+    plan = self.plans[k]
+    op_col, mb_col = jnp.asarray(self.table.op[:, k]), jnp.asarray(self.table.mb[:, k])
+
+    def fwd(st, m, xs, ys):
+      x = xs[m] if k == 0 else _get(st["up_ring"], m)
+      ms = st["model_state"]
+      if gpipe:  # keeps only its input (and the model state it saw): B runs the forward again
+        st = dict(st, inputs=_put(st["inputs"], m, (x, ms)))
+        y, new_ms = apply_model(stage, st["params"], ms, x, train=True)
+      else:
+        (y, new_ms), kept = pipemare.forward(plan, st["params"], ms, x)
+        st = dict(st, kept=_put(st["kept"], m, kept))
+        if last:
+          st["logits"] = _put(st["logits"], m, y)
+      return dict(st, model_state=new_ms), (zero if last else self._msg(y)), zero
+
+    def bwd(st, m, xs, ys):
+      if gpipe:
+        x, ms = _get(st["inputs"], m)
+        (logits, _), kept = pipemare.forward(plan, st["params"], ms, x)
+        st = dict(st, kept=_put(st["kept"], m, kept))
+      else:
+        kept = _get(st["kept"], m)
+        logits = _get(st["logits"], m) if last else None
+      if last:  # the micro-batch's mean loss; its gradient is the cotangent B starts from
+        loss_fn = lambda z: losses.cross_entropy(z, ys[m])
+        loss, cot = jax.value_and_grad(loss_fn)(logits)
+        acc = losses.accuracy(logits, ys[m])
+        st = dict(st, sums=st["sums"] + jnp.stack([loss, acc]).astype(jnp.float32) / M)
+      else:
+        cot = _get(st["down_ring"], m)
+      g_x, saved = flush.backward_input(plan, st["params"], kept, cot)
+      # Stage 0 sends nothing down: XLA drops its input gradient (the cotangents W needs remain).
+      return dict(st, saved=_put(st["saved"], m, saved)), zero, (zero if k == 0 else self._msg(g_x))
+
+    def wgt(st, m, xs, ys):
+      g = flush.backward_weights(plan, st["params"], _get(st["kept"], m), _get(st["saved"], m))
+      return dict(st, grads=jax.tree.map(lambda a, b: a + b / M, st["grads"], g)), zero, zero
+
+    def idle(st, m, xs, ys):
+      return st, zero, zero
+
+    def unit(bufs, u, xs, ys):
+      st, up, down = jax.lax.switch(op_col[u], [idle, fwd, bwd, wgt], unflatten(lay, bufs), mb_col[u], xs, ys)
+      return flatten(lay, st, self.widths), up, down
+
+    return unit
+
+  def _stage_arrivals(self, k: int):
+    from ripples_jax.pipeline import flush
+
+    K, write = self.K, self._ring_writer(k)
+    op, mb = jnp.asarray(self.table.op), jnp.asarray(self.table.mb)
+
+    def arrive(bufs, up, down, u):
+      if k > 0:
+        bufs = write(bufs, "up_ring", up, op[u, k - 1] == flush.F, mb[u, k - 1])
+      if k < K - 1:
+        bufs = write(bufs, "down_ring", down, op[u, k + 1] == flush.B, mb[u, k + 1])
+      return bufs
+
+    return arrive
+
+  def _stage_update(self, optimizer, k: int):
+    """The flush: stage k's update from the step's summed gradients, the sums zeroed."""
+    import optax
+
+    lay = self.layouts[k]
+
+    def update(bufs):
+      st = unflatten(lay, bufs)
+      updates, opt_state = optimizer.update(st["grads"], st["opt_state"], st["params"])
+      st = dict(
+        st,
+        params=optax.apply_updates(st["params"], updates),
+        opt_state=opt_state,
+        grads=jax.tree.map(jnp.zeros_like, st["grads"]),
+        sums=jnp.zeros_like(st["sums"]),
+      )
+      return flatten(lay, st, self.widths), unflatten(lay, bufs)["sums"]
+
+    return update
+
+  def _compile(self, ops, arrivals, updates):
+    K, units = self.K, self.table.units
+    up_perm, down_perm = [(k, k + 1) for k in range(K - 1)], [(k + 1, k) for k in range(K - 1)]
+
+    def one_step(bufs, xs, ys):
+      k = jax.lax.axis_index(AXIS)
+
+      def unit(bufs, u):
+        bufs, up, down = jax.lax.switch(k, ops, bufs, u, xs, ys)
+        up, down = jax.lax.ppermute(up, AXIS, up_perm), jax.lax.ppermute(down, AXIS, down_perm)
+        return jax.lax.switch(k, arrivals, bufs, up, down, u), None
+
+      bufs, _ = jax.lax.scan(unit, bufs, jnp.arange(units))
+      return jax.lax.switch(k, updates, bufs)
+
+    def per_device(bufs, xs, ys, n):
+      bufs = {name: v[0] for name, v in bufs.items()}
+
+      def step(bufs, i):
+        skip = lambda b: (b, jnp.zeros((2,), jnp.float32))
+        return jax.lax.cond(i < n, lambda b: one_step(b, xs[i], ys[i]), skip, bufs)
+
+      bufs, sums = jax.lax.scan(step, bufs, jnp.arange(self.steps))
+      return {name: v[None] for name, v in bufs.items()}, sums[None]
+
+    return self._shard(per_device, 3, 1)
+
+  def run(self, bufs, xs, ys, n: int):
+    """The first n of `steps` steps on xs (steps, b, ...) and ys (steps, b): (bufs, sums of the last
+    stage: (steps, 2) device arrays)."""
+    split = lambda a: a.reshape((a.shape[0], self.M, a.shape[1] // self.M) + a.shape[2:])
+    bufs, sums = self._run(bufs, split(jnp.asarray(xs)), split(jnp.asarray(ys)), jnp.asarray(n, jnp.int32))
+    return bufs, sums[self.K - 1]
