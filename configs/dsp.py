@@ -51,7 +51,7 @@ def get_config(arg=None):
   # also: fused (one forward call over the new and the replayed batch),
   # residuals (the forward's vjp residuals kept: no recompute; stash's numerics)
   c.delay = arg.delay  # d_k of every link (DSP); 0 makes DSP equal BP
-  c.microbatches = arg.microbatches  # GPipe's M
+  c.microbatches = arg.microbatches  # GPipe's, 1F1B's and ZB-H1's M
   c.chunks = 1  # every tick method's backward (recompute, stash, PipeMare's, residual calls;
   # model-parallel bp per_process) over this many chunks of the batch in turn; same numerics up to
   # float order, faster per example on a CPU (cache); not with a model state (BatchNorm)
@@ -59,7 +59,9 @@ def get_config(arg=None):
   # (profiled once per machine, cached; a run's split is pinned in WORKDIR/split.json) | macs
   c.placement = "one_device"  # one_device (one process, one jitted tick) | devices (stage k on
   # device k of this process: the tick methods) | per_process (stage k in process k:
-  # experiments.launch --module=experiments.train_dsp)
+  # experiments.launch --module=experiments.train_dsp) | spmd (the whole pipeline as one jitted
+  # program over a stage axis of this process's devices: pipeline/program.py)
+  c.spmd_ticks = 32  # placement=spmd: ticks (flush methods: steps) a dispatch runs, one lax.scan
   c.seed = 0  # parameters and data order
 
   c.dataset = arg.dataset  # mnist1d | digits | cifar10 | synthetic

@@ -113,7 +113,14 @@ def manager(
   return mgr
 
 
+def _sized(tree):
+  """The tree with its empty arrays as None: orbax refuses to save an array of zero size (PipeMare's
+  stages below the last hold an empty input ring); restore puts them back from `like`."""
+  return jax.tree.map(lambda a: None if getattr(a, "size", 1) == 0 else a, tree)
+
+
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
+  state = _sized(state)
   item = (
     ocp.args.PyTreeSave(state) if getattr(mgr, "ripples_per_process", False) else ocp.args.StandardSave(state)
   )
@@ -124,14 +131,18 @@ def restore(mgr: ocp.CheckpointManager, step: int, like):
   """(state with the structure, shapes, dtypes and shardings of `like`, meta)."""
   target = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a,
-    like,
+    _sized(like),
   )
   if getattr(mgr, "ripples_per_process", False):
     item = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
   else:
     item = ocp.args.StandardRestore(target)
   out = mgr.restore(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
-  return out["state"], out["meta"]
+  empty = lambda a: getattr(a, "size", 1) == 0
+  leaves, treedef = jax.tree.flatten(like)
+  got = iter(jax.tree.leaves(out["state"]))
+  state = jax.tree.unflatten(treedef, [a if empty(a) else next(got) for a in leaves])
+  return state, out["meta"]
 
 
 def restorable_steps(mgr: ocp.CheckpointManager) -> list[int]:

@@ -659,7 +659,7 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
       "recompute or stash unless placement=per_process (the fused call and the "
       "residual ring exist in the multi-process runtime)",
     )
-  elif config.placement == "devices":
+  elif config.placement in ("devices", "spmd"):
     _check_devices(config, local_devices)
     _check_chunks(config)
   else:
@@ -667,24 +667,28 @@ def _check_dsp_placement(config, num_processes: int, local_devices: int | None =
 
 
 def _check_devices(config, local_devices: int | None) -> None:
-  """placement=devices: a method that runs there (a tick method or gpipe), and a device of this process
-  per stage."""
+  """placement=devices or spmd: a method that runs there, and a device of this process per stage."""
   import jax
 
-  if "devices" not in methods.get(config.method).placements:
-    whole = " and ".join(m for m in methods.names() if m not in methods.names("devices"))
+  where = config.placement
+  if where not in methods.get(config.method).placements:
+    whole = " and ".join(m for m in methods.names() if m not in methods.names(where))
+    how = {
+      "devices": "its stages are programs of their own, one device each",
+      "spmd": "one program over a stage axis, one device a stage",
+    }[where]
     _fail(
       "method",
       config.method,
-      f"one of {', '.join(methods.names('devices'))} with placement=devices (its stages are programs of "
-      f"their own, one device each); {whole} are whole-model steps: placement=one_device",
+      f"one of {', '.join(methods.names(where))} with placement={where} ({how}); {whole} run with "
+      "placement=one_device",
     )
   n = jax.local_device_count() if local_devices is None else local_devices
   if config.num_stages > n:
     _fail(
       "num_stages",
       config.num_stages,
-      f"at most the {n} devices of this process with placement=devices (one device per stage; on "
+      f"at most the {n} devices of this process with placement={where} (one device per stage; on "
       "the CPU, --cpu_devices sets their number)",
     )
 
@@ -836,6 +840,11 @@ def validate_dsp_config(config, num_processes: int = 1, local_devices: int | Non
   if methods.get(config.method).microbatched and config.batch_size % config.microbatches:
     _fail("microbatches", config.microbatches, f"a divisor of batch_size={config.batch_size}")
   _int_in(config, "delay", 0, 64, "an integer number of ticks in [0, 64]")
+  if config.placement == "spmd":
+    if "spmd_ticks" in config:
+      _positive_int(config, "spmd_ticks")
+    if config.method == "dsp" and config.delay == 0:
+      _fail("delay", 0, "an integer >= 1 with placement=spmd (delay 0 is model-parallel BP, not a pipeline)")
   if config.dataset == "cifar10" and not config.data_dir:
     _fail("data_dir", config.data_dir, "cifar10 needs the directory holding data_batch_1..5 and test_batch")
   _check_optimizer(config)

@@ -39,7 +39,7 @@ def _dsp_variants():
     for method in methods.names(placement):
       arg = f"method={method}"
       kwargs = {"num_processes": 2 if placement == "per_process" else 1}
-      if placement == "devices":
+      if placement in ("devices", "spmd"):
         kwargs["local_devices"] = 8  # the document must not depend on this machine's devices
       yield {"placement": placement, "method": method}, arg, {"placement": placement, **kwargs}
 

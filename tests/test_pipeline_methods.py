@@ -28,7 +28,14 @@ def config_of(name, placement="one_device"):
 
 def test_records_are_consistent():
   assert len(set(NAMES)) == len(NAMES) and NAMES == tuple(methods.BY_NAME)
-  shapes = (methods.SEQUENTIAL, methods.FLUSH, methods.GLOBAL_STEP, methods.ONE_F_ONE_B, methods.UNLOCKED)
+  shapes = (
+    methods.SEQUENTIAL,
+    methods.FLUSH,
+    methods.SCHEDULED,
+    methods.GLOBAL_STEP,
+    methods.ONE_F_ONE_B,
+    methods.UNLOCKED,
+  )
   for m in methods.REGISTRY:
     assert m.placements and set(m.placements) <= set(methods.PLACEMENTS), m
     assert set(m.ticks_in) <= set(m.placements), m

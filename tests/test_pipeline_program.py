@@ -227,3 +227,32 @@ def test_flush_programs_on_a_resnet_with_batchnorm(data):
       for key in ("params", "model_state"):
         for a, b in zip(jax.tree.leaves(g[key]), jax.tree.leaves(w[key])):
           np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=method)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["pipedream", "zbh1"])
+def test_a_spmd_run_records_what_the_one_device_run_records(tmp_path, method):
+  """experiments.train_dsp's loop with placement=spmd (dispatches read back at records only) against
+  placement=one_device: the same records (train loss, test accuracy and loss at every eval), the
+  tick methods bit for bit, a flush method to float tolerance (BP's step with micro-batches)."""
+  import json
+
+  from configs import dsp as dsp_config
+  from ripples_jax import run as run_lib
+
+  got = {}
+  for placement in ("one_device", "spmd"):
+    c = dsp_config.get_config(f"method={method},num_stages=2,dataset=synthetic,model=mlp,epochs=1")
+    c.batch_size, c.log_every, c.eval_every, c.spmd_ticks, c.placement = 32, 2, 4, 3, placement
+    c.split = "macs"
+    run_lib.train_and_evaluate(c, str(tmp_path / placement))
+    got[placement] = [json.loads(line) for line in open(tmp_path / placement / "metrics.jsonl")]
+  one, spmd = got["one_device"], got["spmd"]
+  assert [r["step"] for r in spmd] == [r["step"] for r in one] == list(range(2, 17, 2))
+  for a, b in zip(one, spmd):
+    assert set(a) == set(b)
+    for key in ("train_loss", "test_accuracy", "test_loss"):
+      if key in a and method == "pipedream":
+        assert b[key] == a[key], (key, a["step"])
+      elif key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5)

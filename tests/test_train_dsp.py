@@ -58,7 +58,7 @@ BAD = [
   (
     "method",
     "pipedream_2bw",
-    "config.method: 'pipedream_2bw' is not allowed: one of bp, gpipe, ddg, pipedream, pipemare, fr, dni, dsp",
+    "config.method: 'pipedream_2bw' is not allowed: one of bp, gpipe, 1f1b, zbh1, ddg, pipedream, pipemare, fr, dni, dsp",
   ),
   ("num_stages", 5, "config.num_stages: 5 is not allowed: cnn1d splits into at most 4 stages"),
   ("microbatches", 5, "config.microbatches: 5 is not allowed: a divisor of batch_size=64"),

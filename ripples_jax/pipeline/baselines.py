@@ -71,16 +71,18 @@ def make_bp_step(stages, optimizer):
   return step
 
 
-def make_gpipe_step(stages, optimizer, microbatches: int):
+def make_gpipe_step(stages, optimizer, microbatches: int, remat: bool = True):
   """GPipe: M micro-batches through the K stages, stage outputs rematerialised in the backward,
-  gradients accumulated, one update per stage after the flush. Numerically BP on the full batch."""
+  gradients accumulated, one update per stage after the flush. Numerically BP on the full batch.
+  remat=False: the activations kept (1F1B, ZB-H1 in one process: their numerics, flush.py)."""
 
   def loss_fn(params_K, model_state_K, x, y):
     h = x
     new_ms = []
     for stage, p, ms in zip(stages, params_K, model_state_K):
       # Rematerialisation: keep only stage boundaries; recompute the inside in the backward.
-      h, ms = jax.checkpoint(lambda p, ms, h, stage=stage: apply_model(stage, p, ms, h, train=True))(p, ms, h)
+      fwd = lambda p, ms, h, stage=stage: apply_model(stage, p, ms, h, train=True)
+      h, ms = (jax.checkpoint(fwd) if remat else fwd)(p, ms, h)
       new_ms.append(ms)
     return losses.cross_entropy(h, y), (new_ms, losses.accuracy(h, y))
 
@@ -263,6 +265,10 @@ def _gpipe_step(stages, optimizer, config, num_batches):
   return _per_batch(make_gpipe_step(stages, optimizer, config.microbatches))
 
 
+def _flush_step(stages, optimizer, config, num_batches):
+  return _per_batch(make_gpipe_step(stages, optimizer, config.microbatches, remat=False))
+
+
 def _init_dni(stages, optimizer, config, rng, sample_x, num_classes):
   return init_dni(stages, optimizer, optax.sgd(config.dni_lr), rng, sample_x, num_classes)
 
@@ -284,6 +290,7 @@ STEPS = {
   methods.TICK: (_init_tick, _tick_step),
   "bp": (_init_whole, _bp_step),
   "gpipe": (_init_whole, _gpipe_step),
+  "flush": (_init_whole, _flush_step),
   "dni": (_init_dni, _dni_step),
 }
 # name: (init_fn, step_fn) in one process, in the registry's order.

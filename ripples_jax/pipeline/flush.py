@@ -177,7 +177,10 @@ def backward_input(plan, params, kept, cotangent):
     out_ct = [ct.pop(o, None) for o in e.outs]
     vals = _vals(plan, env, e)
     if _diff(plan, e, pipemare.W):
-      saved[i] = [c if c is not None else jnp.zeros(plan.aval[o].shape, plan.aval[o].dtype) for c, o in zip(out_ct, e.outs)]
+      saved[i] = [
+        c if c is not None else jnp.zeros(plan.aval[o].shape, plan.aval[o].dtype)
+        for c, o in zip(out_ct, e.outs)
+      ]
     acts = _diff(plan, e, pipemare.A)
     if acts:
       for j, g in zip(acts, _vjp_of(e, vals, acts, out_ct)):

@@ -19,8 +19,10 @@ the pipeline package (and the validator below it) may read it.
 import dataclasses
 
 # one_device: every stage in this process, one jitted tick; devices: stage k on device k of this process
-# (pipeline/devices.py); per_process: stage k in process k (pipeline/per_process.py, under the launcher).
-PLACEMENTS = ("one_device", "devices", "per_process")
+# (pipeline/devices.py); per_process: stage k in process k (pipeline/per_process.py, under the launcher);
+# spmd: the whole pipeline as one jitted program over a stage axis of this process's devices
+# (pipeline/program.py).
+PLACEMENTS = ("one_device", "devices", "per_process", "spmd")
 # A record's step: TICK runs a link schedule on DSP's tick (tick.make_tick, and per stage on devices and
 # in processes); any other is a whole-model step of its own, named in baselines.STEPS.
 TICK = "tick"
@@ -32,6 +34,8 @@ RECOMPUTING = ("recompute", "stash", "fused")
 # How a method's stages overlap in the timing model (timing.iteration_time, simulate):
 SEQUENTIAL = "sequential"  # one batch through the stages in turn, nothing overlaps: sum_k (F_k + B_k)
 FLUSH = "flush"  # M micro-batches up, then down, then a flush (timing.gpipe_iteration)
+# A flush whose stages run flush.py's op order: 1F1B, ZB-H1 (timing.scheduled_iteration).
+SCHEDULED = "scheduled"
 GLOBAL_STEP = "global_step"  # a locked forward, then every stage's backward at once: sum F + max work
 ONE_F_ONE_B = "1f1b"  # stage k: the forward of batch t, then the backward of batch t-(K-1-k)
 UNLOCKED = "unlocked"  # forward, backward and update locks broken: every stage busy every tick
@@ -79,7 +83,7 @@ class Method:
   @property
   def microbatched(self) -> bool:
     """Its step runs config.microbatches micro-batches of the batch (a flush)."""
-    return self.iteration == FLUSH
+    return self.iteration in (FLUSH, SCHEDULED)
 
 
 _ONE_TICK_BACK = (0, 1)  # a locked forward, error gradients one tick late
@@ -97,6 +101,10 @@ REGISTRY = (
     process_ring="residuals",
   ),
   Method("gpipe", "GPipe", "gpipe", FLUSH, remat=True),
+  # Synchronous flush pipelines with stored activations: BP on the whole batch in one process (step
+  # "flush"), flush.py's op orders in the program.
+  Method("1f1b", "1F1B", "flush", SCHEDULED, placements=("one_device", "spmd")),
+  Method("zbh1", "ZB-H1", "flush", SCHEDULED, placements=("one_device", "spmd")),
   Method(
     "ddg", "DDG", TICK, GLOBAL_STEP, KEPT, delays=_ONE_TICK_BACK, ring="stash", process_ring="residuals"
   ),

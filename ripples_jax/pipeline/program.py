@@ -229,9 +229,16 @@ class _Stacked:
     return {n: jax.device_put(np.stack([r[n] for r in rows]), self.sharded) for n in self.widths}
 
   def state(self, bufs: dict) -> list[dict]:
-    """The stages' trees out of the buffers (host copies)."""
-    host = {n: np.asarray(v) for n, v in bufs.items()}
-    return [unflatten(lay, {n: host[n][k] for n in host}) for k, lay in enumerate(self.layouts)]
+    """The stages' trees out of the buffers (jax arrays, stage k's on device k: copies, so the
+    buffers may be donated to the next dispatch)."""
+    rows = {
+      n: [
+        jnp.array(shard.data[0])
+        for shard in sorted(v.addressable_shards, key=lambda s: s.index[0].start or 0)
+      ]
+      for n, v in bufs.items()
+    }
+    return [unflatten(lay, {n: rows[n][k] for n in rows}) for k, lay in enumerate(self.layouts)]
 
 
 class Program(_Stacked):
@@ -378,6 +385,10 @@ class Program(_Stacked):
       outs.append(out)
     return bufs, outs
 
+  @staticmethod
+  def losses(outs) -> list:
+    return losses_of(outs)
+
 
 def losses_of(outs) -> list:
   """(tick, loss, acc) of each backward the last stage ran, from Program.advance's outputs."""
@@ -388,9 +399,18 @@ def losses_of(outs) -> list:
   return got
 
 
-def supported(method: str) -> bool:
-  """Whether `method` runs as the program: a tick method whose links are a pipeline's."""
-  return methods.get(method).step == methods.TICK
+def build(stages, optimizer, config, state: list[dict], schedule, devices=None, per_dispatch: int = 0):
+  """The program of config.method (placement=spmd): (program, its initial trees). `state` is the
+  method's one-device init (baselines.METHODS); a tick method gets Program over `schedule`, a flush
+  method (gpipe, 1f1b, zbh1) FlushProgram. `per_dispatch` (0: config.spmd_ticks) ticks or steps a
+  dispatch."""
+  devices = list(devices if devices is not None else jax.local_devices())[: config.num_stages]
+  n = per_dispatch or config.spmd_ticks
+  if methods.get(config.method).runs_tick("spmd"):
+    trees = spmd_state(state, timetable(schedule))
+    return Program(stages, optimizer, schedule, trees, devices, ticks=n), trees
+  prog = FlushProgram(stages, optimizer, config.method, state, devices, config.microbatches, steps=n)
+  return prog, prog.initial
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -593,6 +613,27 @@ class FlushProgram(_Stacked):
       return {name: v[None] for name, v in bufs.items()}, sums[None]
 
     return self._shard(per_device, 3, 1)
+
+  def advance(self, bufs, t0: int, t_end: int, x_of, labels_of, num_batches: int):
+    """Steps (batches) [t0, t_end) in dispatches of `steps`, Program.advance's signature: (bufs,
+    [(first step, steps run, sums)] for losses)."""
+    del num_batches
+    outs = []
+    for t in range(t0, t_end, self.steps):
+      span, n = range(t, t + self.steps), min(self.steps, t_end - t)
+      bufs, sums = self.run(
+        bufs, np.stack([x_of(i) for i in span]), np.stack([labels_of(i) for i in span]), n
+      )
+      outs.append((t, n, sums))
+    return bufs, outs
+
+  @staticmethod
+  def losses(outs) -> list:
+    """(step, loss, acc) of every step the outputs cover."""
+    got = []
+    for t, n, sums in outs:
+      got += [(t + i, float(loss), float(acc)) for i, (loss, acc) in enumerate(np.asarray(sums)[:n])]
+    return got
 
   def run(self, bufs, xs, ys, n: int):
     """The first n of `steps` steps on xs (steps, b, ...) and ys (steps, b): (bufs, sums of the last

@@ -40,7 +40,7 @@ import numpy as np
 
 from ripples_jax.models import apply_model
 from ripples_jax.pipeline import methods as methods_lib
-from ripples_jax.pipeline.methods import FLUSH, ONE_F_ONE_B, SEQUENTIAL, UNLOCKED
+from ripples_jax.pipeline.methods import FLUSH, ONE_F_ONE_B, SCHEDULED, SEQUENTIAL, UNLOCKED
 
 # Each method's shape is its record's (pipeline/methods.py): `iteration` as published, `runtime` as the
 # per-process runtime runs it, `backward` the work of its decoupled backward.
@@ -115,6 +115,47 @@ def gpipe_iteration(f, b, microbatches=4, remat=True):
   return float(tb[:k_count, -1].max())
 
 
+# The share of a stage's backward that is W (its weight gradients) in scheduled_iteration: a dense or
+# convolutional layer's backward is two products of a forward's size, one for the input's gradient (B)
+# and one for the weights' (W).
+W_SHARE = 0.5
+
+
+def scheduled_iteration(method, f, b, microbatches=4, w_share=W_SHARE):
+  """One step of a flush pipeline that runs flush.py's op orders (1f1b, zbh1; gpipe with its
+  recompute), each op as soon as its stage is free and its inputs arrived: F_k = f_k / M, B_k =
+  (1 - w_share) b_k / M (GPipe's: + F_k), W_k = w_share b_k / M. The step ends at its last op."""
+  from ripples_jax.pipeline import flush
+
+  f, b = np.asarray(f, np.float64), np.asarray(b, np.float64)
+  K, M = f.size, int(microbatches)
+  cost = {
+    flush.F: f / M,
+    flush.B: (1 - w_share) * b / M + (f / M if method == "gpipe" else 0),
+    flush.W: w_share * b / M,
+  }
+  orders = [flush.stage_order(method, K, M, k) for k in range(K)]
+  above = flush.W if method == "1f1b" else flush.B
+  end, free, pos = {}, np.zeros(K), [0] * K
+  while any(p < len(o) for p, o in zip(pos, orders)):
+    moved = False
+    for k in range(K):
+      if pos[k] == len(orders[k]):
+        continue
+      kind, m = orders[k][pos[k]]
+      deps = {
+        flush.F: [(k - 1, flush.F, m)] if k else [],
+        flush.B: [(k, flush.F, m)] + ([(k + 1, above, m)] if k < K - 1 else []),
+        flush.W: [(k, flush.B, m)],
+      }[kind]
+      if all(d in end for d in deps):
+        start = max([free[k]] + [end[d] for d in deps])
+        end[(k, kind, m)] = free[k] = start + cost[kind][k]
+        pos[k], moved = pos[k] + 1, True
+    assert moved, "flush order deadlocked"
+  return float(free.max())
+
+
 def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True, predictor_K=None) -> float:
   """Seconds per batch in steady state, equal or unequal stages."""
   shape = _record(method).iteration
@@ -123,6 +164,8 @@ def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True
     return float((f + b).sum())
   if shape == FLUSH:
     return gpipe_iteration(f, b, microbatches, remat)
+  if shape == SCHEDULED:
+    return scheduled_iteration(method, f, b, microbatches)
   if shape == UNLOCKED:
     return float(backward_work(method, f, b, p, fused).max())
   if shape == ONE_F_ONE_B:
@@ -191,10 +234,13 @@ def simulate(
   out = np.empty(n)
   if shape == SEQUENTIAL:
     return np.cumsum(fac @ (f + b))
-  if shape == FLUSH:
+  if shape in (FLUSH, SCHEDULED):
     end = 0.0
     for t in range(n):
-      end += gpipe_iteration(f * fac[t], b * fac[t], microbatches, remat)
+      if shape == FLUSH:
+        end += gpipe_iteration(f * fac[t], b * fac[t], microbatches, remat)
+      else:
+        end += scheduled_iteration(method, f * fac[t], b * fac[t], microbatches)
       out[t] = end
     return out
   if shape == UNLOCKED:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ripples_jax.pipeline import baselines, devices, methods, tick, timing
+from ripples_jax.pipeline import baselines, devices, methods, program, tick, timing
 from ripples_jax.pipeline import inputs as pipeline_inputs
 from ripples_jax.runlog import RunLog, make_workdir
 
@@ -128,6 +128,38 @@ def _loop(log, config, run, state, cursor: Loop):
   return settle(state), clock()
 
 
+def _next_record(config, done: int, n: int) -> int:
+  """The first batch count after `done` that the loop records (log_every, eval_every or the end)."""
+  every = [config.log_every, config.eval_every]
+  return min([n] + [(done // e + 1) * e for e in every if e > 0])
+
+
+def _loop_program(log, config, run, prog, bufs, cursor: Loop):
+  """placement=spmd: the program in dispatches from cursor.tick to the end of the drain, read back only
+  at records (pipeline/program.py); returns (bufs, the training seconds)."""
+  n, feed = run["num_batches"], run["feed"]
+  schedule = baselines.schedule_of(config) if methods.get(config.method).runs_tick("spmd") else None
+  drain = schedule.drain_ticks() if schedule else 0
+  offset = schedule.offsets[-1] if schedule else 0
+  eval_s, t = cursor.eval_s, cursor.tick
+  t0 = time.perf_counter() - cursor.time
+  clock = lambda: time.perf_counter() - t0 - (eval_s - cursor.eval_s)
+  while t < n + drain:
+    done = _next_record(config, max(t + 1 - drain, 0), n)
+    end = done + drain
+    bufs, outs = prog.advance(bufs, t, end, feed.x, feed.labels, n)
+    t = end
+    jax.block_until_ready(bufs)  # the training this record covers is done before the clock reads
+    elapsed, e0 = clock(), time.perf_counter()
+    losses = [loss for tick_, loss, _ in prog.losses(outs) if 0 <= tick_ - offset < n]
+    state = prog.state(bufs)
+    scalars = _scalars(config, run, state, done, losses)
+    eval_s += time.perf_counter() - e0
+    log.record(done, elapsed, **scalars)
+    log.checkpoint(done, state, dataclasses.asdict(Loop(tick=t, time=clock(), eval_s=eval_s)), force=done == n)
+  return bufs, clock()
+
+
 def _setup(config, workdir: str | None = None):
   """Data, stages, optimizer and the method's (init_fn, step_fn), before any compile (with a workdir,
   the split the run first used: pipeline_inputs.split_stages)."""
@@ -144,6 +176,7 @@ def _setup(config, workdir: str | None = None):
     "feed": p.feed,
     "step": step_fn(p.stages, p.optimizer, config, p.num_batches),
     "evaluate": baselines.make_eval(p.stages),
+    "optimizer": p.optimizer,
     "test": jax.device_put((p.data["x_test"], p.data["y_test"])),
   }
   if "x_val" in p.data:
@@ -159,6 +192,9 @@ def run(config, workdir: str | None = None) -> dict:
   run["times"] = times = _model_times(config, stages, state, run["feed"].sample)
   if config.placement == "devices":  # after the stage timings, which run the stages on one device
     state = devices.place(state, devices.stage_devices(config.num_stages))
+  prog = None
+  if config.placement == "spmd":  # the state becomes the program's trees, stacked on the stage axis
+    prog, state = program.build(stages, run["optimizer"], config, state, baselines.schedule_of(config))
   n = run["num_batches"]
   with RunLog(workdir, config, total_steps=n) as log:
     got = log.restore(state)
@@ -166,10 +202,14 @@ def run(config, workdir: str | None = None) -> dict:
     if got is not None:
       _, state, saved = got
       cursor = Loop(**saved)
-    state, seconds = _loop(log, config, run, state, cursor)
+    if prog is None:
+      state, seconds = _loop(log, config, run, state, cursor)
+    else:
+      bufs, seconds = _loop_program(log, config, run, prog, prog.place(state), cursor)
+      state = prog.state(bufs)
     schedule = baselines.schedule_of(config)
     # A synthetic gradient's predictors are no kind of the tick's stored state: not counted.
-    counted = methods.get(config.method).backward != methods.SYNTHETIC
+    counted = methods.get(config.method).backward != methods.SYNTHETIC and "in_ring" in state[0]
     return log.finish(
       time=seconds,
       worker_steps=[n],
