@@ -6,6 +6,9 @@ r"""Pipeline methods timed for real, every one against the best single-process B
 
 --placement=devices: the stages on the devices of this one process instead (benchmarks/
 pipeline_devices.py has what it measures: each tick method against best BP beside its ceiling).
+--placement=spmd: every method as one program (pipeline/program.py), each row a fresh process, the
+rows alternated --reps rounds, against single-device BP and data-parallel BP (benchmarks/
+pipeline_spmd.py has what it measures).
 
 One run of this script, on one model (CNN2D on CIFAR-shaped synthetic data, batch 64), --reps
 repetitions (at least 5 by default), each a full alternation of everything below, the order of the
@@ -94,7 +97,13 @@ STRAGGLER_VARIANTS = ("bp_model_parallel", "gpipe", "dsp", "dsp_weight_stash")
 
 
 def define_flags() -> None:
-  flags.DEFINE_enum("placement", "per_process", ["per_process", "devices"], "Where the stages run.")
+  flags.DEFINE_enum("placement", "per_process", ["per_process", "devices", "spmd"], "Where the stages run.")
+  flags.DEFINE_integer("batch", 64, "placement=spmd: the global batch of every row.")
+  flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"], "placement=spmd: forced CPU devices or the GPUs.")
+  flags.DEFINE_list("hidden", [], "placement=spmd, model=mlp: the hidden widths.")
+  flags.DEFINE_integer("microbatches", 4, "placement=spmd: M of gpipe, 1f1b and zbh1.")
+  flags.DEFINE_integer("per_dispatch", 16, "placement=spmd: ticks (steps) a dispatch.")
+  flags.DEFINE_integer("dispatches", 3, "placement=spmd: timed dispatches a row (after 2 of warm-up).")
   flags.DEFINE_integer("num_stages", 2, "K: stages, one process (or device) each.")
   flags.DEFINE_list(
     "variants", None, "Rows to run (default: every per_process row, or pipeline_devices.DEFAULT)."
@@ -263,8 +272,34 @@ def run_ablations(names: list) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def main_spmd() -> dict:
+  from benchmarks import pipeline_spmd
+
+  base = {
+    "model": FLAGS.model,
+    "input_shape": [int(d) for d in FLAGS.input_shape],
+    "hidden": [int(h) for h in FLAGS.hidden],
+    "num_stages": FLAGS.num_stages,
+    "batch": FLAGS.batch,
+    "microbatches": FLAGS.microbatches,
+    "warmup": 2,
+    "dispatches": FLAGS.dispatches,
+    "per_dispatch": FLAGS.per_dispatch,
+    "platform": FLAGS.platform,
+  }
+  out = pipeline_spmd.measure(
+    base, FLAGS.variants or pipeline_spmd.ROWS, FLAGS.reps, log=lambda m: print(m, flush=True)
+  )
+  out["machine"] = {"cores": len(os.sched_getaffinity(0)), "jax": jax.__version__}
+  print(pipeline_spmd.markdown(out))
+  return out
+
+
 def main(argv):
   del argv
+  if FLAGS.placement == "spmd":  # fresh processes per row: this process never starts a backend
+    write_json(main_spmd())
+    return
   K, names = FLAGS.num_stages, FLAGS.variants or list(VARIANTS)
   base = bench_config(K, FLAGS.model, FLAGS.iterations, tuple(int(d) for d in FLAGS.input_shape))
   if FLAGS.placement == "devices" or FLAGS.ablate:  # whole processes per setting, or one process

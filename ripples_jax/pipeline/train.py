@@ -156,7 +156,9 @@ def _loop_program(log, config, run, prog, bufs, cursor: Loop):
     scalars = _scalars(config, run, state, done, losses)
     eval_s += time.perf_counter() - e0
     log.record(done, elapsed, **scalars)
-    log.checkpoint(done, state, dataclasses.asdict(Loop(tick=t, time=clock(), eval_s=eval_s)), force=done == n)
+    log.checkpoint(
+      done, state, dataclasses.asdict(Loop(tick=t, time=clock(), eval_s=eval_s)), force=done == n
+    )
   return bufs, clock()
 
 
