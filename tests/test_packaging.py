@@ -231,6 +231,8 @@ def runs() -> list[dict]:
       )
   for replicas in (0, 1):
     for placement in PLACEMENTS:
+      if replicas and placement == "spmd":  # the hybrid composes the other placements only
+        continue
       stages = 1 if replicas else 2  # a replica of 1 stage: the hybrid's fewest processes
       o = {**_PIPELINE, "num_stages": stages, "placement": placement}
       if replicas:
