@@ -412,3 +412,19 @@ def test_mnist1d_cache_is_found_without_importing_the_generator(tmp_path, monkey
   assert m1d.cache_path(str(tmp_path), num_samples=123) == first
   with pytest.raises(ImportError):
     m1d.cache_path(str(tmp_path), num_samples=124)  # another set: its digest is not kept yet
+
+
+def test_an_epochs_order_is_drawn_once_and_cannot_be_changed():
+  """batch_indices draws an epoch's permutation once (cached), and the cached order is read-only, so
+  no caller can change the batches every later call sees."""
+  from ripples_jax.data import sharding
+
+  sharding._epoch_perm.cache_clear()
+  shards = [np.arange(1000)]
+  first = [sharding.batch_indices(shards, 10, 3, i) for i in range(5)]
+  assert sharding._epoch_perm.cache_info().misses == 1 and sharding._epoch_perm.cache_info().hits == 4
+  perm = sharding._epoch_perm(3, 0, 0, 1000)
+  with pytest.raises(ValueError):
+    perm[0] = -1
+  np.testing.assert_array_equal(first, [sharding.batch_indices(shards, 10, 3, i) for i in range(5)])
+  np.testing.assert_array_equal(perm, np.random.default_rng([1, 3, 0, 0]).permutation(1000))

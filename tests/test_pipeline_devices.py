@@ -208,3 +208,23 @@ def test_the_dispatch_count_and_the_ceiling_the_benchmark_charges():
   with pytest.raises(ConfigError, match="chunks: 3 is not allowed: a divisor of batch_size"):
     validate_dsp_config(dsp_config(placement="devices", method="pipedream", chunks=3))
   validate_dsp_config(dsp_config(placement="devices", method="pipedream", chunks=4))
+
+
+def test_stage_zero_never_computes_its_input_gradient(data):
+  """Stage 0's backward program returns no input gradient, and XLA then computes none: its compiled
+  flops are fewer than the same backward's that returns it (the tick's stage_backward)."""
+  stages, opt = mlp_stages(2, width=64), optax.sgd(0.1, momentum=0.9)
+  schedule = tick_lib.method_schedule("pipedream", 2)
+  bs = batches(data, 2)
+  state = tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  program = devices_lib._stage_programs(stages[0], opt, schedule, 0, 2)[1]
+  cot = np.ones((bs[0][0].shape[0], 64), np.float32)
+  st, g_x, _ = program(jax.tree.map(lambda a: a.copy(), state[0]), cot, None, 1)
+  assert g_x is None
+
+  def with_input_gradient(st, cot, t):
+    return tick_lib.stage_backward(stages[0], opt, schedule, 0, st, cot, None, t, 2)
+
+  flops = lambda lowered: lowered.compile().cost_analysis()["flops"]
+  without = flops(program.lower(state[0], cot, None, 1))
+  assert without < flops(jax.jit(with_input_gradient).lower(state[0], cot, 1))

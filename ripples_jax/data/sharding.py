@@ -5,6 +5,7 @@ directly, never by replaying steps 0..k-1, so a resumed run sees exactly the
 batches an uninterrupted run would have.
 """
 
+import functools
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -52,10 +53,14 @@ def shard_indices(
   return [np.sort(p).astype(np.int64) for p in pieces]
 
 
+@functools.lru_cache(maxsize=64)
 def _epoch_perm(seed: int, worker: int, epoch: int, size: int) -> np.ndarray:
   # One independent stream per (seed, worker, epoch): any epoch's order is computable
-  # on its own. The leading tag keeps it apart from streams shard_indices draws.
-  return np.random.default_rng([1, seed, worker, epoch]).permutation(size)
+  # on its own. The leading tag keeps it apart from streams shard_indices draws. Cached (read-only):
+  # a feed asks for the same epoch's order every batch (the pipeline's twice a tick).
+  perm = np.random.default_rng([1, seed, worker, epoch]).permutation(size)
+  perm.setflags(write=False)
+  return perm
 
 
 def batch_indices(

@@ -73,7 +73,9 @@ def _stage_programs(stage, optimizer, schedule: Schedule, k: int, num_batches: i
   def backward(st, cot, labels, t):
     if cot is None and not last:
       cot = st["bwd_fifo"][0]
-    return stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches)
+    st, g_x, m = stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches)
+    # Stage 0's input gradient goes nowhere: not an output, so XLA never computes it.
+    return st, (None if k == 0 else g_x), m
 
   # The stage's state is donated: its ring buffers are updated in place, not copied every tick.
   donated = (0,) if donate else ()
@@ -95,7 +97,7 @@ def _fused_program(stage, optimizer, schedule: Schedule, k: int, num_batches: in
     st, y = stage_forward(stage, schedule, k, st, st["fwd_fifo"][0] if x_in is None else x_in, t)
     cot = None if last else st["bwd_fifo"][0]
     st, g_x, m = stage_backward(stage, optimizer, schedule, k, st, cot, labels, t, num_batches)
-    return st, y, g_x, m
+    return st, y, (None if k == 0 else g_x), m  # stage 0's input gradient: never computed
 
   return jax.jit(fused, donate_argnums=(0,) if donate else ())
 

@@ -211,7 +211,7 @@ class _Stacked:
   def _shard(self, per_device, n_args: int, n_outs: int):
     """per_device(bufs, *n_args replicated arguments) -> (bufs, *n_outs per-stage outputs), jitted
     over the mesh with the buffers donated."""
-    spec = {n: P(AXIS) for n in self.widths}
+    spec = jax.tree.map(lambda _: P(AXIS), self._buffer_tree())
     fn = jax.shard_map(
       per_device,
       mesh=self.mesh,
@@ -220,6 +220,9 @@ class _Stacked:
       check_vma=False,
     )
     return jax.jit(fn, donate_argnums=0)
+
+  def _buffer_tree(self):
+    return dict(self.widths)
 
   def place(self, state: list[dict]) -> dict:
     """The stages' trees as the stacked buffers, stage k's row on device k."""
@@ -476,7 +479,13 @@ class FlushProgram(_Stacked):
 
   bufs = program.place(program.initial)                  (initial: flush_state of one_device's state)
   bufs, sums = program.run(bufs, xs, ys, n)              xs: (steps, M, b / M, ...), ys: (steps, M, b / M)
-  sums[i] = (loss, acc) of step i (the micro-batches' mean), for the first n steps (the rest skipped)."""
+  sums[i] = (loss, acc) of step i (the micro-batches' mean), for the first n steps (the rest skipped).
+
+  The parameters and optimizer state (COLD) change only at the flush: they are read by the units but
+  not carried through them, so a unit's conditional copies the rest of the stage's state (its rings
+  and gradient sum), not them (docs/design.md 4.6b). bufs = {"cold": vectors, "hot": vectors}."""
+
+  COLD = ("params", "opt_state")
 
   def __init__(
     self, stages, optimizer, method: str, state: list[dict], devices, microbatches: int, steps: int
@@ -490,11 +499,43 @@ class FlushProgram(_Stacked):
     self.table = flush.timetable(method, len(stages), microbatches)
     self.initial, self.plans = flush_state(stages, state, self.table, x0[: x0.shape[0] // microbatches])
     links = [st["up_ring"].shape[1:] for st in self.initial[1:]]
-    self._setup(self.initial, links, {str(st["up_ring"].dtype) for st in self.initial[1:]}, devices)
+    hot, cold = self._split(self.initial)
+    self._setup(hot, links, {str(st["up_ring"].dtype) for st in self.initial[1:]}, devices)
+    self.cold_layouts = [layout_of(st) for st in cold]
+    names = sorted({n for lay in self.cold_layouts for n in lay.sizes})
+    self.cold_widths = {n: max(lay.sizes.get(n, 0) for lay in self.cold_layouts) for n in names}
     ops = [self._stage_ops(stages[k], optimizer, k) for k in range(self.K)]
     arrivals = [self._stage_arrivals(k) for k in range(self.K)]
     updates = [self._stage_update(optimizer, k) for k in range(self.K)]
     self._run = self._compile(ops, arrivals, updates)
+
+  def _split(self, trees):
+    hot = [{key: v for key, v in st.items() if key not in self.COLD} for st in trees]
+    return hot, [{key: st[key] for key in self.COLD} for st in trees]
+
+  def _buffer_tree(self):
+    return {"cold": dict(self.cold_widths), "hot": dict(self.widths)}
+
+  def place(self, state: list[dict]) -> dict:
+    hot, cold = self._split(state)
+    out = {}
+    for part, trees, layouts, widths in (
+      ("hot", hot, self.layouts, self.widths),
+      ("cold", cold, self.cold_layouts, self.cold_widths),
+    ):
+      rows = [flatten(lay, jax.tree.map(np.asarray, st), widths, np) for lay, st in zip(layouts, trees)]
+      out[part] = {n: jax.device_put(np.stack([r[n] for r in rows]), self.sharded) for n in widths}
+    return out
+
+  def state(self, bufs: dict) -> list[dict]:
+    hot = _Stacked.state(self, bufs["hot"])
+    saved = self.layouts
+    try:  # the cold vectors through the same reading, with their layouts
+      self.layouts = self.cold_layouts
+      cold = _Stacked.state(self, bufs["cold"])
+    finally:
+      self.layouts = saved
+    return [{**h, **c} for h, c in zip(hot, cold)]
 
   def _stage_ops(self, stage, optimizer, k: int):
     """Stage k's op of unit u: idle, F, B or W on the timetable's micro-batch."""
@@ -503,6 +544,7 @@ class FlushProgram(_Stacked):
     from ripples_jax.pipeline import flush, pipemare
 
     lay, K, M, gpipe = self.layouts[k], self.K, self.M, self.method == "gpipe"
+    hot_keys = [key for key in self.initial[k] if key not in self.COLD]
     last, zero = k == K - 1, jnp.zeros((self.msg_width,), self.msg_dtype)
     plan = self.plans[k]
     op_col, mb_col = jnp.asarray(self.table.op[:, k]), jnp.asarray(self.table.mb[:, k])
@@ -546,9 +588,13 @@ class FlushProgram(_Stacked):
     def idle(st, m, xs, ys):
       return st, zero, zero
 
-    def unit(bufs, u, xs, ys):
-      st, up, down = jax.lax.switch(op_col[u], [idle, fwd, bwd, wgt], unflatten(lay, bufs), mb_col[u], xs, ys)
-      return flatten(lay, st, self.widths), up, down
+    cold_lay = self.cold_layouts[k]
+
+    def unit(hot, cold, u, xs, ys):
+      # The stage's tree read out of its vectors; what an op changes is hot, and only that goes back.
+      st = {**unflatten(lay, hot), **unflatten(cold_lay, cold)}
+      st, up, down = jax.lax.switch(op_col[u], [idle, fwd, bwd, wgt], st, mb_col[u], xs, ys)
+      return flatten(lay, {key: st[key] for key in hot_keys}, self.widths), up, down
 
     return unit
 
@@ -571,19 +617,14 @@ class FlushProgram(_Stacked):
     """The flush: stage k's update from the step's summed gradients, the sums zeroed."""
     import optax
 
-    lay = self.layouts[k]
+    lay, cold_lay = self.layouts[k], self.cold_layouts[k]
 
-    def update(bufs):
-      st = unflatten(lay, bufs)
-      updates, opt_state = optimizer.update(st["grads"], st["opt_state"], st["params"])
-      st = dict(
-        st,
-        params=optax.apply_updates(st["params"], updates),
-        opt_state=opt_state,
-        grads=jax.tree.map(jnp.zeros_like, st["grads"]),
-        sums=jnp.zeros_like(st["sums"]),
-      )
-      return flatten(lay, st, self.widths), unflatten(lay, bufs)["sums"]
+    def update(hot, cold):
+      h, c = unflatten(lay, hot), unflatten(cold_lay, cold)
+      updates, opt_state = optimizer.update(h["grads"], c["opt_state"], c["params"])
+      c = {"params": optax.apply_updates(c["params"], updates), "opt_state": opt_state}
+      new = dict(h, grads=jax.tree.map(jnp.zeros_like, h["grads"]), sums=jnp.zeros_like(h["sums"]))
+      return flatten(lay, new, self.widths), flatten(cold_lay, c, self.cold_widths), h["sums"]
 
     return update
 
@@ -592,25 +633,26 @@ class FlushProgram(_Stacked):
     up_perm, down_perm = [(k, k + 1) for k in range(K - 1)], [(k + 1, k) for k in range(K - 1)]
 
     def one_step(bufs, xs, ys):
-      k = jax.lax.axis_index(AXIS)
+      k, cold = jax.lax.axis_index(AXIS), bufs["cold"]
 
-      def unit(bufs, u):
-        bufs, up, down = jax.lax.switch(k, ops, bufs, u, xs, ys)
+      def unit(hot, u):  # the cold vectors are read, not carried: the units do not copy them
+        hot, up, down = jax.lax.switch(k, ops, hot, cold, u, xs, ys)
         up, down = jax.lax.ppermute(up, AXIS, up_perm), jax.lax.ppermute(down, AXIS, down_perm)
-        return jax.lax.switch(k, arrivals, bufs, up, down, u), None
+        return jax.lax.switch(k, arrivals, hot, up, down, u), None
 
-      bufs, _ = jax.lax.scan(unit, bufs, jnp.arange(units))
-      return jax.lax.switch(k, updates, bufs)
+      hot, _ = jax.lax.scan(unit, bufs["hot"], jnp.arange(units))
+      hot, cold, sums = jax.lax.switch(k, updates, hot, cold)
+      return {"hot": hot, "cold": cold}, sums
 
     def per_device(bufs, xs, ys, n):
-      bufs = {name: v[0] for name, v in bufs.items()}
+      bufs = jax.tree.map(lambda v: v[0], bufs)
 
       def step(bufs, i):
         skip = lambda b: (b, jnp.zeros((2,), jnp.float32))
         return jax.lax.cond(i < n, lambda b: one_step(b, xs[i], ys[i]), skip, bufs)
 
       bufs, sums = jax.lax.scan(step, bufs, jnp.arange(self.steps))
-      return {name: v[None] for name, v in bufs.items()}, sums[None]
+      return jax.tree.map(lambda v: v[None], bufs), sums[None]
 
     return self._shard(per_device, 3, 1)
 
