@@ -210,6 +210,7 @@ def test_the_dispatch_count_and_the_ceiling_the_benchmark_charges():
   validate_dsp_config(dsp_config(placement="devices", method="pipedream", chunks=4))
 
 
+@pytest.mark.slow  # three compiles
 def test_stage_zero_never_computes_its_input_gradient(data):
   """Stage 0's backward program returns no input gradient, and XLA then computes none: its compiled
   flops are fewer than the same backward's that returns it (the tick's stage_backward)."""
