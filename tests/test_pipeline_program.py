@@ -202,7 +202,7 @@ def test_flush_programs_update_as_bp_on_the_whole_batch(data, method, K):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # the slow tier has the split on a ResNet stage (test_the_split_backward_is_the_vjp)
 def test_flush_programs_on_a_resnet_with_batchnorm(data):
   """Convolutions, BatchNorm's model state chained through the micro-batches, GPipe's recompute."""
   from ripples_jax.models import split
@@ -230,7 +230,7 @@ def test_flush_programs_on_a_resnet_with_batchnorm(data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["pipedream", "zbh1"])
+@pytest.mark.parametrize("method", ["pipedream", pytest.param("zbh1", marks=pytest.mark.nightly)])
 def test_a_spmd_run_records_what_the_one_device_run_records(tmp_path, method):
   """experiments.train_dsp's loop with placement=spmd (dispatches read back at records only) against
   placement=one_device: the same records (train loss, test accuracy and loss at every eval), the

@@ -156,6 +156,17 @@ def unflatten(layout: Layout, bufs: dict):
 # The program.
 
 
+def _trees(layouts: list, bufs: dict) -> list:
+  """Each stage's tree out of stacked vectors: copies of stage k's rows on device k."""
+  rows = {
+    n: [
+      jnp.array(shard.data[0]) for shard in sorted(v.addressable_shards, key=lambda s: s.index[0].start or 0)
+    ]
+    for n, v in bufs.items()
+  }
+  return [unflatten(lay, {n: rows[n][k] for n in rows}) for k, lay in enumerate(layouts)]
+
+
 def spmd_state(state: list[dict], table: Timetable) -> list[dict]:
   """one_device's state (tick.init_pipeline) with its FIFOs replaced by the link rings."""
   out = []
@@ -234,14 +245,7 @@ class _Stacked:
   def state(self, bufs: dict) -> list[dict]:
     """The stages' trees out of the buffers (jax arrays, stage k's on device k: copies, so the
     buffers may be donated to the next dispatch)."""
-    rows = {
-      n: [
-        jnp.array(shard.data[0])
-        for shard in sorted(v.addressable_shards, key=lambda s: s.index[0].start or 0)
-      ]
-      for n, v in bufs.items()
-    }
-    return [unflatten(lay, {n: rows[n][k] for n in rows}) for k, lay in enumerate(self.layouts)]
+    return _trees(self.layouts, bufs)
 
 
 class Program(_Stacked):
@@ -528,13 +532,7 @@ class FlushProgram(_Stacked):
     return out
 
   def state(self, bufs: dict) -> list[dict]:
-    hot = _Stacked.state(self, bufs["hot"])
-    saved = self.layouts
-    try:  # the cold vectors through the same reading, with their layouts
-      self.layouts = self.cold_layouts
-      cold = _Stacked.state(self, bufs["cold"])
-    finally:
-      self.layouts = saved
+    hot, cold = _trees(self.layouts, bufs["hot"]), _trees(self.cold_layouts, bufs["cold"])
     return [{**h, **c} for h, c in zip(hot, cold)]
 
   def _stage_ops(self, stage, optimizer, k: int):
