@@ -256,3 +256,16 @@ def test_a_spmd_run_records_what_the_one_device_run_records(tmp_path, method):
         assert b[key] == a[key], (key, a["step"])
       elif key in a:
         np.testing.assert_allclose(b[key], a[key], rtol=1e-5)
+
+
+def test_the_program_loop_stops_at_every_record():
+  """The spmd loop's next stop after `done` batches: the first later multiple of log_every or
+  eval_every, or the end (so a run with log_every=1 records its first batch)."""
+  from types import SimpleNamespace
+
+  from ripples_jax.pipeline.train import _next_record
+
+  c = SimpleNamespace(log_every=1, eval_every=5)
+  assert [_next_record(c, d, 3) for d in (0, 1, 2)] == [1, 2, 3]
+  c = SimpleNamespace(log_every=4, eval_every=6)
+  assert [_next_record(c, d, 13) for d in (0, 4, 6, 8, 12)] == [4, 6, 8, 12, 13]

@@ -145,7 +145,7 @@ def _loop_program(log, config, run, prog, bufs, cursor: Loop):
   t0 = time.perf_counter() - cursor.time
   clock = lambda: time.perf_counter() - t0 - (eval_s - cursor.eval_s)
   while t < n + drain:
-    done = _next_record(config, max(t + 1 - drain, 0), n)
+    done = _next_record(config, max(t - drain, 0), n)  # t - drain: batches every stage has applied
     end = done + drain
     bufs, outs = prog.advance(bufs, t, end, feed.x, feed.labels, n)
     t = end
