@@ -468,7 +468,8 @@ def stored_bytes(state: list[dict]) -> list[dict]:
         "activations": size(st.get("act_ring", {})),  # corrected: the forward's, kept S_k + 1 ticks
         "param_versions": size(st.get("param_ring", {})),
         "correction": size(st.get("delta", {})),  # PipeMare's moving average of updates: one weight copy
-        "fifos": size(st.get("fwd_fifo", [])) + size(st.get("bwd_fifo", [])),
+        # one_device's FIFOs, or placement=spmd's link rings that replace them (pipeline/program.py)
+        "fifos": sum(size(st.get(key, [])) for key in ("fwd_fifo", "bwd_fifo", "up_ring", "down_ring")),
         "optimizer": size(st["opt_state"]),
       }
     )
