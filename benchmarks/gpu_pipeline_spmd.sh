@@ -9,13 +9,14 @@
 set -uo pipefail
 OUT=${OUT:-gpu_pipeline_spmd_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if ! python3 -c "import jax, sys; sys.exit(0 if jax.default_backend() == 'gpu' else 1)" 2>/dev/null; then
+PY=${PYTHON:-python3}  # the interpreter with jax (a venv's, or the machine's)
+if ! "$PY" -c "import jax, sys; sys.exit(0 if jax.default_backend() == 'gpu' else 1)" 2>/dev/null; then
   echo "gpu_pipeline_spmd: jax has no GPU backend here (install jax[cuda12] of requirements.txt's version)" | tee "$OUT/failed.txt"
   exit 1
 fi
-{ nvidia-smi --query-gpu=name,memory.total --format=csv; python3 --version
-  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$OUT/env.txt" 2>&1
-K=$(python3 -c "import jax; print(jax.local_device_count())")
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; "$PY" --version
+  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$OUT/env.txt" 2>&1
+K=$("$PY" -c "import jax; print(jax.local_device_count())")
 K=$(( K > 8 ? 8 : K ))
 WIDTH=${WIDTH:-8192}
 if [ "$K" -lt 2 ]; then
@@ -24,8 +25,8 @@ if [ "$K" -lt 2 ]; then
 else
   ROWS=bp,dp_bp,dsp,pipedream,pipemare,fr,ddg,gpipe,1f1b,zbh1; LAYERS=$(( 2 * K ))
 fi
-HIDDEN=$(python3 -c "print(','.join(['$WIDTH'] * $LAYERS))")
-(time timeout 900 python3 -m benchmarks.pipeline --placement=spmd --platform=gpu --num_stages="$K" \
+HIDDEN=$("$PY" -c "print(','.join(['$WIDTH'] * $LAYERS))")
+(time timeout 900 "$PY" -m benchmarks.pipeline --placement=spmd --platform=gpu --num_stages="$K" \
   --model=mlp --hidden="$HIDDEN" --input_shape="$WIDTH" --batch=$(( 64 * K )) --microbatches=$(( 2 * K )) \
   --variants="$ROWS" --reps=3 --per_dispatch=16 --dispatches=3 --json_out="$OUT/pipeline_spmd_k$K.json") \
   > "$OUT/pipeline_spmd.log" 2>&1

@@ -271,3 +271,27 @@ def test_the_program_loop_stops_at_every_record():
   assert [_next_record(c, d, 3) for d in (0, 1, 2)] == [1, 2, 3]
   c = SimpleNamespace(log_every=4, eval_every=6)
   assert [_next_record(c, d, 13) for d in (0, 4, 6, 8, 12)] == [4, 6, 8, 12, 13]
+
+
+def test_the_gpu_script_stops_in_one_line_without_a_gpu_backend(tmp_path):
+  """benchmarks/gpu_pipeline_spmd.sh on a machine whose jax has no GPU backend (this one): exit 1,
+  one line saying so, nothing run."""
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+    ["bash", os.path.join(root, "benchmarks", "gpu_pipeline_spmd.sh")],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 1
+  assert out.stdout.strip().splitlines() == [
+    "gpu_pipeline_spmd: jax has no GPU backend here (install jax[cuda12] of requirements.txt's version)"
+  ]
+  assert os.listdir(tmp_path / "out") == ["failed.txt"]
