@@ -10,6 +10,8 @@ Rows (each a process of its own, never pinned; the stages of a pipeline on K for
            its 1/K of the same global batch, the gradients pmean'd, the same update everywhere
   <method> the pipeline as one program (pipeline/program.py): dsp, pipedream, pipemare, fr, ddg (the
            tick methods), gpipe, 1f1b, zbh1 (flush methods, --microbatches each step)
+  devices:<method>  a tick method with placement=devices (pipeline/devices.py: a program per stage a
+           tick, stage k on device k), in a fresh process like every row
 A child runs --warmup dispatches (the compile among them), then times --dispatches dispatches of
 --per_dispatch ticks (or steps) each; its figure is seconds per batch, the dispatch boundaries' skew
 included. One round runs every row once, in an order rotated each round; --rounds rounds. A row's
@@ -189,12 +191,42 @@ def _child_program(spec, stages, opt, batches):
   return out
 
 
+def _child_devices(spec, stages, opt, batches):
+  """devices:<method>: placement=devices (pipeline/devices.py: a program per stage a tick, stage k on
+  device k, dispatched asynchronously), its ticks timed like the program's dispatches."""
+  import jax
+
+  from ripples_jax.pipeline import devices
+  from ripples_jax.pipeline import tick as tick_lib
+
+  method, K = spec["row"].split(":", 1)[1], spec["num_stages"]
+  schedule = tick_lib.method_schedule(method, K, 1, "recompute")
+  devs = devices.stage_devices(K)
+  make = devices.make_fused_device_tick if devices.fusable(schedule) else devices.make_device_tick
+  total = spec["per_dispatch"] * (spec["warmup"] + spec["dispatches"]) + 10
+  step = make(stages, opt, schedule, total, devs)
+  init = tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), batches[0][0])
+  box, off = {"state": devices.place(init, devs), "t": 0}, schedule.offsets[-1]
+
+  def one():
+    for _ in range(spec["per_dispatch"]):
+      t = box["t"]
+      x, y = batches[t % len(batches)][0], batches[max(t - off, 0) % len(batches)][1]
+      box["state"], _ = step(box["state"], x, y, t)
+      box["t"] += 1
+    jax.block_until_ready(box["state"])
+
+  return {"s_per_batch": _time(one, spec["warmup"], spec["dispatches"]) / spec["per_dispatch"]}
+
+
 def child(spec: dict) -> dict:
   import jax
 
   assert len(jax.devices()) >= (1 if spec["row"] == "bp" else spec["num_stages"]), jax.devices()
   stages, opt, batches = _setup(spec)
   run = {"bp": _child_bp, "dp_bp": _child_dp}.get(spec["row"], _child_program)
+  if spec["row"].startswith("devices:"):
+    run = _child_devices
   return dict(run(spec, stages, opt, batches), row=spec["row"], devices=len(jax.devices()))
 
 
