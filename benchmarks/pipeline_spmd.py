@@ -42,7 +42,6 @@ ROWS = ("bp", "dp_bp") + TICK_ROWS + FLUSH_ROWS
 
 
 def _setup(spec):
-  import jax
   import optax
 
   from ripples_jax.models import split
@@ -58,9 +57,7 @@ def _setup(spec):
     )
     for _ in range(4)
   ]
-  opt = optax.sgd(0.01, momentum=0.9)
-  del jax
-  return stages, opt, batches
+  return stages, optax.sgd(0.01, momentum=0.9), batches
 
 
 def _time(step, n_warm: int, n_timed: int) -> float:
@@ -110,7 +107,6 @@ def _child_bp(spec, stages, opt, batches):
 
 def _child_dp(spec, stages, opt, batches):
   import jax
-  import jax.numpy as jnp
   import optax
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -146,7 +142,6 @@ def _child_dp(spec, stages, opt, batches):
   )
   rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   box = {"p": jax.device_put(params, rep), "o": jax.device_put(opt_state, rep), "i": 0}
-  del jnp
 
   def one():
     x, y = batches[box["i"] % len(batches)]

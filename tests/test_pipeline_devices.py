@@ -13,7 +13,7 @@ from ripples_jax import run as run_lib
 from ripples_jax.config import ConfigError, validate_dsp_config
 from ripples_jax.pipeline import devices as devices_lib
 from ripples_jax.pipeline import tick as tick_lib
-from tests.test_pipeline_dsp import batches, drive, mlp_stages
+from tests.test_pipeline_dsp import batches, drive, mlp_stages, tick_case
 
 CASES = [  # (method, mode, delay, K): every tick method, both ring modes, a longer link, a third stage
   ("dsp", "recompute", 1, 2),
@@ -37,10 +37,7 @@ def data():
   "method,mode,delay,K", CASES[:1] + [pytest.param(*c, marks=pytest.mark.slow) for c in CASES[1:]]
 )
 def test_stages_on_their_devices_compute_the_one_device_tick(data, method, mode, delay, K):
-  stages, opt = mlp_stages(K), optax.sgd(0.1, momentum=0.9)
-  schedule = tick_lib.method_schedule(method, K, delay, mode, lr_anneal=5)
-  bs = batches(data, 10)
-  init = lambda: tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  stages, opt, schedule, bs, init = tick_case(data, method, mode, delay, K)
   want = drive(tick_lib.make_tick(stages, opt, schedule, len(bs)), init(), schedule, bs)
 
   devs = devices_lib.stage_devices(K)

@@ -55,6 +55,15 @@ def drive(tick, state, schedule, bs):
   return state
 
 
+def tick_case(data, method, mode, delay, K, n=10):
+  """A tick method's test case on MLP stages: (stages, optimizer, schedule, batches, a fresh init)."""
+  stages, opt = mlp_stages(K), optax.sgd(0.1, momentum=0.9)
+  schedule = tick_lib.method_schedule(method, K, delay, mode, lr_anneal=5)
+  bs = batches(data, n)
+  init = lambda: tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  return stages, opt, schedule, bs, init
+
+
 def run_ticks(stages, opt, schedule, bs):
   state = tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
   return drive(tick_lib.make_tick(stages, opt, schedule, len(bs)), state, schedule, bs)

@@ -8,7 +8,7 @@ import pytest
 
 from ripples_jax.pipeline import program
 from ripples_jax.pipeline import tick as tick_lib
-from tests.test_pipeline_dsp import batches, drive, mlp_stages
+from tests.test_pipeline_dsp import batches, drive, mlp_stages, tick_case
 
 CASES = [  # (method, mode, delay, K): every tick method, both ring modes, a longer link, a third stage
   ("dsp", "recompute", 1, 2),
@@ -43,10 +43,7 @@ def run_program(stages, opt, schedule, bs, ticks, init):
   "method,mode,delay,K", CASES[:2] + [pytest.param(*c, marks=pytest.mark.slow) for c in CASES[2:]]
 )
 def test_the_program_computes_the_one_device_tick(data, method, mode, delay, K):
-  stages, opt = mlp_stages(K), optax.sgd(0.1, momentum=0.9)
-  schedule = tick_lib.method_schedule(method, K, delay, mode, lr_anneal=5)
-  bs = batches(data, 10)
-  init = lambda: tick_lib.init_pipeline(stages, opt, schedule, jax.random.key(0), bs[0][0])
+  stages, opt, schedule, bs, init = tick_case(data, method, mode, delay, K)
   one, losses = tick_lib.make_tick(stages, opt, schedule, len(bs)), []
 
   def logged(state, x, y, t):
@@ -142,6 +139,17 @@ def test_flush_timetables_have_the_published_lengths_and_memory(K, M):
         if k < K - 1:
           above = flush.W if name == "1f1b" else flush.B
           assert when[(k + 1, above)][m] < b
+
+
+@pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (8, 16)])
+def test_the_timing_model_runs_the_same_orders(K, M):
+  """timing.scheduled_iteration on K equal stages with B = 2F (W half of it: F, B and W equal) takes
+  the published step lengths: 1F1B (3M + 3(K-1)) F / M, ZB-H1 (3M + (K-1)) F / M."""
+  from ripples_jax.pipeline import timing
+
+  f, b = [1.0] * K, [2.0] * K
+  assert timing.iteration_time("1f1b", f, b, microbatches=M) == pytest.approx((3 * M + 3 * (K - 1)) / M)
+  assert timing.iteration_time("zbh1", f, b, microbatches=M) == pytest.approx((3 * M + K - 1) / M)
 
 
 @pytest.mark.slow
@@ -261,16 +269,18 @@ def test_a_spmd_run_records_what_the_one_device_run_records(tmp_path, method):
 
 
 def test_the_program_loop_stops_at_every_record():
-  """The spmd loop's next stop after `done` batches: the first later multiple of log_every or
-  eval_every, or the end (so a run with log_every=1 records its first batch)."""
+  """The spmd loop's next stop standing at a tick: the first later multiple of log_every or
+  eval_every past the batches every stage has applied, or the end (a run with log_every=1 records its
+  first batch; with a drain of 1, tick 3 has applied 2 batches)."""
   from types import SimpleNamespace
 
   from ripples_jax.pipeline.train import _next_record
 
   c = SimpleNamespace(log_every=1, eval_every=5)
-  assert [_next_record(c, d, 3) for d in (0, 1, 2)] == [1, 2, 3]
+  assert [_next_record(c, t, 0, 3) for t in (0, 1, 2)] == [1, 2, 3]
+  assert [_next_record(c, t, 1, 3) for t in (0, 1, 2, 3)] == [1, 1, 2, 3]
   c = SimpleNamespace(log_every=4, eval_every=6)
-  assert [_next_record(c, d, 13) for d in (0, 4, 6, 8, 12)] == [4, 6, 8, 12, 13]
+  assert [_next_record(c, t + 1, 1, 13) for t in (0, 4, 6, 8, 12)] == [4, 6, 8, 12, 13]
 
 
 def test_the_gpu_script_stops_in_one_line_without_a_gpu_backend(tmp_path):

@@ -92,32 +92,46 @@ def stage_order(method: str, K: int, M: int, k: int) -> list:
   return order + [(W, m) for m in range(w, M)]
 
 
-def timetable(method: str, K: int, M: int) -> FlushTable:
-  """Every op of a step on the first unit its stage's order and its inputs allow (module docstring):
-  F m after stage k-1's F m, B m after the stage's F m and stage k+1's B m (1f1b: its W m, since
-  1F1B's backward is one op that sends its input gradient when done), W m after the stage's B m."""
+def op_times(method: str, K: int, M: int, cost) -> dict:
+  """{(k, kind, m): (start, end)} of every op of a step, each stage running its order
+  (`stage_order`), each op as soon as its stage is free and what it reads is done, `cost(kind, k)` its
+  duration. What an op reads: F m the output of stage k-1's F m; B m its own F m and stage k+1's B m
+  (1f1b: stage k+1's W m, since 1F1B's backward is one op that sends its input gradient when done);
+  W m its own B m. The one rule of a flush step's order, read by the program's timetable (unit
+  costs) and the timing model (measured costs: timing.scheduled_iteration)."""
   if method not in METHODS:
     raise ValueError(f"flush method {method!r}: one of {', '.join(METHODS)}")
   orders = [stage_order(method, K, M, k) for k in range(K)]
-  done, pos, rows = {}, [0] * K, []
   above = W if method == "1f1b" else B
+  times, free, pos = {}, [0] * K, [0] * K
   while any(p < len(o) for p, o in zip(pos, orders)):
-    u, row = len(rows), [(IDLE, 0)] * K
-    before = lambda key: done.get(key, u) < u
+    moved = False
     for k in range(K):
       if pos[k] == len(orders[k]):
         continue
       kind, m = orders[k][pos[k]]
-      ready = {
-        F: k == 0 or before((k - 1, F, m)),
-        B: before((k, F, m)) and (k == K - 1 or before((k + 1, above, m))),
-        W: before((k, B, m)),
+      reads = {
+        F: [(k - 1, F, m)] if k else [],
+        B: [(k, F, m)] + ([(k + 1, above, m)] if k < K - 1 else []),
+        W: [(k, B, m)],
       }[kind]
-      if ready:
-        done[(k, kind, m)], pos[k], row[k] = u, pos[k] + 1, (kind, m)
-    rows.append(row)
-  arr = np.array(rows, np.int32)
-  return FlushTable(arr[:, :, 0], arr[:, :, 1], method)
+      if all(r in times for r in reads):
+        start = max([free[k]] + [times[r][1] for r in reads])
+        free[k] = start + cost(kind, k)
+        times[(k, kind, m)], pos[k], moved = (start, free[k]), pos[k] + 1, True
+    assert moved, "a flush order waits on itself"
+  return times
+
+
+def timetable(method: str, K: int, M: int) -> FlushTable:
+  """Every op of a step on a unit of the lockstep program: op_times with every op one unit (a message
+  sent in unit v is read from unit v+1 on)."""
+  times = op_times(method, K, M, lambda kind, k: 1)
+  units = max(end for _, end in times.values())
+  op, mb = np.full((units, K), IDLE, np.int32), np.zeros((units, K), np.int32)
+  for (k, kind, m), (start, _) in times.items():
+    op[start, k], mb[start, k] = kind, m
+  return FlushTable(op, mb, method)
 
 
 def slots(write: list, read: list, same_unit_ok: bool) -> int:

@@ -173,7 +173,7 @@ def spmd_state(state: list[dict], table: Timetable) -> list[dict]:
   K = len(state)
   for k, st in enumerate(state):
     st = {key: v for key, v in st.items() if key not in ("fwd_fifo", "bwd_fifo")}
-    x_k = st["in_ring"].shape[1:] if "in_ring" in st else None
+    x_k = st["in_ring"].shape[1:]
     if k > 0:
       st["up_ring"] = jnp.zeros((table.up_len[k],) + x_k, st["in_ring"].dtype)
     if k < K - 1:

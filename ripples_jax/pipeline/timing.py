@@ -134,26 +134,8 @@ def scheduled_iteration(method, f, b, microbatches=4, w_share=W_SHARE):
     flush.B: (1 - w_share) * b / M + (f / M if method == "gpipe" else 0),
     flush.W: w_share * b / M,
   }
-  orders = [flush.stage_order(method, K, M, k) for k in range(K)]
-  above = flush.W if method == "1f1b" else flush.B
-  end, free, pos = {}, np.zeros(K), [0] * K
-  while any(p < len(o) for p, o in zip(pos, orders)):
-    moved = False
-    for k in range(K):
-      if pos[k] == len(orders[k]):
-        continue
-      kind, m = orders[k][pos[k]]
-      deps = {
-        flush.F: [(k - 1, flush.F, m)] if k else [],
-        flush.B: [(k, flush.F, m)] + ([(k + 1, above, m)] if k < K - 1 else []),
-        flush.W: [(k, flush.B, m)],
-      }[kind]
-      if all(d in end for d in deps):
-        start = max([free[k]] + [end[d] for d in deps])
-        end[(k, kind, m)] = free[k] = start + cost[kind][k]
-        pos[k], moved = pos[k] + 1, True
-    assert moved, "flush order deadlocked"
-  return float(free.max())
+  times = flush.op_times(method, K, M, lambda kind, k: cost[kind][k])
+  return float(max(end for _, end in times.values()))
 
 
 def iteration_time(method, fwd_K, bwd_K, microbatches=4, fused=False, remat=True, predictor_K=None) -> float:

@@ -128,8 +128,11 @@ def _loop(log, config, run, state, cursor: Loop):
   return settle(state), clock()
 
 
-def _next_record(config, done: int, n: int) -> int:
-  """The first batch count after `done` that the loop records (log_every, eval_every or the end)."""
+def _next_record(config, tick: int, drain: int, n: int) -> int:
+  """The batch count the program loop records next when it stands at `tick`: the first after the
+  tick - drain batches every stage has applied that is a multiple of log_every or eval_every, or the
+  end."""
+  done = max(tick - drain, 0)
   every = [config.log_every, config.eval_every]
   return min([n] + [(done // e + 1) * e for e in every if e > 0])
 
@@ -145,7 +148,7 @@ def _loop_program(log, config, run, prog, bufs, cursor: Loop):
   t0 = time.perf_counter() - cursor.time
   clock = lambda: time.perf_counter() - t0 - (eval_s - cursor.eval_s)
   while t < n + drain:
-    done = _next_record(config, max(t - drain, 0), n)  # t - drain: batches every stage has applied
+    done = _next_record(config, t, drain, n)
     end = done + drain
     bufs, outs = prog.advance(bufs, t, end, feed.x, feed.labels, n)
     t = end
